@@ -1,0 +1,71 @@
+"""Callback: the hook list. Each hook is named for the moment it fires; all default to doing nothing.
+
+Order within one optimizer step: on_train_batch_start -> (forward+backward of every micro-batch)
+-> on_after_backward -> on_before_optimizer_step -> (step) -> [validation, when due:
+on_validation_start -> on_validation_end] -> on_train_batch_end. A "batch" here is everything one
+optimizer step consumes (all its accumulation micro-batches), so a hook sees whole steps.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from trainer.module import TrainModule
+    from trainer.trainer import Trainer
+
+
+class Callback:
+    """Subclass and override the hooks you need. State from `state_dict` is saved in checkpoints."""
+
+    @property
+    def state_key(self) -> str:
+        """Key of this callback's state in a checkpoint (unique per class by default)."""
+        return type(self).__qualname__
+
+    def setup(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
+        """Start of fit/validate/test ("fit", "validate", "test"), after the strategy set up the module."""
+
+    def teardown(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
+        """End of fit/validate/test, also after an exception."""
+
+    def on_fit_start(self, trainer: Trainer, module: TrainModule) -> None:
+        """Before the first step (after a checkpoint was restored)."""
+
+    def on_fit_end(self, trainer: Trainer, module: TrainModule) -> None:
+        """After the last step."""
+
+    def on_train_batch_start(self, trainer: Trainer, module: TrainModule, batch_idx: int) -> None:
+        """Before the micro-batches of an optimizer step; `batch_idx` is the first one's index in the epoch."""
+
+    def on_after_backward(self, trainer: Trainer, module: TrainModule) -> None:
+        """Gradients of the whole step are accumulated (and synced), not yet clipped."""
+
+    def on_before_optimizer_step(self, trainer: Trainer, module: TrainModule, optimizer: torch.optim.Optimizer) -> None:
+        """Gradients are final (clipped); the optimizer is about to step."""
+
+    def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: dict[str, Any]) -> None:
+        """After the optimizer step (and validation, when it was due); outputs["loss"] is the step's loss."""
+
+    def on_validation_start(self, trainer: Trainer, module: TrainModule) -> None:
+        """Before a validation loop."""
+
+    def on_validation_end(self, trainer: Trainer, module: TrainModule) -> None:
+        """After a validation loop; its metrics are in `trainer.callback_metrics`."""
+
+    def on_save_checkpoint(self, trainer: Trainer, module: TrainModule, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint's state is being assembled; add to it if needed."""
+
+    def on_load_checkpoint(self, trainer: Trainer, module: TrainModule, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint was restored."""
+
+    def on_exception(self, trainer: Trainer, module: TrainModule, exception: BaseException) -> None:
+        """The run is failing with `exception`."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned."""

@@ -1,0 +1,228 @@
+"""Strategy: the one interface every parallelism plug-in implements.
+
+The Trainer calls these methods in the order of DESIGN.md's "flow of one step" and never asks which
+strategy it holds. The defaults here are those of one process on one device; a distributed strategy
+overrides what differs (wrapping, collectives, gradient sync, which ranks write checkpoint files).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainer import checkpoint as ckpt
+from trainer.precision import Precision
+
+
+@dataclass
+class StepOutput:
+    """What one micro-batch's forward+backward produced: the (unscaled, detached) loss and its token count."""
+
+    loss: torch.Tensor
+    num_tokens: torch.Tensor | None = None
+
+
+def unpack_loss(output: Any, method: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The loss (and optional "num_tokens") from what a *_step returned; a clear error if there is none."""
+    num_tokens = None
+    if isinstance(output, dict):
+        num_tokens = output.get("num_tokens")
+        output = output.get("loss")
+    if not isinstance(output, torch.Tensor) or output.numel() != 1:
+        raise TypeError(
+            f"{method} returned {type(output).__name__}; allowed: a scalar loss tensor or a dict with a 'loss' scalar tensor"
+        )
+    if num_tokens is not None:
+        num_tokens = torch.as_tensor(num_tokens, dtype=torch.float32, device=output.device)
+    return output.reshape(()), num_tokens
+
+
+class Strategy:
+    """How the work of a run is spread over processes and devices (default: one process, one device)."""
+
+    name = "base"
+
+    def __init__(self) -> None:
+        self.accelerator = "cpu"
+        self.devices = 1
+        self.num_nodes = 1
+        self.precision = Precision("32")
+        self.model: nn.Module | None = None  # the (possibly wrapped) module steps run through
+
+    # ---- set-up ----------------------------------------------------------------------------------
+    def configure(self, accelerator: str, devices: int, num_nodes: int, precision: Precision) -> None:
+        """Receive the Trainer's validated flags; raise here (before any process starts) if they don't fit."""
+        self.accelerator, self.devices, self.num_nodes, self.precision = accelerator, devices, num_nodes, precision
+
+    def launch(self, function: Any, *args: Any) -> Any:
+        """Run `function(*args)` in every process of the job and return rank zero's result."""
+        return function(*args)
+
+    def setup_environment(self) -> None:
+        """Join or create the process group and pick this process's device."""
+
+    @property
+    def root_device(self) -> torch.device:
+        return torch.device(self.accelerator)
+
+    @property
+    def global_rank(self) -> int:
+        return 0
+
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    @property
+    def dp_rank(self) -> int:
+        """This process's index among data-parallel replicas: which shard of the data it reads."""
+        return 0
+
+    @property
+    def dp_size(self) -> int:
+        return 1
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.global_rank == 0
+
+    def module_init_context(self) -> contextlib.AbstractContextManager:
+        """Where `configure_model` builds layers (a distributed strategy may choose `meta`)."""
+        return torch.device(self.root_device)
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Move, cast and wrap the module; returns what steps run through."""
+        module = self.precision.convert_module(module.to(self.root_device))
+        self.model = module
+        return module
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        return optimizer
+
+    def batch_to_device(self, batch: Any) -> Any:
+        device = self.root_device
+        if isinstance(batch, torch.Tensor):
+            return batch.to(device, non_blocking=True)
+        if isinstance(batch, dict):
+            return {k: self.batch_to_device(v) for k, v in batch.items()}
+        if isinstance(batch, (list, tuple)):
+            moved = [self.batch_to_device(v) for v in batch]
+            return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
+        return batch
+
+    # ---- one optimizer step ----------------------------------------------------------------------
+    def accumulation_context(self, is_last_micro_batch: bool) -> contextlib.AbstractContextManager:
+        """Wraps each micro-batch; data-parallel strategies skip gradient sync until the last one."""
+        return contextlib.nullcontext()
+
+    def forward_backward(self, module: nn.Module, batch: Any, batch_idx: int, loss_scale: float) -> StepOutput:
+        """`training_step` then backward of its loss. A loss with "num_tokens" is back-propagated as a
+        token *sum* (normalised later by `finish_gradients`); otherwise it is scaled by `loss_scale`."""
+        with self.precision.autocast():
+            output = module.training_step(batch, batch_idx)
+        loss, num_tokens = unpack_loss(output, "training_step")
+        self.backward(loss * (num_tokens if num_tokens is not None else loss_scale))
+        return StepOutput(loss.detach(), num_tokens)
+
+    def eval_step(self, module: nn.Module, method: str, batch: Any, batch_idx: int) -> Any:
+        """`validation_step` or `test_step` under the run's precision (the caller disables grad)."""
+        with self.precision.autocast():
+            return getattr(module, method)(batch, batch_idx)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.precision.backward(loss)
+
+    def finish_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer, num_tokens: torch.Tensor | None) -> None:
+        """Make `.grad` the true gradient of the step's mean loss: unscale fp16 gradients and, for
+        token-weighted losses, divide the summed gradients by the global token count."""
+        self.precision.unscale_gradients(optimizer)
+        if num_tokens is not None:
+            # gradient sync averages over dp ranks, so each rank's sum is worth dp_size / global count
+            factor = self.dp_size / self.reduce(num_tokens, "sum")
+            torch._foreach_mul_([p.grad for p in module.parameters() if p.grad is not None], factor)
+
+    def grad_norm(self, module: nn.Module) -> torch.Tensor:
+        """Global L2 norm of all gradients (over every shard, stage and rank)."""
+        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        return torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros((), device=self.root_device)
+
+    def clip_gradients(self, module: nn.Module, max_value: float, algorithm: str) -> torch.Tensor:
+        """Clip by global norm ("norm") or elementwise ("value"); returns the norm before clipping."""
+        norm = self.grad_norm(module)
+        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        if algorithm == "norm":
+            torch.nn.utils.clip_grads_with_norm_(grads, max_value, norm)
+        else:
+            torch._foreach_clamp_min_(grads, -max_value)
+            torch._foreach_clamp_max_(grads, max_value)
+        return norm
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Step; False if it was skipped (fp16 overflow)."""
+        return self.precision.optimizer_step(optimizer)
+
+    def after_optimizer_step(self) -> None:
+        """Per-step bookkeeping of a strategy (MoE bias update, privacy accountant)."""
+
+    # ---- collectives (trivial in one process) ----------------------------------------------------
+    def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        """All-reduce over every rank: "mean", "sum", "max" or "min"."""
+        return tensor
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    def barrier(self) -> None:
+        """Wait for every rank."""
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+    def save_checkpoint(
+        self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]
+    ) -> None:
+        """Write model, optimizer and `state` (rank zero's) as one atomic checkpoint directory."""
+        model_sd = module.state_dict()
+        optim_sd = optimizer.state_dict() if optimizer is not None else None
+        if self.is_global_zero:
+
+            def write(tmp: Path) -> None:
+                ckpt.save_model_file(model_sd, tmp / ckpt.MODEL_FILE)
+                if optim_sd is not None:
+                    ckpt.save_torch_file(optim_sd, tmp / ckpt.OPTIMIZER_FILE)
+                ckpt.save_torch_file(state, tmp / ckpt.STATE_FILE)
+
+            ckpt.write_atomically(Path(path), write, {"step": state.get("loop", {}).get("global_step")})
+        self.barrier()
+
+    def load_checkpoint(self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+        """Load model (and optimizer) in place from `path`; returns the rest of the saved state."""
+        path = Path(path)
+        ckpt.read_meta(path)
+        model_sd = ckpt.load_model_file(path / ckpt.MODEL_FILE)
+        load_module_state(module, model_sd, path)
+        if optimizer is not None:
+            optimizer.load_state_dict(ckpt.load_torch_file(path / ckpt.OPTIMIZER_FILE))
+        return ckpt.load_torch_file(path / ckpt.STATE_FILE)
+
+    def teardown(self) -> None:
+        """Release processes groups and devices."""
+
+
+def load_module_state(module: nn.Module, state_dict: dict[str, torch.Tensor], source: Path) -> None:
+    """`load_state_dict(strict=True)` whose error names the checkpoint and the keys that don't match."""
+    own = module.state_dict()
+    missing = sorted(set(own) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(own))
+    wrong_shape = sorted(k for k in set(own) & set(state_dict) if own[k].shape != state_dict[k].shape)
+    if missing or unexpected or wrong_shape:
+        parts = [f"{label} {keys[:3]}{' ...' if len(keys) > 3 else ''}" for label, keys in
+                 (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong_shape)) if keys]
+        raise ckpt.CheckpointError(f"checkpoint '{source}' does not fit {type(module).__name__}: {'; '.join(parts)}")
+    module.load_state_dict(state_dict)

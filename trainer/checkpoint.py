@@ -1,0 +1,150 @@
+"""Checkpoint files: atomic directories of safetensors weights + `weights_only` torch files, and finding "last".
+
+A checkpoint is a directory `step-00000120/` holding `model.safetensors`, `optimizer.pt`, `state.pt`
+(loop counters, RNG, scheduler, scaler, data position, callback state) and `meta.json`. It is written
+under a temporary name and renamed into place, so a directory with the final name is always complete;
+nothing in it can run code when loaded (safetensors, and `torch.load(weights_only=True)`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+
+FORMAT_VERSION = 1
+META_FILE = "meta.json"
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.pt"
+STATE_FILE = "state.pt"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, incomplete, corrupted or does not fit the model."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def write_atomically(final_dir: Path, write: Callable[[Path], None], meta: dict[str, Any]) -> Path:
+    """Run `write(tmp_dir)`, add meta.json, then rename tmp_dir to `final_dir` (replacing an older one)."""
+    final_dir = Path(final_dir)
+    final_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final_dir.parent / f".tmp-{final_dir.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    write(tmp)
+    meta = {"format": FORMAT_VERSION, "time": time.time(), **meta}
+    meta["files"] = sorted(p.name for p in tmp.iterdir())
+    _write_synced(tmp / META_FILE, json.dumps(meta, indent=1).encode())
+    old = final_dir.parent / f".old-{final_dir.name}-{os.getpid()}"
+    if final_dir.exists():
+        os.rename(final_dir, old)
+    os.rename(tmp, final_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    _fsync(final_dir.parent)
+    return final_dir
+
+
+def save_model_file(state_dict: dict[str, torch.Tensor], path: Path) -> None:
+    """Write tensors to safetensors; tensors sharing memory (tied weights) are stored once, as aliases."""
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for name, value in state_dict.items():
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointError(f"state_dict entry {name!r} is a {type(value).__name__}; only tensors can be saved")
+        key = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape), tuple(value.stride()))
+        if key in seen and value.numel() > 0:
+            aliases[name] = seen[key]
+            continue
+        seen[key] = name
+        tensors[name] = value.detach().contiguous()
+    save_file(tensors, str(path), metadata={"aliases": json.dumps(aliases)})
+    _fsync(path)
+
+
+def load_model_file(path: Path) -> dict[str, torch.Tensor]:
+    """Read what `save_model_file` wrote (aliases restored as references to the same tensor)."""
+    path = Path(path)
+    try:
+        tensors = load_file(str(path))
+        with safe_open(str(path), framework="pt") as f:
+            aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise CheckpointError(f"checkpoint file {path} is unreadable, truncated or corrupted ({err})") from err
+    for name, target in aliases.items():
+        tensors[name] = tensors[target]
+    return tensors
+
+
+def save_torch_file(obj: Any, path: Path) -> None:
+    torch.save(obj, path)
+    _fsync(path)
+
+
+def load_torch_file(path: Path) -> Any:
+    """`torch.load` that never runs code from the file and says which file is broken."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError as err:
+        raise CheckpointError(f"checkpoint file {path} is missing; the checkpoint is incomplete") from err
+    except Exception as err:  # torch raises RuntimeError/UnpicklingError/EOFError for damaged files
+        raise CheckpointError(f"checkpoint file {path} is unreadable, truncated or corrupted ({err})") from err
+
+
+def read_meta(ckpt_dir: Path) -> dict[str, Any]:
+    """meta.json of a checkpoint; its absence means the directory was never completed."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.exists():
+        raise FileNotFoundError(
+            f"checkpoint path '{ckpt_dir}' does not exist; allowed: an existing checkpoint directory, 'last' or None"
+        )
+    if not ckpt_dir.is_dir():
+        raise CheckpointError(f"checkpoint path '{ckpt_dir}' is a file; a checkpoint is a directory like step-00000100/")
+    try:
+        meta = json.loads((ckpt_dir / META_FILE).read_text())
+    except FileNotFoundError as err:
+        raise CheckpointError(f"checkpoint '{ckpt_dir}' has no {META_FILE}: it was never completed") from err
+    except json.JSONDecodeError as err:
+        raise CheckpointError(f"checkpoint '{ckpt_dir}' has a corrupted {META_FILE} ({err})") from err
+    missing = [name for name in meta.get("files", []) if not (ckpt_dir / name).exists()]
+    if missing:
+        raise CheckpointError(f"checkpoint '{ckpt_dir}' is incomplete: missing {', '.join(missing)}")
+    return meta
+
+
+def find_last(directory: Path) -> Path | None:
+    """The completed checkpoint with the highest step under `directory`, or None."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return None
+    done = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _STEP_DIR.match(p.name)) and (p / META_FILE).exists()]
+    return max(done)[1] if done else None
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's (or a directory entry's) data to disk so a crash cannot leave a half-written name."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,67 @@
+"""Checks of Trainer flags: one-line errors naming the flag, the value and what is allowed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def check_int(name: str, value: Any, minimum: int, allow_none: bool = False) -> int | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        allowed = f"an int >= {minimum}" + (" or None" if allow_none else "")
+        raise ValueError(f"{name}={value!r} is invalid; allowed: {allowed}")
+    return value
+
+
+def check_limit(name: str, value: Any) -> int | float | None:
+    """None (all), an int count >= 0, or a float fraction in [0, 1]."""
+    if value is None:
+        return None
+    if isinstance(value, float) and 0.0 <= value <= 1.0:
+        return None if value == 1.0 else value
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    raise ValueError(f"{name}={value!r} is invalid; allowed: None, an int >= 0, or a float in [0.0, 1.0]")
+
+
+def check_val_interval(value: Any) -> int | float | None:
+    """None (end of every epoch), an int of optimizer steps, or a float fraction of an epoch."""
+    if value is None:
+        return None
+    if isinstance(value, float) and 0.0 < value <= 1.0:
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    raise ValueError(f"val_check_interval={value!r} is invalid; allowed: None, an int >= 1 (steps), or a float in (0, 1] (of an epoch)")
+
+
+def check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is unknown; allowed: {', '.join(map(repr, allowed))}")
+    return value
+
+
+def resolve_accelerator(value: Any) -> str:
+    check_choice("accelerator", value, ("auto", "cpu", "cuda"))
+    if value == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if value == "cuda" and not torch.cuda.is_available():
+        raise ValueError("accelerator='cuda' but no CUDA device is available; allowed here: 'cpu' or 'auto'")
+    return value
+
+
+def resolve_devices(value: Any, accelerator: str) -> int:
+    if value == "auto":
+        return torch.cuda.device_count() if accelerator == "cuda" else 1
+    return check_int("devices", value, 1)  # type: ignore[return-value]
+
+
+def check_clip(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"gradient_clip_val={value!r} is invalid; allowed: a number > 0 or None")
+    return float(value)

@@ -1,0 +1,61 @@
+"""Numeric precision of a run: autocast for the forward, a gradient scaler for fp16, or bf16 weights."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+
+PRECISIONS = ("32", "bf16-mixed", "16-mixed", "bf16-true")
+_ALIASES = {"32-true": "32", "fp32": "32", "16": "16-mixed", "bf16": "bf16-mixed"}
+
+
+class Precision:
+    """One of `PRECISIONS`: "32" fp32; "bf16-mixed"/"16-mixed" fp32 weights with a bf16/fp16 autocast
+    forward ("16-mixed" adds a dynamic gradient scaler against fp16 underflow); "bf16-true" bf16 weights."""
+
+    def __init__(self, precision: str | int, device_type: str = "cpu") -> None:
+        name = _ALIASES.get(str(precision), str(precision))
+        if name not in PRECISIONS:
+            raise ValueError(f"precision={precision!r} is unknown; allowed: {', '.join(PRECISIONS)}")
+        self.name = name
+        self.device_type = device_type
+        self.scaler = torch.amp.GradScaler(device_type) if name == "16-mixed" else None
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """Cast weights for "bf16-true"; the mixed modes keep fp32 master weights."""
+        return module.to(torch.bfloat16) if self.name == "bf16-true" else module
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The context the forward pass runs in."""
+        if self.name in ("bf16-mixed", "16-mixed"):
+            dtype = torch.bfloat16 if self.name == "bf16-mixed" else torch.float16
+            return torch.autocast(self.device_type, dtype=dtype)
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        """Bring scaled fp16 gradients back to true values before they are measured or clipped."""
+        if self.scaler:
+            self.scaler.unscale_(optimizer)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Step the optimizer; returns False when the scaler skipped it for inf/nan gradients."""
+        if not self.scaler:
+            optimizer.step()
+            return True
+        scale = self.scaler.get_scale()
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        return self.scaler.get_scale() >= scale
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict() if self.scaler else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.scaler and state:
+            self.scaler.load_state_dict(state)

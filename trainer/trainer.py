@@ -1,0 +1,577 @@
+"""Trainer: fit / validate / test. It owns the loop and nothing else; the strategy owns the parallelism."""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from callbacks.base import Callback
+from callbacks.checkpoint import ModelCheckpoint
+from strategies.base import StepOutput, Strategy, unpack_loss
+from strategies.registry import build_strategy
+from trainer import flags
+from trainer.checkpoint import find_last, step_dir_name
+from trainer.epochs import EpochBatches
+from trainer.logging import JSONLLogger, Logger, build_logger, log, rank_zero_info, set_rank
+from trainer.metrics import MetricBuffer
+from trainer.module import TrainModule
+from trainer.precision import Precision
+from trainer.progress import ProgressBar
+from trainer.rng import isolated_rng, rng_state, seed_everything, set_rng_state
+from trainer.schedules import SCHEDULES, LRSchedule, build_scheduler
+from trainer.state import LoopState
+
+
+class Trainer:
+    """Runs a TrainModule's steps: `fit` trains (with validation), `validate`/`test` evaluate.
+
+    Flags mean what they mean in Lightning. A "step" is an optimizer step; with
+    `accumulate_grad_batches=k` it consumes k micro-batches from the loader. `max_steps` and
+    `max_epochs` both stop the run, whichever comes first (neither given: one epoch).
+    """
+
+    def __init__(
+        self,
+        *,
+        strategy: str | Strategy = "auto",
+        accelerator: str = "auto",
+        devices: int | str = 1,
+        num_nodes: int = 1,
+        max_steps: int | None = None,
+        max_epochs: int | None = None,
+        val_check_interval: int | float | None = None,
+        limit_train_batches: int | float | None = None,
+        limit_val_batches: int | float | None = None,
+        accumulate_grad_batches: int = 1,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str = "norm",
+        precision: str | int = "32",
+        lr_schedule: str = "constant",
+        warmup_steps: int = 0,
+        min_lr_ratio: float = 0.1,
+        seed: int | None = None,
+        deterministic: bool = False,
+        log_every_n_steps: int = 10,
+        default_root_dir: str | Path = "runs",
+        callbacks: list[Callback] | None = None,
+        loggers: list[Logger | str] | None = None,
+        enable_progress_bar: bool = True,
+        enable_checkpointing: bool = True,
+    ) -> None:
+        _configure_console_logging()
+        accelerator = flags.resolve_accelerator(accelerator)
+        self.max_steps = flags.check_int("max_steps", max_steps, 1, allow_none=True)
+        self.max_epochs = flags.check_int("max_epochs", max_epochs, 1, allow_none=True)
+        if self.max_steps is None and self.max_epochs is None:
+            self.max_epochs = 1
+        self.val_check_interval = flags.check_val_interval(val_check_interval)
+        self.limit_train_batches = flags.check_limit("limit_train_batches", limit_train_batches)
+        self.limit_val_batches = flags.check_limit("limit_val_batches", limit_val_batches)
+        self.accumulate_grad_batches = flags.check_int("accumulate_grad_batches", accumulate_grad_batches, 1)
+        self.gradient_clip_val = flags.check_clip(gradient_clip_val)
+        self.gradient_clip_algorithm = flags.check_choice("gradient_clip_algorithm", gradient_clip_algorithm, ("norm", "value"))
+        self.lr_schedule = flags.check_choice("lr_schedule", lr_schedule, SCHEDULES)
+        self.warmup_steps = flags.check_int("warmup_steps", warmup_steps, 0)
+        if isinstance(min_lr_ratio, bool) or not isinstance(min_lr_ratio, (int, float)) or not 0 <= min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio={min_lr_ratio!r} is invalid; allowed: a number in [0, 1]")
+        self.min_lr_ratio = float(min_lr_ratio)
+        self.seed = seed if seed is None else seed_everything(seed)
+        self.deterministic = bool(deterministic)
+        self.log_every_n_steps = flags.check_int("log_every_n_steps", log_every_n_steps, 1)
+        self.default_root_dir = Path(default_root_dir)
+        self.enable_progress_bar = bool(enable_progress_bar)
+
+        self.strategy = build_strategy(strategy)
+        self.strategy.configure(
+            accelerator,
+            flags.resolve_devices(devices, accelerator),
+            flags.check_int("num_nodes", num_nodes, 1),
+            Precision(precision, accelerator),
+        )
+        self.callbacks = list(callbacks or [])
+        for cb in self.callbacks:
+            if not isinstance(cb, Callback):
+                raise TypeError(f"callbacks must be Callback instances; got {type(cb).__name__}")
+        if enable_checkpointing and not any(isinstance(cb, ModelCheckpoint) for cb in self.callbacks):
+            self.callbacks.append(ModelCheckpoint())
+        self.loggers = [build_logger(lg) for lg in (loggers or [])]
+        if not any(isinstance(lg, JSONLLogger) for lg in self.loggers):
+            self.loggers.insert(0, JSONLLogger())
+
+        self.state = LoopState()
+        self.metrics = MetricBuffer()
+        self.callback_metrics: dict[str, float] = {}
+        self.should_stop = False
+        self.module: TrainModule | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.lr_scheduler: Any = None
+        self._schedule: LRSchedule | None = None
+        self._train_batches: EpochBatches | None = None
+        self._progress: ProgressBar | None = None
+        self._last_val_step: int | None = None
+
+    # ---- public read-only views ------------------------------------------------------------------
+    @property
+    def global_step(self) -> int:
+        return self.state.global_step
+
+    @property
+    def current_epoch(self) -> int:
+        return self.state.epoch
+
+    @property
+    def is_global_zero(self) -> bool:
+        return self.strategy.is_global_zero
+
+    # ---- entry points ----------------------------------------------------------------------------
+    def fit(
+        self,
+        module: TrainModule,
+        train_dataloaders: Iterable,
+        val_dataloaders: Iterable | None = None,
+        ckpt_path: str | Path | None = None,
+    ) -> None:
+        """Train `module`; `ckpt_path` "last" resumes from the newest checkpoint (or starts fresh if
+        there is none), a path resumes from that checkpoint."""
+        _check_module(module)
+        if train_dataloaders is None:
+            raise ValueError("fit needs train_dataloaders; got None")
+        if ckpt_path is not None and ckpt_path != "last" and not Path(ckpt_path).exists():
+            raise FileNotFoundError(
+                f"ckpt_path '{ckpt_path}' does not exist; allowed: an existing checkpoint directory, 'last' or None"
+            )
+        return self.strategy.launch(self._run_fit, module, train_dataloaders, val_dataloaders, ckpt_path)
+
+    def validate(self, module: TrainModule, dataloaders: Iterable, ckpt_path: str | Path | None = None) -> dict[str, float]:
+        """Run `validation_step` over `dataloaders`; returns the metrics (means over batches and ranks)."""
+        return self._evaluate(module, dataloaders, ckpt_path, "validate")
+
+    def test(self, module: TrainModule, dataloaders: Iterable, ckpt_path: str | Path | None = None) -> dict[str, float]:
+        """Run `test_step` over `dataloaders`; returns the metrics (means over batches and ranks)."""
+        return self._evaluate(module, dataloaders, ckpt_path, "test")
+
+    def save_checkpoint(self, path: str | Path | None = None) -> Path:
+        """Write the whole training state (model, optimizer, schedule, loop, RNG, data position,
+        callbacks) to `path` (default `<root>/checkpoints/step-N`), atomically. Call on every rank."""
+        path = Path(path) if path is not None else self._checkpoint_dir() / step_dir_name(self.global_step)
+        state: dict[str, Any] = {
+            "loop": self.state.state_dict(),
+            "rng": self.strategy.all_gather_object(rng_state()),
+            "scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else {},
+            "precision": self.strategy.precision.state_dict(),
+            "data": self._train_batches.state_dict() if self._train_batches is not None else {},
+            "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
+            "module": {},
+        }
+        self.module.on_save_checkpoint(state["module"])
+        self._call("on_save_checkpoint", state)
+        self.strategy.save_checkpoint(path, self.module, self.optimizer, state)
+        return path
+
+    # ---- fit -------------------------------------------------------------------------------------
+    def _run_fit(self, module: TrainModule, train_loader: Iterable, val_loader: Iterable | None, ckpt_path: Any) -> None:
+        self._setup(module, "fit")
+        self._train_batches = EpochBatches(train_loader, self.limit_train_batches)
+        _shard(train_loader, self.strategy)
+        if val_loader is not None:
+            _shard(val_loader, self.strategy)
+        self._setup_optimizer(module)
+        resume_from = self._resolve_checkpoint(ckpt_path)
+        if resume_from is not None:
+            self._restore(resume_from)
+        try:
+            if self.is_global_zero:
+                for lg in self.loggers:
+                    lg.setup(self.default_root_dir, self.global_step if resume_from is not None else None)
+                    lg.log_hyperparams(self._hyperparams(module))
+                if self.enable_progress_bar:
+                    self._progress = ProgressBar(self._total_steps(), self.global_step)
+            self._call("on_fit_start")
+            module.on_fit_start()
+            self._train_loop(module, val_loader)
+            self._call("on_fit_end")
+            module.on_fit_end()
+        except BaseException as exc:
+            self._call("on_exception", exc)
+            raise
+        finally:
+            self._finish("fit")
+
+    def _train_loop(self, module: TrainModule, val_loader: Iterable | None) -> None:
+        s = self.state
+        epoch_len = self._train_batches.epoch_length()
+        val_every = self._val_every_n_steps(epoch_len)
+        meter = _Throughput()
+        while not self._done():
+            if not self._train_epoch(module, val_loader, epoch_len, val_every, meter):
+                break  # stopped inside the epoch (max_steps or should_stop)
+            if s.batches_in_epoch == 0:
+                raise ValueError("the train loader yielded no batches in an epoch; it must yield at least one")
+            s.epoch += 1
+            s.batches_in_epoch = 0
+            if val_loader is not None and not val_every:
+                self._validation_loop(module, val_loader)
+        if val_loader is not None and self._last_val_step != s.global_step:
+            self._validation_loop(module, val_loader)
+
+    def _train_epoch(
+        self, module: TrainModule, val_loader: Iterable | None, epoch_len: int | None, val_every: int | None, meter: _Throughput
+    ) -> bool:
+        """Optimizer steps until the epoch's data runs out (True) or the run is done (False)."""
+        s = self.state
+        iterator = self._train_batches.begin(s.epoch, s.batches_in_epoch)
+        while not self._done():
+            remaining = None if epoch_len is None else epoch_len - s.batches_in_epoch
+            window = _take(iterator, self.accumulate_grad_batches, remaining)
+            if not window:
+                return True
+            outputs = self._optimizer_step(module, window, meter)
+            if val_loader is not None and val_every and s.global_step % val_every == 0:
+                self._validation_loop(module, val_loader)
+            self._call("on_train_batch_end", outputs)
+        return False
+
+    def _optimizer_step(self, module: TrainModule, window: list[Any], meter: _Throughput) -> dict[str, Any]:
+        """Forward+backward every micro-batch of `window`, then clip and step once."""
+        s, strategy = self.state, self.strategy
+        self._call("on_train_batch_start", s.batches_in_epoch)
+        outs: list[StepOutput] = []
+        for i, batch in enumerate(window):
+            meter.count(batch)
+            batch = strategy.batch_to_device(batch)
+            with strategy.accumulation_context(is_last_micro_batch=i == len(window) - 1):
+                outs.append(strategy.forward_backward(module, batch, s.batches_in_epoch + i, 1.0 / len(window)))
+        loss, num_tokens = _step_loss(outs)
+        self._call("on_after_backward")
+        strategy.finish_gradients(module, self.optimizer, num_tokens)
+        log_now = (s.global_step + 1) % self.log_every_n_steps == 0 or s.global_step + 1 == self.max_steps
+        norm = None
+        if self.gradient_clip_val is not None:
+            norm = strategy.clip_gradients(module, self.gradient_clip_val, self.gradient_clip_algorithm)
+        elif log_now:
+            norm = strategy.grad_norm(module)
+        self._call("on_before_optimizer_step", self.optimizer)
+        lr = self.optimizer.param_groups[0]["lr"]
+        strategy.optimizer_step(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.lr_scheduler.step()
+        strategy.after_optimizer_step()
+        s.global_step += 1
+        s.batches_in_epoch += len(window)
+        meter.step_done()
+        if log_now:
+            self._log_train(loss, num_tokens, norm, lr, meter)
+        self.metrics.reset()
+        if self._progress is not None:
+            self._progress.update()
+        return {"loss": loss}
+
+    def _log_train(self, loss: torch.Tensor, num_tokens: torch.Tensor | None, norm: Any, lr: float, meter: _Throughput) -> None:
+        strategy = self.strategy
+        if num_tokens is not None:  # token-weighted mean over ranks
+            total = strategy.reduce(torch.stack([loss * num_tokens, num_tokens]), "sum")
+            loss = total[0] / total[1]
+        else:
+            loss = strategy.reduce(loss, "mean")
+        metrics = {"train/loss": float(loss), "train/lr": lr, "epoch": self.state.epoch}
+        if norm is not None:
+            metrics["train/grad_norm"] = float(norm)
+        metrics.update(meter.rates(strategy.dp_size))
+        user = self.metrics.compute(lambda t: strategy.reduce(t, "mean"))
+        metrics.update(user)
+        self.callback_metrics.update(metrics)
+        if self.is_global_zero:
+            for lg in self.loggers:
+                lg.log_metrics(metrics, self.global_step)
+            if self._progress is not None:
+                shown = {"loss": metrics["train/loss"], "lr": lr}
+                if "train/tokens_per_s" in metrics:
+                    shown["tok/s"] = metrics["train/tokens_per_s"]
+                shown.update({k: v for k, v in user.items() if k in self.metrics.prog_bar_names})
+                self._progress.show(shown)
+
+    # ---- evaluation ------------------------------------------------------------------------------
+    def _validation_loop(self, module: TrainModule, loader: Iterable) -> dict[str, float]:
+        self._call("on_validation_start")
+        metrics = self._eval_loop(module, loader, "validation_step", "val", self.limit_val_batches)
+        self.callback_metrics.update(metrics)
+        self._last_val_step = self.global_step
+        if self.is_global_zero:
+            for lg in self.loggers:
+                lg.log_metrics(metrics, self.global_step)
+            if self._progress is not None and "val/loss" in metrics:
+                self._progress.write(f"step {self.global_step}: val/loss {metrics['val/loss']:.4f}")
+        self._call("on_validation_end")
+        return metrics
+
+    def _eval_loop(self, module: TrainModule, loader: Iterable, method: str, prefix: str, limit: Any) -> dict[str, float]:
+        """Means over batches (and ranks) of the step's returned loss and of what it logged. It runs
+        with its own RNG so that validating never changes the training trajectory."""
+        was_training = module.training
+        module.eval()
+        self.metrics.reset()
+        losses: list[torch.Tensor] = []
+        n_batches = EpochBatches(loader, limit).epoch_length()
+        with isolated_rng(), torch.no_grad():
+            for idx, batch in enumerate(loader):
+                if n_batches is not None and idx >= n_batches:
+                    break
+                output = self.strategy.eval_step(module, method, self.strategy.batch_to_device(batch), idx)
+                if output is not None:
+                    losses.append(unpack_loss(output, method)[0].float())
+        metrics = self.metrics.compute(lambda t: self.strategy.reduce(t, "mean"))
+        self.metrics.reset()
+        if losses:
+            metrics[f"{prefix}/loss"] = float(self.strategy.reduce(torch.stack(losses).mean(), "mean"))
+        module.train(was_training)
+        return metrics
+
+    def _evaluate(self, module: TrainModule, loader: Iterable, ckpt_path: Any, stage: str) -> dict[str, float]:
+        _check_module(module)
+        if ckpt_path is not None and ckpt_path != "last" and not Path(ckpt_path).exists():
+            raise FileNotFoundError(f"ckpt_path '{ckpt_path}' does not exist; allowed: an existing checkpoint directory, 'last' or None")
+        return self.strategy.launch(self._run_evaluate, module, loader, ckpt_path, stage)
+
+    def _run_evaluate(self, module: TrainModule, loader: Iterable, ckpt_path: Any, stage: str) -> dict[str, float]:
+        self._setup(module, stage)
+        try:
+            _shard(loader, self.strategy)
+            path = self._resolve_checkpoint(ckpt_path)
+            if path is not None:
+                self.strategy.load_checkpoint(path, module, None)
+            method, prefix = ("validation_step", "val") if stage == "validate" else ("test_step", "test")
+            metrics = self._eval_loop(module, loader, method, prefix, self.limit_val_batches)
+            if self.is_global_zero and self.enable_progress_bar:
+                print("  ".join(f"{k} {v:.4f}" for k, v in metrics.items()), file=sys.stderr)
+            return metrics
+        finally:
+            self._finish(stage)
+
+    # ---- set-up and tear-down --------------------------------------------------------------------
+    def _setup(self, module: TrainModule, stage: str) -> None:
+        strategy = self.strategy
+        strategy.setup_environment()
+        set_rank(strategy.global_rank)
+        if self.seed is not None:
+            seed_everything(self.seed)
+        if self.deterministic:
+            torch.use_deterministic_algorithms(True)
+        module._trainer = self
+        self.module = module
+        with strategy.module_init_context():
+            module.configure_model()
+        if not any(True for _ in module.parameters()):
+            raise ValueError(f"{type(module).__name__} has no parameters; build layers in __init__ or configure_model()")
+        strategy.setup_module(module)
+        self._call("setup", stage)
+
+    def _setup_optimizer(self, module: TrainModule) -> None:
+        configured = module.configure_optimizers()
+        scheduler = None
+        if isinstance(configured, dict):
+            optimizer, scheduler = configured.get("optimizer"), configured.get("lr_scheduler")
+        else:
+            optimizer = configured
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"configure_optimizers returned {type(optimizer).__name__}; allowed: a torch.optim.Optimizer or "
+                "{'optimizer': ..., 'lr_scheduler': ...}"
+            )
+        self.optimizer = self.strategy.setup_optimizer(optimizer)
+        if scheduler is not None:
+            if self.lr_schedule != "constant" or self.warmup_steps:
+                raise ValueError(
+                    f"configure_optimizers returned its own lr_scheduler and the Trainer has lr_schedule={self.lr_schedule!r}, "
+                    f"warmup_steps={self.warmup_steps}; allowed: one of the two (leave the Trainer's at 'constant', 0)"
+                )
+            self.lr_scheduler = scheduler
+            return
+        self._schedule = LRSchedule(self.lr_schedule, self.warmup_steps, self._total_steps() or 1, self.min_lr_ratio)
+        if self.lr_schedule != "constant" and self._total_steps() is None:
+            raise ValueError(f"lr_schedule={self.lr_schedule!r} needs the run length: set max_steps, or use a loader with len()")
+        self.lr_scheduler = build_scheduler(self.optimizer, self._schedule)
+
+    def _total_steps(self) -> int | None:
+        """Optimizer steps the fit will take, if knowable."""
+        per_epoch = None
+        length = self._train_batches.epoch_length() if self._train_batches is not None else None
+        if length is not None:
+            per_epoch = math.ceil(length / self.accumulate_grad_batches)
+        by_epochs = per_epoch * self.max_epochs if per_epoch is not None and self.max_epochs else None
+        candidates = [n for n in (self.max_steps, by_epochs) if n is not None]
+        return min(candidates) if candidates else None
+
+    def _val_every_n_steps(self, epoch_len: int | None) -> int | None:
+        """Steps between validations; None = at the end of each epoch."""
+        interval = self.val_check_interval
+        if interval is None or isinstance(interval, int):
+            return interval
+        if epoch_len is None:
+            raise ValueError(f"val_check_interval={interval} is a fraction of an epoch but the loader has no len(); pass an int")
+        return max(1, round(interval * math.ceil(epoch_len / self.accumulate_grad_batches)))
+
+    def _done(self) -> bool:
+        s = self.state
+        return (
+            self.should_stop
+            or (self.max_steps is not None and s.global_step >= self.max_steps)
+            or (self.max_epochs is not None and s.epoch >= self.max_epochs)
+        )
+
+    def _finish(self, stage: str) -> None:
+        if self._progress is not None:
+            self._progress.close()
+            self._progress = None
+        if self.is_global_zero and stage == "fit":
+            for lg in self.loggers:
+                lg.finalize()
+        self._call("teardown", stage)
+        self.strategy.teardown()
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+    def _checkpoint_dir(self) -> Path:
+        for cb in self.callbacks:
+            if isinstance(cb, ModelCheckpoint) and cb.dirpath is not None:
+                return cb.dirpath
+        return self.default_root_dir / "checkpoints"
+
+    def _resolve_checkpoint(self, ckpt_path: Any) -> Path | None:
+        if ckpt_path is None:
+            return None
+        if ckpt_path != "last":
+            return Path(ckpt_path)
+        found = find_last(self._checkpoint_dir())
+        if found is None:
+            rank_zero_info(f"ckpt_path='last': no checkpoint in {self._checkpoint_dir()} yet, starting from scratch")
+        else:
+            rank_zero_info(f"resuming from {found}")
+        return found
+
+    def _restore(self, path: Path) -> None:
+        state = self.strategy.load_checkpoint(path, self.module, self.optimizer)
+        self.state.load_state_dict(state["loop"])
+        rngs = state["rng"]
+        set_rng_state(rngs[self.strategy.global_rank] if len(rngs) == self.strategy.world_size else rngs[0])
+        if self._schedule is not None:
+            # our schedule is rebuilt from this run's flags (a run may be extended); only its position is restored
+            self.lr_scheduler.load_state_dict({**state["scheduler"], "lr_lambdas": [None] * len(self.optimizer.param_groups)})
+            for group, base in zip(self.optimizer.param_groups, self.lr_scheduler.base_lrs, strict=True):
+                group["lr"] = base * self._schedule(self.lr_scheduler.last_epoch)
+        elif state["scheduler"]:
+            self.lr_scheduler.load_state_dict(state["scheduler"])
+        self.strategy.precision.load_state_dict(state["precision"])
+        self._train_batches.load_state_dict(state["data"])
+        for cb in self.callbacks:
+            if cb.state_key in state["callbacks"]:
+                cb.load_state_dict(state["callbacks"][cb.state_key])
+        self.module.on_load_checkpoint(state["module"])
+        self._call("on_load_checkpoint", state)
+
+    # ---- small helpers ---------------------------------------------------------------------------
+    def _call(self, hook: str, *args: Any) -> None:
+        for cb in self.callbacks:
+            getattr(cb, hook)(self, self.module, *args)
+
+    def _hyperparams(self, module: TrainModule) -> dict[str, Any]:
+        keys = ("max_steps", "max_epochs", "accumulate_grad_batches", "gradient_clip_val", "lr_schedule", "warmup_steps",
+                "min_lr_ratio", "seed", "log_every_n_steps")
+        params = {k: getattr(self, k) for k in keys}
+        params.update(strategy=self.strategy.name, precision=self.strategy.precision.name, world_size=self.strategy.world_size,
+                      module=type(module).__name__, parameters=sum(p.numel() for p in module.parameters()))
+        return params
+
+
+class _Throughput:
+    """Samples and tokens consumed since the last logged step, turned into per-second rates."""
+
+    def __init__(self) -> None:
+        self.samples = self.tokens = self.steps = 0
+        self.has_tokens = True
+        self.since = time.perf_counter()
+
+    def count(self, batch: Any) -> None:
+        samples, tokens = _batch_size(batch)
+        self.samples += samples
+        if tokens is None:
+            self.has_tokens = False
+        else:
+            self.tokens += tokens
+
+    def step_done(self) -> None:
+        self.steps += 1
+
+    def rates(self, dp_size: int) -> dict[str, float]:
+        """Global rates (this rank's count x data-parallel replicas) since the last call."""
+        elapsed = max(time.perf_counter() - self.since, 1e-9)
+        rates = {"train/step_time_s": elapsed / max(self.steps, 1), "train/samples_per_s": self.samples * dp_size / elapsed}
+        if self.has_tokens and self.tokens:
+            rates["train/tokens_per_s"] = self.tokens * dp_size / elapsed
+        self.samples = self.tokens = self.steps = 0
+        self.since = time.perf_counter()
+        return rates
+
+
+def _batch_size(batch: Any) -> tuple[int, int | None]:
+    """(samples, tokens) of a batch: tokens are counted when it carries `input_ids` (a dict key, or a 2-D
+    integer tensor as the batch or its first element)."""
+    ids = None
+    if isinstance(batch, dict):
+        ids = batch.get("input_ids")
+        first = ids if ids is not None else next((v for v in batch.values() if isinstance(v, torch.Tensor)), None)
+    else:
+        first = batch[0] if isinstance(batch, (list, tuple)) and batch else batch
+        if isinstance(first, torch.Tensor) and first.dim() == 2 and not first.is_floating_point():
+            ids = first
+    samples = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() > 0 else 1
+    return samples, (ids.numel() if isinstance(ids, torch.Tensor) else None)
+
+
+def _step_loss(outs: list[StepOutput]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The step's loss over its micro-batches: token-weighted when they report num_tokens, else their mean."""
+    counts = [o.num_tokens for o in outs]
+    if all(c is None for c in counts):
+        return torch.stack([o.loss for o in outs]).float().mean(), None
+    if any(c is None for c in counts):
+        raise ValueError("training_step returned 'num_tokens' for some micro-batches but not others; return it always or never")
+    n = torch.stack(counts)
+    return (torch.stack([o.loss.float() for o in outs]) * n).sum() / n.sum(), n.sum()
+
+
+def _take(iterator: Any, k: int, remaining: int | None) -> list[Any]:
+    """Up to k next batches (fewer at the end of the epoch or of `remaining`)."""
+    window: list[Any] = []
+    limit = k if remaining is None else min(k, remaining)
+    for _ in range(limit):
+        try:
+            window.append(next(iterator))
+        except StopIteration:
+            break
+    return window
+
+
+def _shard(loader: Any, strategy: Strategy) -> None:
+    """Give a loader that shards itself (trainer.data.TokenLoader) its data-parallel rank."""
+    if callable(getattr(loader, "shard", None)):
+        loader.shard(strategy.dp_rank, strategy.dp_size)
+
+
+def _check_module(module: Any) -> None:
+    if not isinstance(module, TrainModule):
+        raise TypeError(f"expected a TrainModule, got {type(module).__name__}")
+
+
+def _configure_console_logging() -> None:
+    """Show the framework's info lines on stderr unless the application configured logging itself."""
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[trainer] %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
