@@ -43,7 +43,9 @@ class Callback:
     def on_after_backward(self, trainer: Trainer, module: TrainModule) -> None:
         """Gradients of the whole step are accumulated (and synced), not yet clipped."""
 
-    def on_before_optimizer_step(self, trainer: Trainer, module: TrainModule, optimizer: torch.optim.Optimizer) -> None:
+    def on_before_optimizer_step(
+        self, trainer: Trainer, module: TrainModule, optimizer: torch.optim.Optimizer
+    ) -> None:
         """Gradients are final (clipped); the optimizer is about to step."""
 
     def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: dict[str, Any]) -> None:

@@ -51,7 +51,9 @@ class ModelCheckpoint(Callback):
             self._save(trainer)
 
     def on_fit_end(self, trainer: Trainer, module: TrainModule) -> None:
-        if self.save_last and (self.last_path is None or self._step_of(self.last_path) != trainer.global_step):
+        if self.save_last and (
+            self.last_path is None or self._step_of(self.last_path) != trainer.global_step
+        ):
             self._save(trainer)
 
     def _save(self, trainer: Trainer) -> None:

@@ -17,6 +17,7 @@ from torch import nn
 
 from trainer import checkpoint as ckpt
 from trainer.precision import Precision
+from trainer.tree import apply_to_tensors
 
 
 @dataclass
@@ -57,7 +58,12 @@ class Strategy:
     # ---- set-up ----------------------------------------------------------------------------------
     def configure(self, accelerator: str, devices: int, num_nodes: int, precision: Precision) -> None:
         """Receive the Trainer's validated flags; raise here (before any process starts) if they don't fit."""
-        self.accelerator, self.devices, self.num_nodes, self.precision = accelerator, devices, num_nodes, precision
+        self.accelerator, self.devices, self.num_nodes, self.precision = (
+            accelerator,
+            devices,
+            num_nodes,
+            precision,
+        )
 
     def launch(self, function: Any, *args: Any) -> Any:
         """Run `function(*args)` in every process of the job and return rank zero's result."""
@@ -105,22 +111,20 @@ class Strategy:
         return optimizer
 
     def batch_to_device(self, batch: Any) -> Any:
+        """Move every tensor of the batch to this process's device, in the precision's input dtype."""
         device = self.root_device
-        if isinstance(batch, torch.Tensor):
-            return batch.to(device, non_blocking=True)
-        if isinstance(batch, dict):
-            return {k: self.batch_to_device(v) for k, v in batch.items()}
-        if isinstance(batch, (list, tuple)):
-            moved = [self.batch_to_device(v) for v in batch]
-            return type(batch)(*moved) if hasattr(batch, "_fields") else type(batch)(moved)
-        return batch
+        return self.precision.convert_input(
+            apply_to_tensors(batch, lambda t: t.to(device, non_blocking=True))
+        )
 
     # ---- one optimizer step ----------------------------------------------------------------------
     def accumulation_context(self, is_last_micro_batch: bool) -> contextlib.AbstractContextManager:
         """Wraps each micro-batch; data-parallel strategies skip gradient sync until the last one."""
         return contextlib.nullcontext()
 
-    def forward_backward(self, module: nn.Module, batch: Any, batch_idx: int, loss_scale: float) -> StepOutput:
+    def forward_backward(
+        self, module: nn.Module, batch: Any, batch_idx: int, loss_scale: float
+    ) -> StepOutput:
         """`training_step` then backward of its loss. A loss with "num_tokens" is back-propagated as a
         token *sum* (normalised later by `finish_gradients`); otherwise it is scaled by `loss_scale`."""
         with self.precision.autocast():
@@ -137,7 +141,9 @@ class Strategy:
     def backward(self, loss: torch.Tensor) -> None:
         self.precision.backward(loss)
 
-    def finish_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer, num_tokens: torch.Tensor | None) -> None:
+    def finish_gradients(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer, num_tokens: torch.Tensor | None
+    ) -> None:
         """Make `.grad` the true gradient of the step's mean loss: unscale fp16 gradients and, for
         token-weighted losses, divide the summed gradients by the global token count."""
         self.precision.unscale_gradients(optimizer)
@@ -149,17 +155,18 @@ class Strategy:
     def grad_norm(self, module: nn.Module) -> torch.Tensor:
         """Global L2 norm of all gradients (over every shard, stage and rank)."""
         grads = [p.grad for p in module.parameters() if p.grad is not None]
-        return torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros((), device=self.root_device)
+        return (
+            torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros((), device=self.root_device)
+        )
 
     def clip_gradients(self, module: nn.Module, max_value: float, algorithm: str) -> torch.Tensor:
         """Clip by global norm ("norm") or elementwise ("value"); returns the norm before clipping."""
         norm = self.grad_norm(module)
-        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        params = [p for p in module.parameters() if p.grad is not None]
         if algorithm == "norm":
-            torch.nn.utils.clip_grads_with_norm_(grads, max_value, norm)
+            torch.nn.utils.clip_grads_with_norm_(params, max_value, norm)
         else:
-            torch._foreach_clamp_min_(grads, -max_value)
-            torch._foreach_clamp_max_(grads, max_value)
+            torch.nn.utils.clip_grad_value_(params, max_value)
         return norm
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -201,7 +208,9 @@ class Strategy:
             ckpt.write_atomically(Path(path), write, {"step": state.get("loop", {}).get("global_step")})
         self.barrier()
 
-    def load_checkpoint(self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None
+    ) -> dict[str, Any]:
         """Load model (and optimizer) in place from `path`; returns the rest of the saved state."""
         path = Path(path)
         ckpt.read_meta(path)
@@ -222,7 +231,16 @@ def load_module_state(module: nn.Module, state_dict: dict[str, torch.Tensor], so
     unexpected = sorted(set(state_dict) - set(own))
     wrong_shape = sorted(k for k in set(own) & set(state_dict) if own[k].shape != state_dict[k].shape)
     if missing or unexpected or wrong_shape:
-        parts = [f"{label} {keys[:3]}{' ...' if len(keys) > 3 else ''}" for label, keys in
-                 (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong_shape)) if keys]
-        raise ckpt.CheckpointError(f"checkpoint '{source}' does not fit {type(module).__name__}: {'; '.join(parts)}")
+        parts = [
+            f"{label} {keys[:3]}{' ...' if len(keys) > 3 else ''}"
+            for label, keys in (
+                ("missing", missing),
+                ("unexpected", unexpected),
+                ("wrong shape", wrong_shape),
+            )
+            if keys
+        ]
+        raise ckpt.CheckpointError(
+            f"checkpoint '{source}' does not fit {type(module).__name__}: {'; '.join(parts)}"
+        )
     module.load_state_dict(state_dict)

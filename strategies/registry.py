@@ -18,5 +18,7 @@ def build_strategy(spec: str | Strategy, **kwargs: Any) -> Strategy:
     if isinstance(spec, Strategy):
         return spec
     if not isinstance(spec, str) or spec not in STRATEGIES:
-        raise ValueError(f"strategy={spec!r} is unknown; allowed: {', '.join(sorted(STRATEGIES))} or a Strategy instance")
+        raise ValueError(
+            f"strategy={spec!r} is unknown; allowed: {', '.join(sorted(STRATEGIES))} or a Strategy instance"
+        )
     return STRATEGIES[spec](**kwargs)

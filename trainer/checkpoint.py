@@ -64,8 +64,15 @@ def save_model_file(state_dict: dict[str, torch.Tensor], path: Path) -> None:
     seen: dict[tuple, str] = {}
     for name, value in state_dict.items():
         if not isinstance(value, torch.Tensor):
-            raise CheckpointError(f"state_dict entry {name!r} is a {type(value).__name__}; only tensors can be saved")
-        key = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape), tuple(value.stride()))
+            raise CheckpointError(
+                f"state_dict entry {name!r} is a {type(value).__name__}; only tensors can be saved"
+            )
+        key = (
+            value.untyped_storage().data_ptr(),
+            value.storage_offset(),
+            tuple(value.shape),
+            tuple(value.stride()),
+        )
         if key in seen and value.numel() > 0:
             aliases[name] = seen[key]
             continue
@@ -83,7 +90,9 @@ def load_model_file(path: Path) -> dict[str, torch.Tensor]:
         with safe_open(str(path), framework="pt") as f:
             aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
     except (SafetensorError, OSError, ValueError) as err:
-        raise CheckpointError(f"checkpoint file {path} is unreadable, truncated or corrupted ({err})") from err
+        raise CheckpointError(
+            f"checkpoint file {path} is unreadable, truncated or corrupted ({err})"
+        ) from err
     for name, target in aliases.items():
         tensors[name] = tensors[target]
     return tensors
@@ -101,7 +110,9 @@ def load_torch_file(path: Path) -> Any:
     except FileNotFoundError as err:
         raise CheckpointError(f"checkpoint file {path} is missing; the checkpoint is incomplete") from err
     except Exception as err:  # torch raises RuntimeError/UnpicklingError/EOFError for damaged files
-        raise CheckpointError(f"checkpoint file {path} is unreadable, truncated or corrupted ({err})") from err
+        raise CheckpointError(
+            f"checkpoint file {path} is unreadable, truncated or corrupted ({err})"
+        ) from err
 
 
 def read_meta(ckpt_dir: Path) -> dict[str, Any]:
@@ -112,7 +123,9 @@ def read_meta(ckpt_dir: Path) -> dict[str, Any]:
             f"checkpoint path '{ckpt_dir}' does not exist; allowed: an existing checkpoint directory, 'last' or None"
         )
     if not ckpt_dir.is_dir():
-        raise CheckpointError(f"checkpoint path '{ckpt_dir}' is a file; a checkpoint is a directory like step-00000100/")
+        raise CheckpointError(
+            f"checkpoint path '{ckpt_dir}' is a file; a checkpoint is a directory like step-00000100/"
+        )
     try:
         meta = json.loads((ckpt_dir / META_FILE).read_text())
     except FileNotFoundError as err:
@@ -130,7 +143,11 @@ def find_last(directory: Path) -> Path | None:
     directory = Path(directory)
     if not directory.is_dir():
         return None
-    done = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _STEP_DIR.match(p.name)) and (p / META_FILE).exists()]
+    done = [
+        (int(m.group(1)), p)
+        for p in directory.iterdir()
+        if (m := _STEP_DIR.match(p.name)) and (p / META_FILE).exists()
+    ]
     return max(done)[1] if done else None
 
 

@@ -22,7 +22,9 @@ class EpochBatches:
     def __init__(self, loader: Iterable, limit: int | float | None = None) -> None:
         self.loader = loader
         self.limit = limit
-        self.stateful = callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+        self.stateful = callable(getattr(loader, "state_dict", None)) and callable(
+            getattr(loader, "load_state_dict", None)
+        )
         self._epoch_rng: dict[str, Any] | None = None
         self._pending: dict[str, Any] | None = None
 
@@ -36,7 +38,9 @@ class EpochBatches:
             return full
         if isinstance(self.limit, float):
             if full is None:
-                raise ValueError(f"limit_train_batches={self.limit} is a fraction but the loader has no len(); pass an int")
+                raise ValueError(
+                    f"limit_train_batches={self.limit} is a fraction but the loader has no len(); pass an int"
+                )
             return int(full * self.limit)
         return self.limit if full is None else min(full, self.limit)
 
@@ -74,7 +78,11 @@ class EpochBatches:
 
 def _set_epoch(loader: Any, epoch: int) -> None:
     """Tell the loader (or its sampler, e.g. DistributedSampler) which epoch it is, for its shuffle."""
-    for obj in (loader, getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+    for obj in (
+        loader,
+        getattr(loader, "sampler", None),
+        getattr(getattr(loader, "batch_sampler", None), "sampler", None),
+    ):
         if callable(getattr(obj, "set_epoch", None)):
             obj.set_epoch(epoch)
             return

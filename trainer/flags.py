@@ -35,7 +35,9 @@ def check_val_interval(value: Any) -> int | float | None:
         return value
     if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
         return value
-    raise ValueError(f"val_check_interval={value!r} is invalid; allowed: None, an int >= 1 (steps), or a float in (0, 1] (of an epoch)")
+    raise ValueError(
+        f"val_check_interval={value!r} is invalid; allowed: None, an int >= 1 (steps), or a float in (0, 1] (of an epoch)"
+    )
 
 
 def check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:

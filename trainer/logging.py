@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,16 @@ def rank_zero_info(message: str) -> None:
 def rank_zero_warn(message: str) -> None:
     if _RANK == 0:
         log.warning(message)
+
+
+def configure_console_logging() -> None:
+    """Show the framework's info lines on stderr unless the application configured logging itself."""
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("[trainer] %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
 
 
 class Logger:
@@ -135,7 +146,9 @@ class WandbLogger(Logger):
     else "offline". A resumed run continues the same wandb run id.
     """
 
-    def __init__(self, project: str = "trainer", name: str | None = None, mode: str | None = None, **init_kwargs: Any):
+    def __init__(
+        self, project: str = "trainer", name: str | None = None, mode: str | None = None, **init_kwargs: Any
+    ):
         self.project, self.name, self.mode, self.init_kwargs = project, name, mode, init_kwargs
         self._run = None
 
@@ -148,8 +161,13 @@ class WandbLogger(Logger):
         id_file = Path(run_dir) / "logs" / "wandb_run_id"
         run_id = id_file.read_text().strip() if resume_step is not None and id_file.exists() else None
         self._run = wandb.init(
-            project=self.project, name=self.name, dir=str(run_dir), mode=mode, id=run_id,
-            resume="allow" if run_id else None, **self.init_kwargs,
+            project=self.project,
+            name=self.name,
+            dir=str(run_dir),
+            mode=mode,
+            id=run_id,
+            resume="allow" if run_id else None,
+            **self.init_kwargs,
         )
         id_file.parent.mkdir(parents=True, exist_ok=True)
         id_file.write_text(self._run.id)
@@ -173,7 +191,11 @@ def _has_wandb_key() -> bool:
     return netrc.exists() and "api.wandb.ai" in netrc.read_text()
 
 
-LOGGERS: dict[str, type[Logger]] = {"jsonl": JSONLLogger, "tensorboard": TensorBoardLogger, "wandb": WandbLogger}
+LOGGERS: dict[str, type[Logger]] = {
+    "jsonl": JSONLLogger,
+    "tensorboard": TensorBoardLogger,
+    "wandb": WandbLogger,
+}
 
 
 def build_logger(spec: str | Logger) -> Logger:

@@ -16,10 +16,14 @@ class MetricBuffer:
         self.sync_names: set[str] = set()
         self.prog_bar_names: set[str] = set()
 
-    def add(self, name: str, value: float | torch.Tensor, prog_bar: bool = False, sync_dist: bool = False) -> None:
+    def add(
+        self, name: str, value: float | torch.Tensor, prog_bar: bool = False, sync_dist: bool = False
+    ) -> None:
         if isinstance(value, torch.Tensor):
             if value.numel() != 1:
-                raise ValueError(f"log({name!r}) got a tensor of shape {tuple(value.shape)}; allowed: a scalar")
+                raise ValueError(
+                    f"log({name!r}) got a tensor of shape {tuple(value.shape)}; allowed: a scalar"
+                )
             value = value.detach().float().reshape(())
         elif not isinstance(value, (int, float)):
             raise TypeError(f"log({name!r}) got a {type(value).__name__}; allowed: a number or scalar tensor")

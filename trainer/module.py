@@ -56,7 +56,9 @@ class TrainModule(nn.Module):
         """Read back what `on_save_checkpoint` added."""
 
     # ---- provided -------------------------------------------------------------------------------
-    def log(self, name: str, value: float | torch.Tensor, prog_bar: bool = False, sync_dist: bool = False) -> None:
+    def log(
+        self, name: str, value: float | torch.Tensor, prog_bar: bool = False, sync_dist: bool = False
+    ) -> None:
         """Record a metric; averaged over the step's micro-batches (or the validation epoch), reduced
         over ranks when `sync_dist`, written by rank zero's loggers."""
         if self._trainer is None:

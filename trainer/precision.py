@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainer.tree import apply_to_tensors
+
 PRECISIONS = ("32", "bf16-mixed", "16-mixed", "bf16-true")
 _ALIASES = {"32-true": "32", "fp32": "32", "16": "16-mixed", "bf16": "bf16-mixed"}
 
@@ -27,6 +29,12 @@ class Precision:
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Cast weights for "bf16-true"; the mixed modes keep fp32 master weights."""
         return module.to(torch.bfloat16) if self.name == "bf16-true" else module
+
+    def convert_input(self, batch: Any) -> Any:
+        """Floating-point inputs in bf16 for "bf16-true" (its weights are bf16); unchanged otherwise."""
+        if self.name != "bf16-true":
+            return batch
+        return apply_to_tensors(batch, lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The context the forward pass runs in."""

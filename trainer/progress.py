@@ -13,8 +13,13 @@ class ProgressBar:
 
     def __init__(self, total: int | None, initial: int, desc: str = "train") -> None:
         self._bar = tqdm(
-            total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True,
-            mininterval=0.5 if sys.stderr.isatty() else 10.0, file=sys.stderr,
+            total=total,
+            initial=initial,
+            desc=desc,
+            unit="step",
+            dynamic_ncols=True,
+            mininterval=0.5 if sys.stderr.isatty() else 10.0,
+            file=sys.stderr,
         )
 
     def update(self, steps: int = 1) -> None:

@@ -55,8 +55,14 @@ class LRSchedule:
         if self.name == "constant":
             return 1.0
         if self.name == "wsd":
-            decay_start = max(self.warmup_steps, self.total_steps - round(self.decay_fraction * self.total_steps))
-            p = min(1.0, (step - decay_start) / max(1, self.total_steps - decay_start)) if step >= decay_start else 0.0
+            decay_start = max(
+                self.warmup_steps, self.total_steps - round(self.decay_fraction * self.total_steps)
+            )
+            p = (
+                min(1.0, (step - decay_start) / max(1, self.total_steps - decay_start))
+                if step >= decay_start
+                else 0.0
+            )
             return 1.0 - (1.0 - r) * p
         p = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
         if self.name == "linear":
@@ -64,6 +70,8 @@ class LRSchedule:
         return r + (1.0 - r) * 0.5 * (1.0 + math.cos(math.pi * p))
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, schedule: LRSchedule) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, schedule: LRSchedule
+) -> torch.optim.lr_scheduler.LambdaLR:
     """Attach `schedule` to every param group of `optimizer` (each group keeps its own peak lr)."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import math
 import sys
 import time
@@ -19,7 +18,14 @@ from strategies.registry import build_strategy
 from trainer import flags
 from trainer.checkpoint import find_last, step_dir_name
 from trainer.epochs import EpochBatches
-from trainer.logging import JSONLLogger, Logger, build_logger, log, rank_zero_info, set_rank
+from trainer.logging import (
+    JSONLLogger,
+    Logger,
+    build_logger,
+    configure_console_logging,
+    rank_zero_info,
+    set_rank,
+)
 from trainer.metrics import MetricBuffer
 from trainer.module import TrainModule
 from trainer.precision import Precision
@@ -32,7 +38,8 @@ from trainer.state import LoopState
 class Trainer:
     """Runs a TrainModule's steps: `fit` trains (with validation), `validate`/`test` evaluate.
 
-    Flags mean what they mean in Lightning. A "step" is an optimizer step; with
+    Flags mean what they mean in Lightning; `val_at_start` also validates before the first step of a
+    fresh run, as the baseline for the val loss that follows. A "step" is an optimizer step; with
     `accumulate_grad_batches=k` it consumes k micro-batches from the loader. `max_steps` and
     `max_epochs` both stop the run, whichever comes first (neither given: one epoch).
     """
@@ -47,6 +54,7 @@ class Trainer:
         max_steps: int | None = None,
         max_epochs: int | None = None,
         val_check_interval: int | float | None = None,
+        val_at_start: bool = False,
         limit_train_batches: int | float | None = None,
         limit_val_batches: int | float | None = None,
         accumulate_grad_batches: int = 1,
@@ -65,23 +73,32 @@ class Trainer:
         enable_progress_bar: bool = True,
         enable_checkpointing: bool = True,
     ) -> None:
-        _configure_console_logging()
+        configure_console_logging()
         accelerator = flags.resolve_accelerator(accelerator)
         self.max_steps = flags.check_int("max_steps", max_steps, 1, allow_none=True)
         self.max_epochs = flags.check_int("max_epochs", max_epochs, 1, allow_none=True)
         if self.max_steps is None and self.max_epochs is None:
             self.max_epochs = 1
         self.val_check_interval = flags.check_val_interval(val_check_interval)
+        self.val_at_start = bool(val_at_start)
         self.limit_train_batches = flags.check_limit("limit_train_batches", limit_train_batches)
         self.limit_val_batches = flags.check_limit("limit_val_batches", limit_val_batches)
         self.accumulate_grad_batches = flags.check_int("accumulate_grad_batches", accumulate_grad_batches, 1)
         self.gradient_clip_val = flags.check_clip(gradient_clip_val)
-        self.gradient_clip_algorithm = flags.check_choice("gradient_clip_algorithm", gradient_clip_algorithm, ("norm", "value"))
+        self.gradient_clip_algorithm = flags.check_choice(
+            "gradient_clip_algorithm", gradient_clip_algorithm, ("norm", "value")
+        )
         self.lr_schedule = flags.check_choice("lr_schedule", lr_schedule, SCHEDULES)
         self.warmup_steps = flags.check_int("warmup_steps", warmup_steps, 0)
-        if isinstance(min_lr_ratio, bool) or not isinstance(min_lr_ratio, (int, float)) or not 0 <= min_lr_ratio <= 1:
+        if (
+            isinstance(min_lr_ratio, bool)
+            or not isinstance(min_lr_ratio, (int, float))
+            or not 0 <= min_lr_ratio <= 1
+        ):
             raise ValueError(f"min_lr_ratio={min_lr_ratio!r} is invalid; allowed: a number in [0, 1]")
         self.min_lr_ratio = float(min_lr_ratio)
+        if self.max_steps is not None:  # checked now, before any process starts
+            LRSchedule(self.lr_schedule, self.warmup_steps, self.max_steps, self.min_lr_ratio)
         self.seed = seed if seed is None else seed_everything(seed)
         self.deterministic = bool(deterministic)
         self.log_every_n_steps = flags.check_int("log_every_n_steps", log_every_n_steps, 1)
@@ -149,11 +166,15 @@ class Trainer:
             )
         return self.strategy.launch(self._run_fit, module, train_dataloaders, val_dataloaders, ckpt_path)
 
-    def validate(self, module: TrainModule, dataloaders: Iterable, ckpt_path: str | Path | None = None) -> dict[str, float]:
+    def validate(
+        self, module: TrainModule, dataloaders: Iterable, ckpt_path: str | Path | None = None
+    ) -> dict[str, float]:
         """Run `validation_step` over `dataloaders`; returns the metrics (means over batches and ranks)."""
         return self._evaluate(module, dataloaders, ckpt_path, "validate")
 
-    def test(self, module: TrainModule, dataloaders: Iterable, ckpt_path: str | Path | None = None) -> dict[str, float]:
+    def test(
+        self, module: TrainModule, dataloaders: Iterable, ckpt_path: str | Path | None = None
+    ) -> dict[str, float]:
         """Run `test_step` over `dataloaders`; returns the metrics (means over batches and ranks)."""
         return self._evaluate(module, dataloaders, ckpt_path, "test")
 
@@ -176,7 +197,9 @@ class Trainer:
         return path
 
     # ---- fit -------------------------------------------------------------------------------------
-    def _run_fit(self, module: TrainModule, train_loader: Iterable, val_loader: Iterable | None, ckpt_path: Any) -> None:
+    def _run_fit(
+        self, module: TrainModule, train_loader: Iterable, val_loader: Iterable | None, ckpt_path: Any
+    ) -> None:
         self._setup(module, "fit")
         self._train_batches = EpochBatches(train_loader, self.limit_train_batches)
         _shard(train_loader, self.strategy)
@@ -187,6 +210,7 @@ class Trainer:
         if resume_from is not None:
             self._restore(resume_from)
         try:
+            self._announce(module)
             if self.is_global_zero:
                 for lg in self.loggers:
                     lg.setup(self.default_root_dir, self.global_step if resume_from is not None else None)
@@ -209,11 +233,15 @@ class Trainer:
         epoch_len = self._train_batches.epoch_length()
         val_every = self._val_every_n_steps(epoch_len)
         meter = _Throughput()
+        if val_loader is not None and self.val_at_start and s.global_step == 0:
+            self._validation_loop(module, val_loader)  # the baseline the run's progress is read against
         while not self._done():
             if not self._train_epoch(module, val_loader, epoch_len, val_every, meter):
                 break  # stopped inside the epoch (max_steps or should_stop)
             if s.batches_in_epoch == 0:
-                raise ValueError("the train loader yielded no batches in an epoch; it must yield at least one")
+                raise ValueError(
+                    "the train loader yielded no batches in an epoch; it must yield at least one"
+                )
             s.epoch += 1
             s.batches_in_epoch = 0
             if val_loader is not None and not val_every:
@@ -222,7 +250,12 @@ class Trainer:
             self._validation_loop(module, val_loader)
 
     def _train_epoch(
-        self, module: TrainModule, val_loader: Iterable | None, epoch_len: int | None, val_every: int | None, meter: _Throughput
+        self,
+        module: TrainModule,
+        val_loader: Iterable | None,
+        epoch_len: int | None,
+        val_every: int | None,
+        meter: _Throughput,
     ) -> bool:
         """Optimizer steps until the epoch's data runs out (True) or the run is done (False)."""
         s = self.state
@@ -247,7 +280,9 @@ class Trainer:
             meter.count(batch)
             batch = strategy.batch_to_device(batch)
             with strategy.accumulation_context(is_last_micro_batch=i == len(window) - 1):
-                outs.append(strategy.forward_backward(module, batch, s.batches_in_epoch + i, 1.0 / len(window)))
+                outs.append(
+                    strategy.forward_backward(module, batch, s.batches_in_epoch + i, 1.0 / len(window))
+                )
         loss, num_tokens = _step_loss(outs)
         self._call("on_after_backward")
         strategy.finish_gradients(module, self.optimizer, num_tokens)
@@ -273,7 +308,9 @@ class Trainer:
             self._progress.update()
         return {"loss": loss}
 
-    def _log_train(self, loss: torch.Tensor, num_tokens: torch.Tensor | None, norm: Any, lr: float, meter: _Throughput) -> None:
+    def _log_train(
+        self, loss: torch.Tensor, num_tokens: torch.Tensor | None, norm: Any, lr: float, meter: _Throughput
+    ) -> None:
         strategy = self.strategy
         if num_tokens is not None:  # token-weighted mean over ranks
             total = strategy.reduce(torch.stack([loss * num_tokens, num_tokens]), "sum")
@@ -311,7 +348,9 @@ class Trainer:
         self._call("on_validation_end")
         return metrics
 
-    def _eval_loop(self, module: TrainModule, loader: Iterable, method: str, prefix: str, limit: Any) -> dict[str, float]:
+    def _eval_loop(
+        self, module: TrainModule, loader: Iterable, method: str, prefix: str, limit: Any
+    ) -> dict[str, float]:
         """Means over batches (and ranks) of the step's returned loss and of what it logged. It runs
         with its own RNG so that validating never changes the training trajectory."""
         was_training = module.training
@@ -333,13 +372,19 @@ class Trainer:
         module.train(was_training)
         return metrics
 
-    def _evaluate(self, module: TrainModule, loader: Iterable, ckpt_path: Any, stage: str) -> dict[str, float]:
+    def _evaluate(
+        self, module: TrainModule, loader: Iterable, ckpt_path: Any, stage: str
+    ) -> dict[str, float]:
         _check_module(module)
         if ckpt_path is not None and ckpt_path != "last" and not Path(ckpt_path).exists():
-            raise FileNotFoundError(f"ckpt_path '{ckpt_path}' does not exist; allowed: an existing checkpoint directory, 'last' or None")
+            raise FileNotFoundError(
+                f"ckpt_path '{ckpt_path}' does not exist; allowed: an existing checkpoint directory, 'last' or None"
+            )
         return self.strategy.launch(self._run_evaluate, module, loader, ckpt_path, stage)
 
-    def _run_evaluate(self, module: TrainModule, loader: Iterable, ckpt_path: Any, stage: str) -> dict[str, float]:
+    def _run_evaluate(
+        self, module: TrainModule, loader: Iterable, ckpt_path: Any, stage: str
+    ) -> dict[str, float]:
         self._setup(module, stage)
         try:
             _shard(loader, self.strategy)
@@ -368,7 +413,9 @@ class Trainer:
         with strategy.module_init_context():
             module.configure_model()
         if not any(True for _ in module.parameters()):
-            raise ValueError(f"{type(module).__name__} has no parameters; build layers in __init__ or configure_model()")
+            raise ValueError(
+                f"{type(module).__name__} has no parameters; build layers in __init__ or configure_model()"
+            )
         strategy.setup_module(module)
         self._call("setup", stage)
 
@@ -393,9 +440,12 @@ class Trainer:
                 )
             self.lr_scheduler = scheduler
             return
-        self._schedule = LRSchedule(self.lr_schedule, self.warmup_steps, self._total_steps() or 1, self.min_lr_ratio)
-        if self.lr_schedule != "constant" and self._total_steps() is None:
-            raise ValueError(f"lr_schedule={self.lr_schedule!r} needs the run length: set max_steps, or use a loader with len()")
+        total = self._total_steps()
+        if self.lr_schedule != "constant" and total is None:
+            raise ValueError(
+                f"lr_schedule={self.lr_schedule!r} needs the run length: set max_steps, or use a loader with len()"
+            )
+        self._schedule = LRSchedule(self.lr_schedule, self.warmup_steps, total or 1, self.min_lr_ratio)
         self.lr_scheduler = build_scheduler(self.optimizer, self._schedule)
 
     def _total_steps(self) -> int | None:
@@ -414,7 +464,9 @@ class Trainer:
         if interval is None or isinstance(interval, int):
             return interval
         if epoch_len is None:
-            raise ValueError(f"val_check_interval={interval} is a fraction of an epoch but the loader has no len(); pass an int")
+            raise ValueError(
+                f"val_check_interval={interval} is a fraction of an epoch but the loader has no len(); pass an int"
+            )
         return max(1, round(interval * math.ceil(epoch_len / self.accumulate_grad_batches)))
 
     def _done(self) -> bool:
@@ -449,7 +501,9 @@ class Trainer:
             return Path(ckpt_path)
         found = find_last(self._checkpoint_dir())
         if found is None:
-            rank_zero_info(f"ckpt_path='last': no checkpoint in {self._checkpoint_dir()} yet, starting from scratch")
+            rank_zero_info(
+                f"ckpt_path='last': no checkpoint in {self._checkpoint_dir()} yet, starting from scratch"
+            )
         else:
             rank_zero_info(f"resuming from {found}")
         return found
@@ -461,7 +515,9 @@ class Trainer:
         set_rng_state(rngs[self.strategy.global_rank] if len(rngs) == self.strategy.world_size else rngs[0])
         if self._schedule is not None:
             # our schedule is rebuilt from this run's flags (a run may be extended); only its position is restored
-            self.lr_scheduler.load_state_dict({**state["scheduler"], "lr_lambdas": [None] * len(self.optimizer.param_groups)})
+            self.lr_scheduler.load_state_dict(
+                {**state["scheduler"], "lr_lambdas": [None] * len(self.optimizer.param_groups)}
+            )
             for group, base in zip(self.optimizer.param_groups, self.lr_scheduler.base_lrs, strict=True):
                 group["lr"] = base * self._schedule(self.lr_scheduler.last_epoch)
         elif state["scheduler"]:
@@ -475,16 +531,46 @@ class Trainer:
         self._call("on_load_checkpoint", state)
 
     # ---- small helpers ---------------------------------------------------------------------------
+    def _announce(self, module: TrainModule) -> None:
+        """One line on what is about to run: size, parallelism, precision and the global batch."""
+        params = sum(p.numel() for p in module.parameters())
+        strategy = self.strategy
+        batch = getattr(self._train_batches.loader, "batch_size", None)
+        line = (
+            f"{type(module).__name__}: {params / 1e6:.2f}M parameters | strategy {strategy.name}, "
+            f"{strategy.world_size} process(es), precision {strategy.precision.name}"
+        )
+        if isinstance(batch, int):
+            line += (
+                f" | global batch = {batch} per micro-batch x {self.accumulate_grad_batches} accumulated x "
+                f"{strategy.dp_size} data-parallel = {batch * self.accumulate_grad_batches * strategy.dp_size} samples/step"
+            )
+        rank_zero_info(line)
+
     def _call(self, hook: str, *args: Any) -> None:
         for cb in self.callbacks:
             getattr(cb, hook)(self, self.module, *args)
 
     def _hyperparams(self, module: TrainModule) -> dict[str, Any]:
-        keys = ("max_steps", "max_epochs", "accumulate_grad_batches", "gradient_clip_val", "lr_schedule", "warmup_steps",
-                "min_lr_ratio", "seed", "log_every_n_steps")
+        keys = (
+            "max_steps",
+            "max_epochs",
+            "accumulate_grad_batches",
+            "gradient_clip_val",
+            "lr_schedule",
+            "warmup_steps",
+            "min_lr_ratio",
+            "seed",
+            "log_every_n_steps",
+        )
         params = {k: getattr(self, k) for k in keys}
-        params.update(strategy=self.strategy.name, precision=self.strategy.precision.name, world_size=self.strategy.world_size,
-                      module=type(module).__name__, parameters=sum(p.numel() for p in module.parameters()))
+        params.update(
+            strategy=self.strategy.name,
+            precision=self.strategy.precision.name,
+            world_size=self.strategy.world_size,
+            module=type(module).__name__,
+            parameters=sum(p.numel() for p in module.parameters()),
+        )
         return params
 
 
@@ -510,7 +596,10 @@ class _Throughput:
     def rates(self, dp_size: int) -> dict[str, float]:
         """Global rates (this rank's count x data-parallel replicas) since the last call."""
         elapsed = max(time.perf_counter() - self.since, 1e-9)
-        rates = {"train/step_time_s": elapsed / max(self.steps, 1), "train/samples_per_s": self.samples * dp_size / elapsed}
+        rates = {
+            "train/step_time_s": elapsed / max(self.steps, 1),
+            "train/samples_per_s": self.samples * dp_size / elapsed,
+        }
         if self.has_tokens and self.tokens:
             rates["train/tokens_per_s"] = self.tokens * dp_size / elapsed
         self.samples = self.tokens = self.steps = 0
@@ -524,7 +613,9 @@ def _batch_size(batch: Any) -> tuple[int, int | None]:
     ids = None
     if isinstance(batch, dict):
         ids = batch.get("input_ids")
-        first = ids if ids is not None else next((v for v in batch.values() if isinstance(v, torch.Tensor)), None)
+        first = (
+            ids if ids is not None else next((v for v in batch.values() if isinstance(v, torch.Tensor)), None)
+        )
     else:
         first = batch[0] if isinstance(batch, (list, tuple)) and batch else batch
         if isinstance(first, torch.Tensor) and first.dim() == 2 and not first.is_floating_point():
@@ -539,7 +630,9 @@ def _step_loss(outs: list[StepOutput]) -> tuple[torch.Tensor, torch.Tensor | Non
     if all(c is None for c in counts):
         return torch.stack([o.loss for o in outs]).float().mean(), None
     if any(c is None for c in counts):
-        raise ValueError("training_step returned 'num_tokens' for some micro-batches but not others; return it always or never")
+        raise ValueError(
+            "training_step returned 'num_tokens' for some micro-batches but not others; return it always or never"
+        )
     n = torch.stack(counts)
     return (torch.stack([o.loss.float() for o in outs]) * n).sum() / n.sum(), n.sum()
 
@@ -565,13 +658,3 @@ def _shard(loader: Any, strategy: Strategy) -> None:
 def _check_module(module: Any) -> None:
     if not isinstance(module, TrainModule):
         raise TypeError(f"expected a TrainModule, got {type(module).__name__}")
-
-
-def _configure_console_logging() -> None:
-    """Show the framework's info lines on stderr unless the application configured logging itself."""
-    if not log.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("[trainer] %(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
-        log.propagate = False

@@ -1,0 +1,27 @@
+# Each target does its own setup: a .venv with the CPU build of torch 2.13.0, then this project.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: train test lint bench setup
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+train: setup  ## the main job: a tiny Llama on Python's own documentation text, on the CPU
+	$(BIN)/trainer fit recipes/llama_tiny.yaml
+
+test: setup  ## the whole test suite (slow tests included)
+	WANDB_MODE=offline HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+bench: setup
+	$(BIN)/python bench/overhead.py && $(BIN)/python bench/throughput.py

@@ -1,0 +1,139 @@
+"""Checkpoints: atomic directories, retention, tied weights, and loading that never runs code."""
+
+import pytest
+import torch
+from conftest import Regression, quiet, regression_loader
+
+from callbacks import Callback, ModelCheckpoint
+from trainer import Trainer, TrainModule
+from trainer.checkpoint import CheckpointError, find_last, load_model_file, save_model_file
+
+
+def steps_on_disk(root):
+    return sorted(
+        int(p.name.split("-")[1]) for p in (root / "checkpoints").iterdir() if p.name.startswith("step-")
+    )
+
+
+def test_model_checkpoint_keeps_the_newest_k_and_leaves_no_temporary_files(tmp_path):
+    cb = ModelCheckpoint(every_n_steps=2, save_top_k=2)
+    Trainer(max_steps=10, default_root_dir=tmp_path, callbacks=[cb], **quiet()).fit(
+        Regression(), regression_loader()
+    )
+    assert steps_on_disk(tmp_path) == [8, 10]
+    assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")]
+    assert sorted(p.name for p in (tmp_path / "checkpoints" / "step-00000010").iterdir()) == [
+        "meta.json",
+        "model.safetensors",
+        "optimizer.pt",
+        "state.pt",
+    ]
+
+
+def test_model_checkpoint_with_monitor_keeps_the_best_and_the_newest(tmp_path):
+    class ScriptedMetric(Callback):
+        scores = {2: 5.0, 4: 1.0, 6: 3.0, 8: 4.0, 10: 6.0}
+
+        def on_train_batch_end(self, trainer, module, outputs):
+            if trainer.global_step in self.scores:
+                trainer.callback_metrics["score"] = self.scores[trainer.global_step]
+
+    cb = ModelCheckpoint(every_n_steps=2, save_top_k=1, monitor="score", mode="min", save_last=False)
+    Trainer(max_steps=10, default_root_dir=tmp_path, callbacks=[ScriptedMetric(), cb], **quiet()).fit(
+        Regression(), regression_loader()
+    )
+    assert steps_on_disk(tmp_path) == [4, 10]  # best (score 1.0) and the newest
+
+
+def test_monitor_of_an_unknown_metric_names_what_was_logged(tmp_path):
+    cb = ModelCheckpoint(every_n_steps=1, monitor="val/acc")
+    with pytest.raises(
+        KeyError, match=r"ModelCheckpoint\(monitor='val/acc'\) found no such metric; logged: .*train/loss"
+    ):
+        Trainer(max_steps=2, default_root_dir=tmp_path, callbacks=[cb], **quiet()).fit(
+            Regression(), regression_loader()
+        )
+
+
+def test_last_ignores_a_half_written_checkpoint(tmp_path):
+    Trainer(max_steps=2, default_root_dir=tmp_path, **quiet()).fit(Regression(), regression_loader())
+    (tmp_path / "checkpoints" / ".tmp-step-00000004-123").mkdir()  # a writer killed mid-way
+    (tmp_path / "checkpoints" / "step-00000006").mkdir()  # a directory without meta.json
+    assert find_last(tmp_path / "checkpoints").name == "step-00000002"
+
+
+def test_tied_weights_are_stored_once_and_stay_tied_after_loading(tmp_path):
+    emb = torch.nn.Embedding(10, 4)
+    head = torch.nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight
+    sd = {"emb.weight": emb.weight, "head.weight": head.weight}
+    save_model_file(sd, tmp_path / "m.safetensors")
+    loaded = load_model_file(tmp_path / "m.safetensors")
+    assert torch.equal(loaded["head.weight"], emb.weight)
+    assert loaded["head.weight"] is loaded["emb.weight"]
+
+
+class Boom:
+    def __reduce__(self):
+        return (print, ("this must never run",))
+
+
+def test_loading_a_checkpoint_never_executes_code_from_it(tmp_path, capsys):
+    Trainer(max_steps=2, default_root_dir=tmp_path, **quiet()).fit(Regression(), regression_loader())
+    ckpt = tmp_path / "checkpoints" / "step-00000002"
+    torch.save({"loop": Boom()}, ckpt / "state.pt")
+    with pytest.raises(CheckpointError, match="state.pt is unreadable"):
+        Trainer(max_steps=4, default_root_dir=tmp_path, **quiet()).fit(
+            Regression(), regression_loader(), ckpt_path="last"
+        )
+    assert "this must never run" not in capsys.readouterr().out
+
+
+def test_validate_and_test_load_weights_from_a_checkpoint(tmp_path):
+    class WithTest(Regression):
+        def test_step(self, batch, batch_idx):
+            return self.validation_step(batch, batch_idx)
+
+    trained = WithTest()
+    Trainer(max_steps=30, default_root_dir=tmp_path, **quiet()).fit(trained, regression_loader())
+    fresh = WithTest()
+    before = Trainer(default_root_dir=tmp_path, **quiet()).validate(fresh, regression_loader())
+    after = Trainer(default_root_dir=tmp_path, **quiet()).validate(
+        fresh, regression_loader(), ckpt_path="last"
+    )
+    tested = Trainer(default_root_dir=tmp_path, **quiet()).test(fresh, regression_loader())
+    with torch.no_grad():
+        expected = torch.stack(
+            [torch.nn.functional.mse_loss(trained.net(x), y) for x, y in regression_loader()]
+        ).mean()
+    assert after["val/loss"] == pytest.approx(float(expected), rel=1e-6)
+    assert tested["test/loss"] == pytest.approx(after["val/loss"], rel=1e-6)
+    assert before["val/loss"] != pytest.approx(after["val/loss"])
+
+
+def test_module_hooks_add_their_own_state_to_the_checkpoint(tmp_path):
+    class Counting(Regression):
+        def __init__(self):
+            super().__init__()
+            self.seen = 0
+
+        def on_save_checkpoint(self, checkpoint):
+            checkpoint["seen"] = self.seen + 41
+
+        def on_load_checkpoint(self, checkpoint):
+            self.seen = checkpoint["seen"]
+
+    Trainer(max_steps=2, default_root_dir=tmp_path, **quiet()).fit(Counting(), regression_loader())
+    resumed = Counting()
+    Trainer(max_steps=3, default_root_dir=tmp_path, **quiet()).fit(
+        resumed, regression_loader(), ckpt_path="last"
+    )
+    assert resumed.seen == 41
+
+
+def test_trainmodule_log_outside_a_run_is_an_error():
+    class M(TrainModule):
+        pass
+
+    with pytest.raises(RuntimeError, match=r"M.log\('x'\) called outside of a Trainer run"):
+        M().log("x", 1.0)

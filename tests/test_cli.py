@@ -1,0 +1,199 @@
+"""The `trainer` command: recipes run end to end; bad keys, types and paths give one-line errors."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trainer.cli import main
+from trainer.config import ConfigError, load_recipe
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "recipes" / "llama_tiny.yaml"
+SMALL = [
+    "model.dim=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "data.seq_len=64",
+    "data.batch_size=4",
+]
+
+
+def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "trainer.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=300,
+    )
+
+
+@pytest.mark.slow
+def test_fit_the_tiny_recipe_end_to_end_then_resume_and_validate(tmp_path):
+    root = tmp_path / "run"
+    args = [
+        str(TINY),
+        "trainer.max_steps=20",
+        "trainer.warmup_steps=2",
+        "trainer.val_check_interval=10",
+        "trainer.limit_val_batches=2",
+        f"trainer.default_root_dir={root}",
+        *SMALL,
+    ]
+    done = run_cli("fit", *args, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [json.loads(line) for line in (root / "logs" / "metrics.jsonl").read_text().splitlines()]
+    val = [(r["step"], r["val/loss"]) for r in rows if "val/loss" in r]
+    assert [s for s, _ in val] == [0, 10, 20]
+    assert val[-1][1] < val[0][1] - 1.0, f"validation loss did not fall: {val}"
+    assert "done: 20 steps" in done.stdout and "export/model.safetensors" in done.stdout
+    assert (root / "export" / "config.json").exists() and (root / "checkpoints" / "step-00000020").is_dir()
+
+    more = run_cli(
+        "fit", *args[: -len(SMALL)], *SMALL, "trainer.max_steps=25", "--ckpt-path", "last", cwd=tmp_path
+    )
+    assert more.returncode == 0, more.stderr[-2000:]
+    assert "resuming from" in more.stderr
+    steps = [json.loads(line)["step"] for line in (root / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert max(steps) == 25
+
+    checked = run_cli("validate", *args, cwd=tmp_path)
+    assert checked.returncode == 0, checked.stderr[-2000:]
+    assert yaml.safe_load(checked.stdout)["val/loss"] < val[0][1]
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("trainer.max_step=5", "unknown key 'trainer.max_step'; did you mean 'max_steps'?"),
+        ("model.n_layer=2", "unknown key 'model.n_layer'; did you mean 'n_layers'?"),
+        ("optimzer.lr=1", "unknown section 'optimzer'; did you mean 'optimizer'?"),
+        ("trainer.max_steps=abc", "trainer.max_steps expects int or null; got str 'abc'"),
+        ("optimizer.lr=fast", "optimizer.lr expects float; got str 'fast'"),
+        ("data.batch_size=2.5", "data.batch_size expects int; got float 2.5"),
+        ("trainer.enable_progress_bar=3", "trainer.enable_progress_bar expects bool (true/false); got int 3"),
+        ("strategy.name=ddpp", "strategy.name='ddpp' is unknown"),
+        ("strategy.bucket=3", "unknown key 'strategy.bucket'"),
+        ("model.n_heads=7", "model: dim=256 is not divisible by n_heads=7"),
+        ("model.preset=13b", "model: Llama preset '13b' is unknown; allowed: tiny, 1b, 8b, 70b"),
+        ("trainer", "override 'trainer' is not key.path=value"),
+    ],
+)
+def test_bad_overrides_name_the_key_and_what_is_allowed(override, message):
+    with pytest.raises(ConfigError) as err:
+        load_recipe(TINY, [override])
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_yaml_numbers_without_a_dot_are_read_as_floats():
+    assert load_recipe(TINY, ["optimizer.lr=1e-3"])["optimizer"]["lr"] == 1e-3
+
+
+def test_cli_errors_are_one_line_with_exit_code_2(tmp_path, capsys):
+    assert main(["fit", str(tmp_path / "missing.yaml")]) == 2
+    assert "recipe '" in capsys.readouterr().err
+    assert main(["fit", str(TINY), f"data.path={tmp_path / 'nope.txt'}", *SMALL]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("trainer: error: data:") and "nope.txt" in err and len(err.splitlines()) == 1
+    assert (
+        main(
+            [
+                "fit",
+                str(TINY),
+                "callbacks=[{class_path: callbacks.ModelCheckpoint, init_args: {every_n_step: 3}}]",
+            ]
+        )
+        == 2
+    )
+    assert (
+        "unknown key 'callbacks[0].init_args.every_n_step'; did you mean 'every_n_steps'?"
+        in capsys.readouterr().err
+    )
+    assert main(["fit", str(TINY), "loggers=[mlflow]"]) == 2
+    assert "loggers[0]: cannot import 'mlflow'" in capsys.readouterr().err
+    assert main(["fit", str(TINY), "trainer.max_steps=5", "trainer.warmup_steps=10"]) == 2
+    assert "warmup_steps=10 leaves no room to decay in 5 total steps" in capsys.readouterr().err
+
+
+def test_config_prints_the_resolved_recipe_with_defaults(capsys):
+    assert main(["config", str(TINY), "trainer.max_steps=7"]) == 0
+    resolved = yaml.safe_load(capsys.readouterr().out)
+    assert resolved["trainer"]["max_steps"] == 7
+    assert resolved["trainer"]["accumulate_grad_batches"] == 1  # a default filled in
+    assert list(resolved) == ["model", "data", "optimizer", "trainer", "strategy", "callbacks", "loggers"]
+
+
+def test_help_lists_subcommands_and_recipe_sections(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for word in (
+        "fit",
+        "validate",
+        "test",
+        "config",
+        "model",
+        "data",
+        "optimizer",
+        "trainer",
+        "strategy",
+        "callbacks",
+        "loggers",
+    ):
+        assert word in out
+
+
+def test_a_users_own_train_module_is_named_by_import_path(tmp_path, monkeypatch):
+    (tmp_path / "my_lm.py").write_text(
+        textwrap.dedent("""
+        import torch
+        from trainer import TrainModule
+
+        class Bigram(TrainModule):
+            def __init__(self, vocab: int = 257):
+                super().__init__()
+                self.table = torch.nn.Embedding(vocab, vocab)
+
+            def training_step(self, batch, batch_idx):
+                logits = self.table(batch["input_ids"])
+                return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+
+            validation_step = training_step
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=1.0)
+    """)
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    code = main(
+        [
+            "fit",
+            str(TINY),
+            "model.class_path=my_lm.Bigram",
+            "model.init_args={vocab: 257}",
+            f"data.path={corpus}",
+            "data.seq_len=32",
+            "trainer.max_steps=5",
+            "trainer.warmup_steps=1",
+            "trainer.enable_progress_bar=false",
+            f"trainer.default_root_dir={tmp_path / 'run'}",
+        ]
+    )
+    assert code == 0
+    assert (tmp_path / "run" / "checkpoints" / "step-00000005").is_dir()
+    with pytest.raises(ConfigError, match="unknown key 'model.init_args.vocab_size'; did you mean 'vocab'"):
+        from trainer.config import build_run
+
+        build_run(load_recipe(TINY, ["model.class_path=my_lm.Bigram", "model.init_args={vocab_size: 3}"]))

@@ -1,0 +1,62 @@
+"""The logged gradient norm is the pre-clip global norm; after clipping the norm is at most the max."""
+
+import pytest
+import torch
+from conftest import Regression, quiet, read_metrics, regression_loader
+
+from callbacks import Callback
+from trainer import Trainer
+
+
+class RecordNorms(Callback):
+    def __init__(self):
+        self.reference, self.after = [], []
+
+    def on_after_backward(self, trainer, module):
+        copies = []
+        for p in module.parameters():  # clip_grad_norm_ on copies, so the run's gradients stay untouched
+            copies.append(torch.nn.Parameter(p.detach().clone()))
+            copies[-1].grad = p.grad.detach().clone()
+        self.reference.append(float(torch.nn.utils.clip_grad_norm_(copies, max_norm=float("inf"))))
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        self.after.append(float(torch.nn.utils.get_total_norm([p.grad for p in module.parameters()])))
+
+
+@pytest.mark.parametrize("precision", ["32", "16-mixed"])
+def test_logged_norm_is_the_pre_clip_global_norm_and_clipping_bounds_it(tmp_path, precision):
+    rec = RecordNorms()
+    torch.manual_seed(0)
+    Trainer(
+        max_steps=8,
+        gradient_clip_val=0.05,
+        precision=precision,
+        callbacks=[rec],
+        default_root_dir=tmp_path,
+        enable_checkpointing=False,
+        **quiet(),
+    ).fit(Regression(lr=1e-3), regression_loader())
+    logged = read_metrics(tmp_path, "train/grad_norm")
+    if precision == "32":  # with fp16 the recorded grads are still scaled at on_after_backward
+        assert [logged[s] for s in range(1, 9)] == pytest.approx(rec.reference, rel=1e-6)
+    assert all(n > 0.05 for n in logged.values()), "the test needs norms above the clip value"
+    assert all(n <= 0.05 * (1 + 1e-5) for n in rec.after)
+
+
+def test_clip_by_value_bounds_every_gradient_entry(tmp_path):
+    seen = []
+
+    class MaxAbs(Callback):
+        def on_before_optimizer_step(self, trainer, module, optimizer):
+            seen.append(max(p.grad.abs().max().item() for p in module.parameters()))
+
+    Trainer(
+        max_steps=4,
+        gradient_clip_val=1e-3,
+        gradient_clip_algorithm="value",
+        callbacks=[MaxAbs()],
+        default_root_dir=tmp_path,
+        **quiet(),
+    ).fit(Regression(), regression_loader())
+    assert seen and all(v <= torch.tensor(1e-3).item() for v in seen)  # 1e-3 in fp32
+    assert max(read_metrics(tmp_path, "train/grad_norm").values()) > 1e-3

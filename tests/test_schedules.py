@@ -1,0 +1,72 @@
+import math
+
+import pytest
+import torch
+
+from trainer.schedules import LRSchedule, build_scheduler
+
+
+def lrs(schedule: LRSchedule, steps: int, peak: float = 1.0) -> list[float]:
+    """The lr used by each optimizer step, through a real optimizer + LambdaLR."""
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=peak)
+    sched = build_scheduler(opt, schedule)
+    used = []
+    for _ in range(steps):
+        used.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return used
+
+
+def test_warmup_is_linear_from_zero_and_reaches_peak_at_its_last_step():
+    used = lrs(LRSchedule("cosine", warmup_steps=10, total_steps=100), 12, peak=2.0)
+    assert used[0] == pytest.approx(2.0 * 1 / 10)
+    assert used[4] == pytest.approx(2.0 * 5 / 10)
+    assert used[9] == pytest.approx(2.0)
+
+
+def test_cosine_matches_closed_form_in_the_middle_and_ends_at_min_ratio():
+    w, t, r = 10, 110, 0.1
+    used = lrs(LRSchedule("cosine", w, t, min_lr_ratio=r), t + 5)
+    mid = w + (t - w) // 2
+    assert used[mid] == pytest.approx(r + (1 - r) * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    quarter = w + (t - w) // 4
+    assert used[quarter] == pytest.approx(r + (1 - r) * 0.5 * (1 + math.cos(math.pi * 0.25)))
+    assert used[t] == pytest.approx(r)
+    assert used[t + 4] == pytest.approx(r)  # stays at the floor past the end
+
+
+def test_linear_matches_closed_form():
+    used = lrs(LRSchedule("linear", 0, 100, min_lr_ratio=0.2), 101)
+    assert used[0] == pytest.approx(1.0)
+    assert used[50] == pytest.approx(1 - 0.8 * 0.5)
+    assert used[100] == pytest.approx(0.2)
+
+
+def test_wsd_is_stable_then_decays_over_the_last_fraction():
+    used = lrs(LRSchedule("wsd", 5, 100, min_lr_ratio=0.0, decay_fraction=0.2), 101)
+    assert used[4] == pytest.approx(1.0)
+    assert used[79] == pytest.approx(1.0)
+    assert used[80] == pytest.approx(1.0)  # decay starts at step 80
+    assert used[90] == pytest.approx(0.5)
+    assert used[100] == pytest.approx(0.0)
+
+
+def test_constant_after_warmup():
+    used = lrs(LRSchedule("constant", 4, 10), 10)
+    assert used[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert used[4:] == pytest.approx([1.0] * 6)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"name": "exp", "warmup_steps": 0, "total_steps": 10}, "lr_schedule='exp' is unknown"),
+        ({"name": "cosine", "warmup_steps": -1, "total_steps": 10}, "warmup_steps=-1"),
+        ({"name": "cosine", "warmup_steps": 10, "total_steps": 10}, "warmup_steps=10 leaves no room"),
+        ({"name": "cosine", "warmup_steps": 0, "total_steps": 10, "min_lr_ratio": 2.0}, "min_lr_ratio=2.0"),
+    ],
+)
+def test_bad_schedule_arguments_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LRSchedule(**kwargs)

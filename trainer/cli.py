@@ -1,0 +1,109 @@
+"""`trainer fit|validate|test|config RECIPE.yaml [key.path=value ...]`: run a recipe from the shell."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import yaml
+
+from trainer.checkpoint import CheckpointError
+from trainer.config import SECTIONS, ConfigError, build_run, load_recipe
+from trainer.export import export_llama
+from trainer.logging import configure_console_logging
+from trainer.models.llama import Llama
+
+EPILOG = f"""recipe sections: {", ".join(SECTIONS)}
+  model      a Llama preset (tiny, 1b, 8b, 70b) with any LlamaConfig field, or class_path + init_args
+  data       path (none: the embedded corpus), tokenizer (byte or a local path), seq_len, batch_size, val_fraction
+  optimizer  AdamW lr, betas, weight_decay, eps
+  trainer    every Trainer flag (max_steps, precision, lr_schedule, warmup_steps, default_root_dir, ...)
+  strategy   name (auto, single, ...) and the strategy's arguments
+  callbacks  a list of {{class_path, init_args}}
+  loggers    a list of names (jsonl, tensorboard, wandb) or {{class_path, init_args}}
+
+examples:
+  trainer fit recipes/llama_tiny.yaml
+  trainer fit recipes/llama_tiny.yaml trainer.max_steps=50 optimizer.lr=1e-3
+  trainer fit recipes/llama_tiny.yaml --ckpt-path last      # resume (or start) the run
+  trainer config recipes/llama_tiny.yaml data.seq_len=128   # print the resolved recipe
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="trainer",
+        description="Train, validate or test from a recipe YAML.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{fit,validate,test,config}")
+    for name, text in (
+        ("fit", "train (with validation) as the recipe describes"),
+        ("validate", "validation loss of a checkpoint (default: the run's last)"),
+        ("test", "test loss of a checkpoint (default: the run's last)"),
+        ("config", "print the fully resolved recipe and exit"),
+    ):
+        cmd = sub.add_parser(
+            name,
+            help=text,
+            description=text,
+            epilog=EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        cmd.add_argument("recipe", type=Path, help="a recipe YAML file")
+        cmd.add_argument("overrides", nargs="*", metavar="key.path=value", help="override recipe values")
+        if name != "config":
+            default = None if name == "fit" else "last"
+            cmd.add_argument(
+                "--ckpt-path",
+                default=default,
+                help=f"'last', a checkpoint directory, or none (default: {default})",
+            )
+    args = parser.parse_args(argv)
+    configure_console_logging()
+    try:
+        config = load_recipe(args.recipe, args.overrides)
+        if args.command == "config":
+            print(yaml.safe_dump(config, sort_keys=False), end="")
+            return 0
+        trainer, module, train_loader, val_loader = build_run(config)
+        ckpt = None if args.ckpt_path in (None, "none", "None") else args.ckpt_path
+        if args.command == "fit":
+            trainer.fit(module, train_loader, val_loader, ckpt_path=ckpt)
+            exported = None
+            if isinstance(getattr(module, "model", None), Llama) and trainer.is_global_zero:
+                exported = export_llama(module.model, Path(trainer.default_root_dir) / "export")
+            _report(trainer, exported)
+        else:
+            metrics = getattr(trainer, args.command)(module, val_loader, ckpt_path=ckpt)
+            print(yaml.safe_dump(metrics, sort_keys=False), end="")
+    except (ConfigError, CheckpointError, FileNotFoundError) as err:
+        print(f"trainer: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _report(trainer, exported: Path | None) -> None:
+    """Where the run's outputs are, and how it ended."""
+    root = Path(trainer.default_root_dir)
+    metrics = trainer.callback_metrics
+    lines = [f"done: {trainer.global_step} steps"]
+    if "val/loss" in metrics:
+        lines[0] += f", val/loss {metrics['val/loss']:.4f}"
+    lines.append(f"  metrics      {root / 'logs' / 'metrics.jsonl'}")
+    last = sorted((root / "checkpoints").glob("step-*"))
+    if last:
+        lines.append(
+            f"  checkpoint   {last[-1]}  (model.safetensors + optimizer + state; resume with --ckpt-path last)"
+        )
+    if exported is not None:
+        lines.append(
+            f"  weights      {exported}  (Hugging Face layout: LlamaForCausalLM.from_pretrained('{exported.parent}'))"
+        )
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

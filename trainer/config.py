@@ -1,0 +1,356 @@
+"""Recipe YAML -> typed sections -> objects, with one-line errors for bad keys, types and paths.
+
+A recipe reads like a description of the run; its sections are `model`, `data`, `optimizer`,
+`trainer`, `strategy`, `callbacks` and `loggers`. Every key is checked against the dataclass (or
+signature) it configures: an unknown key names the closest valid one, a wrong type names the key,
+the expected type and the value given. `key.path=value` overrides go through the same checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import inspect
+import types
+import typing
+from dataclasses import dataclass, field, make_dataclass
+from pathlib import Path
+from typing import Any, Union
+
+import yaml
+
+from trainer.models.llama import LlamaConfig
+
+
+class ConfigError(ValueError):
+    """A recipe or override that cannot describe a run."""
+
+
+# ---- sections ------------------------------------------------------------------------------------
+ModelSection = make_dataclass(
+    "ModelSection",
+    [
+        ("preset", str, field(default="tiny")),
+        ("class_path", str | None, field(default=None)),
+        ("init_args", dict, field(default_factory=dict)),
+    ]
+    + [(name, tp | None, field(default=None)) for name, tp in typing.get_type_hints(LlamaConfig).items()],
+)
+ModelSection.__doc__ = (
+    "A Llama `preset` with any LlamaConfig field overridden, or `class_path` (a TrainModule, or an nn.Module "
+    "mapping tokens to logits) built with `init_args`."
+)
+
+
+@dataclass
+class DataSection:
+    """Arguments of trainer.data.lm_dataloaders; `path` None is the embedded corpus."""
+
+    path: str | None = None
+    tokenizer: str = "byte"
+    seq_len: int = 256
+    batch_size: int = 8
+    val_fraction: float = 0.05
+    text_field: str = "text"
+    cache_dir: str | None = None
+
+
+@dataclass
+class OptimizerSection:
+    """AdamW of CausalLM."""
+
+    lr: float = 3e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    weight_decay: float = 0.1
+    eps: float = 1e-8
+
+
+def _trainer_section() -> type:
+    """Every Trainer flag but strategy/callbacks/loggers (sections of their own), with its type and default."""
+    from trainer.trainer import Trainer
+
+    hints = typing.get_type_hints(Trainer.__init__)
+    specs = []
+    for name, param in inspect.signature(Trainer.__init__).parameters.items():
+        if name in ("self", "strategy", "callbacks", "loggers"):
+            continue
+        default = str(param.default) if isinstance(param.default, Path) else param.default
+        tp = str | None if name == "default_root_dir" else hints[name]
+        specs.append((name, tp, field(default=default)))
+    return make_dataclass("TrainerSection", specs)
+
+
+SECTIONS = ("model", "data", "optimizer", "trainer", "strategy", "callbacks", "loggers")
+
+
+# ---- loading -------------------------------------------------------------------------------------
+def load_recipe(path: str | Path, overrides: list[str] = ()) -> dict[str, Any]:
+    """The recipe at `path` with `key.path=value` overrides applied, fully resolved and type-checked."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(
+            f"recipe '{path}' does not exist; allowed: a YAML file such as recipes/llama_tiny.yaml"
+        )
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"recipe '{path}' is not valid YAML: {str(err).splitlines()[0]}") from err
+    if not isinstance(raw, dict):
+        raise ConfigError(f"recipe '{path}' must be a mapping of sections ({', '.join(SECTIONS)})")
+    for item in overrides:
+        apply_override(raw, item)
+    return resolve(raw)
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Set `a.b.c=value` in the raw recipe (value parsed as YAML: 3, 1e-3, true, null, [1, 2])."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} is not key.path=value")
+    key, text = item.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"override {item!r} has an empty key part")
+    node = raw
+    for part in parts[:-1]:
+        if not isinstance(node.get(part, {}), dict):
+            raise ConfigError(f"override {key}: '{part}' is not a section")
+        node = node.setdefault(part, {})
+    node[parts[-1]] = yaml.safe_load(text) if text.strip() else ""
+
+
+def resolve(raw: dict[str, Any]) -> dict[str, Any]:
+    """Check every section; returns plain data (the resolved config), defaults filled in."""
+    _reject_unknown(raw, SECTIONS, "recipe")
+    trainer_cls = _trainer_section()
+    out = {
+        "model": _to_dataclass(ModelSection, raw.get("model") or {}, "model"),
+        "data": _to_dataclass(DataSection, raw.get("data") or {}, "data"),
+        "optimizer": _to_dataclass(OptimizerSection, raw.get("optimizer") or {}, "optimizer"),
+        "trainer": _to_dataclass(trainer_cls, raw.get("trainer") or {}, "trainer"),
+    }
+    resolved = {name: dataclasses.asdict(section) for name, section in out.items()}
+    resolved["strategy"] = _check_strategy(raw.get("strategy") or {"name": "auto"})
+    resolved["callbacks"] = [
+        _check_component(c, f"callbacks[{i}]", "callbacks") for i, c in enumerate(raw.get("callbacks") or [])
+    ]
+    resolved["loggers"] = [
+        _check_component(c, f"loggers[{i}]", "loggers") for i, c in enumerate(raw.get("loggers") or [])
+    ]
+    if resolved["model"]["class_path"] is None:
+        build_llama_config(resolved["model"])  # shape errors now, not after start-up
+    return resolved
+
+
+def build_llama_config(model: dict[str, Any]) -> LlamaConfig:
+    overrides = {
+        k: v for k, v in model.items() if k not in ("preset", "class_path", "init_args") and v is not None
+    }
+    try:
+        return LlamaConfig.preset(model["preset"], **overrides)
+    except ValueError as err:
+        raise ConfigError(f"model: {err}") from err
+
+
+def import_path(path: str, where: str) -> Any:
+    """The object named by 'package.module.Name'."""
+    module_name, _, attr = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ConfigError(
+            f"{where}: cannot import {path!r} ({err}); allowed: an importable 'package.module.Name'"
+        ) from err
+
+
+def check_init_args(cls: Any, args: dict[str, Any], where: str) -> None:
+    """Unknown constructor arguments are named with the closest valid one."""
+    params = inspect.signature(cls).parameters
+    if any(p.kind == p.VAR_KEYWORD for p in params.values()):
+        return
+    _reject_unknown(args, [n for n in params if n != "self"], where)
+
+
+# ---- checks --------------------------------------------------------------------------------------
+def _to_dataclass(cls: type, data: Any, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where} must be a mapping of keys; got {type(data).__name__} {data!r}")
+    hints = typing.get_type_hints(cls)
+    _reject_unknown(data, list(hints), where)
+    return cls(**{key: _check_type(value, hints[key], f"{where}.{key}") for key, value in data.items()})
+
+
+def _reject_unknown(data: dict[str, Any], allowed: Any, where: str) -> None:
+    allowed = list(allowed)
+    for key in data:
+        if key not in allowed:
+            close = difflib.get_close_matches(str(key), allowed, n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else f"; allowed: {', '.join(allowed)}"
+            raise ConfigError(
+                f"unknown key '{where}.{key}'{hint}"
+                if where != "recipe"
+                else f"unknown section '{key}'{hint}"
+            )
+
+
+def _check_type(value: Any, tp: Any, where: str) -> Any:
+    """`value` as type `tp` (ints accepted as floats, '1e-3' strings as numbers), or a ConfigError."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for option in (a for a in args if a is not type(None)):
+            try:
+                return _check_type(value, option, where)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{where} expects {_type_name(tp)}; got {type(value).__name__} {value!r}")
+    if origin in (list, tuple) or tp in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where} expects {_type_name(tp)}; got {type(value).__name__} {value!r}")
+        inner = args[0] if args else Any
+        return [_check_type(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)  # YAML 1.1 reads 1e-3 (no dot) as a string
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif tp is dict or origin is dict:
+        if isinstance(value, dict):
+            return value
+    elif isinstance(tp, type) and isinstance(value, tp):
+        return value
+    raise ConfigError(f"{where} expects {_type_name(tp)}; got {type(value).__name__} {value!r}")
+
+
+def _type_name(tp: Any) -> str:
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        names = " or ".join(_type_name(a) for a in args)
+        return names + (" or null" if len(args) < len(typing.get_args(tp)) else "")
+    if typing.get_origin(tp) in (list, tuple):
+        return f"a list of {_type_name(args[0])}" if args else "a list"
+    return {int: "int", float: "float", str: "str", bool: "bool (true/false)", dict: "a mapping"}.get(
+        tp, getattr(tp, "__name__", str(tp))
+    )
+
+
+def _check_strategy(data: Any) -> dict[str, Any]:
+    from strategies.registry import STRATEGIES
+
+    if isinstance(data, str):
+        data = {"name": data}
+    if not isinstance(data, dict):
+        raise ConfigError(f"strategy must be a name or a mapping with 'name'; got {data!r}")
+    name = data.get("name", "auto")
+    if name not in STRATEGIES:
+        close = difflib.get_close_matches(str(name), list(STRATEGIES), n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        raise ConfigError(
+            f"strategy.name={name!r} is unknown; {hint}allowed: {', '.join(sorted(STRATEGIES))}"
+        )
+    args = {k: v for k, v in data.items() if k != "name"}
+    check_init_args(STRATEGIES[name], args, "strategy")
+    return {"name": name, **args}
+
+
+def _check_component(entry: Any, where: str, kind: str) -> dict[str, Any]:
+    """A callback/logger entry as {class_path, init_args}; the class is imported and its args checked."""
+    from callbacks.base import Callback
+    from trainer.logging import LOGGERS, Logger
+
+    if isinstance(entry, str):
+        if kind == "loggers" and entry in LOGGERS:
+            return {"class_path": f"trainer.logging.{LOGGERS[entry].__name__}", "init_args": {}}
+        entry = {"class_path": entry}
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{where} must be a name or {{class_path: ..., init_args: {{...}}}}; got {entry!r}")
+    _reject_unknown(entry, ("class_path", "init_args"), where)
+    if "class_path" not in entry:
+        raise ConfigError(f"{where} needs a class_path (e.g. callbacks.ModelCheckpoint)")
+    cls = import_path(entry["class_path"], where)
+    base = Callback if kind == "callbacks" else Logger
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise ConfigError(f"{where}: {entry['class_path']} is not a {base.__name__} subclass")
+    args = entry.get("init_args") or {}
+    if not isinstance(args, dict):
+        raise ConfigError(f"{where}.init_args must be a mapping; got {args!r}")
+    check_init_args(cls, args, f"{where}.init_args")
+    return {"class_path": entry["class_path"], "init_args": args}
+
+
+# ---- objects -------------------------------------------------------------------------------------
+def build_run(config: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
+    """(trainer, module, train_loader, val_loader) described by a resolved config."""
+    from trainer.data import lm_dataloaders
+    from trainer.models.causal_lm import CausalLM
+    from trainer.module import TrainModule
+    from trainer.trainer import Trainer
+
+    model, data, optim = config["model"], config["data"], config["optimizer"]
+    optim_args = {**optim, "betas": tuple(optim["betas"])}
+    if model["class_path"] is None:
+        llama = build_llama_config(model)
+        if data["seq_len"] > llama.max_seq_len:
+            raise ConfigError(f"data.seq_len={data['seq_len']} exceeds model.max_seq_len={llama.max_seq_len}")
+        module = None
+    else:
+        cls = import_path(model["class_path"], "model.class_path")
+        check_init_args(cls, model["init_args"], "model.init_args")
+        built = cls(**model["init_args"])
+        if not isinstance(built, (TrainModule, __import__("torch").nn.Module)):
+            raise ConfigError(
+                f"model.class_path {model['class_path']} built a {type(built).__name__}; allowed: a TrainModule or nn.Module"
+            )
+        module = built if isinstance(built, TrainModule) else CausalLM(built, **optim_args)
+    trainer_args = dict(config["trainer"])
+    try:
+        train_loader, val_loader, tokenizer = lm_dataloaders(
+            data["path"],
+            tokenizer=data["tokenizer"],
+            seq_len=data["seq_len"],
+            batch_size=data["batch_size"],
+            val_fraction=data["val_fraction"],
+            seed=trainer_args.get("seed") or 0,
+            cache_dir=data["cache_dir"],
+            text_field=data["text_field"],
+        )
+    except (ValueError, FileNotFoundError) as err:
+        raise ConfigError(f"data: {err}") from err
+    if module is None:
+        if llama.vocab_size < tokenizer.vocab_size:
+            llama = dataclasses.replace(llama, vocab_size=tokenizer.vocab_size)
+        module = CausalLM(llama, **optim_args)
+    callbacks = [_instantiate(c) for c in config["callbacks"]]
+    loggers = [_instantiate(c) for c in config["loggers"]]
+    strategy = dict(config["strategy"])
+    from strategies.registry import build_strategy
+
+    try:
+        trainer = Trainer(
+            strategy=build_strategy(strategy.pop("name"), **strategy),
+            callbacks=callbacks,
+            loggers=loggers,
+            **trainer_args,
+        )
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"trainer: {err}") from err
+    return trainer, module, train_loader, val_loader
+
+
+def _instantiate(entry: dict[str, Any]) -> Any:
+    return import_path(entry["class_path"], entry["class_path"])(**entry["init_args"])

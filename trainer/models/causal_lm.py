@@ -1,0 +1,83 @@
+"""CausalLM: next-token training of a decoder over packed token blocks, usable from Python and recipes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.models.llama import Llama, LlamaConfig
+from trainer.module import TrainModule
+
+
+class CausalLM(TrainModule):
+    """Trains `model` (a LlamaConfig, built late in `configure_model`, or any module mapping tokens
+    [B, T] to logits [B, T, V]) on batches {"input_ids", "labels"}; labels of -100 are ignored.
+
+    The loss is the mean over the micro-batch's predicted tokens and reports their count, so the Trainer
+    weights micro-batches and ranks by tokens: accumulation equals one big batch. AdamW decays matrices
+    and embeddings, not norms or biases (nanoGPT's grouping).
+    """
+
+    def __init__(
+        self,
+        model: LlamaConfig | nn.Module,
+        lr: float = 3e-4,
+        betas: tuple[float, float] = (0.9, 0.95),
+        weight_decay: float = 0.1,
+        eps: float = 1e-8,
+    ) -> None:
+        super().__init__()
+        if not isinstance(model, (LlamaConfig, nn.Module)):
+            raise TypeError(f"model is a {type(model).__name__}; allowed: a LlamaConfig or an nn.Module")
+        self.config = model if isinstance(model, LlamaConfig) else None
+        self.model = model if isinstance(model, nn.Module) else None
+        self.lr, self.betas, self.weight_decay, self.eps = lr, tuple(betas), weight_decay, eps
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = Llama(self.config)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids)
+
+    def _loss(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        logits = self.model(batch["input_ids"])  # [B, T, V]
+        labels = batch["labels"]
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+        return {"loss": loss, "num_tokens": (labels != -100).sum()}
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
+        return self._loss(batch)
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
+        return self._loss(batch)
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
+        return self._loss(batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        decay = [p for p in self.parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for p in self.parameters() if p.requires_grad and p.dim() < 2]
+        groups = [
+            {"params": decay, "weight_decay": self.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        return torch.optim.AdamW(groups, lr=self.lr, betas=self.betas, eps=self.eps)
+
+    # ---- hooks strategies and callbacks read (present when the model has them) ---------------
+    def transformer_blocks(self) -> list[nn.Module]:
+        return _hook(self.model, "transformer_blocks")()
+
+    def flops_per_token(self, seq_len: int) -> float:
+        return _hook(self.model, "flops_per_token")(seq_len)
+
+
+def _hook(model: Any, name: str) -> Any:
+    if not callable(getattr(model, name, None)):
+        raise AttributeError(
+            f"{type(model).__name__} does not declare {name}(); it is needed for this feature"
+        )
+    return getattr(model, name)
