@@ -40,7 +40,7 @@ def unpack_loss(output: Any, method: str) -> tuple[torch.Tensor, torch.Tensor | 
         )
     if num_tokens is not None:
         num_tokens = torch.as_tensor(num_tokens, dtype=torch.float32, device=output.device)
-    return output.reshape(()), num_tokens
+    return (output.reshape(()) if output.dim() else output), num_tokens
 
 
 class Strategy:
@@ -53,6 +53,7 @@ class Strategy:
         self.devices = 1
         self.num_nodes = 1
         self.precision = Precision("32")
+        self._device = torch.device("cpu")
         self.model: nn.Module | None = None  # the (possibly wrapped) module steps run through
 
     # ---- set-up ----------------------------------------------------------------------------------
@@ -74,7 +75,8 @@ class Strategy:
 
     @property
     def root_device(self) -> torch.device:
-        return torch.device(self.accelerator)
+        """This process's device (a distributed strategy sets `cuda:LOCAL_RANK` in setup_environment)."""
+        return self._device
 
     @property
     def global_rank(self) -> int:
@@ -130,7 +132,8 @@ class Strategy:
         with self.precision.autocast():
             output = module.training_step(batch, batch_idx)
         loss, num_tokens = unpack_loss(output, "training_step")
-        self.backward(loss * (num_tokens if num_tokens is not None else loss_scale))
+        weight = num_tokens if num_tokens is not None else loss_scale
+        self.backward(loss if isinstance(weight, float) and weight == 1.0 else loss * weight)
         return StepOutput(loss.detach(), num_tokens)
 
     def eval_step(self, module: nn.Module, method: str, batch: Any, batch_idx: int) -> Any:
@@ -154,15 +157,18 @@ class Strategy:
 
     def grad_norm(self, module: nn.Module) -> torch.Tensor:
         """Global L2 norm of all gradients (over every shard, stage and rank)."""
-        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        return self.global_norm([p.grad for p in module.parameters() if p.grad is not None])
+
+    def global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """L2 norm of this rank's `grads` combined over ranks; sharded strategies override this."""
         return (
             torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros((), device=self.root_device)
         )
 
     def clip_gradients(self, module: nn.Module, max_value: float, algorithm: str) -> torch.Tensor:
         """Clip by global norm ("norm") or elementwise ("value"); returns the norm before clipping."""
-        norm = self.grad_norm(module)
         params = [p for p in module.parameters() if p.grad is not None]
+        norm = self.global_norm([p.grad for p in params])
         if algorithm == "norm":
             torch.nn.utils.clip_grads_with_norm_(params, max_value, norm)
         else:

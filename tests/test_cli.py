@@ -197,3 +197,9 @@ def test_a_users_own_train_module_is_named_by_import_path(tmp_path, monkeypatch)
         from trainer.config import build_run
 
         build_run(load_recipe(TINY, ["model.class_path=my_lm.Bigram", "model.init_args={vocab_size: 3}"]))
+
+
+@pytest.mark.parametrize("recipe", sorted((REPO / "recipes").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_recipe_resolves(recipe):
+    resolved = load_recipe(recipe)
+    assert resolved["trainer"]["max_steps"] >= 1

@@ -627,6 +627,8 @@ def _batch_size(batch: Any) -> tuple[int, int | None]:
 def _step_loss(outs: list[StepOutput]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The step's loss over its micro-batches: token-weighted when they report num_tokens, else their mean."""
     counts = [o.num_tokens for o in outs]
+    if len(outs) == 1:
+        return outs[0].loss, counts[0]
     if all(c is None for c in counts):
         return torch.stack([o.loss for o in outs]).float().mean(), None
     if any(c is None for c in counts):
