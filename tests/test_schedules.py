@@ -70,3 +70,40 @@ def test_constant_after_warmup():
 def test_bad_schedule_arguments_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
         LRSchedule(**kwargs)
+
+
+def test_a_scheduler_from_configure_optimizers_steps_once_per_optimizer_step(tmp_path):
+    from conftest import Regression, quiet, read_metrics, regression_loader
+
+    from trainer import Trainer
+
+    class OwnSchedule(Regression):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=1.0)
+            return {
+                "optimizer": opt,
+                "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
+            }
+
+    Trainer(max_steps=6, accumulate_grad_batches=3, default_root_dir=tmp_path, **quiet()).fit(
+        OwnSchedule(), regression_loader()
+    )
+    assert list(read_metrics(tmp_path, "train/lr").values()) == [1.0, 1.0, 0.5, 0.5, 0.25, 0.25]
+
+
+def test_own_scheduler_and_trainer_schedule_together_is_an_error(tmp_path):
+    from conftest import Regression, quiet, regression_loader
+
+    from trainer import Trainer
+
+    class OwnSchedule(Regression):
+        def configure_optimizers(self):
+            opt = torch.optim.SGD(self.parameters(), lr=1.0)
+            return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=2)}
+
+    with pytest.raises(
+        ValueError, match="returned its own lr_scheduler and the Trainer has lr_schedule='cosine'"
+    ):
+        Trainer(max_steps=6, lr_schedule="cosine", default_root_dir=tmp_path, **quiet()).fit(
+            OwnSchedule(), regression_loader()
+        )

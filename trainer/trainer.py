@@ -160,10 +160,7 @@ class Trainer:
         _check_module(module)
         if train_dataloaders is None:
             raise ValueError("fit needs train_dataloaders; got None")
-        if ckpt_path is not None and ckpt_path != "last" and not Path(ckpt_path).exists():
-            raise FileNotFoundError(
-                f"ckpt_path '{ckpt_path}' does not exist; allowed: an existing checkpoint directory, 'last' or None"
-            )
+        _check_ckpt_path(ckpt_path)
         return self.strategy.launch(self._run_fit, module, train_dataloaders, val_dataloaders, ckpt_path)
 
     def validate(
@@ -376,10 +373,7 @@ class Trainer:
         self, module: TrainModule, loader: Iterable, ckpt_path: Any, stage: str
     ) -> dict[str, float]:
         _check_module(module)
-        if ckpt_path is not None and ckpt_path != "last" and not Path(ckpt_path).exists():
-            raise FileNotFoundError(
-                f"ckpt_path '{ckpt_path}' does not exist; allowed: an existing checkpoint directory, 'last' or None"
-            )
+        _check_ckpt_path(ckpt_path)
         return self.strategy.launch(self._run_evaluate, module, loader, ckpt_path, stage)
 
     def _run_evaluate(
@@ -655,6 +649,13 @@ def _shard(loader: Any, strategy: Strategy) -> None:
     """Give a loader that shards itself (trainer.data.TokenLoader) its data-parallel rank."""
     if callable(getattr(loader, "shard", None)):
         loader.shard(strategy.dp_rank, strategy.dp_size)
+
+
+def _check_ckpt_path(ckpt_path: Any) -> None:
+    if ckpt_path is not None and ckpt_path != "last" and not Path(ckpt_path).exists():
+        raise FileNotFoundError(
+            f"ckpt_path '{ckpt_path}' does not exist; allowed: an existing checkpoint directory, 'last' or None"
+        )
 
 
 def _check_module(module: Any) -> None:
