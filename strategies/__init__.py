@@ -1,7 +1,9 @@
 """Parallelism strategies: how a run's work is spread over processes and devices."""
 
 from strategies.base import Strategy
+from strategies.ddp import DDPStrategy
+from strategies.mesh import MeshStrategy
 from strategies.registry import STRATEGIES, build_strategy
 from strategies.single import SingleDeviceStrategy
 
-__all__ = ["STRATEGIES", "SingleDeviceStrategy", "Strategy", "build_strategy"]
+__all__ = ["STRATEGIES", "DDPStrategy", "MeshStrategy", "SingleDeviceStrategy", "Strategy", "build_strategy"]

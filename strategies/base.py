@@ -130,11 +130,22 @@ class Strategy:
         """`training_step` then backward of its loss. A loss with "num_tokens" is back-propagated as a
         token *sum* (normalised later by `finish_gradients`); otherwise it is scaled by `loss_scale`."""
         with self.precision.autocast():
-            output = module.training_step(batch, batch_idx)
+            output = self.call_step(module, "training_step", batch, batch_idx)
         loss, num_tokens = unpack_loss(output, "training_step")
         weight = num_tokens if num_tokens is not None else loss_scale
         self.backward(loss if isinstance(weight, float) and weight == 1.0 else loss * weight)
         return StepOutput(loss.detach(), num_tokens)
+
+    def call_step(self, module: nn.Module, method: str, *args: Any) -> Any:
+        """`module.<method>(*args)`, through the wrapper `self.model` when the strategy wrapped the module,
+        so the wrapper's forward hooks run (DDP's gradient-sync bookkeeping, FSDP's parameter gathering)."""
+        if self.model is None or self.model is module:
+            return getattr(module, method)(*args)
+        module.forward = getattr(module, method)  # the wrapper calls module.forward: point it at the step
+        try:
+            return self.model(*args)
+        finally:
+            del module.forward
 
     def eval_step(self, module: nn.Module, method: str, batch: Any, batch_idx: int) -> Any:
         """`validation_step` or `test_step` under the run's precision (the caller disables grad)."""

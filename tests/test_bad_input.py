@@ -12,7 +12,7 @@ from trainer.checkpoint import CheckpointError
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        ({"strategy": "dpp"}, ValueError, r"strategy='dpp' is unknown; allowed: auto, single"),
+        ({"strategy": "dpp"}, ValueError, r"strategy='dpp' is unknown; allowed: auto, single, ddp"),
         ({"max_steps": 0}, ValueError, r"max_steps=0 is invalid; allowed: an int >= 1"),
         ({"max_steps": -5}, ValueError, r"max_steps=-5 is invalid"),
         ({"max_epochs": 0}, ValueError, r"max_epochs=0 is invalid"),
@@ -34,7 +34,11 @@ from trainer.checkpoint import CheckpointError
         ({"gradient_clip_val": -1.0}, ValueError, r"gradient_clip_val=-1.0 is invalid"),
         ({"gradient_clip_algorithm": "max"}, ValueError, r"gradient_clip_algorithm='max' is unknown"),
         ({"accelerator": "tpu"}, ValueError, r"accelerator='tpu' is unknown"),
-        ({"devices": 2}, ValueError, r"strategy 'single' runs one process, got devices=2"),
+        (
+            {"strategy": "single", "devices": 2},
+            ValueError,
+            r"strategy .single. runs one process, got devices=2",
+        ),
         ({"val_check_interval": 0}, ValueError, r"val_check_interval=0 is invalid"),
         ({"limit_train_batches": 1.5}, ValueError, r"limit_train_batches=1.5 is invalid"),
         ({"log_every_n_steps": 0}, ValueError, r"log_every_n_steps=0 is invalid"),

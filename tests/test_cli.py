@@ -82,7 +82,7 @@ def test_fit_the_tiny_recipe_end_to_end_then_resume_and_validate(tmp_path):
         ("data.batch_size=2.5", "data.batch_size expects int; got float 2.5"),
         ("trainer.enable_progress_bar=3", "trainer.enable_progress_bar expects bool (true/false); got int 3"),
         ("strategy.name=ddpp", "strategy.name='ddpp' is unknown"),
-        ("strategy.bucket=3", "unknown key 'strategy.bucket'"),
+        ("strategy.bucket=3", "strategy 'auto' takes no arguments (got bucket)"),
         ("model.n_heads=7", "model: dim=256 is not divisible by n_heads=7"),
         ("model.preset=13b", "model: Llama preset '13b' is unknown; allowed: tiny, 1b, 8b, 70b"),
         ("trainer", "override 'trainer' is not key.path=value"),
@@ -93,6 +93,14 @@ def test_bad_overrides_name_the_key_and_what_is_allowed(override, message):
         load_recipe(TINY, [override])
     assert message in str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_strategy_arguments_are_checked_against_the_named_strategy():
+    with pytest.raises(ConfigError, match="unknown key 'strategy.bucket_cap'; did you mean 'bucket_cap_mb'"):
+        load_recipe(TINY, ["strategy.name=ddp", "strategy.bucket_cap=3"])
+    assert (
+        load_recipe(TINY, ["strategy.name=ddp", "strategy.bucket_cap_mb=1"])["strategy"]["bucket_cap_mb"] == 1
+    )
 
 
 def test_yaml_numbers_without_a_dot_are_read_as_floats():

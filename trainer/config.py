@@ -250,21 +250,24 @@ def _type_name(tp: Any) -> str:
 
 
 def _check_strategy(data: Any) -> dict[str, Any]:
-    from strategies.registry import STRATEGIES
+    from strategies.registry import NAMES, STRATEGIES
 
     if isinstance(data, str):
         data = {"name": data}
     if not isinstance(data, dict):
         raise ConfigError(f"strategy must be a name or a mapping with 'name'; got {data!r}")
     name = data.get("name", "auto")
-    if name not in STRATEGIES:
-        close = difflib.get_close_matches(str(name), list(STRATEGIES), n=1)
+    if name not in NAMES:
+        close = difflib.get_close_matches(str(name), list(NAMES), n=1)
         hint = f"did you mean '{close[0]}'? " if close else ""
-        raise ConfigError(
-            f"strategy.name={name!r} is unknown; {hint}allowed: {', '.join(sorted(STRATEGIES))}"
-        )
+        raise ConfigError(f"strategy.name={name!r} is unknown; {hint}allowed: {', '.join(NAMES)}")
     args = {k: v for k, v in data.items() if k != "name"}
-    check_init_args(STRATEGIES[name], args, "strategy")
+    if name == "auto" and args:
+        raise ConfigError(
+            f"strategy 'auto' takes no arguments (got {', '.join(args)}); name the strategy to configure it"
+        )
+    if name != "auto":
+        check_init_args(STRATEGIES[name], args, "strategy")
     return {"name": name, **args}
 
 
@@ -342,7 +345,7 @@ def build_run(config: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
 
     try:
         trainer = Trainer(
-            strategy=build_strategy(strategy.pop("name"), **strategy),
+            strategy=build_strategy(strategy.pop("name"), processes=_processes(trainer_args), **strategy),
             callbacks=callbacks,
             loggers=loggers,
             **trainer_args,
@@ -350,6 +353,14 @@ def build_run(config: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
     except (ValueError, TypeError) as err:
         raise ConfigError(f"trainer: {err}") from err
     return trainer, module, train_loader, val_loader
+
+
+def _processes(trainer_args: dict[str, Any]) -> int:
+    """How many processes the run will have (for strategy 'auto')."""
+    from trainer import flags
+
+    accelerator = flags.resolve_accelerator(trainer_args["accelerator"])
+    return flags.resolve_devices(trainer_args["devices"], accelerator) * trainer_args["num_nodes"]
 
 
 def _instantiate(entry: dict[str, Any]) -> Any:

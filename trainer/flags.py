@@ -56,8 +56,16 @@ def resolve_accelerator(value: Any) -> str:
 
 
 def resolve_devices(value: Any, accelerator: str) -> int:
+    """Processes per node: an int, or "auto" = what torchrun/SLURM started, else every GPU, else 1 on the CPU."""
     if value == "auto":
+        from trainer.launch import detect_world
+
+        world = detect_world()
+        if world is not None:
+            return world.local_world_size
         return torch.cuda.device_count() if accelerator == "cuda" else 1
+    if isinstance(value, str):
+        raise ValueError(f"devices={value!r} is invalid; allowed: an int >= 1 or 'auto'")
     return check_int("devices", value, 1)  # type: ignore[return-value]
 
 

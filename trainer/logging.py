@@ -24,6 +24,7 @@ def set_rank(rank: int) -> None:
     """Tell the console helpers which rank this process is."""
     global _RANK
     _RANK = rank
+    _style_console()
 
 
 def rank_zero_info(message: str) -> None:
@@ -39,11 +40,17 @@ def rank_zero_warn(message: str) -> None:
 def configure_console_logging() -> None:
     """Show the framework's info lines on stderr unless the application configured logging itself."""
     if not log.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("[trainer] %(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
+        log.addHandler(logging.StreamHandler(sys.stderr))
         log.propagate = False
+    _style_console()
+
+
+def _style_console() -> None:
+    """Rank zero prints info lines; other ranks print only warnings and errors, prefixed with their rank."""
+    log.setLevel(logging.INFO if _RANK == 0 else logging.WARNING)
+    prefix = "[trainer]" if _RANK == 0 else f"[trainer rank {_RANK}]"
+    for handler in log.handlers:
+        handler.setFormatter(logging.Formatter(f"{prefix} %(message)s"))
 
 
 class Logger:

@@ -17,6 +17,7 @@ from strategies.base import StepOutput, Strategy, unpack_loss
 from strategies.registry import build_strategy
 from trainer import flags
 from trainer.checkpoint import find_last, step_dir_name
+from trainer.data.distributed import shard_loader
 from trainer.epochs import EpochBatches
 from trainer.logging import (
     JSONLLogger,
@@ -49,7 +50,7 @@ class Trainer:
         *,
         strategy: str | Strategy = "auto",
         accelerator: str = "auto",
-        devices: int | str = 1,
+        devices: int | str = "auto",
         num_nodes: int = 1,
         max_steps: int | None = None,
         max_epochs: int | None = None,
@@ -105,13 +106,10 @@ class Trainer:
         self.default_root_dir = Path(default_root_dir)
         self.enable_progress_bar = bool(enable_progress_bar)
 
-        self.strategy = build_strategy(strategy)
-        self.strategy.configure(
-            accelerator,
-            flags.resolve_devices(devices, accelerator),
-            flags.check_int("num_nodes", num_nodes, 1),
-            Precision(precision, accelerator),
-        )
+        devices = flags.resolve_devices(devices, accelerator)
+        num_nodes = flags.check_int("num_nodes", num_nodes, 1)
+        self.strategy = build_strategy(strategy, processes=devices * num_nodes)
+        self.strategy.configure(accelerator, devices, num_nodes, Precision(precision, accelerator))
         self.callbacks = list(callbacks or [])
         for cb in self.callbacks:
             if not isinstance(cb, Callback):
@@ -198,10 +196,9 @@ class Trainer:
         self, module: TrainModule, train_loader: Iterable, val_loader: Iterable | None, ckpt_path: Any
     ) -> None:
         self._setup(module, "fit")
+        train_loader = self._shard(train_loader)
+        val_loader = self._shard(val_loader) if val_loader is not None else None
         self._train_batches = EpochBatches(train_loader, self.limit_train_batches)
-        _shard(train_loader, self.strategy)
-        if val_loader is not None:
-            _shard(val_loader, self.strategy)
         self._setup_optimizer(module)
         resume_from = self._resolve_checkpoint(ckpt_path)
         if resume_from is not None:
@@ -381,7 +378,7 @@ class Trainer:
     ) -> dict[str, float]:
         self._setup(module, stage)
         try:
-            _shard(loader, self.strategy)
+            loader = self._shard(loader)
             path = self._resolve_checkpoint(ckpt_path)
             if path is not None:
                 self.strategy.load_checkpoint(path, module, None)
@@ -525,6 +522,10 @@ class Trainer:
         self._call("on_load_checkpoint", state)
 
     # ---- small helpers ---------------------------------------------------------------------------
+    def _shard(self, loader: Iterable) -> Iterable:
+        """The loader this data-parallel rank reads (see trainer.data.distributed)."""
+        return shard_loader(loader, self.strategy.dp_rank, self.strategy.dp_size, self.seed or 0)
+
     def _announce(self, module: TrainModule) -> None:
         """One line on what is about to run: size, parallelism, precision and the global batch."""
         params = sum(p.numel() for p in module.parameters())
@@ -643,12 +644,6 @@ def _take(iterator: Any, k: int, remaining: int | None) -> list[Any]:
         except StopIteration:
             break
     return window
-
-
-def _shard(loader: Any, strategy: Strategy) -> None:
-    """Give a loader that shards itself (trainer.data.TokenLoader) its data-parallel rank."""
-    if callable(getattr(loader, "shard", None)):
-        loader.shard(strategy.dp_rank, strategy.dp_size)
 
 
 def _check_ckpt_path(ckpt_path: Any) -> None:

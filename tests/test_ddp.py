@@ -1,0 +1,237 @@
+"""DDP in real multi-process gloo groups: equivalence with one process, launching, failures, restarts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import Regression, read_metrics, regression_loader
+
+from trainer import Trainer
+from trainer.launch import free_port
+
+SCRIPT = Path(__file__).parent / "dist_script.py"
+pytestmark = pytest.mark.slow
+
+
+def run(
+    args: list[str],
+    tmp: Path,
+    name: str,
+    launcher: list[str] | None = None,
+    env: dict | None = None,
+    timeout: float = 120,
+) -> tuple[subprocess.CompletedProcess, Path]:
+    root = tmp / name
+    cmd = [
+        *(launcher or [sys.executable]),
+        str(SCRIPT),
+        "--root",
+        str(root),
+        "--out",
+        str(tmp / f"{name}.json"),
+        *args,
+    ]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
+        full_env.pop(key, None)
+    done = subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=timeout)
+    return done, root
+
+
+def result(tmp: Path, name: str) -> dict:
+    return json.loads((tmp / f"{name}.json").read_text())
+
+
+def single_process(tmp: Path, steps: int = 8, batch: int = 16):
+    torch.manual_seed(0)
+    module = Regression()
+    Trainer(
+        max_steps=steps,
+        gradient_clip_val=0.5,
+        seed=0,
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        default_root_dir=tmp / "single",
+    ).fit(module, regression_loader(batch_size=batch))
+    return [p.detach().flatten().tolist() for p in module.parameters()], read_metrics(tmp / "single")
+
+
+def assert_params_close(got: list, expected: list, atol: float = 1e-5) -> None:
+    for i, (g, e) in enumerate(zip(got, expected, strict=True)):
+        diff = (torch.tensor(g) - torch.tensor(e)).abs().max().item()
+        assert diff <= atol, f"parameter {i} differs by {diff:.2e} (tolerance {atol})"
+
+
+@pytest.mark.parametrize("devices, accumulate", [(2, 1), (2, 2), (4, 1), (4, 2)])
+def test_ddp_matches_one_process_with_the_same_global_batch(tmp_path, devices, accumulate):
+    done, root = run(["--devices", str(devices), "--accumulate", str(accumulate)], tmp_path, "ddp")
+    assert done.returncode == 0, done.stderr[-3000:]
+    params, losses = single_process(tmp_path)
+    assert result(tmp_path, "ddp")["world_size"] == devices
+    ddp_losses = read_metrics(root)
+    for step, loss in losses.items():
+        assert abs(ddp_losses[step] - loss) <= 1e-5, f"step {step}: ddp {ddp_losses[step]} vs single {loss}"
+    assert_params_close(result(tmp_path, "ddp")["params"], params)
+
+
+def test_self_spawn_then_torchrun_spawns_nothing_more(tmp_path):
+    done, root = run(["--devices", "2"], tmp_path, "spawned")
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((root / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[1]["ppid"] == ranks[0]["pid"], "rank 0 is the user's process and the parent of rank 1"
+
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+    ]
+    done, root = run(["--devices", "2"], tmp_path, "torchrun", launcher=torchrun)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((root / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["ppid"] == ranks[1]["ppid"], "both ranks are children of torchrun's agent"
+    assert not (root / "rank2.json").exists()
+    assert_params_close(result(tmp_path, "torchrun")["params"], result(tmp_path, "spawned")["params"], atol=0)
+
+
+def test_two_torchrun_nodes_on_one_machine_train_together(tmp_path):
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = []
+    for node in (0, 1):
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            "--nproc_per_node=1",
+            f"--node_rank={node}",
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint={endpoint}",
+            "--rdzv_id=two-nodes",
+            str(SCRIPT),
+            "--devices",
+            "1",
+            "--num-nodes",
+            "2",
+            "--root",
+            str(tmp_path / "nodes"),
+            "--out",
+            str(tmp_path / "nodes.json"),
+        ]
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+        nodes.append(
+            subprocess.Popen(cmd, env={**env, "OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE, text=True)
+        )
+    for proc in nodes:
+        _, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err[-3000:]
+    done, _ = run(["--devices", "2"], tmp_path, "one-node")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert result(tmp_path, "nodes")["world_size"] == 2
+    assert_params_close(result(tmp_path, "nodes")["params"], result(tmp_path, "one-node")["params"], atol=0)
+
+
+@pytest.mark.parametrize("bad_rank", [0, 1])
+def test_a_rank_that_raises_ends_the_job_promptly_with_its_error(tmp_path, bad_rank):
+    start = time.monotonic()
+    done, _ = run(
+        ["--devices", "2", "--bad-rank", str(bad_rank), "--bad-step", "3", "--raise-error"], tmp_path, "raise"
+    )
+    assert done.returncode != 0
+    assert f"deliberate failure on rank {bad_rank} at step 3" in done.stderr
+    assert time.monotonic() - start < 60
+
+
+def test_a_killed_worker_ends_the_job(tmp_path):
+    done, _ = run(["--devices", "2", "--bad-rank", "1", "--bad-step", "3", "--sigkill"], tmp_path, "killed")
+    assert done.returncode != 0
+    assert "rank 1 was killed by signal 9; ending the job" in done.stderr
+
+
+def test_a_collective_timeout_names_the_rank_that_stopped_answering(tmp_path):
+    start = time.monotonic()
+    done, _ = run(
+        ["--devices", "2", "--bad-rank", "1", "--bad-step", "2", "--hang", "--timeout", "4"], tmp_path, "hang"
+    )
+    assert done.returncode != 0
+    assert "rank 0: a collective timed out after 4s; rank(s) [1] stopped answering" in done.stderr
+    assert time.monotonic() - start < 60
+
+
+def test_torchrun_restart_after_sigkill_resumes_from_the_checkpoint(tmp_path):
+    common = ["--devices", "2", "--steps", "10", "--ckpt-every", "2"]
+    done, _ = run(common, tmp_path, "straight")
+    assert done.returncode == 0, done.stderr[-3000:]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--max-restarts=1",
+        f"--master_port={free_port()}",
+    ]
+    done, root = run(
+        [*common, "--resume", "--bad-rank", "1", "--bad-step", "5", "--sigkill"],
+        tmp_path,
+        "restarted",
+        launcher=torchrun,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resuming from" in done.stderr and "step-00000004" in done.stderr
+    assert_params_close(
+        result(tmp_path, "restarted")["params"], result(tmp_path, "straight")["params"], atol=0
+    )
+    assert read_metrics(root) == read_metrics(tmp_path / "straight")
+
+
+def test_slurm_tasks_join_one_world(tmp_path):
+    out, root = tmp_path / "slurm.json", tmp_path / "slurm"
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR")
+    }
+    env.update(
+        SLURM_NTASKS="2",
+        SLURM_NODELIST="localhost",
+        SLURM_JOB_ID=str(free_port()),
+        SLURM_JOB_NAME="train",
+        SLURM_NTASKS_PER_NODE="2",
+        SLURM_NODEID="0",
+        OMP_NUM_THREADS="1",
+    )
+    tasks = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPT), "--devices", "2", "--root", str(root), "--out", str(out)],
+            env={**env, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
+    for task in tasks:
+        _, err = task.communicate(timeout=120)
+        assert task.returncode == 0, err[-3000:]
+    done, _ = run(["--devices", "2"], tmp_path, "spawned")
+    assert done.returncode == 0
+    assert_params_close(json.loads(out.read_text())["params"], result(tmp_path, "spawned")["params"], atol=0)
+
+
+@pytest.mark.parametrize("compression", ["fp16", "powersgd"])
+def test_gradient_compression_trains_close_to_exact_all_reduce(tmp_path, compression):
+    done, _ = run(["--devices", "2", "--compression", compression, "--steps", "12"], tmp_path, "compressed")
+    assert done.returncode == 0, done.stderr[-3000:]
+    params, _ = single_process(tmp_path, steps=12)
+    got = result(tmp_path, "compressed")["params"]
+    assert_params_close(got, params, atol=5e-2)
+    assert (
+        max((torch.tensor(g) - torch.tensor(e)).abs().max().item() for g, e in zip(got, params, strict=True))
+        > 1e-7
+    ), "compression had no effect: the hook is not active"

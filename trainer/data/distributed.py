@@ -1,0 +1,78 @@
+"""Shard a user's DataLoader by data-parallel rank, so each replica reads a disjoint part of the data.
+
+Map-style datasets get a DistributedSampler (seeded, reshuffled per epoch through `set_epoch`; the
+loader's `drop_last` also decides the dataset's uneven tail: dropped, or padded with repeated samples
+so every rank has as many batches as the others). Iterable datasets are read in rounds of `size`
+items, rank r keeping the r-th of each round; an incomplete last round is dropped, for the same reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data.sampler import BatchSampler
+
+# DataLoader arguments carried over to the sharded copy
+_LOADER_ARGS = (
+    "batch_size",
+    "num_workers",
+    "collate_fn",
+    "pin_memory",
+    "drop_last",
+    "timeout",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "generator",
+    "prefetch_factor",
+    "persistent_workers",
+    "pin_memory_device",
+)
+
+
+class RoundRobinShard(IterableDataset):
+    """Rank `rank`'s share of an iterable dataset: item r of every complete round of `size` items."""
+
+    def __init__(self, dataset: IterableDataset, rank: int, size: int) -> None:
+        self.dataset, self.rank, self.size = dataset, rank, size
+
+    def __iter__(self) -> Iterator[Any]:
+        round_: list[Any] = []
+        for item in self.dataset:
+            round_.append(item)
+            if len(round_) == self.size:
+                yield round_[self.rank]
+                round_ = []
+
+
+def shard_loader(loader: Any, rank: int, size: int, seed: int) -> Any:
+    """`loader` for data-parallel rank `rank` of `size`; loaders that shard themselves get `shard()`."""
+    if callable(getattr(loader, "shard", None)):
+        loader.shard(rank, size)
+        return loader
+    if size == 1 or not isinstance(loader, DataLoader):
+        return loader
+    if isinstance(loader.sampler, DistributedSampler):
+        return loader  # already sharded by the user
+    kwargs = {name: getattr(loader, name) for name in _LOADER_ARGS if hasattr(loader, name)}
+    if kwargs.get("num_workers", 0) == 0:
+        kwargs.pop("prefetch_factor", None)
+    if isinstance(loader.dataset, IterableDataset):
+        return DataLoader(RoundRobinShard(loader.dataset, rank, size), **kwargs)
+    sampler = loader.sampler
+    if (
+        loader.batch_size is None
+        or type(loader.batch_sampler) is not BatchSampler
+        or not isinstance(sampler, (RandomSampler, SequentialSampler))
+    ):
+        raise ValueError(
+            f"cannot shard a DataLoader with a custom sampler or batch_sampler ({type(sampler).__name__}) over "
+            f"{size} data-parallel ranks; allowed: shuffle=True/False loaders, a DistributedSampler of your own, "
+            "or a loader with a shard(rank, world_size) method"
+        )
+    shuffle = isinstance(sampler, RandomSampler)
+    sampler = DistributedSampler(
+        loader.dataset, size, rank, shuffle=shuffle, seed=seed, drop_last=loader.drop_last
+    )
+    return DataLoader(loader.dataset, sampler=sampler, **kwargs)
