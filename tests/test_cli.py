@@ -211,3 +211,35 @@ def test_a_users_own_train_module_is_named_by_import_path(tmp_path, monkeypatch)
 def test_every_shipped_recipe_resolves(recipe):
     resolved = load_recipe(recipe)
     assert resolved["trainer"]["max_steps"] >= 1
+
+
+@pytest.mark.slow
+def test_devices_in_a_recipe_starts_that_many_processes(tmp_path):
+    root = tmp_path / "run"
+    done = run_cli(
+        "fit",
+        str(TINY),
+        *SMALL,
+        "trainer.devices=2",
+        "data.global_batch_size=8",
+        "trainer.max_steps=6",
+        "trainer.warmup_steps=1",
+        "trainer.val_check_interval=3",
+        "trainer.limit_val_batches=2",
+        f"trainer.default_root_dir={root}",
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((root / "logs" / "hparams.json").read_text())["world_size"] == 2
+    assert (
+        "global batch = 4 per micro-batch x 1 accumulated x 2 data-parallel = 8 samples/step" in done.stderr
+    )
+    assert done.stdout.count("done: 6 steps") == 1, "only rank zero reports"
+
+
+def test_global_batch_that_does_not_divide_is_refused_before_start(capsys):
+    assert main(["fit", str(TINY), "trainer.devices=4", "data.global_batch_size=10"]) == 2
+    assert (
+        "data.global_batch_size=10 does not divide by 4 processes x accumulate_grad_batches=1"
+        in capsys.readouterr().err
+    )

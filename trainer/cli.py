@@ -72,13 +72,15 @@ def main(argv: list[str] | None = None) -> int:
         ckpt = None if args.ckpt_path in (None, "none", "None") else args.ckpt_path
         if args.command == "fit":
             trainer.fit(module, train_loader, val_loader, ckpt_path=ckpt)
-            exported = None
-            if isinstance(getattr(module, "model", None), Llama) and trainer.is_global_zero:
-                exported = export_llama(module.model, Path(trainer.default_root_dir) / "export")
-            _report(trainer, exported)
+            if trainer.is_global_zero:
+                exported = None
+                if isinstance(getattr(module, "model", None), Llama):
+                    exported = export_llama(module.model, Path(trainer.default_root_dir) / "export")
+                _report(trainer, exported)
         else:
             metrics = getattr(trainer, args.command)(module, val_loader, ckpt_path=ckpt)
-            print(yaml.safe_dump(metrics, sort_keys=False), end="")
+            if trainer.is_global_zero:
+                print(yaml.safe_dump(metrics, sort_keys=False), end="")
     except (ConfigError, CheckpointError, FileNotFoundError) as err:
         print(f"trainer: error: {err}", file=sys.stderr)
         return 2

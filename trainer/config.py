@@ -45,12 +45,14 @@ ModelSection.__doc__ = (
 
 @dataclass
 class DataSection:
-    """Arguments of trainer.data.lm_dataloaders; `path` None is the embedded corpus."""
+    """Arguments of trainer.data.lm_dataloaders; `path` None is the embedded corpus. `global_batch_size`
+    (samples per optimizer step over all processes) replaces `batch_size` when set."""
 
     path: str | None = None
     tokenizer: str = "byte"
     seq_len: int = 256
-    batch_size: int = 8
+    batch_size: int = 8  # per process and micro-batch
+    global_batch_size: int | None = None  # if set: batch_size = this / (processes x accumulation), exactly
     val_fraction: float = 0.05
     text_field: str = "text"
     cache_dir: str | None = None
@@ -298,35 +300,38 @@ def _check_component(entry: Any, where: str, kind: str) -> dict[str, Any]:
 
 # ---- objects -------------------------------------------------------------------------------------
 def build_run(config: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
-    """(trainer, module, train_loader, val_loader) described by a resolved config."""
+    """(trainer, module, train_loader, val_loader) described by a resolved config; the Trainer (whose
+    flags are checked on construction) comes first so a bad flag fails before data is read."""
+    import torch
+
+    from strategies.registry import build_strategy
     from trainer.data import lm_dataloaders
     from trainer.models.causal_lm import CausalLM
     from trainer.module import TrainModule
     from trainer.trainer import Trainer
 
     model, data, optim = config["model"], config["data"], config["optimizer"]
+    trainer_args, strategy = dict(config["trainer"]), dict(config["strategy"])
+    try:
+        trainer = Trainer(
+            strategy=build_strategy(strategy.pop("name"), processes=_processes(trainer_args), **strategy),
+            callbacks=[_instantiate(c) for c in config["callbacks"]],
+            loggers=[_instantiate(c) for c in config["loggers"]],
+            **trainer_args,
+        )
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"trainer: {err}") from err
+    batch_size = _micro_batch(data, trainer_args)
     optim_args = {**optim, "betas": tuple(optim["betas"])}
-    if model["class_path"] is None:
-        llama = build_llama_config(model)
-        if data["seq_len"] > llama.max_seq_len:
-            raise ConfigError(f"data.seq_len={data['seq_len']} exceeds model.max_seq_len={llama.max_seq_len}")
-        module = None
-    else:
-        cls = import_path(model["class_path"], "model.class_path")
-        check_init_args(cls, model["init_args"], "model.init_args")
-        built = cls(**model["init_args"])
-        if not isinstance(built, (TrainModule, __import__("torch").nn.Module)):
-            raise ConfigError(
-                f"model.class_path {model['class_path']} built a {type(built).__name__}; allowed: a TrainModule or nn.Module"
-            )
-        module = built if isinstance(built, TrainModule) else CausalLM(built, **optim_args)
-    trainer_args = dict(config["trainer"])
+    llama = build_llama_config(model) if model["class_path"] is None else None
+    if llama is not None and data["seq_len"] > llama.max_seq_len:
+        raise ConfigError(f"data.seq_len={data['seq_len']} exceeds model.max_seq_len={llama.max_seq_len}")
     try:
         train_loader, val_loader, tokenizer = lm_dataloaders(
             data["path"],
             tokenizer=data["tokenizer"],
             seq_len=data["seq_len"],
-            batch_size=data["batch_size"],
+            batch_size=batch_size,
             val_fraction=data["val_fraction"],
             seed=trainer_args.get("seed") or 0,
             cache_dir=data["cache_dir"],
@@ -334,25 +339,34 @@ def build_run(config: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
         )
     except (ValueError, FileNotFoundError) as err:
         raise ConfigError(f"data: {err}") from err
-    if module is None:
-        if llama.vocab_size < tokenizer.vocab_size:
-            llama = dataclasses.replace(llama, vocab_size=tokenizer.vocab_size)
-        module = CausalLM(llama, **optim_args)
-    callbacks = [_instantiate(c) for c in config["callbacks"]]
-    loggers = [_instantiate(c) for c in config["loggers"]]
-    strategy = dict(config["strategy"])
-    from strategies.registry import build_strategy
-
-    try:
-        trainer = Trainer(
-            strategy=build_strategy(strategy.pop("name"), processes=_processes(trainer_args), **strategy),
-            callbacks=callbacks,
-            loggers=loggers,
-            **trainer_args,
+    if llama is not None:
+        module = CausalLM(
+            dataclasses.replace(llama, vocab_size=max(llama.vocab_size, tokenizer.vocab_size)), **optim_args
         )
-    except (ValueError, TypeError) as err:
-        raise ConfigError(f"trainer: {err}") from err
+    else:
+        cls = import_path(model["class_path"], "model.class_path")
+        check_init_args(cls, model["init_args"], "model.init_args")
+        built = cls(**model["init_args"])
+        if not isinstance(built, torch.nn.Module):
+            raise ConfigError(
+                f"model.class_path {model['class_path']} built a {type(built).__name__}; allowed: a TrainModule or nn.Module"
+            )
+        module = built if isinstance(built, TrainModule) else CausalLM(built, **optim_args)
     return trainer, module, train_loader, val_loader
+
+
+def _micro_batch(data: dict[str, Any], trainer_args: dict[str, Any]) -> int:
+    """data.batch_size, or data.global_batch_size split exactly over processes and accumulation steps."""
+    total = data["global_batch_size"]
+    if total is None:
+        return data["batch_size"]
+    processes, accumulate = _processes(trainer_args), trainer_args["accumulate_grad_batches"]
+    if total % (processes * accumulate):
+        raise ConfigError(
+            f"data.global_batch_size={total} does not divide by {processes} processes x accumulate_grad_batches="
+            f"{accumulate}; allowed: a multiple of {processes * accumulate}"
+        )
+    return total // (processes * accumulate)
 
 
 def _processes(trainer_args: dict[str, Any]) -> int:
