@@ -167,7 +167,7 @@ def test_a_collective_timeout_names_the_rank_that_stopped_answering(tmp_path):
 
 
 def test_torchrun_restart_after_sigkill_resumes_from_the_checkpoint(tmp_path):
-    common = ["--devices", "2", "--steps", "10", "--ckpt-every", "2"]
+    common = ["--devices", "2", "--steps", "10", "--ckpt-every", "2", "--shuffle", "--global-batch", "64"]
     done, _ = run(common, tmp_path, "straight")
     assert done.returncode == 0, done.stderr[-3000:]
     torchrun = [
@@ -179,14 +179,14 @@ def test_torchrun_restart_after_sigkill_resumes_from_the_checkpoint(tmp_path):
         f"--master_port={free_port()}",
     ]
     done, root = run(
-        [*common, "--resume", "--bad-rank", "1", "--bad-step", "5", "--sigkill"],
+        [*common, "--resume", "--bad-rank", "1", "--bad-step", "7", "--sigkill"],
         tmp_path,
         "restarted",
         launcher=torchrun,
         timeout=240,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "resuming from" in done.stderr and "step-00000004" in done.stderr
+    assert "resuming from" in done.stderr and "step-00000006" in done.stderr  # mid-epoch: 4 steps per epoch
     assert_params_close(
         result(tmp_path, "restarted")["params"], result(tmp_path, "straight")["params"], atol=0
     )
