@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from callbacks.base import Callback
+from trainer.checkpoint import step_dir_name
 
 if TYPE_CHECKING:
     from trainer.module import TrainModule
@@ -62,8 +63,6 @@ class ModelCheckpoint(Callback):
                 f"ModelCheckpoint(monitor={self.monitor!r}) found no such metric; logged: "
                 f"{', '.join(sorted(trainer.callback_metrics)) or 'none yet'}"
             )
-        from trainer.checkpoint import step_dir_name  # here: callbacks must import before trainer does
-
         path = self.dirpath / step_dir_name(trainer.global_step)
         # listed before writing, so the checkpoint's own copy of this state already knows about itself
         self.saved = [c for c in self.saved if c["path"] != str(path)]

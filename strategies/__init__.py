@@ -2,8 +2,17 @@
 
 from strategies.base import Strategy
 from strategies.ddp import DDPStrategy
+from strategies.fsdp import FSDPStrategy
 from strategies.mesh import MeshStrategy
 from strategies.registry import STRATEGIES, build_strategy
 from strategies.single import SingleDeviceStrategy
 
-__all__ = ["STRATEGIES", "DDPStrategy", "MeshStrategy", "SingleDeviceStrategy", "Strategy", "build_strategy"]
+__all__ = [
+    "STRATEGIES",
+    "DDPStrategy",
+    "FSDPStrategy",
+    "MeshStrategy",
+    "SingleDeviceStrategy",
+    "Strategy",
+    "build_strategy",
+]

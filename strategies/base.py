@@ -47,6 +47,7 @@ class Strategy:
     """How the work of a run is spread over processes and devices (default: one process, one device)."""
 
     name = "base"
+    hooks_on_module = False  # True when the strategy hooks the module's own forward (FSDP2 shards in place)
 
     def __init__(self) -> None:
         self.accelerator = "cpu"
@@ -109,6 +110,10 @@ class Strategy:
         self.model = module
         return module
 
+    def startup_report(self, module: nn.Module) -> str | None:
+        """A line for the start of a run (e.g. per-rank memory of a sharded strategy), or None."""
+        return None
+
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         return optimizer
 
@@ -139,11 +144,12 @@ class Strategy:
     def call_step(self, module: nn.Module, method: str, *args: Any) -> Any:
         """`module.<method>(*args)`, through the wrapper `self.model` when the strategy wrapped the module,
         so the wrapper's forward hooks run (DDP's gradient-sync bookkeeping, FSDP's parameter gathering)."""
-        if self.model is None or self.model is module:
+        wrapper = module if self.model is None else self.model
+        if wrapper is module and not self.hooks_on_module:
             return getattr(module, method)(*args)
         module.forward = getattr(module, method)  # the wrapper calls module.forward: point it at the step
         try:
-            return self.model(*args)
+            return wrapper(*args)
         finally:
             del module.forward
 

@@ -62,7 +62,7 @@ class DDPStrategy(MeshStrategy):
         self.model = DistributedDataParallel(
             module,
             device_ids=device_ids,
-            process_group=self.mesh.get_group("dp_replicate"),
+            process_group=self.dp_group,
             **self.ddp_kwargs,
         )
         self._register_compression()

@@ -131,6 +131,16 @@ class MeshStrategy(Strategy):
         names = self.mesh.mesh_dim_names
         return math.prod(self.mesh.size(names.index(n)) for n in names if n in DATA_PARALLEL_DIMS)
 
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        """The process group of the data-parallel ranks (a 1-D data-parallel mesh)."""
+        dims = [n for n in self.mesh.mesh_dim_names if n in DATA_PARALLEL_DIMS]
+        if len(dims) != 1:
+            raise RuntimeError(
+                f"the data-parallel ranks span mesh dims {dims}; a single process group needs one"
+            )
+        return self.mesh.get_group(dims[0])
+
     # ---- collectives -----------------------------------------------------------------------------
     def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
         ops = {

@@ -6,11 +6,13 @@ from typing import Any
 
 from strategies.base import Strategy
 from strategies.ddp import DDPStrategy
+from strategies.fsdp import FSDPStrategy
 from strategies.single import SingleDeviceStrategy
 
 STRATEGIES: dict[str, type[Strategy]] = {
     "single": SingleDeviceStrategy,
     "ddp": DDPStrategy,
+    "fsdp": FSDPStrategy,
 }
 NAMES = ("auto", *STRATEGIES)
 

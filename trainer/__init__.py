@@ -1,7 +1,18 @@
 """trainer: the loop and everything a single process needs."""
 
+from typing import Any
+
 from trainer.module import TrainModule
 from trainer.rng import seed_everything
-from trainer.trainer import Trainer
 
 __all__ = ["TrainModule", "Trainer", "seed_everything"]
+
+
+def __getattr__(name: str) -> Any:
+    # Trainer is imported on first use: strategies import trainer's leaf modules (checkpoint, precision),
+    # and an eager import here would make `import strategies` circular.
+    if name == "Trainer":
+        from trainer.trainer import Trainer
+
+        return Trainer
+    raise AttributeError(f"module 'trainer' has no attribute {name!r}")

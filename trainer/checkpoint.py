@@ -37,13 +37,17 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def write_atomically(final_dir: Path, write: Callable[[Path], None], meta: dict[str, Any]) -> Path:
-    """Run `write(tmp_dir)`, add meta.json, then rename tmp_dir to `final_dir` (replacing an older one)."""
+def write_atomically(
+    final_dir: Path, write: Callable[[Path], None], meta: dict[str, Any], staged: Path | None = None
+) -> Path:
+    """Run `write(tmp_dir)`, add meta.json, then rename tmp_dir to `final_dir` (replacing an older one).
+    `staged`: a temporary directory other writers (every rank's shards) already filled."""
     final_dir = Path(final_dir)
     final_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final_dir.parent / f".tmp-{final_dir.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = staged or final_dir.parent / f".tmp-{final_dir.name}-{os.getpid()}"
+    if staged is None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
     write(tmp)
     meta = {"format": FORMAT_VERSION, "time": time.time(), **meta}
     meta["files"] = sorted(p.name for p in tmp.iterdir())

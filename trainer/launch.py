@@ -11,6 +11,7 @@ whole job as soon as any child dies (an exception or a SIGKILL), and children di
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import re
@@ -128,18 +129,25 @@ def spawn_and_run(nprocs: int, function: Callable[..., Any], *args: Any) -> Any:
     ]
     watchdog = _Watchdog(children)
     watchdog.start()
+    # ranks 1..N-1 run the rest of the program too (collectives included): rank 0 waits for them at exit
+    atexit.register(_wait_for_children, children, watchdog)
     try:
-        result = function(*args)
+        return function(*args)
     except BaseException:
         watchdog.stop()
         _report_dead(children, grace_s=1.0)  # a child that died is usually why rank 0 failed
         _terminate(children)
         raise
+
+
+def _wait_for_children(children: list[subprocess.Popen], watchdog: _Watchdog) -> None:
+    """At rank 0's exit: wait for the other ranks; the job fails if one of them failed."""
     watchdog.stop()
-    for rank, child in enumerate(children, start=1):
-        if child.wait() != 0:
-            raise RuntimeError(f"rank {rank} exited with code {child.returncode}; its error is printed above")
-    return result
+    for child in children:
+        child.wait()
+    if _report_dead(children):
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def _own_command() -> list[str]:
@@ -207,4 +215,5 @@ class _Watchdog(threading.Thread):
 
     def stop(self) -> None:
         self._stop_event.set()
-        self.join()
+        if self.is_alive():
+            self.join()

@@ -25,6 +25,10 @@ class Precision:
         self.name = name
         self.device_type = device_type
         self.scaler = torch.amp.GradScaler(device_type) if name == "16-mixed" else None
+        self.autocast_forward = name in (
+            "bf16-mixed",
+            "16-mixed",
+        )  # off when a strategy casts parameters itself
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         """Cast weights for "bf16-true"; the mixed modes keep fp32 master weights."""
@@ -38,7 +42,7 @@ class Precision:
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The context the forward pass runs in."""
-        if self.name in ("bf16-mixed", "16-mixed"):
+        if self.autocast_forward:
             dtype = torch.bfloat16 if self.name == "bf16-mixed" else torch.float16
             return torch.autocast(self.device_type, dtype=dtype)
         return contextlib.nullcontext()

@@ -541,6 +541,9 @@ class Trainer:
                 f"{strategy.dp_size} data-parallel = {batch * self.accumulate_grad_batches * strategy.dp_size} samples/step"
             )
         rank_zero_info(line)
+        report = strategy.startup_report(module)
+        if report:
+            rank_zero_info(report)
 
     def _call(self, hook: str, *args: Any) -> None:
         for cb in self.callbacks:

@@ -40,6 +40,10 @@ class CausalLM(TrainModule):
         if self.model is None:
             self.model = Llama(self.config)
 
+    def init_weights(self) -> None:
+        """Initialise the model in place (after a strategy materialised it from the meta device)."""
+        _hook(self.model, "init_weights")()
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)
 

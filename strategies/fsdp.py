@@ -1,0 +1,322 @@
+"""FSDPStrategy: ZeRO stages 1-3. Stages 2 and 3 shard with PyTorch's FSDP2 (`fully_shard`) per
+transformer block; stage 1 keeps DDP's replicated parameters and gradients and shards only the
+optimizer state (strategies/zero1.py). Checkpoints of stages 2/3 are torch.distributed.checkpoint
+(DCP) directories: every rank writes its shards and any world size can load them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+from strategies.ddp import DDPStrategy
+from strategies.memory import MemoryReport, measure
+from strategies.meta_init import materialize
+from strategies.zero1 import SlicedParameters
+from trainer import checkpoint as ckpt
+from trainer.precision import Precision
+
+ACTIVATION_CHECKPOINTING = (None, "full", "selective")
+# selective checkpointing keeps the outputs of these (the expensive ops) and recomputes the rest
+_SAVE_OPS = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten.bmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+DCP_STATE = "dcp"
+
+
+class FSDPStrategy(DDPStrategy):
+    """ZeRO-`zero_stage` data parallelism over all ranks, or hybrid (`replicate` > 1): shard within
+    groups of world/replicate ranks and replicate across the groups (a 2-D mesh).
+
+    - stage 3: parameters, gradients and optimizer states sharded; each block's parameters are gathered
+      for its forward and backward and freed after (reshard_after_forward=True);
+    - stage 2: as 3, but the gathered parameters stay from forward to backward (no second all-gather);
+    - stage 1: only optimizer states sharded.
+    Trainer precision "bf16-mixed" becomes FSDP2's MixedPrecisionPolicy (bf16 compute, fp32 master
+    weights and, with `reduce_dtype="fp32"`, fp32 gradient reduction). `cpu_offload` keeps shards and
+    optimizer states in host memory. `activation_checkpointing` "full" recomputes each block in the
+    backward, "selective" keeps matmul/attention outputs. With `async_save` a checkpoint is written in
+    the background while training continues (the next save waits for it).
+    """
+
+    name = "fsdp"
+    hooks_on_module = True
+
+    def __init__(
+        self,
+        zero_stage: int = 3,
+        replicate: int = 1,
+        reduce_dtype: str = "fp32",
+        cpu_offload: bool = False,
+        activation_checkpointing: str | None = None,
+        async_save: bool = False,
+        timeout_s: float = 600.0,
+    ) -> None:
+        super().__init__(timeout_s=timeout_s)
+        if zero_stage not in (1, 2, 3) or isinstance(zero_stage, bool):
+            raise ValueError(f"zero_stage={zero_stage!r} is invalid; allowed: 1, 2 or 3")
+        if isinstance(replicate, bool) or not isinstance(replicate, int) or replicate < 1:
+            raise ValueError(
+                f"replicate={replicate!r} is invalid; allowed: an int >= 1 (hybrid sharding groups)"
+            )
+        if reduce_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"reduce_dtype={reduce_dtype!r} is invalid; allowed: 'fp32', 'bf16'")
+        if activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+            raise ValueError(
+                f"activation_checkpointing={activation_checkpointing!r} is invalid; allowed: None, 'full', 'selective'"
+            )
+        if cpu_offload and zero_stage == 1:
+            raise ValueError(
+                "cpu_offload=True needs zero_stage 2 or 3 (FSDP2's CPUOffloadPolicy); stage 1 cannot offload"
+            )
+        if replicate > 1 and zero_stage == 1:
+            raise ValueError("replicate > 1 (hybrid sharding) needs zero_stage 2 or 3")
+        self.zero_stage, self.replicate = zero_stage, replicate
+        self.reduce_dtype = torch.float32 if reduce_dtype == "fp32" else torch.bfloat16
+        self.cpu_offload, self.activation_checkpointing, self.async_save = (
+            cpu_offload,
+            activation_checkpointing,
+            async_save,
+        )
+        self._sliced: SlicedParameters | None = None
+        self._pending_save: Any = None
+
+    def mesh_dims(self) -> dict[str, int]:
+        if self.replicate > 1:
+            return {"dp_replicate": self.replicate, "dp_shard": self.world_size // self.replicate}
+        return {"dp_shard": self.world_size}
+
+    def configure(self, accelerator: str, devices: int, num_nodes: int, precision: Precision) -> None:
+        world = devices * num_nodes
+        if world % self.replicate:
+            raise ValueError(
+                f"replicate={self.replicate} does not divide the world of {world} processes; allowed: a divisor of {world}"
+            )
+        if precision.name == "16-mixed" and self.zero_stage > 1:
+            raise ValueError(
+                "precision '16-mixed' needs a gradient scaler FSDP2 lacks; allowed with fsdp: '32', 'bf16-mixed', 'bf16-true'"
+            )
+        if self.zero_stage > 1 and precision.name == "bf16-mixed":
+            precision.autocast_forward = False  # FSDP2 casts the gathered parameters itself
+        super().configure(accelerator, devices, num_nodes, precision)
+
+    def module_init_context(self) -> contextlib.AbstractContextManager:
+        """`configure_model` builds on meta: nothing is allocated until each rank holds only its shards."""
+        return torch.device("meta") if self.zero_stage > 1 else super().module_init_context()
+
+    # ---- wrapping --------------------------------------------------------------------------------
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        if self.zero_stage == 1:
+            return super().setup_module(module)  # DDP; the optimizer state is sliced in setup_optimizer
+        self.shard(module)
+        if any(p.is_meta for p in module.parameters()):
+            materialize(module, self.root_device)
+        self.model = module
+        return module
+
+    def shard(self, module: nn.Module) -> nn.Module:
+        """The order matters (TorchTitan's): checkpoint each block, then shard each block, then the root,
+        so the checkpoint wraps the block's own computation and FSDP sees the checkpointed blocks."""
+        module = self.precision.convert_module(module)
+        blocks = _blocks(module)
+        if self.activation_checkpointing:
+            for block in blocks:
+                _checkpoint_forward(block, selective=self.activation_checkpointing == "selective")
+        mesh = self.mesh["dp_replicate", "dp_shard"] if self.replicate > 1 else self.mesh["dp_shard"]
+        kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": self.zero_stage == 3}
+        if self.precision.name == "bf16-mixed":
+            kwargs["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=self.reduce_dtype
+            )
+        if self.cpu_offload:
+            kwargs["offload_policy"] = CPUOffloadPolicy()
+        for block in blocks:
+            fully_shard(block, **kwargs)
+        fully_shard(module, **kwargs)
+        for block, following in zip(blocks, blocks[1:], strict=False):
+            block.set_modules_to_forward_prefetch([following])  # gather block i+1 while block i computes
+        for block, previous in zip(blocks[1:], blocks, strict=False):
+            block.set_modules_to_backward_prefetch([previous])
+        return module
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        if self.zero_stage > 1:
+            return optimizer
+        self._sliced = SlicedParameters(
+            optimizer, self.dp_rank, self.dp_size, self.mesh.get_group("dp_shard")
+        )
+        return self._sliced.optimizer
+
+    # ---- the step --------------------------------------------------------------------------------
+    def accumulation_context(self, is_last_micro_batch: bool) -> contextlib.AbstractContextManager:
+        if self.zero_stage == 1:
+            return super().accumulation_context(is_last_micro_batch)
+        self.model.set_requires_gradient_sync(is_last_micro_batch)  # reduce-scatter once per step
+        return contextlib.nullcontext()
+
+    def global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        norm = super().global_norm(grads)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    def clip_gradients(self, module: nn.Module, max_value: float, algorithm: str) -> torch.Tensor:
+        params = [p for p in module.parameters() if p.grad is not None]
+        if algorithm == "value" or self.zero_stage == 1:
+            return super().clip_gradients(module, max_value, algorithm)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)  # a DTensor: reduced over shards
+        torch.nn.utils.clip_grads_with_norm_(params, max_value, norm)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        if self._sliced is None:
+            return super().optimizer_step(optimizer)
+        self._sliced.attach_gradients()
+        stepped = super().optimizer_step(optimizer)
+        self._sliced.gather_parameters()
+        return stepped
+
+    def memory_report(self, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> MemoryReport:
+        """This rank's bytes in parameters, gradients and optimizer states, and the formula's."""
+        return measure(module, optimizer, self.zero_stage, self.dp_size)
+
+    def startup_report(self, module: nn.Module) -> str:
+        return self.memory_report(module, None).lines()
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+    def save_checkpoint(
+        self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict
+    ) -> None:
+        if self.zero_stage == 1:
+            return self._save_stage1(path, module, state)
+        self._wait_for_pending_save()
+        path = Path(path)
+        tmp = path.parent / f".tmp-{path.name}"
+        if self.is_global_zero:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+        self.barrier()
+        model_sd, optim_sd = get_state_dict(module, optimizer or [])
+        payload = {"model": model_sd, "optim": optim_sd}
+        writer = dcp.async_save if self.async_save else dcp.save
+        future = writer(payload, checkpoint_id=str(tmp / DCP_STATE))
+        finish = functools.partial(self._finish_save, tmp, path, state)
+        if self.async_save:
+            self._pending_save = (future, finish)
+        else:
+            finish()
+
+    def _finish_save(self, tmp: Path, path: Path, state: dict) -> None:
+        """After every rank wrote its shards: rank zero adds the trainer state and renames atomically."""
+        self.barrier()
+        if self.is_global_zero:
+            ckpt.write_atomically(
+                path,
+                lambda d: ckpt.save_torch_file(state, d / ckpt.STATE_FILE),
+                {"step": state["loop"]["global_step"], "format": "dcp"},
+                staged=tmp,
+            )
+        self.barrier()
+
+    def _wait_for_pending_save(self) -> None:
+        if self._pending_save is not None:
+            future, finish = self._pending_save
+            self._pending_save = None
+            future.result()
+            finish()
+
+    def _save_stage1(self, path: Path, module: nn.Module, state: dict) -> None:
+        optim_sd = self._sliced.full_state_dict()  # collective: every rank takes part
+        if self.is_global_zero:
+
+            def write(tmp: Path) -> None:
+                ckpt.save_model_file(module.state_dict(), tmp / ckpt.MODEL_FILE)
+                ckpt.save_torch_file(optim_sd, tmp / ckpt.OPTIMIZER_FILE)
+                ckpt.save_torch_file(state, tmp / ckpt.STATE_FILE)
+
+            ckpt.write_atomically(Path(path), write, {"step": state["loop"]["global_step"]})
+        self.barrier()
+
+    def load_checkpoint(
+        self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None
+    ) -> dict[str, Any]:
+        path = Path(path)
+        meta = ckpt.read_meta(path)
+        if self.zero_stage == 1:
+            if meta.get("format") == "dcp":
+                raise ckpt.CheckpointError(
+                    f"checkpoint '{path}' is a sharded (zero_stage 2/3) checkpoint; "
+                    "this run uses zero_stage=1: resume with the stage that wrote it"
+                )
+            state = super().load_checkpoint(path, module, None)
+            if optimizer is not None:
+                self._sliced.load_full_state_dict(ckpt.load_torch_file(path / ckpt.OPTIMIZER_FILE))
+            return state
+        if meta.get("format") != "dcp":
+            raise ckpt.CheckpointError(
+                f"checkpoint '{path}' is not a sharded checkpoint; a zero_stage "
+                f"{self.zero_stage} run resumes from checkpoints it wrote"
+            )
+        model_sd, optim_sd = get_state_dict(module, optimizer or [])
+        payload = {"model": model_sd, "optim": optim_sd} if optimizer is not None else {"model": model_sd}
+        try:
+            dcp.load(payload, checkpoint_id=str(path / DCP_STATE))
+        except Exception as err:  # DCP reports missing keys / size mismatches as planner errors
+            raise ckpt.CheckpointError(
+                f"checkpoint '{path}' does not fit this model: {str(err).splitlines()[0]}"
+            ) from err
+        set_state_dict(
+            module,
+            optimizer or [],
+            model_state_dict=payload["model"],
+            optim_state_dict=payload.get("optim", {}),
+            options=StateDictOptions(strict=True),
+        )
+        return ckpt.load_torch_file(path / ckpt.STATE_FILE)
+
+    def teardown(self) -> None:
+        self._wait_for_pending_save()
+
+
+def _blocks(module: nn.Module) -> list[nn.Module]:
+    """The model's declared transformer blocks (FSDP units); none declared: the whole module is one unit."""
+    declared = getattr(module, "transformer_blocks", None)
+    if not callable(declared):
+        return []
+    try:
+        return list(declared())
+    except AttributeError:
+        return []
+
+
+def _checkpoint_forward(block: nn.Module, selective: bool) -> None:
+    """Recompute `block`'s forward in the backward instead of storing its activations."""
+    forward = block.forward
+    context = None
+    if selective:
+
+        def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+            from torch.utils.checkpoint import CheckpointPolicy
+
+            return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+        context = functools.partial(create_selective_checkpoint_contexts, policy)
+
+    def checkpointed(*args: Any, **kwargs: Any) -> Any:
+        if context is None:
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=context, **kwargs)
+
+    block.forward = checkpointed
