@@ -68,23 +68,32 @@ class ModelCheckpoint(Callback):
         self.saved = [c for c in self.saved if c["path"] != str(path)]
         self.saved.append({"path": str(path), "step": trainer.global_step, "score": score})
         self.last_path = trainer.save_checkpoint(path)
-        stale = self._beyond_top_k()
+        self._prune(trainer)
+
+    def teardown(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
+        self._prune(trainer)  # the strategy has finished any checkpoint still being written
+
+    def _prune(self, trainer: Trainer) -> None:
+        """Delete what falls outside the top k, counting only completed checkpoints: one still being
+        written in the background (async save) never pushes a completed one out."""
+        complete = [c for c in self.saved if (Path(c["path"]) / "meta.json").exists()]
+        stale = self._beyond_top_k(complete)
         if trainer.is_global_zero:
             for entry in stale:
                 shutil.rmtree(entry["path"], ignore_errors=True)
         self.saved = [c for c in self.saved if c not in stale]
 
-    def _beyond_top_k(self) -> list[dict[str, Any]]:
-        if self.save_top_k == -1:
+    def _beyond_top_k(self, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if self.save_top_k == -1 or not entries:
             return []
-        newest = max(self.saved, key=lambda c: c["step"])
+        newest = max(entries, key=lambda c: c["step"])
         if self.monitor:
             sign = 1.0 if self.mode == "min" else -1.0
-            ranked = sorted(self.saved, key=lambda c: sign * c["score"])
+            ranked = sorted(entries, key=lambda c: sign * c["score"])
         else:
-            ranked = sorted(self.saved, key=lambda c: -c["step"])
+            ranked = sorted(entries, key=lambda c: -c["step"])
         keep = ranked[: self.save_top_k] + [newest]
-        return [c for c in self.saved if c not in keep]
+        return [c for c in entries if c not in keep]
 
     @staticmethod
     def _step_of(path: Path) -> int:

@@ -13,8 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -25,6 +27,7 @@ from strategies.memory import MemoryReport, measure
 from strategies.meta_init import materialize
 from strategies.zero1 import SlicedParameters
 from trainer import checkpoint as ckpt
+from trainer.export import DCP_DIR
 from trainer.precision import Precision
 
 ACTIVATION_CHECKPOINTING = (None, "full", "selective")
@@ -35,7 +38,6 @@ _SAVE_OPS = {
     torch.ops.aten.bmm.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
 }
-DCP_STATE = "dcp"
 
 
 class FSDPStrategy(DDPStrategy):
@@ -94,6 +96,7 @@ class FSDPStrategy(DDPStrategy):
         )
         self._sliced: SlicedParameters | None = None
         self._pending_save: Any = None
+        self._save_group: Any = None
 
     def mesh_dims(self) -> dict[str, int]:
         if self.replicate > 1:
@@ -143,7 +146,8 @@ class FSDPStrategy(DDPStrategy):
                 param_dtype=torch.bfloat16, reduce_dtype=self.reduce_dtype
             )
         if self.cpu_offload:
-            kwargs["offload_policy"] = CPUOffloadPolicy()
+            # pinned host memory speeds GPU<->host copies; on a CPU run there is no device to copy from
+            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda")
         for block in blocks:
             fully_shard(block, **kwargs)
         fully_shard(module, **kwargs)
@@ -210,13 +214,16 @@ class FSDPStrategy(DDPStrategy):
         self.barrier()
         model_sd, optim_sd = get_state_dict(module, optimizer or [])
         payload = {"model": model_sd, "optim": optim_sd}
-        writer = dcp.async_save if self.async_save else dcp.save
-        future = writer(payload, checkpoint_id=str(tmp / DCP_STATE))
         finish = functools.partial(self._finish_save, tmp, path, state)
-        if self.async_save:
-            self._pending_save = (future, finish)
-        else:
-            finish()
+        if not self.async_save:
+            dcp.save(payload, checkpoint_id=str(tmp / DCP_DIR))
+            return finish()
+        if (
+            self._save_group is None
+        ):  # its own group: the writer's collectives must not interleave with training's
+            self._save_group = dist.new_group(backend="gloo")
+        future = dcp.async_save(payload, checkpoint_id=str(tmp / DCP_DIR), process_group=self._save_group)
+        self._pending_save = (future, finish)
 
     def _finish_save(self, tmp: Path, path: Path, state: dict) -> None:
         """After every rank wrote its shards: rank zero adds the trainer state and renames atomically."""
@@ -272,11 +279,10 @@ class FSDPStrategy(DDPStrategy):
         model_sd, optim_sd = get_state_dict(module, optimizer or [])
         payload = {"model": model_sd, "optim": optim_sd} if optimizer is not None else {"model": model_sd}
         try:
-            dcp.load(payload, checkpoint_id=str(path / DCP_STATE))
-        except Exception as err:  # DCP reports missing keys / size mismatches as planner errors
-            raise ckpt.CheckpointError(
-                f"checkpoint '{path}' does not fit this model: {str(err).splitlines()[0]}"
-            ) from err
+            dcp.load(payload, checkpoint_id=str(path / DCP_DIR))
+        except CheckpointException as err:  # a BaseException carrying each rank's planner error
+            first = next(iter(err.failures.values()))[0]
+            raise ckpt.CheckpointError(f"checkpoint '{path}' does not fit this model: {first}") from err
         set_state_dict(
             module,
             optimizer or [],

@@ -8,6 +8,7 @@ the failed attempt would otherwise send gloo to dead peers ('Connection refused'
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import math
 import os
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from strategies.base import Strategy
-from trainer.launch import World, detect_world, spawn_and_run
+from trainer.launch import World, destroy_process_group, detect_world, spawn_and_run
 from trainer.logging import set_rank
 from trainer.precision import Precision
 
@@ -101,6 +102,10 @@ class MeshStrategy(Strategy):
                 world_size=world.world_size,
                 timeout=timeout,
             )
+            if not (
+                world.source == "spawned" and world.rank == 0
+            ):  # a self-spawning rank 0 does it after its children
+                atexit.register(destroy_process_group)
         set_rank(world.rank)
         dims = self.mesh_dims()
         if math.prod(dims.values()) != world.world_size:

@@ -130,7 +130,7 @@ def test_resume_mid_epoch_continues_with_exactly_the_next_batch_across_epochs(tm
 
     other = TokenLoader(numbered_blocks(41), batch_size=2, seed=3, rank=1, world_size=2)
     other.load_state_dict(make().state_dict())
-    with pytest.raises(ValueError, match="batch_size=4 in the saved state but 2 now"):
+    with pytest.raises(ValueError, match="global_batch=8 in the saved state but 4 now"):
         iter(other)
 
 
@@ -270,3 +270,18 @@ def test_bad_input_gets_a_one_line_error_naming_the_value(tmp_path, monkeypatch,
     with pytest.raises(error, match=message) as caught:
         lm_dataloaders(**arguments)
     assert "\n" not in str(caught.value)
+
+
+def test_a_position_resumes_on_another_number_of_ranks_with_the_same_global_batch():
+    data = numbered_blocks(64)
+    four = [TokenLoader(data, batch_size=2, seed=3, rank=r, world_size=4) for r in range(4)]
+    iters = [iter(loader) for loader in four]
+    for it in iters:
+        next(it)  # one global batch consumed
+    state = four[0].state_dict()
+    expected = sorted(int(i) for it in iters for i in next(it)["input_ids"][:, 0])
+    two = [TokenLoader(data, batch_size=4, seed=3, rank=r, world_size=2) for r in range(2)]
+    for loader in two:
+        loader.load_state_dict(state)
+    got = sorted(int(i) for loader in two for i in next(iter(loader))["input_ids"][:, 0])
+    assert got == expected

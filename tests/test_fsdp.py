@@ -3,6 +3,10 @@ resharding checkpoints, export, meta-device init, and bad input."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
 import sys
 
 import pytest
@@ -10,6 +14,7 @@ import torch
 from conftest import read_metrics
 from test_ddp import SCRIPT, assert_params_close, result, run
 
+from strategies import FSDPStrategy
 from trainer import Trainer
 from trainer.models.causal_lm import CausalLM
 
@@ -74,3 +79,141 @@ def test_each_zero_stage_matches_one_process_and_holds_the_formula_memory(tmp_pa
         assert with_grads["params_bytes"] < full / devices + row_slack, (
             "stage 3 keeps only a shard of the weights"
         )
+
+
+@pytest.mark.parametrize("saved_on, resumed_on", [(4, 2), (2, 4)])
+def test_a_sharded_checkpoint_resumes_on_another_world_size(tmp_path, saved_on, resumed_on):
+    common = ["--stage", "3", "--steps", "12", "--ckpt-every", "4"]
+    straight, root = fsdp(tmp_path, "straight", *common, devices=saved_on)
+    resumed_root = tmp_path / "resumed"
+    (resumed_root / "checkpoints").mkdir(parents=True)
+    shutil.copytree(root / "checkpoints" / "step-00000008", resumed_root / "checkpoints" / "step-00000008")
+    resumed, _ = fsdp(tmp_path, "resumed", *common, "--resume", devices=resumed_on)
+    expected, got = read_metrics(root), read_metrics(resumed_root)
+    assert sorted(got) == list(range(9, 13))
+    for step in range(9, 13):
+        assert abs(got[step] - expected[step]) <= 1e-5, (
+            f"step {step}: resumed on {resumed_on} {got[step]} vs {expected[step]}"
+        )
+    assert_params_close(resumed["params"], straight["params"])
+
+
+def test_async_save_writes_complete_checkpoints_while_training(tmp_path):
+    out, root = fsdp(tmp_path, "async", "--stage", "2", "--steps", "6", "--ckpt-every", "2", "--async-save")
+    saved = sorted(p.name for p in (root / "checkpoints").iterdir())
+    assert saved == ["step-00000004", "step-00000006"]  # save_top_k=2, every one completed and renamed
+    assert (root / "checkpoints" / "step-00000006" / "meta.json").exists()
+
+
+@pytest.mark.parametrize(
+    "options", [["--ac", "full"], ["--ac", "selective"], ["--offload"], ["--replicate", "2"]]
+)
+def test_checkpointing_offload_and_hybrid_sharding_train_exactly_like_plain_fsdp(tmp_path, options):
+    devices = 4 if "--replicate" in options else 2
+    plain, _ = fsdp(tmp_path, "plain", "--stage", "3", devices=devices)
+    other, _ = fsdp(tmp_path, "other", "--stage", "3", *options, devices=devices)
+    assert_params_close(other["params"], plain["params"], atol=1e-6)
+
+
+def test_bf16_mixed_precision_policy_trains_close_to_fp32(tmp_path):
+    fp32, _ = fsdp(tmp_path, "fp32", "--stage", "3")
+    bf16, root = fsdp(tmp_path, "bf16", "--stage", "3", "--precision", "bf16-mixed")
+    assert_params_close(bf16["params"], fp32["params"], atol=2e-2)
+    losses = read_metrics(root)
+    assert losses[8] < losses[1]
+
+
+def test_export_consolidates_a_sharded_checkpoint_for_one_process_and_transformers(tmp_path, monkeypatch):
+    import transformers
+
+    from trainer.checkpoint import load_model_file
+    from trainer.models.hf_llama import from_hf_state_dict
+    from trainer.models.llama import Llama
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out, root = fsdp(tmp_path, "sharded", "--stage", "3", "--steps", "4", devices=2)
+    ckpt = root / "checkpoints" / "step-00000004"
+    done = subprocess.run(
+        [sys.executable, "-m", "trainer.cli", "export", str(ckpt), str(tmp_path / "export")],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+
+    trained = Llama(LLAMA)  # the run's final weights, gathered by its rank 0
+    with torch.no_grad():
+        for p, values in zip(trained.parameters(), out["params"], strict=True):
+            p.copy_(torch.tensor(values).view_as(p))
+    fresh = Llama(LLAMA)
+    fresh.load_state_dict(from_hf_state_dict(load_model_file(tmp_path / "export" / "model.safetensors")))
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "export").eval()
+    tokens = torch.randint(0, LLAMA.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = trained(tokens)
+        torch.testing.assert_close(fresh(tokens), expected, atol=1e-5, rtol=0)
+        torch.testing.assert_close(hf(tokens).logits, expected, atol=1e-5, rtol=0)
+
+
+def test_the_8b_preset_is_sharded_over_four_ranks_on_meta_without_allocating_it(tmp_path):
+    script = SCRIPT.parent / "shard_report_script.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "4", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    assert sum(r["local_numel"] for r in reports) == 8_030_261_248
+    for r in reports:
+        assert r["meta"] and r["rss_mb"] < 500, "nothing of the 32 GB model may be allocated"
+        assert r["shards"]["tok_embeddings.weight"] == [128256 // 4, 4096]
+        assert r["shards"]["layers.0.feed_forward.w1.weight"] == [14336 // 4, 4096]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"zero_stage": 4}, "zero_stage=4 is invalid; allowed: 1, 2 or 3"),
+        ({"zero_stage": 1, "cpu_offload": True}, "cpu_offload=True needs zero_stage 2 or 3"),
+        ({"replicate": 0}, "replicate=0 is invalid"),
+        ({"activation_checkpointing": "some"}, "activation_checkpointing='some' is invalid"),
+        ({"reduce_dtype": "fp8"}, "reduce_dtype='fp8' is invalid"),
+    ],
+)
+def test_bad_fsdp_arguments_are_named(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FSDPStrategy(**kwargs)
+
+
+def test_a_mesh_that_does_not_divide_the_world_and_fp16_scaling_are_refused_before_spawning():
+    with pytest.raises(ValueError, match="replicate=3 does not divide the world of 4 processes"):
+        Trainer(strategy=FSDPStrategy(replicate=3), devices=4)
+    with pytest.raises(ValueError, match="precision '16-mixed' needs a gradient scaler FSDP2 lacks"):
+        Trainer(strategy=FSDPStrategy(), devices=2, precision="16-mixed")
+
+
+def test_a_checkpoint_of_another_model_or_stage_is_refused(tmp_path):
+    out, root = fsdp(tmp_path, "small", "--stage", "3", "--steps", "2", "--ckpt-every", "2")
+    ckpt = root / "checkpoints" / "step-00000002"
+    done, _ = run(
+        ["--strategy", "fsdp", "--stage", "3", "--devices", "2", "--resume"],
+        tmp_path,
+        "regression",
+        timeout=120,
+    )
+    assert done.returncode == 0  # a different root: nothing to resume, starts fresh
+    target = tmp_path / "regression2" / "checkpoints"
+    target.mkdir(parents=True)
+    shutil.copytree(ckpt, target / ckpt.name)
+    done, _ = run(
+        ["--strategy", "fsdp", "--stage", "3", "--devices", "2", "--resume"], tmp_path, "regression2"
+    )
+    assert done.returncode != 0 and "does not fit this model" in done.stderr
+    done, _ = run(
+        ["--strategy", "fsdp", "--model", "llama", "--stage", "1", "--devices", "2", "--resume"],
+        tmp_path,
+        "regression2",
+    )
+    assert done.returncode != 0 and "is a sharded (zero_stage 2/3) checkpoint" in done.stderr

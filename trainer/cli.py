@@ -10,7 +10,7 @@ import yaml
 
 from trainer.checkpoint import CheckpointError
 from trainer.config import SECTIONS, ConfigError, build_run, load_recipe
-from trainer.export import export_llama
+from trainer.export import export_checkpoint, export_llama
 from trainer.logging import configure_console_logging
 from trainer.models.llama import Llama
 
@@ -28,6 +28,7 @@ examples:
   trainer fit recipes/llama_tiny.yaml trainer.max_steps=50 optimizer.lr=1e-3
   trainer fit recipes/llama_tiny.yaml --ckpt-path last      # resume (or start) the run
   trainer config recipes/llama_tiny.yaml data.seq_len=128   # print the resolved recipe
+  trainer export runs/llama_tiny/checkpoints/step-00000300 out/  # weights for transformers
 """
 
 
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{fit,validate,test,config}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{fit,validate,test,config,export}")
     for name, text in (
         ("fit", "train (with validation) as the recipe describes"),
         ("validate", "validation loss of a checkpoint (default: the run's last)"),
@@ -61,8 +62,23 @@ def main(argv: list[str] | None = None) -> int:
                 default=default,
                 help=f"'last', a checkpoint directory, or none (default: {default})",
             )
+    export = sub.add_parser(
+        "export",
+        help="consolidate a checkpoint (sharded ones too) into model.safetensors",
+        description="Write a checkpoint's weights to OUT/model.safetensors (+ config.json "
+        "in Hugging Face layout for a Llama), on one process, whatever world size saved it.",
+    )
+    export.add_argument("checkpoint", type=Path, help="a checkpoint directory (runs/NAME/checkpoints/step-N)")
+    export.add_argument("out", type=Path, help="output directory")
     args = parser.parse_args(argv)
     configure_console_logging()
+    if args.command == "export":
+        try:
+            print(f"wrote {export_checkpoint(args.checkpoint, args.out)}")
+        except (CheckpointError, FileNotFoundError) as err:
+            print(f"trainer: error: {err}", file=sys.stderr)
+            return 2
+        return 0
     try:
         config = load_recipe(args.recipe, args.overrides)
         if args.command == "config":

@@ -1,21 +1,69 @@
-"""Export trained Llama weights in Hugging Face layout: `LlamaForCausalLM.from_pretrained(dir)` loads them."""
+"""Export trained weights as one `model.safetensors`: from a live Llama, or from any checkpoint (sharded
+DCP ones included, read without a process group, so the original world size is not needed). A Llama
+is written in Hugging Face's layout with its `config.json`: `LlamaForCausalLM.from_pretrained(dir)`."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from trainer.checkpoint import save_model_file
+import torch
+
+from trainer import checkpoint as ckpt
 from trainer.models.hf_llama import to_hf_config, to_hf_state_dict
-from trainer.models.llama import Llama
+from trainer.models.llama import Llama, LlamaConfig
+
+DCP_DIR = "dcp"
 
 
 def export_llama(model: Llama, out_dir: str | Path) -> Path:
     """Write `model.safetensors` (HF key names) and `config.json` to `out_dir`; returns the weights file."""
-    out_dir = Path(out_dir)
+    return _write_hf(model.state_dict(), model.config, Path(out_dir))
+
+
+def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path) -> Path:
+    """Consolidate a checkpoint's model weights into `out_dir/model.safetensors` (HF layout for a Llama)."""
+    ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
+    meta = ckpt.read_meta(ckpt_dir)
+    weights = (
+        _dcp_model_state(ckpt_dir / DCP_DIR)
+        if meta.get("format") == "dcp"
+        else ckpt.load_model_file(ckpt_dir / ckpt.MODEL_FILE)
+    )
+    llama = ckpt.load_torch_file(ckpt_dir / ckpt.STATE_FILE).get("module", {}).get("llama_config")
+    if llama is None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        ckpt.save_model_file(weights, out_dir / "model.safetensors")
+        return out_dir / "model.safetensors"
+    prefix = "model."  # CausalLM keeps its Llama under .model
+    return _write_hf(
+        {k[len(prefix) :]: v for k, v in weights.items() if k.startswith(prefix)},
+        LlamaConfig(**llama),
+        out_dir,
+    )
+
+
+def _write_hf(state: dict[str, torch.Tensor], config: LlamaConfig, out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
-    state = to_hf_state_dict(model.state_dict())
-    if model.config.tie_embeddings:
-        state.pop("lm_head.weight")  # transformers re-ties it from the embedding
-    save_model_file(state, out_dir / "model.safetensors")
-    to_hf_config(model.config).save_pretrained(out_dir)
+    state = to_hf_state_dict(state)
+    if config.tie_embeddings:
+        state.pop("lm_head.weight", None)  # transformers re-ties it from the embedding
+    ckpt.save_model_file(state, out_dir / "model.safetensors")
+    to_hf_config(config).save_pretrained(out_dir)
     return out_dir / "model.safetensors"
+
+
+def _dcp_model_state(dcp_dir: Path) -> dict[str, torch.Tensor]:
+    """The full model tensors of a DCP checkpoint, in one process, whatever world size wrote it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(dcp_dir))
+    entries = reader.read_metadata().state_dict_metadata
+    template = {
+        key: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+        for key, m in entries.items()
+        if key.startswith("model.") and isinstance(m, TensorStorageMetadata)
+    }
+    nested = {"model": {k[len("model.") :]: v for k, v in template.items()}}
+    dcp.load(nested, storage_reader=reader, no_dist=True)
+    return nested["model"]

@@ -145,9 +145,19 @@ def _wait_for_children(children: list[subprocess.Popen], watchdog: _Watchdog) ->
     watchdog.stop()
     for child in children:
         child.wait()
+    destroy_process_group()  # after the children: rank 0 hosts the store they use until the end
     if _report_dead(children):
         sys.stderr.flush()
         os._exit(1)
+
+
+def destroy_process_group() -> None:
+    """Shut the default process group down before the interpreter does: left to C++ destructors at exit,
+    gloo's threads can abort the process ('terminate called without an active exception')."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _own_command() -> list[str]:

@@ -475,8 +475,8 @@ class Trainer:
         if self.is_global_zero and stage == "fit":
             for lg in self.loggers:
                 lg.finalize()
+        self.strategy.teardown()  # first: it completes checkpoints still being written
         self._call("teardown", stage)
-        self.strategy.teardown()
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def _checkpoint_dir(self) -> Path:

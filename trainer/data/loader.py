@@ -123,11 +123,12 @@ class TokenLoader:
         self._resume_from = {key: int(state[key]) for key in self._settings()}
 
     def _settings(self) -> dict[str, int]:
+        """What a saved position means. Only the global batch (world_size x batch_size) counts, not its
+        split: global batch k holds the same samples on any number of ranks, so a run may resume resharded."""
         return {
             "seed": self.seed,
             "num_samples": len(self.dataset),
-            "batch_size": self.batch_size,
-            "world_size": self.world_size,
+            "global_batch": self.world_size * self.batch_size,
             "shuffle": int(self.shuffle),
             "drop_last": int(self.drop_last),
         }

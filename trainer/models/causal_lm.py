@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -43,6 +44,11 @@ class CausalLM(TrainModule):
     def init_weights(self) -> None:
         """Initialise the model in place (after a strategy materialised it from the meta device)."""
         _hook(self.model, "init_weights")()
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """The Llama's shape travels with its weights, so `trainer export` can write a Hugging Face model."""
+        if isinstance(self.model, Llama):
+            checkpoint["llama_config"] = dataclasses.asdict(self.model.config)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)
