@@ -6,6 +6,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -25,6 +26,25 @@ class StepClock(Callback):
 def seconds_per_step(stamps: list[float], skip: int) -> float:
     """Median step time after `skip` warm-up steps."""
     return statistics.median(b - a for a, b in zip(stamps[skip:], stamps[skip + 1 :], strict=False))
+
+
+def fit_timed(module: Any, loader: Any, clock: StepClock, root: str, steps: int, warmup: int) -> None:
+    """The Trainer side of a benchmark: the same schedule and clipping as the hand loops, logging every 10
+    steps, progress bar on, no checkpoints (the hand loops write none)."""
+    from trainer import Trainer
+
+    trainer = Trainer(
+        max_steps=steps,
+        lr_schedule="cosine",
+        warmup_steps=warmup,
+        gradient_clip_val=1.0,
+        log_every_n_steps=10,
+        enable_progress_bar=True,
+        enable_checkpointing=False,
+        callbacks=[clock],
+        default_root_dir=root,
+    )
+    trainer.fit(module, loader)
 
 
 def compare(

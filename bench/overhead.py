@@ -15,9 +15,9 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import compare  # noqa: E402
+from common import compare, fit_timed  # noqa: E402
 
-from trainer import Trainer, TrainModule  # noqa: E402
+from trainer import TrainModule  # noqa: E402
 from trainer.schedules import LRSchedule, build_scheduler  # noqa: E402
 
 STEPS, BATCH, WIDTH = 300, 64, 256
@@ -69,18 +69,7 @@ class MLP(TrainModule):
 
 
 def with_trainer(clock, root: str) -> None:
-    trainer = Trainer(
-        max_steps=STEPS,
-        lr_schedule="cosine",
-        warmup_steps=10,
-        gradient_clip_val=1.0,
-        log_every_n_steps=10,
-        enable_progress_bar=True,
-        enable_checkpointing=False,
-        callbacks=[clock],
-        default_root_dir=root,
-    )
-    trainer.fit(MLP(), data())
+    fit_timed(MLP(), data(), clock, root, STEPS, warmup=10)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import compare  # noqa: E402
+from common import compare, fit_timed  # noqa: E402
 
-from trainer import Trainer  # noqa: E402
 from trainer.config import build_llama_config, load_recipe  # noqa: E402
 from trainer.data import lm_dataloaders  # noqa: E402
 from trainer.models.causal_lm import CausalLM  # noqa: E402
@@ -56,18 +55,7 @@ def hand_loop() -> list[float]:
 
 
 def with_trainer(clock, root: str) -> None:
-    trainer = Trainer(
-        max_steps=STEPS,
-        lr_schedule="cosine",
-        warmup_steps=5,
-        gradient_clip_val=1.0,
-        log_every_n_steps=10,
-        enable_progress_bar=True,
-        enable_checkpointing=False,
-        callbacks=[clock],
-        default_root_dir=root,
-    )
-    trainer.fit(CausalLM(CONFIG), loader())
+    fit_timed(CausalLM(CONFIG), loader(), clock, root, STEPS, warmup=5)
 
 
 if __name__ == "__main__":

@@ -97,6 +97,7 @@ class FSDPStrategy(DDPStrategy):
         self._sliced: SlicedParameters | None = None
         self._pending_save: Any = None
         self._save_group: Any = None
+        self._checkpointed: list[nn.Module] = []
 
     def mesh_dims(self) -> dict[str, int]:
         if self.replicate > 1:
@@ -139,6 +140,7 @@ class FSDPStrategy(DDPStrategy):
         if self.activation_checkpointing:
             for block in blocks:
                 _checkpoint_forward(block, selective=self.activation_checkpointing == "selective")
+            self._checkpointed = blocks
         mesh = self.mesh["dp_replicate", "dp_shard"] if self.replicate > 1 else self.mesh["dp_shard"]
         kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": self.zero_stage == 3}
         if self.precision.name == "bf16-mixed":
@@ -294,6 +296,9 @@ class FSDPStrategy(DDPStrategy):
 
     def teardown(self) -> None:
         self._wait_for_pending_save()
+        for block in self._checkpointed:  # the user's module leaves as it came (its own forward)
+            del block.forward
+        self._checkpointed = []
 
 
 def _blocks(module: nn.Module) -> list[nn.Module]:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from strategies.base import Strategy
-from trainer.launch import World, destroy_process_group, detect_world, spawn_and_run
+from trainer.launch import World, destroy_process_group, detect_world, exit_quietly_when_done, spawn_and_run
 from trainer.logging import set_rank
 from trainer.precision import Precision
 
@@ -102,9 +102,10 @@ class MeshStrategy(Strategy):
                 world_size=world.world_size,
                 timeout=timeout,
             )
-            if not (
-                world.source == "spawned" and world.rank == 0
-            ):  # a self-spawning rank 0 does it after its children
+            spawned_by_us = world.source == "spawned"
+            if spawned_by_us and world.rank > 0:
+                exit_quietly_when_done()
+            if not (spawned_by_us and world.rank == 0):  # a self-spawning rank 0 does it after its children
                 atexit.register(destroy_process_group)
         set_rank(world.rank)
         dims = self.mesh_dims()

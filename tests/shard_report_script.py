@@ -1,5 +1,6 @@
-"""Build the 8B Llama on meta, shard it with FSDP over the ranks of this job and report each rank's
-shard shapes and bytes, without allocating the model (run with a self-spawn: --devices N)."""
+"""Build a Llama on meta and shard it with FSDP over this job's ranks (self-spawned: `script N OUT`).
+Default: the 8B preset, reporting each rank's shard shapes without allocating the model. With a preset
+name as third argument: materialise it and say whether it equals an unsharded build with the same seed."""
 
 from __future__ import annotations
 
@@ -36,8 +37,30 @@ def report(strategy: FSDPStrategy, out: Path) -> None:
     )
 
 
+def materialized_equals_unsharded(strategy: FSDPStrategy, out: Path, preset: str) -> None:
+    from strategies.meta_init import materialize
+
+    strategy.setup_environment()
+    config = LlamaConfig.preset(preset, vocab_size=512)
+    torch.manual_seed(7)
+    with strategy.module_init_context():
+        model = Llama(config)
+    strategy.shard(model)
+    materialize(model, strategy.root_device)
+    full = [p.full_tensor() for p in model.parameters()]
+    torch.manual_seed(7)
+    reference = Llama(config)  # built directly on the CPU, unsharded
+    equal = all(torch.equal(a, b) for a, b in zip(full, reference.parameters(), strict=True))
+    Path(out, f"rank{strategy.global_rank}.json").write_text(
+        json.dumps({"equal": equal, "tensors": len(full)})
+    )
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     strategy = FSDPStrategy(zero_stage=3)
     strategy.configure("cpu", int(sys.argv[1]), 1, Precision("32"))
-    strategy.launch(report, strategy, Path(sys.argv[2]))
+    if len(sys.argv) > 3:
+        strategy.launch(materialized_equals_unsharded, strategy, Path(sys.argv[2]), sys.argv[3])
+    else:
+        strategy.launch(report, strategy, Path(sys.argv[2]))

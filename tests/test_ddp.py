@@ -49,9 +49,10 @@ def result(tmp: Path, name: str) -> dict:
     return json.loads((tmp / f"{name}.json").read_text())
 
 
-def single_process(tmp: Path, steps: int = 8, batch: int = 16):
+def single_process(tmp: Path, module=None, loader=None, steps: int = 8):
+    """The reference: one process, the whole global batch (16) per step, same seed and clipping."""
     torch.manual_seed(0)
-    module = Regression()
+    module = module or Regression()
     Trainer(
         max_steps=steps,
         gradient_clip_val=0.5,
@@ -59,7 +60,7 @@ def single_process(tmp: Path, steps: int = 8, batch: int = 16):
         log_every_n_steps=1,
         enable_progress_bar=False,
         default_root_dir=tmp / "single",
-    ).fit(module, regression_loader(batch_size=batch))
+    ).fit(module, loader or regression_loader(batch_size=16))
     return [p.detach().flatten().tolist() for p in module.parameters()], read_metrics(tmp / "single")
 
 
