@@ -120,9 +120,9 @@ class Strategy:
     def batch_to_device(self, batch: Any) -> Any:
         """Move every tensor of the batch to this process's device, in the precision's input dtype."""
         device = self.root_device
-        return self.precision.convert_input(
-            apply_to_tensors(batch, lambda t: t.to(device, non_blocking=True))
-        )
+        if device.type != "cpu":  # loaders yield CPU tensors: nothing to move for a CPU run
+            batch = apply_to_tensors(batch, lambda t: t.to(device, non_blocking=True))
+        return self.precision.convert_input(batch)
 
     # ---- one optimizer step ----------------------------------------------------------------------
     def accumulation_context(self, is_last_micro_batch: bool) -> contextlib.AbstractContextManager:
@@ -154,9 +154,10 @@ class Strategy:
             del module.forward
 
     def eval_step(self, module: nn.Module, method: str, batch: Any, batch_idx: int) -> Any:
-        """`validation_step` or `test_step` under the run's precision (the caller disables grad)."""
+        """`validation_step` or `test_step` under the run's precision (the caller disables grad), through
+        the wrapper like training steps, so a sharded model gathers its parameters."""
         with self.precision.autocast():
-            return getattr(module, method)(batch, batch_idx)
+            return self.call_step(module, method, batch, batch_idx)
 
     def backward(self, loss: torch.Tensor) -> None:
         self.precision.backward(loss)

@@ -179,9 +179,9 @@ class FSDPStrategy(DDPStrategy):
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def clip_gradients(self, module: nn.Module, max_value: float, algorithm: str) -> torch.Tensor:
-        params = [p for p in module.parameters() if p.grad is not None]
         if algorithm == "value" or self.zero_stage == 1:
             return super().clip_gradients(module, max_value, algorithm)
+        params = [p for p in module.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)  # a DTensor: reduced over shards
         torch.nn.utils.clip_grads_with_norm_(params, max_value, norm)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm

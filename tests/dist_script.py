@@ -92,6 +92,7 @@ def main() -> None:
     p.add_argument("--async-save", action="store_true")
     p.add_argument("--precision", default="32")
     p.add_argument("--model", default="regression")
+    p.add_argument("--validate", action="store_true")
     p.add_argument("--root", required=True)
     p.add_argument("--out", required=True)
     a = p.parse_args()
@@ -130,7 +131,10 @@ def main() -> None:
         module, loader = CausalLM(LLAMA, lr=1e-2), token_loader(micro)
     else:
         module, loader = Regression(dropout=0.0), regression_loader(batch_size=micro, shuffle=a.shuffle)
-    trainer.fit(module, loader, ckpt_path="last" if a.resume else None)
+    val_loader = None
+    if a.validate:
+        val_loader = token_loader(micro) if a.model == "llama" else regression_loader(batch_size=micro)
+    trainer.fit(module, loader, val_loader, ckpt_path="last" if a.resume else None)
     params = [
         (p.full_tensor() if isinstance(p, DTensor) else p).detach().flatten().tolist()
         for p in module.parameters()

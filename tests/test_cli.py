@@ -214,12 +214,14 @@ def test_every_shipped_recipe_resolves(recipe):
 
 
 @pytest.mark.slow
-def test_devices_in_a_recipe_starts_that_many_processes(tmp_path):
+@pytest.mark.parametrize("strategy", ["auto", "fsdp"])
+def test_devices_in_a_recipe_starts_that_many_processes(tmp_path, strategy):
     root = tmp_path / "run"
     done = run_cli(
         "fit",
         str(TINY),
         *SMALL,
+        f"strategy.name={strategy}",
         "trainer.devices=2",
         "data.global_batch_size=8",
         "trainer.max_steps=6",
@@ -235,6 +237,9 @@ def test_devices_in_a_recipe_starts_that_many_processes(tmp_path):
         "global batch = 4 per micro-batch x 1 accumulated x 2 data-parallel = 8 samples/step" in done.stderr
     )
     assert done.stdout.count("done: 6 steps") == 1, "only rank zero reports"
+    assert (root / "export" / "config.json").exists(), (
+        "the final (sharded) checkpoint is exported for transformers"
+    )
 
 
 def test_global_batch_that_does_not_divide_is_refused_before_start(capsys):

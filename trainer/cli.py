@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from trainer.checkpoint import CheckpointError
+from trainer.checkpoint import CheckpointError, find_last
 from trainer.config import SECTIONS, ConfigError, build_run, load_recipe
 from trainer.export import export_checkpoint, export_llama
 from trainer.logging import configure_console_logging
@@ -89,10 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "fit":
             trainer.fit(module, train_loader, val_loader, ckpt_path=ckpt)
             if trainer.is_global_zero:
-                exported = None
-                if isinstance(getattr(module, "model", None), Llama):
-                    exported = export_llama(module.model, Path(trainer.default_root_dir) / "export")
-                _report(trainer, exported)
+                _report(trainer, _export(trainer, module))
         else:
             metrics = getattr(trainer, args.command)(module, val_loader, ckpt_path=ckpt)
             if trainer.is_global_zero:
@@ -103,23 +100,37 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _export(trainer, module) -> Path | None:
+    """The trained weights as `<root>/export/model.safetensors`, from the final checkpoint (any strategy,
+    sharded too), else from the live model when it is a whole Llama."""
+    out = Path(trainer.default_root_dir) / "export"
+    last = find_last(trainer.checkpoint_dir)
+    if last is not None:
+        return export_checkpoint(last, out)
+    from torch.distributed.tensor import DTensor
+
+    model = getattr(module, "model", None)
+    if isinstance(model, Llama) and not any(isinstance(p, DTensor) for p in model.parameters()):
+        return export_llama(model, out)
+    return None
+
+
 def _report(trainer, exported: Path | None) -> None:
     """Where the run's outputs are, and how it ended."""
-    root = Path(trainer.default_root_dir)
     metrics = trainer.callback_metrics
     lines = [f"done: {trainer.global_step} steps"]
     if "val/loss" in metrics:
         lines[0] += f", val/loss {metrics['val/loss']:.4f}"
-    lines.append(f"  metrics      {root / 'logs' / 'metrics.jsonl'}")
-    last = sorted((root / "checkpoints").glob("step-*"))
-    if last:
-        lines.append(
-            f"  checkpoint   {last[-1]}  (model.safetensors + optimizer + state; resume with --ckpt-path last)"
-        )
-    if exported is not None:
+    lines.append(f"  metrics      {Path(trainer.default_root_dir) / 'logs' / 'metrics.jsonl'}")
+    last = find_last(trainer.checkpoint_dir)
+    if last is not None:
+        lines.append(f"  checkpoint   {last}  (weights, optimizer, loop state; resume with --ckpt-path last)")
+    if exported is not None and (exported.parent / "config.json").exists():
         lines.append(
             f"  weights      {exported}  (Hugging Face layout: LlamaForCausalLM.from_pretrained('{exported.parent}'))"
         )
+    elif exported is not None:
+        lines.append(f"  weights      {exported}")
     print("\n".join(lines))
 
 

@@ -131,6 +131,7 @@ class Trainer:
         self._train_batches: EpochBatches | None = None
         self._progress: ProgressBar | None = None
         self._last_val_step: int | None = None
+        self._module_name = ""
 
     # ---- public read-only views ------------------------------------------------------------------
     @property
@@ -176,7 +177,7 @@ class Trainer:
     def save_checkpoint(self, path: str | Path | None = None) -> Path:
         """Write the whole training state (model, optimizer, schedule, loop, RNG, data position,
         callbacks) to `path` (default `<root>/checkpoints/step-N`), atomically. Call on every rank."""
-        path = Path(path) if path is not None else self._checkpoint_dir() / step_dir_name(self.global_step)
+        path = Path(path) if path is not None else self.checkpoint_dir / step_dir_name(self.global_step)
         state: dict[str, Any] = {
             "loop": self.state.state_dict(),
             "rng": self.strategy.all_gather_object(rng_state()),
@@ -401,6 +402,7 @@ class Trainer:
             torch.use_deterministic_algorithms(True)
         module._trainer = self
         self.module = module
+        self._module_name = type(module).__name__  # before wrapping (FSDP2 renames the class)
         with strategy.module_init_context():
             module.configure_model()
         if not any(True for _ in module.parameters()):
@@ -479,7 +481,9 @@ class Trainer:
         self._call("teardown", stage)
 
     # ---- checkpoints -----------------------------------------------------------------------------
-    def _checkpoint_dir(self) -> Path:
+    @property
+    def checkpoint_dir(self) -> Path:
+        """Where checkpoints go: the ModelCheckpoint's dirpath, else `<default_root_dir>/checkpoints`."""
         for cb in self.callbacks:
             if isinstance(cb, ModelCheckpoint) and cb.dirpath is not None:
                 return cb.dirpath
@@ -490,10 +494,10 @@ class Trainer:
             return None
         if ckpt_path != "last":
             return Path(ckpt_path)
-        found = find_last(self._checkpoint_dir())
+        found = find_last(self.checkpoint_dir)
         if found is None:
             rank_zero_info(
-                f"ckpt_path='last': no checkpoint in {self._checkpoint_dir()} yet, starting from scratch"
+                f"ckpt_path='last': no checkpoint in {self.checkpoint_dir} yet, starting from scratch"
             )
         else:
             rank_zero_info(f"resuming from {found}")
@@ -532,7 +536,7 @@ class Trainer:
         strategy = self.strategy
         batch = getattr(self._train_batches.loader, "batch_size", None)
         line = (
-            f"{type(module).__name__}: {params / 1e6:.2f}M parameters | strategy {strategy.name}, "
+            f"{self._module_name}: {params / 1e6:.2f}M parameters | strategy {strategy.name}, "
             f"{strategy.world_size} process(es), precision {strategy.precision.name}"
         )
         if isinstance(batch, int):
@@ -566,7 +570,7 @@ class Trainer:
             strategy=self.strategy.name,
             precision=self.strategy.precision.name,
             world_size=self.strategy.world_size,
-            module=type(module).__name__,
+            module=self._module_name,
             parameters=sum(p.numel() for p in module.parameters()),
         )
         return params
