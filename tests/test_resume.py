@@ -106,3 +106,18 @@ def test_resume_extends_a_finished_run_with_more_steps(tmp_path):
     t.fit(Regression(), regression_loader(), ckpt_path="last")
     assert t.global_step == 6
     assert list(read_metrics(tmp_path)) == [1, 2, 3, 4, 5, 6]
+
+
+def test_deterministic_applies_during_the_run_and_is_restored_after(tmp_path):
+    seen = []
+
+    class Probe(Callback):
+        def on_train_batch_end(self, trainer, module, outputs):
+            seen.append(torch.are_deterministic_algorithms_enabled())
+
+    assert not torch.are_deterministic_algorithms_enabled()
+    Trainer(max_steps=2, deterministic=True, callbacks=[Probe()], default_root_dir=tmp_path, **quiet()).fit(
+        Regression(), regression_loader()
+    )
+    assert seen == [True, True]
+    assert not torch.are_deterministic_algorithms_enabled()

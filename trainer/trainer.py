@@ -132,6 +132,7 @@ class Trainer:
         self._progress: ProgressBar | None = None
         self._last_val_step: int | None = None
         self._module_name = ""
+        self._was_deterministic = False
 
     # ---- public read-only views ------------------------------------------------------------------
     @property
@@ -197,14 +198,14 @@ class Trainer:
         self, module: TrainModule, train_loader: Iterable, val_loader: Iterable | None, ckpt_path: Any
     ) -> None:
         self._setup(module, "fit")
-        train_loader = self._shard(train_loader)
-        val_loader = self._shard(val_loader) if val_loader is not None else None
-        self._train_batches = EpochBatches(train_loader, self.limit_train_batches)
-        self._setup_optimizer(module)
-        resume_from = self._resolve_checkpoint(ckpt_path)
-        if resume_from is not None:
-            self._restore(resume_from)
         try:
+            train_loader = self._shard(train_loader)
+            val_loader = self._shard(val_loader) if val_loader is not None else None
+            self._train_batches = EpochBatches(train_loader, self.limit_train_batches)
+            self._setup_optimizer(module)
+            resume_from = self._resolve_checkpoint(ckpt_path)
+            if resume_from is not None:
+                self._restore(resume_from)
             self._announce(module)
             if self.is_global_zero:
                 for lg in self.loggers:
@@ -398,8 +399,9 @@ class Trainer:
         set_rank(strategy.global_rank)
         if self.seed is not None:
             seed_everything(self.seed)
+        self._was_deterministic = torch.are_deterministic_algorithms_enabled()
         if self.deterministic:
-            torch.use_deterministic_algorithms(True)
+            torch.use_deterministic_algorithms(True)  # for this run only: _finish restores the setting
         module._trainer = self
         self.module = module
         self._module_name = type(module).__name__  # before wrapping (FSDP2 renames the class)
@@ -479,6 +481,7 @@ class Trainer:
                 lg.finalize()
         self.strategy.teardown()  # first: it completes checkpoints still being written
         self._call("teardown", stage)
+        torch.use_deterministic_algorithms(self._was_deterministic)
 
     # ---- checkpoints -----------------------------------------------------------------------------
     @property
