@@ -13,9 +13,12 @@ from trainer.logging import TensorBoardLogger, WandbLogger
 
 
 def test_each_logged_step_has_loss_lr_grad_norm_and_speed(tmp_path):
-    Trainer(max_steps=6, log_every_n_steps=3, enable_progress_bar=False, default_root_dir=tmp_path).fit(
-        TinyLM(), token_loader()
-    )
+    trainer = Trainer(max_steps=6, log_every_n_steps=3, enable_progress_bar=False, default_root_dir=tmp_path)
+    trainer.fit(TinyLM(), token_loader())
+    assert (trainer.state.samples_seen, trainer.state.tokens_seen) == (
+        6 * 8,
+        6 * 8 * 16,
+    )  # checkpointed counters
     rows = [json.loads(line) for line in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [3, 6]
     for row in rows:

@@ -37,7 +37,6 @@ class World:
     local_rank: int
     world_size: int
     local_world_size: int
-    node_rank: int
     master_addr: str
     master_port: int
     restart_count: int = 0
@@ -55,9 +54,6 @@ def detect_world(env: dict[str, str] | None = None) -> World | None:
             local_rank=int(env["LOCAL_RANK"]),
             world_size=world_size,
             local_world_size=local_world,
-            node_rank=int(
-                env.get("GROUP_RANK", env.get("NODE_RANK", int(env["RANK"]) // max(local_world, 1)))
-            ),
             master_addr=env["MASTER_ADDR"],
             master_port=int(env["MASTER_PORT"]),
             restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
@@ -80,7 +76,6 @@ def detect_world(env: dict[str, str] | None = None) -> World | None:
             local_rank=int(env.get("SLURM_LOCALID", 0)),
             world_size=world_size,
             local_world_size=local_world,
-            node_rank=int(env.get("SLURM_NODEID", 0)),
             master_addr=env.get("MASTER_ADDR", nodes[0]),
             master_port=int(env.get("MASTER_PORT", 15000 + job_id % 20000)),  # same on every task of the job
             restart_count=int(env.get("SLURM_RESTART_COUNT", 0)),

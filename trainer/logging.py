@@ -32,11 +32,6 @@ def rank_zero_info(message: str) -> None:
         log.info(message)
 
 
-def rank_zero_warn(message: str) -> None:
-    if _RANK == 0:
-        log.warning(message)
-
-
 def configure_console_logging() -> None:
     """Show the framework's info lines on stderr unless the application configured logging itself."""
     if not log.handlers and not logging.getLogger().handlers:

@@ -273,7 +273,9 @@ class Trainer:
         self._call("on_train_batch_start", s.batches_in_epoch)
         outs: list[StepOutput] = []
         for i, batch in enumerate(window):
-            meter.count(batch)
+            samples, tokens = meter.count(batch)
+            s.samples_seen += samples
+            s.tokens_seen += tokens or 0
             batch = strategy.batch_to_device(batch)
             with strategy.accumulation_context(is_last_micro_batch=i == len(window) - 1):
                 outs.append(
@@ -587,13 +589,15 @@ class _Throughput:
         self.has_tokens = True
         self.since = time.perf_counter()
 
-    def count(self, batch: Any) -> None:
+    def count(self, batch: Any) -> tuple[int, int | None]:
+        """Count a micro-batch; returns its (samples, tokens)."""
         samples, tokens = _batch_size(batch)
         self.samples += samples
         if tokens is None:
             self.has_tokens = False
         else:
             self.tokens += tokens
+        return samples, tokens
 
     def step_done(self) -> None:
         self.steps += 1
