@@ -17,6 +17,7 @@ from torch import nn
 
 from trainer import checkpoint as ckpt
 from trainer.precision import Precision
+from trainer.timing import PhaseClock
 from trainer.tree import apply_to_tensors
 
 
@@ -48,6 +49,8 @@ class Strategy:
 
     name = "base"
     hooks_on_module = False  # True when the strategy hooks the module's own forward (FSDP2 shards in place)
+    # phases (see trainer.timing) in which a rank waits for no other rank: its own speed shows there
+    local_phases: tuple[str, ...] = ("data", "forward", "optimizer")
 
     def __init__(self) -> None:
         self.accelerator = "cpu"
@@ -56,6 +59,7 @@ class Strategy:
         self.precision = Precision("32")
         self._device = torch.device("cpu")
         self.model: nn.Module | None = None  # the (possibly wrapped) module steps run through
+        self.clock = PhaseClock()  # time per phase of the step, read by callbacks
 
     # ---- set-up ----------------------------------------------------------------------------------
     def configure(self, accelerator: str, devices: int, num_nodes: int, precision: Precision) -> None:
@@ -134,11 +138,12 @@ class Strategy:
     ) -> StepOutput:
         """`training_step` then backward of its loss. A loss with "num_tokens" is back-propagated as a
         token *sum* (normalised later by `finish_gradients`); otherwise it is scaled by `loss_scale`."""
-        with self.precision.autocast():
+        with self.clock.phase("forward"), self.precision.autocast():
             output = self.call_step(module, "training_step", batch, batch_idx)
         loss, num_tokens = unpack_loss(output, "training_step")
         weight = num_tokens if num_tokens is not None else loss_scale
-        self.backward(loss if isinstance(weight, float) and weight == 1.0 else loss * weight)
+        with self.clock.phase("backward"):
+            self.backward(loss if isinstance(weight, float) and weight == 1.0 else loss * weight)
         return StepOutput(loss.detach(), num_tokens)
 
     def call_step(self, module: nn.Module, method: str, *args: Any) -> Any:
@@ -229,7 +234,7 @@ class Strategy:
                     ckpt.save_torch_file(optim_sd, tmp / ckpt.OPTIMIZER_FILE)
                 ckpt.save_torch_file(state, tmp / ckpt.STATE_FILE)
 
-            ckpt.write_atomically(Path(path), write, {"step": state.get("loop", {}).get("global_step")})
+            ckpt.write_atomically(Path(path), write, ckpt.meta_for(state))
         self.barrier()
 
     def load_checkpoint(

@@ -88,6 +88,8 @@ class FSDPStrategy(DDPStrategy):
         if replicate > 1 and zero_stage == 1:
             raise ValueError("replicate > 1 (hybrid sharding) needs zero_stage 2 or 3")
         self.zero_stage, self.replicate = zero_stage, replicate
+        # stage 1 all-gathers parameters after the step; stages 2/3 all-gather them in the forward
+        self.local_phases = ("data", "forward") if zero_stage == 1 else ("data", "optimizer")
         self.reduce_dtype = torch.float32 if reduce_dtype == "fp32" else torch.bfloat16
         self.cpu_offload, self.activation_checkpointing, self.async_save = (
             cpu_offload,
@@ -234,7 +236,7 @@ class FSDPStrategy(DDPStrategy):
             ckpt.write_atomically(
                 path,
                 lambda d: ckpt.save_torch_file(state, d / ckpt.STATE_FILE),
-                {"step": state["loop"]["global_step"], "format": "dcp"},
+                ckpt.meta_for(state, format="dcp"),
                 staged=tmp,
             )
         self.barrier()
@@ -255,7 +257,7 @@ class FSDPStrategy(DDPStrategy):
                 ckpt.save_torch_file(optim_sd, tmp / ckpt.OPTIMIZER_FILE)
                 ckpt.save_torch_file(state, tmp / ckpt.STATE_FILE)
 
-            ckpt.write_atomically(Path(path), write, {"step": state["loop"]["global_step"]})
+            ckpt.write_atomically(Path(path), write, ckpt.meta_for(state))
         self.barrier()
 
     def load_checkpoint(

@@ -125,7 +125,8 @@ def test_truncated_checkpoint_file_is_named_and_the_files_are_kept(tmp_path, vic
     data = (ckpt / victim).read_bytes()
     (ckpt / victim).write_bytes(data[: len(data) // 2])
     with pytest.raises(
-        CheckpointError, match=rf"checkpoint file .*{victim} is unreadable, truncated or corrupted"
+        CheckpointError,
+        match=rf"step-00000002': {victim} has {len(data) // 2} bytes, {len(data)} were written",
     ):
         Trainer(max_steps=4, default_root_dir=tmp_path, **quiet()).fit(
             Regression(), regression_loader(), ckpt_path=ckpt
@@ -133,6 +134,18 @@ def test_truncated_checkpoint_file_is_named_and_the_files_are_kept(tmp_path, vic
     assert (ckpt / victim).read_bytes() == data[: len(data) // 2], (
         "a failed load must not touch the checkpoint"
     )
+
+
+@pytest.mark.parametrize("victim", ["model.safetensors", "optimizer.pt", "state.pt"])
+def test_altered_checkpoint_file_fails_its_checksum(tmp_path, victim):
+    ckpt = saved_checkpoint(tmp_path)
+    data = bytearray((ckpt / victim).read_bytes())
+    data[-9] ^= 0x01  # one bit, same size: only the SHA-256 can tell
+    (ckpt / victim).write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"{victim} does not match its SHA-256 from the save"):
+        Trainer(max_steps=4, default_root_dir=tmp_path, **quiet()).fit(
+            Regression(), regression_loader(), ckpt_path=ckpt
+        )
 
 
 def test_checkpoint_without_meta_is_reported_incomplete(tmp_path):

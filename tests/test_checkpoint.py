@@ -1,12 +1,14 @@
 """Checkpoints: atomic directories, retention, tied weights, and loading that never runs code."""
 
+import json
+
 import pytest
 import torch
 from conftest import Regression, quiet, regression_loader
 
 from callbacks import Callback, ModelCheckpoint
 from trainer import Trainer, TrainModule
-from trainer.checkpoint import CheckpointError, find_last, load_model_file, save_model_file
+from trainer.checkpoint import CheckpointError, find_last, load_model_file, manifest, save_model_file
 
 
 def steps_on_disk(root):
@@ -82,6 +84,9 @@ def test_loading_a_checkpoint_never_executes_code_from_it(tmp_path, capsys):
     Trainer(max_steps=2, default_root_dir=tmp_path, **quiet()).fit(Regression(), regression_loader())
     ckpt = tmp_path / "checkpoints" / "step-00000002"
     torch.save({"loop": Boom()}, ckpt / "state.pt")
+    meta = json.loads((ckpt / "meta.json").read_text())
+    meta["manifest"] = manifest(ckpt)  # a forger rewrites the checksums too: loading itself must be safe
+    (ckpt / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match="state.pt is unreadable"):
         Trainer(max_steps=4, default_root_dir=tmp_path, **quiet()).fit(
             Regression(), regression_loader(), ckpt_path="last"

@@ -4,11 +4,18 @@ A checkpoint is a directory `step-00000120/` holding `model.safetensors`, `optim
 (loop counters, RNG, scheduler, scaler, data position, callback state) and `meta.json`. It is written
 under a temporary name and renamed into place, so a directory with the final name is always complete;
 nothing in it can run code when loaded (safetensors, and `torch.load(weights_only=True)`).
+
+meta.json carries a manifest: the size and SHA-256 of every file, so a file truncated or altered after
+the save is found before it is loaded. A checkpoint saved with `pending_validation` is *good* only
+once `validated.json` exists (ModelCheckpoint writes it after reloading the checkpoint and comparing
+losses); one that failed validation is renamed `bad-step-XXXXXXXX` and kept for inspection.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -26,7 +33,9 @@ META_FILE = "meta.json"
 MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 STATE_FILE = "state.pt"
+VALIDATED_FILE = "validated.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+log = logging.getLogger("trainer")
 
 
 class CheckpointError(RuntimeError):
@@ -35,6 +44,11 @@ class CheckpointError(RuntimeError):
 
 def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
+
+
+def meta_for(state: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """meta.json fields of a checkpoint of the trainer `state`: its step and what the Trainer asked to record."""
+    return {"step": state.get("loop", {}).get("global_step"), **state.get("meta", {}), **extra}
 
 
 def write_atomically(
@@ -51,6 +65,7 @@ def write_atomically(
     write(tmp)
     meta = {"format": FORMAT_VERSION, "time": time.time(), **meta}
     meta["files"] = sorted(p.name for p in tmp.iterdir())
+    meta["manifest"] = manifest(tmp)
     _write_synced(tmp / META_FILE, json.dumps(meta, indent=1).encode())
     old = final_dir.parent / f".old-{final_dir.name}-{os.getpid()}"
     if final_dir.exists():
@@ -119,6 +134,67 @@ def load_torch_file(path: Path) -> Any:
         ) from err
 
 
+def manifest(directory: Path) -> dict[str, list]:
+    """{relative path: [bytes, sha256 hex]} of every file under `directory` but the markers themselves."""
+    directory = Path(directory)
+    return {
+        p.relative_to(directory).as_posix(): [p.stat().st_size, file_sha256(p)]
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.relative_to(directory).as_posix() not in (META_FILE, VALIDATED_FILE)
+    }
+
+
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def verify(ckpt_dir: Path) -> dict[str, Any]:
+    """meta.json of a checkpoint whose every file has its recorded size and SHA-256; CheckpointError if not."""
+    meta = read_meta(ckpt_dir)
+    for name, (size, digest) in meta.get("manifest", {}).items():
+        path = Path(ckpt_dir) / name
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint '{ckpt_dir}' is incomplete: {name} is missing")
+        actual = path.stat().st_size
+        if actual != size:
+            raise CheckpointError(
+                f"checkpoint '{ckpt_dir}': {name} has {actual} bytes, {size} were written (truncated or altered)"
+            )
+        if file_sha256(path) != digest:
+            raise CheckpointError(
+                f"checkpoint '{ckpt_dir}': {name} does not match its SHA-256 from the save (corrupted or altered)"
+            )
+    return meta
+
+
+def check_good(ckpt_dir: Path) -> None:
+    """Raise CheckpointError unless the checkpoint is complete, intact and, if it awaited validation, validated."""
+    meta = verify(ckpt_dir)
+    if meta.get("pending_validation") and not (Path(ckpt_dir) / VALIDATED_FILE).exists():
+        raise CheckpointError(
+            f"checkpoint '{ckpt_dir}' was never validated (the run stopped during validation?)"
+        )
+
+
+def mark_validated(ckpt_dir: Path, report: dict[str, Any]) -> None:
+    """Record that the checkpoint passed validation (atomically: the file is complete or absent)."""
+    tmp = Path(ckpt_dir) / f".{VALIDATED_FILE}.tmp"
+    _write_synced(tmp, json.dumps(report, indent=1).encode())
+    os.rename(tmp, Path(ckpt_dir) / VALIDATED_FILE)
+    _fsync(Path(ckpt_dir))
+
+
+def mark_bad(ckpt_dir: Path) -> Path:
+    """Move a checkpoint that failed validation out of the way of "last" (kept, for inspection)."""
+    ckpt_dir = Path(ckpt_dir)
+    bad = ckpt_dir.with_name(f"bad-{ckpt_dir.name}")
+    shutil.rmtree(bad, ignore_errors=True)
+    os.rename(ckpt_dir, bad)
+    _fsync(ckpt_dir.parent)
+    return bad
+
+
 def read_meta(ckpt_dir: Path) -> dict[str, Any]:
     """meta.json of a checkpoint; its absence means the directory was never completed."""
     ckpt_dir = Path(ckpt_dir)
@@ -143,16 +219,34 @@ def read_meta(ckpt_dir: Path) -> dict[str, Any]:
 
 
 def find_last(directory: Path) -> Path | None:
-    """The completed checkpoint with the highest step under `directory`, or None."""
+    """The completed checkpoint with the highest step under `directory`, or None (nothing is verified)."""
+    done = _completed(directory)
+    return done[0] if done else None
+
+
+def find_last_good(directory: Path) -> Path | None:
+    """The newest checkpoint under `directory` that passes `check_good`, or None. Each newer one that
+    fails is skipped with a warning that says why (corrupted, truncated, never validated)."""
+    for path in _completed(directory):
+        try:
+            check_good(path)
+            return path
+        except CheckpointError as err:
+            log.warning(f"skipping a bad checkpoint: {err}")
+    return None
+
+
+def _completed(directory: Path) -> list[Path]:
+    """Checkpoint directories with a meta.json, newest first."""
     directory = Path(directory)
     if not directory.is_dir():
-        return None
+        return []
     done = [
         (int(m.group(1)), p)
         for p in directory.iterdir()
         if (m := _STEP_DIR.match(p.name)) and (p / META_FILE).exists()
     ]
-    return max(done)[1] if done else None
+    return [p for _, p in sorted(done, reverse=True)]
 
 
 def _write_synced(path: Path, data: bytes) -> None:

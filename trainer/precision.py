@@ -65,6 +65,11 @@ class Precision:
         self.scaler.update()
         return self.scaler.get_scale() >= scale
 
+    def skip_step(self) -> None:
+        """The step is skipped (non-finite loss or gradients): only the scaler learns from it."""
+        if self.scaler:
+            self.scaler.update()  # lowers the scale when the unscaled gradients held inf/nan
+
     def state_dict(self) -> dict[str, Any]:
         return self.scaler.state_dict() if self.scaler else {}
 

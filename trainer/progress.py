@@ -25,6 +25,11 @@ class ProgressBar:
     def update(self, steps: int = 1) -> None:
         self._bar.update(steps)
 
+    def reset(self, step: int) -> None:
+        """Move the bar to `step` (after a rollback)."""
+        self._bar.n = step
+        self._bar.refresh()
+
     def show(self, metrics: dict[str, float]) -> None:
         self._bar.set_postfix({k: _fmt(v) for k, v in metrics.items()}, refresh=False)
 

@@ -15,8 +15,9 @@ from callbacks.base import Callback
 from callbacks.checkpoint import ModelCheckpoint
 from strategies.base import StepOutput, Strategy, unpack_loss
 from strategies.registry import build_strategy
+from trainer import checkpoint as ckpt
 from trainer import flags
-from trainer.checkpoint import find_last, step_dir_name
+from trainer.checkpoint import CheckpointError, step_dir_name
 from trainer.data.distributed import shard_loader
 from trainer.epochs import EpochBatches
 from trainer.logging import (
@@ -34,6 +35,7 @@ from trainer.progress import ProgressBar
 from trainer.rng import isolated_rng, rng_state, seed_everything, set_rng_state
 from trainer.schedules import SCHEDULES, LRSchedule, build_scheduler
 from trainer.state import LoopState
+from trainer.timing import PhaseClock
 
 
 class Trainer:
@@ -133,6 +135,13 @@ class Trainer:
         self._last_val_step: int | None = None
         self._module_name = ""
         self._was_deterministic = False
+        # what callbacks may read or steer during a fit (see the "steering" section below)
+        self.train_dataloader: Iterable | None = None  # this rank's shard
+        self.val_dataloaders: Iterable | None = None
+        self.first_train_batch: Any = None  # the fit's first micro-batch on this rank, as the loader gave it
+        self.step_loss: torch.Tensor | None = None  # this rank's loss of the step in progress
+        self._step_norm: torch.Tensor | None = None
+        self._skip_reason: str | None = None
 
     # ---- public read-only views ------------------------------------------------------------------
     @property
@@ -146,6 +155,11 @@ class Trainer:
     @property
     def is_global_zero(self) -> bool:
         return self.strategy.is_global_zero
+
+    @property
+    def clock(self) -> PhaseClock:
+        """Seconds per phase (data/forward/backward/optimizer) of this rank's steps; see trainer.timing."""
+        return self.strategy.clock
 
     # ---- entry points ----------------------------------------------------------------------------
     def fit(
@@ -175,9 +189,10 @@ class Trainer:
         """Run `test_step` over `dataloaders`; returns the metrics (means over batches and ranks)."""
         return self._evaluate(module, dataloaders, ckpt_path, "test")
 
-    def save_checkpoint(self, path: str | Path | None = None) -> Path:
+    def save_checkpoint(self, path: str | Path | None = None, *, pending_validation: bool = False) -> Path:
         """Write the whole training state (model, optimizer, schedule, loop, RNG, data position,
-        callbacks) to `path` (default `<root>/checkpoints/step-N`), atomically. Call on every rank."""
+        callbacks) to `path` (default `<root>/checkpoints/step-N`), atomically. Call on every rank.
+        `pending_validation`: "last" will not pick it until `checkpoint.mark_validated` was called."""
         path = Path(path) if path is not None else self.checkpoint_dir / step_dir_name(self.global_step)
         state: dict[str, Any] = {
             "loop": self.state.state_dict(),
@@ -187,11 +202,78 @@ class Trainer:
             "data": self._train_batches.state_dict() if self._train_batches is not None else {},
             "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
             "module": {},
+            "meta": {"pending_validation": True} if pending_validation else {},
         }
         self.module.on_save_checkpoint(state["module"])
         self._call("on_save_checkpoint", state)
         self.strategy.save_checkpoint(path, self.module, self.optimizer, state)
         return path
+
+    # ---- steering: what callbacks may call during a fit ------------------------------------------
+    def step_grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of the step's gradients (before clipping), computed once per step. Call on every
+        rank from on_before_optimizer_step (sharded strategies reduce it over ranks)."""
+        if self._step_norm is None:
+            self._step_norm = self.strategy.grad_norm(self.module)
+        return self._step_norm
+
+    def skip_optimizer_step(self, reason: str) -> None:
+        """Don't apply this step's update (call on every rank, from on_before_optimizer_step): parameters
+        and optimizer state stay as they were; the data, the step counter and the LR schedule move on."""
+        self._skip_reason = reason
+
+    def rollback(self, path: str | Path | None = None) -> Path:
+        """Put model, optimizer, LR schedule and step counter back to the newest good checkpoint (or
+        `path`). The data stream goes on from where it is, so the batches since that checkpoint are not
+        replayed (as PaLM does after a loss spike). Call on every rank between steps."""
+        path = self._resolve_checkpoint("last") if path is None else Path(path)
+        if path is None:
+            raise CheckpointError(f"rollback needs a good checkpoint; there is none in {self.checkpoint_dir}")
+        state = self.strategy.load_checkpoint(path, self.module, self.optimizer)
+        loop = state["loop"]
+        self.state.global_step, self.state.productive_s = loop["global_step"], loop.get("productive_s", 0.0)
+        self.state.restarts += 1
+        self._restore_schedule(state)
+        if self._progress is not None:
+            self._progress.reset(self.global_step)
+        return path
+
+    def log_metrics(self, metrics: dict[str, float]) -> None:
+        """Send metrics (already agreed over ranks) to every logger at the current step; rank zero writes."""
+        self.callback_metrics.update(metrics)
+        if self.is_global_zero:
+            for lg in self.loggers:
+                lg.log_metrics(metrics, self.global_step)
+
+    def loss_on(self, batch: Any) -> torch.Tensor:
+        """This rank's loss on `batch` in eval mode, without gradients or RNG side effects: validation_step
+        if the module defines it, else training_step. Call on every rank (sharded models gather)."""
+        module = self.module
+        method = "validation_step" if _overrides(module, "validation_step") else "training_step"
+        was_training = module.training
+        module.eval()
+        try:
+            with isolated_rng(), torch.no_grad():
+                output = self.strategy.eval_step(module, method, self.strategy.batch_to_device(batch), 0)
+            return unpack_loss(output, method)[0].float()
+        finally:
+            self.metrics.reset()  # what the step logged is not a training or validation metric
+            module.train(was_training)
+
+    def effective_training_time(self) -> dict[str, float]:
+        """Productive step seconds over wall-clock seconds since the run first started (restarts,
+        checkpoint and validation stalls, skipped and rolled-back steps are not productive)."""
+        s = self.state
+        wall = max(time.time() - s.started_at, 1e-9)
+        return {"fraction": min(s.productive_s / wall, 1.0), "productive_s": s.productive_s, "wall_s": wall}
+
+    def _effective_time_line(self) -> str:
+        t, s = self.effective_training_time(), self.state
+        return (
+            f"effective training time {100 * t['fraction']:.1f}%: {t['productive_s']:.1f} s in kept steps of "
+            f"{t['wall_s']:.1f} s since the run started ({s.restarts} restart(s)/rollback(s), "
+            f"{s.skipped_steps} skipped step(s))"
+        )
 
     # ---- fit -------------------------------------------------------------------------------------
     def _run_fit(
@@ -201,11 +283,15 @@ class Trainer:
         try:
             train_loader = self._shard(train_loader)
             val_loader = self._shard(val_loader) if val_loader is not None else None
+            self.train_dataloader, self.val_dataloaders = train_loader, val_loader
             self._train_batches = EpochBatches(train_loader, self.limit_train_batches)
             self._setup_optimizer(module)
             resume_from = self._resolve_checkpoint(ckpt_path)
             if resume_from is not None:
                 self._restore(resume_from)
+                self.state.restarts += 1
+            else:
+                self.state.started_at = time.time()
             self._announce(module)
             if self.is_global_zero:
                 for lg in self.loggers:
@@ -218,6 +304,7 @@ class Trainer:
             self._train_loop(module, val_loader)
             self._call("on_fit_end")
             module.on_fit_end()
+            rank_zero_info(self._effective_time_line())
         except BaseException as exc:
             self._call("on_exception", exc)
             raise
@@ -258,10 +345,14 @@ class Trainer:
         iterator = self._train_batches.begin(s.epoch, s.batches_in_epoch)
         while not self._done():
             remaining = None if epoch_len is None else epoch_len - s.batches_in_epoch
-            window = _take(iterator, self.accumulate_grad_batches, remaining)
+            started = time.perf_counter()
+            with self.clock.phase("data"):
+                window = _take(iterator, self.accumulate_grad_batches, remaining)
             if not window:
                 return True
             outputs = self._optimizer_step(module, window, meter)
+            if not outputs["skipped"]:  # validation and checkpoints (batch-end callbacks) are not productive
+                s.productive_s += time.perf_counter() - started
             if val_loader is not None and val_every and s.global_step % val_every == 0:
                 self._validation_loop(module, val_loader)
             self._call("on_train_batch_end", outputs)
@@ -270,6 +361,8 @@ class Trainer:
     def _optimizer_step(self, module: TrainModule, window: list[Any], meter: _Throughput) -> dict[str, Any]:
         """Forward+backward every micro-batch of `window`, then clip and step once."""
         s, strategy = self.state, self.strategy
+        if self.first_train_batch is None:
+            self.first_train_batch = window[0]
         self._call("on_train_batch_start", s.batches_in_epoch)
         outs: list[StepOutput] = []
         for i, batch in enumerate(window):
@@ -282,29 +375,38 @@ class Trainer:
                     strategy.forward_backward(module, batch, s.batches_in_epoch + i, 1.0 / len(window))
                 )
         loss, num_tokens = _step_loss(outs)
+        self.step_loss, self._step_norm, self._skip_reason = loss, None, None
         self._call("on_after_backward")
         strategy.finish_gradients(module, self.optimizer, num_tokens)
         log_now = (s.global_step + 1) % self.log_every_n_steps == 0 or s.global_step + 1 == self.max_steps
-        norm = None
         if self.gradient_clip_val is not None:
-            norm = strategy.clip_gradients(module, self.gradient_clip_val, self.gradient_clip_algorithm)
+            self._step_norm = strategy.clip_gradients(
+                module, self.gradient_clip_val, self.gradient_clip_algorithm
+            )
         elif log_now:
-            norm = strategy.grad_norm(module)
+            self.step_grad_norm()
         self._call("on_before_optimizer_step", self.optimizer)
         lr = self.optimizer.param_groups[0]["lr"]
-        strategy.optimizer_step(self.optimizer)
-        self.optimizer.zero_grad(set_to_none=True)
-        self.lr_scheduler.step()
+        skipped = self._skip_reason is not None
+        with self.clock.phase("optimizer"):
+            if skipped:
+                strategy.precision.skip_step()
+                s.skipped_steps += 1
+            else:
+                strategy.optimizer_step(self.optimizer)
+            self.optimizer.zero_grad(set_to_none=True)
+            self.lr_scheduler.step()
         strategy.after_optimizer_step()
         s.global_step += 1
         s.batches_in_epoch += len(window)
         meter.step_done()
         if log_now:
-            self._log_train(loss, num_tokens, norm, lr, meter)
+            self._log_train(loss, num_tokens, self._step_norm, lr, meter)
         self.metrics.reset()
         if self._progress is not None:
             self._progress.update()
-        return {"loss": loss}
+        self.step_loss = self._step_norm = None
+        return {"loss": loss, "skipped": skipped}
 
     def _log_train(
         self, loss: torch.Tensor, num_tokens: torch.Tensor | None, norm: Any, lr: float, meter: _Throughput
@@ -319,6 +421,9 @@ class Trainer:
         if norm is not None:
             metrics["train/grad_norm"] = float(norm)
         metrics.update(meter.rates(strategy.dp_size))
+        metrics["train/effective_time"] = self.effective_training_time()["fraction"]
+        if self.state.skipped_steps:
+            metrics["train/skipped_steps"] = self.state.skipped_steps
         user = self.metrics.compute(lambda t: strategy.reduce(t, "mean"))
         metrics.update(user)
         self.callback_metrics.update(metrics)
@@ -498,8 +603,18 @@ class Trainer:
         if ckpt_path is None:
             return None
         if ckpt_path != "last":
+            problem = None
+            if self.is_global_zero:  # fail early, on every rank, with what is wrong with the files
+                try:
+                    ckpt.check_good(ckpt_path)
+                except ckpt.CheckpointError as err:
+                    problem = str(err)
+            problem = self.strategy.broadcast_object(problem)
+            if problem is not None:
+                raise ckpt.CheckpointError(problem)
             return Path(ckpt_path)
-        found = find_last(self.checkpoint_dir)
+        found = ckpt.find_last_good(self.checkpoint_dir) if self.is_global_zero else None
+        found = self.strategy.broadcast_object(found)
         if found is None:
             rank_zero_info(
                 f"ckpt_path='last': no checkpoint in {self.checkpoint_dir} yet, starting from scratch"
@@ -513,6 +628,16 @@ class Trainer:
         self.state.load_state_dict(state["loop"])
         rngs = state["rng"]
         set_rng_state(rngs[self.strategy.global_rank] if len(rngs) == self.strategy.world_size else rngs[0])
+        self._restore_schedule(state)
+        self._train_batches.load_state_dict(state["data"])
+        for cb in self.callbacks:
+            if cb.state_key in state["callbacks"]:
+                cb.load_state_dict(state["callbacks"][cb.state_key])
+        self.module.on_load_checkpoint(state["module"])
+        self._call("on_load_checkpoint", state)
+
+    def _restore_schedule(self, state: dict[str, Any]) -> None:
+        """The LR schedule's position and the gradient scaler, from a checkpoint's state."""
         if self._schedule is not None:
             # our schedule is rebuilt from this run's flags (a run may be extended); only its position is restored
             self.lr_scheduler.load_state_dict(
@@ -523,12 +648,6 @@ class Trainer:
         elif state["scheduler"]:
             self.lr_scheduler.load_state_dict(state["scheduler"])
         self.strategy.precision.load_state_dict(state["precision"])
-        self._train_batches.load_state_dict(state["data"])
-        for cb in self.callbacks:
-            if cb.state_key in state["callbacks"]:
-                cb.load_state_dict(state["callbacks"][cb.state_key])
-        self.module.on_load_checkpoint(state["module"])
-        self._call("on_load_checkpoint", state)
 
     # ---- small helpers ---------------------------------------------------------------------------
     def _shard(self, loader: Iterable) -> Iterable:
@@ -665,6 +784,10 @@ def _check_ckpt_path(ckpt_path: Any) -> None:
         raise FileNotFoundError(
             f"ckpt_path '{ckpt_path}' does not exist; allowed: an existing checkpoint directory, 'last' or None"
         )
+
+
+def _overrides(module: TrainModule, method: str) -> bool:
+    return getattr(type(module), method) is not getattr(TrainModule, method)
 
 
 def _check_module(module: Any) -> None:

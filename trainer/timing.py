@@ -1,0 +1,59 @@
+"""Where a step's time goes: data, forward, backward, optimizer, timed per rank.
+
+The loop and the strategy wrap each phase in `clock.phase(name)`. That adds the phase's wall-clock
+seconds to `totals` (read and reset by whoever watches: straggler detection, profiler summaries) and,
+while a torch profiler is recording, labels the span `trainer.<name>` in its trace. On CUDA, host time
+is launch time; a watcher that needs device time sets `synchronize` for the steps it measures.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.autograd.profiler import record_function
+
+PHASES = ("data", "forward", "backward", "optimizer")
+
+
+class PhaseClock:
+    """Accumulates seconds per phase until `take()`; one instance per Trainer."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        self.synchronize: Callable[[], None] | None = None  # e.g. torch.cuda.synchronize, set by a watcher
+
+    def phase(self, name: str) -> _Phase:
+        return _Phase(self, name)
+
+    def take(self) -> dict[str, float]:
+        """Seconds per phase since the last call, then start counting from zero."""
+        totals, self.totals = self.totals, dict.fromkeys(PHASES, 0.0)
+        return totals
+
+
+class _Phase:
+    """Context manager for one span of a phase (a class, not a generator: it runs several times a step)."""
+
+    __slots__ = ("clock", "name", "start", "label")
+
+    def __init__(self, clock: PhaseClock, name: str) -> None:
+        self.clock, self.name, self.label = clock, name, None
+
+    def __enter__(self) -> None:
+        if self.clock.synchronize is not None:
+            self.clock.synchronize()
+        if torch.autograd._profiler_enabled():
+            self.label = record_function(f"trainer.{self.name}")
+            self.label.__enter__()
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.clock.synchronize is not None:
+            self.clock.synchronize()
+        self.clock.totals[self.name] += time.perf_counter() - self.start
+        if self.label is not None:
+            self.label.__exit__(*exc)
+            self.label = None
