@@ -4,6 +4,9 @@ Order within one optimizer step: on_train_batch_start -> (forward+backward of ev
 -> on_after_backward -> on_before_optimizer_step -> (step) -> [validation, when due:
 on_validation_start -> on_validation_end] -> on_train_batch_end. A "batch" here is everything one
 optimizer step consumes (all its accumulation micro-batches), so a hook sees whole steps.
+
+Callbacks steer the run through the Trainer: `should_stop`, `save_checkpoint`, `skip_optimizer_step`
+(from on_before_optimizer_step), `rollback` and `log_metrics`; see trainer.trainer.
 """
 
 from __future__ import annotations
@@ -61,7 +64,10 @@ class Callback:
         """A checkpoint's state is being assembled; add to it if needed."""
 
     def on_load_checkpoint(self, trainer: Trainer, module: TrainModule, checkpoint: dict[str, Any]) -> None:
-        """A checkpoint was restored."""
+        """A checkpoint was restored: on resume, or by a rollback (`trainer.rollback`)."""
+
+    def on_straggler(self, trainer: Trainer, module: TrainModule, stragglers: dict[int, float]) -> None:
+        """StragglerDetector found ranks slower than the rest: {rank: its time / the median time}."""
 
     def on_exception(self, trainer: Trainer, module: TrainModule, exception: BaseException) -> None:
         """The run is failing with `exception`."""

@@ -237,6 +237,14 @@ class Strategy:
             ckpt.write_atomically(Path(path), write, ckpt.meta_for(state))
         self.barrier()
 
+    @property
+    def checkpoint_in_progress(self) -> bool:
+        """True while a checkpoint is still being written in the background (async save)."""
+        return False
+
+    def finish_checkpoint(self) -> None:
+        """Block until a checkpoint written in the background is complete (call on every rank)."""
+
     def load_checkpoint(
         self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None
     ) -> dict[str, Any]:

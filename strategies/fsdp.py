@@ -209,7 +209,7 @@ class FSDPStrategy(DDPStrategy):
     ) -> None:
         if self.zero_stage == 1:
             return self._save_stage1(path, module, state)
-        self._wait_for_pending_save()
+        self.finish_checkpoint()
         path = Path(path)
         tmp = path.parent / f".tmp-{path.name}"
         if self.is_global_zero:
@@ -241,7 +241,11 @@ class FSDPStrategy(DDPStrategy):
             )
         self.barrier()
 
-    def _wait_for_pending_save(self) -> None:
+    @property
+    def checkpoint_in_progress(self) -> bool:
+        return self._pending_save is not None
+
+    def finish_checkpoint(self) -> None:
         if self._pending_save is not None:
             future, finish = self._pending_save
             self._pending_save = None
@@ -297,7 +301,7 @@ class FSDPStrategy(DDPStrategy):
         return ckpt.load_torch_file(path / ckpt.STATE_FILE)
 
     def teardown(self) -> None:
-        self._wait_for_pending_save()
+        self.finish_checkpoint()
         for block in self._checkpointed:  # the user's module leaves as it came (its own forward)
             del block.forward
         self._checkpointed = []

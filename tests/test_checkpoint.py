@@ -29,6 +29,7 @@ def test_model_checkpoint_keeps_the_newest_k_and_leaves_no_temporary_files(tmp_p
         "model.safetensors",
         "optimizer.pt",
         "state.pt",
+        "validated.json",
     ]
 
 

@@ -224,16 +224,27 @@ def find_last(directory: Path) -> Path | None:
     return done[0] if done else None
 
 
-def find_last_good(directory: Path) -> Path | None:
-    """The newest checkpoint under `directory` that passes `check_good`, or None. Each newer one that
-    fails is skipped with a warning that says why (corrupted, truncated, never validated)."""
+def find_last_good(directory: Path, before_step: int | None = None) -> Path | None:
+    """The newest checkpoint under `directory` (of a step < `before_step`) that passes `check_good`, or
+    None. Each newer one that fails is skipped with a warning that says why (corrupted, truncated, never
+    validated)."""
     for path in _completed(directory):
+        if before_step is not None and int(_STEP_DIR.match(path.name).group(1)) >= before_step:
+            continue
         try:
             check_good(path)
             return path
         except CheckpointError as err:
             log.warning(f"skipping a bad checkpoint: {err}")
     return None
+
+
+def newer_than(directory: Path, step: int) -> list[Path]:
+    """Checkpoint directories (complete or not) under `directory` of a step > `step`."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return [p for p in directory.iterdir() if (m := _STEP_DIR.match(p.name)) and int(m.group(1)) > step]
 
 
 def _completed(directory: Path) -> list[Path]:

@@ -1,7 +1,7 @@
 """Where a step's time goes: data, forward, backward, optimizer, timed per rank.
 
 The loop and the strategy wrap each phase in `clock.phase(name)`. That adds the phase's wall-clock
-seconds to `totals` (read and reset by whoever watches: straggler detection, profiler summaries) and,
+seconds to the running `totals` (watchers such as straggler detection diff two snapshots) and,
 while a torch profiler is recording, labels the span `trainer.<name>` in its trace. On CUDA, host time
 is launch time; a watcher that needs device time sets `synchronize` for the steps it measures.
 """
@@ -19,7 +19,7 @@ PHASES = ("data", "forward", "backward", "optimizer")
 
 
 class PhaseClock:
-    """Accumulates seconds per phase until `take()`; one instance per Trainer."""
+    """Running seconds per phase since the strategy was built; one instance per strategy."""
 
     def __init__(self) -> None:
         self.totals: dict[str, float] = dict.fromkeys(PHASES, 0.0)
@@ -28,10 +28,9 @@ class PhaseClock:
     def phase(self, name: str) -> _Phase:
         return _Phase(self, name)
 
-    def take(self) -> dict[str, float]:
-        """Seconds per phase since the last call, then start counting from zero."""
-        totals, self.totals = self.totals, dict.fromkeys(PHASES, 0.0)
-        return totals
+    def snapshot(self) -> dict[str, float]:
+        """A copy of the running totals; subtract an earlier snapshot to time a window of steps."""
+        return dict(self.totals)
 
 
 class _Phase:

@@ -222,13 +222,17 @@ class Trainer:
         and optimizer state stay as they were; the data, the step counter and the LR schedule move on."""
         self._skip_reason = reason
 
-    def rollback(self, path: str | Path | None = None) -> Path:
-        """Put model, optimizer, LR schedule and step counter back to the newest good checkpoint (or
-        `path`). The data stream goes on from where it is, so the batches since that checkpoint are not
-        replayed (as PaLM does after a loss spike). Call on every rank between steps."""
-        path = self._resolve_checkpoint("last") if path is None else Path(path)
+    def rollback(self, before_step: int | None = None) -> Path:
+        """Put model, optimizer, LR schedule and step counter back to the newest good checkpoint (of a
+        step < `before_step`). The data stream goes on from where it is, so the batches since that
+        checkpoint are not replayed (as PaLM does after a loss spike). Call on every rank between steps."""
+        path = ckpt.find_last_good(self.checkpoint_dir, before_step) if self.is_global_zero else None
+        path = self.strategy.broadcast_object(path)
         if path is None:
-            raise CheckpointError(f"rollback needs a good checkpoint; there is none in {self.checkpoint_dir}")
+            raise CheckpointError(
+                f"rollback needs a good checkpoint{'' if before_step is None else f' before step {before_step}'}; "
+                f"there is none in {self.checkpoint_dir}"
+            )
         state = self.strategy.load_checkpoint(path, self.module, self.optimizer)
         loop = state["loop"]
         self.state.global_step, self.state.productive_s = loop["global_step"], loop.get("productive_s", 0.0)
@@ -236,6 +240,7 @@ class Trainer:
         self._restore_schedule(state)
         if self._progress is not None:
             self._progress.reset(self.global_step)
+        self._call("on_load_checkpoint", state)
         return path
 
     def log_metrics(self, metrics: dict[str, float]) -> None:
@@ -591,6 +596,11 @@ class Trainer:
         torch.use_deterministic_algorithms(self._was_deterministic)
 
     # ---- checkpoints -----------------------------------------------------------------------------
+    @property
+    def checkpoint_callback(self) -> ModelCheckpoint | None:
+        """The run's ModelCheckpoint (callbacks that save, e.g. on a signal, go through it), or None."""
+        return next((cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)), None)
+
     @property
     def checkpoint_dir(self) -> Path:
         """Where checkpoints go: the ModelCheckpoint's dirpath, else `<default_root_dir>/checkpoints`."""

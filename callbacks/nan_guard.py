@@ -1,0 +1,124 @@
+"""NaNGuard: skip optimizer steps with a non-finite or spiking loss; roll back after too many in a row."""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from callbacks.base import Callback
+from trainer.logging import log
+
+if TYPE_CHECKING:
+    from trainer.module import TrainModule
+    from trainer.trainer import Trainer
+
+
+class NaNGuard(Callback):
+    """Before each optimizer step, check the step's loss (over all ranks) and global gradient norm.
+
+    - Non-finite loss or gradients: the update is skipped (parameters and optimizer state unchanged) and
+      a warning says what was seen.
+    - With `spike_factor`, a loss above `spike_factor` x the median of the last `window` good steps'
+      losses is a spike: skipped too (or only warned about, `skip_spikes=False`). Spikes need
+      `min_history` good steps first.
+    - After `rollback_after` bad steps in a row, the run rolls back to the newest good checkpoint from
+      before the first of them and reads on from where the data is (the batches in between are not
+      replayed, as PaLM did); None keeps skipping. Skipped steps leave the parameters as they were, so
+      this matters when the trouble began before the guard saw it (a divergence that turns into NaN):
+      the LR schedule rewinds and the data moves past the batches that led there.
+    All ranks reach the same decision: one all-reduce of (loss, non-finite flag) per step, and the
+    gradient norm is global already. Reading them back costs a device sync per step.
+    """
+
+    def __init__(
+        self,
+        rollback_after: int | None = 5,
+        spike_factor: float | None = None,
+        window: int = 100,
+        min_history: int = 10,
+        skip_spikes: bool = True,
+    ) -> None:
+        if rollback_after is not None and (
+            isinstance(rollback_after, bool) or not isinstance(rollback_after, int) or rollback_after < 1
+        ):
+            raise ValueError(f"rollback_after={rollback_after!r} is invalid; allowed: an int >= 1 or None")
+        if spike_factor is not None and (
+            isinstance(spike_factor, bool) or not isinstance(spike_factor, (int, float)) or spike_factor <= 1
+        ):
+            raise ValueError(f"spike_factor={spike_factor!r} is invalid; allowed: a number > 1 or None")
+        for name, value in (("window", window), ("min_history", min_history)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} is invalid; allowed: an int >= 1")
+        self.rollback_after, self.spike_factor, self.skip_spikes = rollback_after, spike_factor, skip_spikes
+        self.min_history = min_history
+        self.history: deque[float] = deque(maxlen=window)
+        self.bad_in_a_row = 0
+        self.streak_start = 0  # global step of the first bad step in the current streak
+        self.skipped = 0
+        self.rollbacks = 0
+
+    def on_before_optimizer_step(
+        self, trainer: Trainer, module: TrainModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        loss = trainer.step_loss.detach().float()
+        finite = torch.isfinite(loss)
+        summed = trainer.strategy.reduce(
+            torch.stack([torch.where(finite, loss, 0.0), (~finite).float()]), "sum"
+        ).tolist()
+        norm = float(trainer.step_grad_norm())
+        mean_loss = summed[0] / trainer.strategy.world_size
+        problem = None
+        if summed[1] > 0:
+            problem = f"loss is not finite on {int(summed[1])} rank(s)"
+        elif not torch.isfinite(torch.tensor(norm)):
+            problem = f"gradient norm is {norm}"
+        elif self.spike_factor is not None and len(self.history) >= self.min_history:
+            median = statistics.median(self.history)
+            if mean_loss > self.spike_factor * median:
+                spike = (
+                    f"loss {mean_loss:.4g} spiked above {self.spike_factor} x the running median {median:.4g}"
+                )
+                if self.skip_spikes:
+                    problem = spike
+                elif trainer.is_global_zero:
+                    log.warning(f"NaNGuard: step {trainer.global_step + 1}: {spike}")
+        if problem is None:
+            self.bad_in_a_row = 0
+            self.history.append(mean_loss)
+            return
+        if self.bad_in_a_row == 0:
+            self.streak_start = trainer.global_step
+        self.bad_in_a_row += 1
+        self.skipped += 1
+        trainer.skip_optimizer_step(problem)
+        if trainer.is_global_zero:
+            log.warning(
+                f"NaNGuard: step {trainer.global_step + 1}: {problem}; update skipped "
+                f"({self.bad_in_a_row} bad step(s) in a row)"
+            )
+        trainer.log_metrics({"nan_guard/skipped_steps": self.skipped})
+
+    def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: dict[str, Any]) -> None:
+        if self.rollback_after is None or self.bad_in_a_row < self.rollback_after:
+            return
+        bad, self.bad_in_a_row = self.bad_in_a_row, 0
+        at = trainer.global_step
+        path = trainer.rollback(before_step=self.streak_start + 1)
+        self.rollbacks += 1
+        if trainer.is_global_zero:
+            log.warning(
+                f"NaNGuard: {bad} bad steps in a row at step {at}: rolled back to {path.name}; training goes on "
+                "with the data that follows (the batches in between are skipped)"
+            )
+        trainer.log_metrics({"nan_guard/rollbacks": self.rollbacks})
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": list(self.history), "skipped": self.skipped, "rollbacks": self.rollbacks}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.history.clear()
+        self.history.extend(state.get("history", []))
+        self.skipped, self.rollbacks = state.get("skipped", 0), state.get("rollbacks", 0)

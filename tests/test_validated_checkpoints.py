@@ -1,0 +1,170 @@
+"""Validated checkpoints: manifests, reload-and-compare validation, and "last" skipping bad checkpoints."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from conftest import Regression, quiet, regression_loader
+
+from callbacks import Callback, ModelCheckpoint
+from strategies import SingleDeviceStrategy
+from trainer import Trainer
+
+
+def fit(root, steps, callbacks=(), ckpt_path=None, strategy="auto"):
+    torch.manual_seed(0)
+    module = Regression(dropout=0.1)
+    trainer = Trainer(
+        max_steps=steps,
+        seed=0,
+        strategy=strategy,
+        default_root_dir=root,
+        callbacks=list(callbacks),
+        **quiet(),
+    )
+    trainer.fit(module, regression_loader(shuffle=True), ckpt_path=ckpt_path)
+    return module, trainer
+
+
+def assert_same_params(a, b):
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def listing(root):
+    directory = root / "checkpoints"
+    return (
+        sorted(p.name for p in directory.iterdir() if not p.name.startswith("."))
+        if directory.exists()
+        else []
+    )
+
+
+def test_each_checkpoint_is_validated_with_a_manifest_of_checksums(tmp_path):
+    fit(tmp_path, 6, [ModelCheckpoint(every_n_steps=2, save_top_k=-1)])
+    assert listing(tmp_path) == ["step-00000002", "step-00000004", "step-00000006"]
+    for name in listing(tmp_path):
+        ckpt = tmp_path / "checkpoints" / name
+        meta = json.loads((ckpt / "meta.json").read_text())
+        assert meta["pending_validation"] is True
+        assert sorted(meta["manifest"]) == ["model.safetensors", "optimizer.pt", "state.pt"]
+        size, digest = meta["manifest"]["model.safetensors"]
+        assert size == (ckpt / "model.safetensors").stat().st_size and len(digest) == 64
+        report = json.loads((ckpt / "validated.json").read_text())
+        assert report["step"] == int(name.split("-")[1]) and report["atol"] == 0.0
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_last_skips_a_damaged_newest_checkpoint_and_resumes_exactly_from_the_one_before(
+    tmp_path, caplog, damage
+):
+    straight, _ = fit(tmp_path / "straight", 8)
+    root = tmp_path / "run"
+    fit(root, 6, [ModelCheckpoint(every_n_steps=2, save_top_k=2)])
+    assert listing(root) == ["step-00000004", "step-00000006"]
+    victim = root / "checkpoints" / "step-00000006" / "model.safetensors"
+    data = bytearray(victim.read_bytes())
+    if damage == "flip":
+        data[-5] ^= 0x10
+    else:
+        del data[len(data) // 2 :]
+    victim.write_bytes(bytes(data))
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        resumed, _ = fit(root, 8, [ModelCheckpoint(every_n_steps=2, save_top_k=2)], ckpt_path="last")
+    why = "does not match its SHA-256" if damage == "flip" else "were written (truncated or altered)"
+    assert any("skipping a bad checkpoint" in r.message and why in r.message for r in caplog.records)
+    assert any("resuming from" in r.message and "step-00000004" in r.message for r in caplog.records)
+    assert_same_params(resumed, straight)
+    assert "discarded-step-00000006" in listing(root)  # kept for inspection, never picked by "last"
+
+
+class BadSave(SingleDeviceStrategy):
+    """Writes wrong weights into the checkpoint of one step: the checksums match the files, the loss
+    does not match the live model's. Only reloading the checkpoint can tell."""
+
+    def __init__(self, bad_step: int) -> None:
+        super().__init__()
+        self.bad_step = bad_step
+
+    def save_checkpoint(self, path, module, optimizer, state):
+        if state["loop"]["global_step"] != self.bad_step:
+            return super().save_checkpoint(path, module, optimizer, state)
+        weight = next(module.parameters())
+        kept = weight.detach().clone()
+        with torch.no_grad():
+            weight.add_(0.5)
+        try:
+            super().save_checkpoint(path, module, optimizer, state)
+        finally:
+            with torch.no_grad():
+                weight.copy_(kept)
+
+
+class Listing(Callback):
+    def __init__(self, root):
+        self.root, self.seen = root, {}
+
+    def on_train_batch_end(self, trainer, module, outputs):
+        self.seen[trainer.global_step] = listing(self.root)
+
+
+def test_a_checkpoint_that_reloads_differently_fails_validation_and_the_good_one_is_kept(tmp_path, caplog):
+    spy = Listing(tmp_path)
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        fit(tmp_path, 6, [ModelCheckpoint(every_n_steps=2, save_top_k=1), spy], strategy=BadSave(bad_step=4))
+    failed = [r.message for r in caplog.records if "failed validation" in r.message]
+    assert len(failed) == 1 and "step-00000004" in failed[0] and "live" in failed[0]
+    assert spy.seen[4] == ["bad-step-00000004", "step-00000002"]  # top-1, yet the good one stays
+    assert listing(tmp_path) == ["bad-step-00000004", "step-00000006"]
+    assert not (tmp_path / "checkpoints" / "bad-step-00000004" / "validated.json").exists()
+
+
+def test_a_checkpoint_that_was_never_validated_is_not_resumed_from(tmp_path, caplog):
+    straight, _ = fit(tmp_path / "straight", 6)
+    root = tmp_path / "run"
+    fit(root, 4, [ModelCheckpoint(every_n_steps=2, save_top_k=2)])
+    (root / "checkpoints" / "step-00000004" / "validated.json").unlink()  # as if killed while validating
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        resumed, _ = fit(root, 6, [ModelCheckpoint(every_n_steps=2)], ckpt_path="last")
+    assert any("was never validated" in r.message for r in caplog.records)
+    assert any("resuming from" in r.message and "step-00000002" in r.message for r in caplog.records)
+    assert_same_params(resumed, straight)
+
+
+def test_validation_off_still_checks_the_checksums(tmp_path, caplog):
+    fit(tmp_path, 4, [ModelCheckpoint(every_n_steps=2, validate=False)])
+    ckpt = tmp_path / "checkpoints" / "step-00000004"
+    assert not (ckpt / "validated.json").exists()
+    (ckpt / "state.pt").write_bytes(b"garbage")
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        fit(tmp_path, 5, [ModelCheckpoint(validate=False)], ckpt_path="last")
+    assert any("resuming from" in r.message and "step-00000002" in r.message for r in caplog.records)
+
+
+def test_time_based_checkpoints(tmp_path):
+    fit(tmp_path, 3, [ModelCheckpoint(every_n_minutes=1e-9, save_top_k=-1)])
+    assert listing(tmp_path) == ["step-00000001", "step-00000002", "step-00000003"]
+
+
+def test_the_held_out_batch_comes_from_the_validation_loader(tmp_path):
+    cb = ModelCheckpoint(every_n_steps=2)
+    Trainer(max_steps=2, default_root_dir=tmp_path, callbacks=[cb], **quiet()).fit(
+        Regression(), regression_loader(), regression_loader(batch_size=5)
+    )
+    assert cb.validate_batch[0].shape == (5, 8)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"every_n_minutes": 0}, "every_n_minutes=0 is invalid; allowed: a number > 0 or None"),
+        ({"validate_atol": -1}, "validate_atol=-1 is invalid; allowed: a number >= 0"),
+        ({"save_top_k": 0}, "save_top_k=0 is invalid"),
+    ],
+)
+def test_bad_model_checkpoint_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ModelCheckpoint(**kwargs)
