@@ -159,6 +159,7 @@ class ModelCheckpoint(Callback):
                 problem = str(err)
             finally:
                 _unstash(stash)
+                strategy.reshard(trainer.module)
             differs = not abs(loss - entry["reference"]) <= self.validate_atol
             if bool(strategy.reduce(torch.tensor(float(differs or problem is not None)), "max")):
                 pairs = strategy.all_gather_object((entry["reference"], loss, problem))

@@ -8,7 +8,6 @@ NVIDIA GPU (or without nvidia-ml-py) the monitor says so in one line and does no
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import threading
@@ -19,13 +18,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from callbacks.base import Callback
-from trainer.logging import rank_zero_info
+from trainer.logging import log, rank_zero_info
 
 if TYPE_CHECKING:
     from trainer.module import TrainModule
     from trainer.trainer import Trainer
 
-log = logging.getLogger("trainer")
 LEVELS = ("ok", "warn", "stop")
 FATAL_CHECKS = frozenset({"gpu_lost", "ecc", "remapped_rows", "xid"})
 # XIDs an application causes (a faulting kernel, a killed process), not a failing GPU (as DCGM sees them)
@@ -126,10 +124,14 @@ class NvmlReader:
     """Reads one GPU through NVML (`nvml`: the pynvml module or a stand-in with its names). Readings
     the GPU does not expose are left None; any other failure becomes the reading's `error`."""
 
-    NVLINK_COUNTERS = ("DL_REPLAY", "DL_RECOVERY", "DL_CRC_FLIT", "DL_CRC_DATA")
-
     def __init__(self, nvml: Any, handle: Any) -> None:
         self.nvml, self.handle = nvml, handle
+        # what a GPU or driver answers for a reading it does not have: that reading is skipped
+        self.unexposed = (
+            nvml.NVML_ERROR_NOT_SUPPORTED,
+            nvml.NVML_ERROR_FUNCTION_NOT_FOUND,
+            nvml.NVML_ERROR_NO_PERMISSION,
+        )
         self.xids: list[int] = []
         self.links = [link for link in range(nvml.NVML_NVLINK_MAX_LINKS) if self._link_active(link)]
         self.events = self._optional(self._watch_xids)
@@ -172,16 +174,10 @@ class NvmlReader:
 
     def _optional(self, function: Any, *args: Any) -> Any:
         """`function(*args)`, or None where this GPU or driver does not expose it."""
-        nvml = self.nvml
         try:
             return function(*args)
-        except nvml.NVMLError as err:
-            unexposed = (
-                nvml.NVML_ERROR_NOT_SUPPORTED,
-                nvml.NVML_ERROR_FUNCTION_NOT_FOUND,
-                nvml.NVML_ERROR_NO_PERMISSION,
-            )
-            if err.value in unexposed:
+        except self.nvml.NVMLError as err:
+            if err.value in self.unexposed:
                 return None
             raise
 
@@ -192,17 +188,17 @@ class NvmlReader:
             return False
 
     def _link_errors(self, link: int) -> int:
+        """Replays, recoveries and CRC errors of one NVLink, summed (the counters it exposes)."""
         nvml = self.nvml
-        counts = [
-            self._optional(
-                nvml.nvmlDeviceGetNvLinkErrorCounter,
-                self.handle,
-                link,
-                getattr(nvml, f"NVML_NVLINK_ERROR_{c}"),
-            )
-            for c in self.NVLINK_COUNTERS
-        ]
-        return sum(c for c in counts if c is not None)
+        counters = (
+            nvml.NVML_NVLINK_ERROR_DL_REPLAY,
+            nvml.NVML_NVLINK_ERROR_DL_RECOVERY,
+            nvml.NVML_NVLINK_ERROR_DL_CRC_FLIT,
+            nvml.NVML_NVLINK_ERROR_DL_CRC_DATA,
+        )
+        return sum(
+            self._optional(nvml.nvmlDeviceGetNvLinkErrorCounter, self.handle, link, c) or 0 for c in counters
+        )
 
     def _watch_xids(self) -> Any:
         events = self.nvml.nvmlEventSetCreate()
@@ -216,7 +212,9 @@ class NvmlReader:
     def _new_xids(self) -> list[int]:
         """Drain the XID events that arrived since the last poll, without waiting."""
         nvml, found = self.nvml, []
-        while self.events is not None:
+        if self.events is None:
+            return found
+        while True:
             try:
                 event = nvml.nvmlEventSetWait_v2(self.events, 0)
             except nvml.NVMLError as err:
@@ -273,14 +271,13 @@ class GPUHealthMonitor(Callback):
             isinstance(device_index, bool) or not isinstance(device_index, int) or device_index < 0
         ):
             raise ValueError(f"device_index={device_index!r} is invalid; allowed: an int >= 0 or None")
-        self.interval_s, self.check_every_n_steps, self.on_fatal = (
-            float(interval_s),
-            check_every_n_steps,
-            on_fatal,
-        )
+        self.interval_s, self.check_every_n_steps = float(interval_s), check_every_n_steps
         self.max_temperature_c, self.max_power_fraction = float(max_temperature_c), float(max_power_fraction)
-        self.ignored_xids, self.nvml, self.device_index = frozenset(ignored_xids), nvml, device_index
+        self.on_fatal, self.ignored_xids = on_fatal, frozenset(ignored_xids)
+        self.nvml, self.device_index = nvml, device_index
         self._reader: NvmlReader | None = None
+        self._policy: HealthPolicy | None = None
+        self._start: GPUReading | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._latest: tuple[GPUReading, str, dict[str, str]] | None = None
@@ -309,7 +306,12 @@ class GPUHealthMonitor(Callback):
             rank_zero_info(f"GPUHealthMonitor: inactive ({_by_rank(problems)})")
             return
         self._reported, self._stop = set(), threading.Event()
-        self._thread = threading.Thread(target=self._poll, name="gpu-health", daemon=True)
+        self._thread = threading.Thread(
+            target=self._poll,
+            args=(self._reader, self._policy, self._start, self._stop),
+            name="gpu-health",
+            daemon=True,
+        )
         self._thread.start()
 
     def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: dict[str, Any]) -> None:
@@ -333,11 +335,7 @@ class GPUHealthMonitor(Callback):
         if any_new:
             self._report(trainer, level, new)
         if worst == LEVELS.index("stop") and self.on_fatal == "stop":
-            path = trainer.save_checkpoint()
-            trainer.should_stop = True
-            rank_zero_info(
-                f"GPUHealthMonitor: stopped at step {trainer.global_step}; checkpoint saved to {path}"
-            )
+            trainer.save_and_stop("GPUHealthMonitor: a GPU is failing")
 
     def teardown(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
         self._close()
@@ -384,10 +382,13 @@ class GPUHealthMonitor(Callback):
             f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
         )
 
-    def _poll(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            reading = self._reader.read()
-            self._latest = (reading, *self._policy.assess(reading, self._start))
+    def _poll(
+        self, reader: NvmlReader, policy: HealthPolicy, start: GPUReading, stop: threading.Event
+    ) -> None:
+        """The poll thread (it owns what it is given: teardown may drop the monitor's references first)."""
+        while not stop.wait(self.interval_s):
+            reading = reader.read()
+            self._latest = (reading, *policy.assess(reading, start))
 
     def _report(self, trainer: Trainer, level: str, new: dict[str, str]) -> None:
         """Rank zero logs every rank's new reasons in one line; each reason is reported once per fit."""
@@ -411,14 +412,14 @@ class GPUHealthMonitor(Callback):
     def _close(self) -> None:
         """Stop the poll thread, then release NVML (left open if a hung NVML call holds the thread)."""
         thread, self._thread = self._thread, None
+        reader, self._reader = self._reader, None
         if thread is not None:
             self._stop.set()
             thread.join(timeout=10.0)
             if thread.is_alive():
                 return
-        if self._reader is not None:
-            self._reader.close()
-            self._reader = None
+        if reader is not None:
+            reader.close()
 
 
 def _by_rank(messages: dict[int, str]) -> str:

@@ -28,7 +28,8 @@ class NaNGuard(Callback):
       before the first of them and reads on from where the data is (the batches in between are not
       replayed, as PaLM did); None keeps skipping. Skipped steps leave the parameters as they were, so
       this matters when the trouble began before the guard saw it (a divergence that turns into NaN):
-      the LR schedule rewinds and the data moves past the batches that led there.
+      the LR schedule rewinds and the data moves past the batches that led there. After
+      `max_rollbacks` rollbacks that did not help, the run fails with an error rather than loop.
     All ranks reach the same decision: one all-reduce of (loss, non-finite flag) per step, and the
     gradient norm is global already. Reading them back costs a device sync per step.
     """
@@ -40,6 +41,7 @@ class NaNGuard(Callback):
         window: int = 100,
         min_history: int = 10,
         skip_spikes: bool = True,
+        max_rollbacks: int = 3,
     ) -> None:
         if rollback_after is not None and (
             isinstance(rollback_after, bool) or not isinstance(rollback_after, int) or rollback_after < 1
@@ -52,13 +54,17 @@ class NaNGuard(Callback):
         for name, value in (("window", window), ("min_history", min_history)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} is invalid; allowed: an int >= 1")
+        if isinstance(max_rollbacks, bool) or not isinstance(max_rollbacks, int) or max_rollbacks < 0:
+            raise ValueError(f"max_rollbacks={max_rollbacks!r} is invalid; allowed: an int >= 0")
         self.rollback_after, self.spike_factor, self.skip_spikes = rollback_after, spike_factor, skip_spikes
+        self.max_rollbacks = max_rollbacks
         self.min_history = min_history
         self.history: deque[float] = deque(maxlen=window)
         self.bad_in_a_row = 0
         self.streak_start = 0  # global step of the first bad step in the current streak
         self.skipped = 0
         self.rollbacks = 0
+        self.last_problem = ""
 
     def on_before_optimizer_step(
         self, trainer: Trainer, module: TrainModule, optimizer: torch.optim.Optimizer
@@ -93,6 +99,7 @@ class NaNGuard(Callback):
             self.streak_start = trainer.global_step
         self.bad_in_a_row += 1
         self.skipped += 1
+        self.last_problem = problem
         trainer.skip_optimizer_step(problem)
         if trainer.is_global_zero:
             log.warning(
@@ -104,6 +111,12 @@ class NaNGuard(Callback):
     def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: dict[str, Any]) -> None:
         if self.rollback_after is None or self.bad_in_a_row < self.rollback_after:
             return
+        if self.rollbacks >= self.max_rollbacks:
+            raise RuntimeError(
+                f"NaNGuard: {self.rollbacks} rollbacks did not help; {self.bad_in_a_row} bad steps in a row "
+                f"again at step {trainer.global_step} ({self.last_problem}). Stopping: the run needs a look "
+                "(learning rate, data, precision)"
+            )
         bad, self.bad_in_a_row = self.bad_in_a_row, 0
         at = trainer.global_step
         path = trainer.rollback(before_step=self.streak_start + 1)

@@ -3,14 +3,16 @@
 One profiler step is one optimizer step (all its micro-batches, the data fetch before them and the
 batch-end callbacks after). At the end of each active window every rank writes its Chrome/TensorBoard
 trace and reads from the window's events where a step's time went: the loop's `trainer.*` spans (see
-trainer.timing) and the collectives in flight. Nothing here talks to other ranks, so a window can end on
-one rank while another is still computing; the logged numbers are rank zero's.
+trainer.timing) and the collectives in flight. The trace handler talks to no other rank (each measures
+its own window; the logged numbers are rank zero's); the ranks meet once after it, at the step that ends
+the window, so that the slowest rank's trace writing is not charged to the next step.
 """
 
 from __future__ import annotations
 
 import re
 import time
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,8 +30,7 @@ if TYPE_CHECKING:
     from trainer.module import TrainModule
     from trainer.trainer import Trainer
 
-PHASE_LABELS = {"forward": "trainer.forward", "backward": "trainer.backward", "optimizer": "trainer.optimizer",
-                "data": "trainer.data"}  # fmt: skip
+PHASE_LABELS = {phase: f"trainer.{phase}" for phase in ("forward", "backward", "optimizer", "data")}
 # Collectives as the trace names them: c10d ops ("c10d::allreduce_"), the backend's work ("gloo:all_reduce",
 # "nccl:all_reduce", on the backend's own threads), NCCL kernels ("ncclDevKernel_AllReduce_..."), functional
 # collectives ("_c10d_functional::all_gather_into_tensor"). "aten::" is left out: aten::broadcast_tensors
@@ -113,8 +114,12 @@ class Profiler(Callback):
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}={value!r} is invalid; allowed: an int >= {low}")
-        flags = {"record_shapes": record_shapes, "profile_memory": profile_memory, "with_stack": with_stack,
-                 "memory_snapshot": memory_snapshot}  # fmt: skip
+        flags = {
+            "record_shapes": record_shapes,
+            "profile_memory": profile_memory,
+            "with_stack": with_stack,
+            "memory_snapshot": memory_snapshot,
+        }
         for name, value in flags.items():
             if not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r} is invalid; allowed: True or False")
@@ -146,7 +151,6 @@ class Profiler(Callback):
         self._rank_dir: Path | None = None
         self._recording_memory = False
         self._snapshot_taken = False
-        self._synced_clock = False
         self._can_log = True
         self._windows = 0
         self._window_steps = 0
@@ -169,8 +173,8 @@ class Profiler(Callback):
             self._recording_memory = True
         else:
             rank_zero_info(
-                f"Profiler: memory_snapshot is CUDA-only and this run is on {trainer.strategy.root_device.type}; "
-                "no snapshot is recorded"
+                "Profiler: memory_snapshot is CUDA-only and this run is on "
+                f"{trainer.strategy.root_device.type}; no snapshot is recorded"
             )
 
     def on_fit_start(self, trainer: Trainer, module: TrainModule) -> None:
@@ -212,7 +216,11 @@ class Profiler(Callback):
             self._window_steps += 1
             self._end = (time.perf_counter(), trainer.state.tokens_seen)
         began, windows = time.perf_counter(), self._windows
-        prof.step()  # ends a window with _on_trace_ready
+        with warnings.catch_warnings():  # that each cycle starts afresh is what a per-window breakdown wants
+            warnings.filterwarnings(
+                "ignore", message="Warning: Profiler clears events at the end of each cycle"
+            )
+            prof.step()  # ends a window with _on_trace_ready
         if self._windows != windows:
             # every rank ends the window at this step; wait for the slowest writer here, so that the next
             # step's collectives don't charge the trace writing to training time
@@ -227,7 +235,8 @@ class Profiler(Callback):
         self._stop(trainer)  # here, not in teardown: loggers are still open, so a partial window is logged
         if self._windows == 0:
             rank_zero_info(
-                f"Profiler: the run ended before a window was recorded (it needs {self.wait + self.warmup + 1} steps)"
+                "Profiler: the run ended before a window was recorded "
+                f"(it needs {self.wait + self.warmup + 1} steps)"
             )
 
     def on_exception(self, trainer: Trainer, module: TrainModule, exception: BaseException) -> None:
@@ -238,7 +247,7 @@ class Profiler(Callback):
     def teardown(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
         if stage != "fit":
             return
-        self._can_log = False  # loggers are closed by now; traces are still written
+        self._can_log = False  # on_fit_end did not run (a failure): write the trace, log nothing
         try:
             self._stop(trainer)
         except Exception as err:  # teardown also runs after a failure: don't hide that one
@@ -264,11 +273,10 @@ class Profiler(Callback):
         self._sync_clock(trainer, False)
 
     def _sync_clock(self, trainer: Trainer, on: bool) -> None:
-        clock = trainer.clock
-        if on and clock.synchronize is None:
-            clock.synchronize, self._synced_clock = torch.cuda.synchronize, True
-        elif not on and self._synced_clock:
-            clock.synchronize, self._synced_clock = None, False
+        if on:
+            trainer.clock.request_sync(self, torch.cuda.synchronize)
+        else:
+            trainer.clock.release_sync(self)
 
     def _on_trace_ready(self, prof: torch.profiler.profile) -> None:
         """Runs on every rank at the end of a window: write the trace, measure, log. No collectives."""

@@ -60,11 +60,11 @@ class StragglerDetector(Callback):
         if (trainer.global_step + self.window) % self.every_n_steps == 0:
             self._start = trainer.clock.snapshot()
             if trainer.strategy.root_device.type == "cuda":
-                trainer.clock.synchronize = torch.cuda.synchronize
+                trainer.clock.request_sync(self, torch.cuda.synchronize)
 
     def _check(self, trainer: Trainer) -> None:
         step, clock = trainer.global_step, trainer.clock
-        clock.synchronize = None
+        clock.release_sync(self)
         now = clock.snapshot()
         mine = sum(now[p] - self._start[p] for p in trainer.strategy.local_phases)
         self._start = None

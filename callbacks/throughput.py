@@ -155,4 +155,5 @@ def no_peak_reason(device: torch.device) -> str:
     """Why a device has no peak FLOP/s, for the info line."""
     if device.type != "cuda":
         return f"the run is on {device.type}, and MFU needs a GPU's peak FLOP/s"
-    return f"{torch.cuda.get_device_name(device)!r} is not in the peak FLOP/s table (callbacks.mfu.PEAK_BF16_FLOPS)"
+    name = torch.cuda.get_device_name(device)
+    return f"{name!r} is not in the peak FLOP/s table (callbacks.mfu.PEAK_BF16_FLOPS)"

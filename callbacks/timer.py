@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from callbacks.base import Callback
-from trainer.logging import log, rank_zero_info
+from trainer.logging import log
 
 if TYPE_CHECKING:
     from trainer.module import TrainModule
@@ -91,14 +91,8 @@ class Timer(Callback):
                 f"the {self.duration_s:.0f} s time limit is near" if late else "another rank was told to stop"
             )
         started = time.monotonic()
-        saver = trainer.checkpoint_callback
-        path = saver.save(trainer) if saver is not None else trainer.save_checkpoint()
+        trainer.save_and_stop(why)
         self._save_s = time.monotonic() - started
-        trainer.should_stop = True
-        rank_zero_info(
-            f"stopping at step {trainer.global_step} ({why}); checkpoint {path}; "
-            "run the same command with ckpt_path='last' to continue"
-        )
         if self.received and not trainer.is_global_zero:
             log.warning(f"received {self.received}: stopping with the others at step {trainer.global_step}")
 

@@ -237,6 +237,10 @@ class Strategy:
             ckpt.write_atomically(Path(path), write, ckpt.meta_for(state))
         self.barrier()
 
+    def reshard(self, module: nn.Module) -> None:
+        """Drop parameter copies gathered for a forward, so the next forward reads the parameters as they
+        are now (call after changing them in place outside the optimizer). Only sharded strategies gather."""
+
     @property
     def checkpoint_in_progress(self) -> bool:
         """True while a checkpoint is still being written in the background (async save)."""

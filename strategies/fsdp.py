@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
@@ -241,6 +241,12 @@ class FSDPStrategy(DDPStrategy):
             )
         self.barrier()
 
+    def reshard(self, module: nn.Module) -> None:
+        # stage 2 keeps parameters gathered after a forward without backward (an eval step)
+        for m in module.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
     @property
     def checkpoint_in_progress(self) -> bool:
         return self._pending_save is not None
@@ -284,6 +290,7 @@ class FSDPStrategy(DDPStrategy):
                 f"checkpoint '{path}' is not a sharded checkpoint; a zero_stage "
                 f"{self.zero_stage} run resumes from checkpoints it wrote"
             )
+        self.reshard(module)  # gathered copies from an earlier forward would hide what is loaded
         model_sd, optim_sd = get_state_dict(module, optimizer or [])
         payload = {"model": model_sd, "optim": optim_sd} if optimizer is not None else {"model": model_sd}
         try:

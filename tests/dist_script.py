@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from conftest import Regression, regression_loader  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-from callbacks import Callback, ModelCheckpoint  # noqa: E402
+from callbacks import Callback, ModelCheckpoint, NaNGuard, StragglerDetector, Timer  # noqa: E402
 from strategies import DDPStrategy, FSDPStrategy  # noqa: E402
 from trainer import Trainer  # noqa: E402
 from trainer.data import PackedDataset, TokenLoader  # noqa: E402
@@ -49,6 +49,49 @@ class MemoryProbe(Callback):
             self.states = trainer.strategy.memory_report(module, trainer.optimizer).__dict__
 
 
+class Sleepy(Regression):
+    """Regression whose training step sleeps: `step_sleep` on every rank, plus `slow_sleep` on `slow_rank`."""
+
+    def __init__(self, step_sleep: float, slow_rank: int, slow_sleep: float) -> None:
+        super().__init__(dropout=0.0)
+        self.step_sleep, self.slow_rank, self.slow_sleep = step_sleep, slow_rank, slow_sleep
+
+    def training_step(self, batch, batch_idx):
+        rank = self.trainer.strategy.global_rank
+        time.sleep(self.step_sleep + (self.slow_sleep if rank == self.slow_rank else 0.0))
+        return super().training_step(batch, batch_idx)
+
+
+class BadSave(FSDPStrategy):
+    """Shifts this rank's shard of the first parameter while one step's checkpoint is written: the files
+    and their checksums agree, the weights are wrong. Only reloading the checkpoint can tell."""
+
+    def __init__(self, bad_step: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.bad_step = bad_step
+
+    def save_checkpoint(self, path, module, optimizer, state):
+        if state["loop"]["global_step"] != self.bad_step:
+            return super().save_checkpoint(path, module, optimizer, state)
+        self.reshard(module)  # stage 2 keeps parameters gathered after the reference forward
+        local = next(module.parameters()).to_local()
+        with torch.no_grad():
+            local.add_(0.5)
+        try:
+            super().save_checkpoint(path, module, optimizer, state)
+        finally:
+            with torch.no_grad():
+                local.sub_(0.5)
+
+
+class Stragglers(Callback):
+    def __init__(self) -> None:
+        self.reports: list[dict] = []
+
+    def on_straggler(self, trainer, module, stragglers):
+        self.reports.append({"step": trainer.global_step, "ranks": sorted(stragglers)})
+
+
 class Misbehave(Callback):
     """Raise, hang or die on one rank at one step, to test how the job ends."""
 
@@ -65,6 +108,22 @@ class Misbehave(Callback):
             time.sleep(600)
         if a.sigkill and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_after_backward(self, trainer, module):
+        """--nan-step k: rank --bad-rank's gradients turn NaN in step k."""
+        if (
+            trainer.strategy.global_rank == self.args.bad_rank
+            and trainer.global_step + 1 == self.args.nan_step
+        ):
+            next(module.parameters()).grad.fill_(float("nan"))
+
+    def on_train_batch_start(self, trainer, module, batch_idx):
+        """--kill-steps a,b: SIGKILL rank --bad-rank before step a in the first attempt, b in the second."""
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        kills = [int(k) for k in self.args.kill_steps.split(",")] if self.args.kill_steps else []
+        if trainer.strategy.global_rank == self.args.bad_rank and attempt < len(kills):
+            if trainer.global_step + 1 == kills[attempt]:
+                os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main() -> None:
@@ -84,6 +143,15 @@ def main() -> None:
     p.add_argument("--raise-error", action="store_true")
     p.add_argument("--hang", action="store_true")
     p.add_argument("--sigkill", action="store_true")
+    p.add_argument("--kill-steps", default="")
+    p.add_argument("--bad-save-step", type=int, default=-1)
+    p.add_argument("--nan-step", type=int, default=-1)
+    p.add_argument("--timer", action="store_true")
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--slow-rank", type=int, default=-1)
+    p.add_argument("--slow-sleep", type=float, default=0.0)
+    p.add_argument("--straggler-every", type=int, default=0)
+    p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--strategy", default="ddp")
     p.add_argument("--stage", type=int, default=3)
     p.add_argument("--replicate", type=int, default=1)
@@ -102,7 +170,8 @@ def main() -> None:
     world = int(os.environ.get("WORLD_SIZE", processes if devices != "auto" else 1))
     micro = a.global_batch // (world * a.accumulate)
     if a.strategy == "fsdp":
-        strategy = FSDPStrategy(
+        strategy = (BadSave if a.bad_save_step >= 0 else FSDPStrategy)(
+            **({"bad_step": a.bad_save_step} if a.bad_save_step >= 0 else {}),
             zero_stage=a.stage,
             replicate=a.replicate,
             activation_checkpointing=a.ac,
@@ -112,7 +181,13 @@ def main() -> None:
         )
     else:
         strategy = DDPStrategy(gradient_compression=a.compression, powersgd_start_iter=2, timeout_s=a.timeout)
-    probe = MemoryProbe()
+    probe, stragglers = MemoryProbe(), Stragglers()
+    extra = [Timer()] if a.timer else []
+    guard = NaNGuard(rollback_after=None)
+    if a.nan_step >= 0:
+        extra.append(guard)
+    if a.straggler_every:
+        extra += [StragglerDetector(every_n_steps=a.straggler_every, window=a.straggler_every), stragglers]
     trainer = Trainer(
         strategy=strategy,
         devices=devices,
@@ -125,12 +200,18 @@ def main() -> None:
         log_every_n_steps=1,
         enable_progress_bar=False,
         default_root_dir=a.root,
-        callbacks=[Misbehave(a), probe, ModelCheckpoint(every_n_steps=a.ckpt_every)],
+        callbacks=[
+            Misbehave(a),
+            probe,
+            *extra,
+            ModelCheckpoint(every_n_steps=a.ckpt_every, save_top_k=a.top_k),
+        ],
     )
     if a.model == "llama":
         module, loader = CausalLM(LLAMA, lr=1e-2), token_loader(micro)
     else:
-        module, loader = Regression(dropout=0.0), regression_loader(batch_size=micro, shuffle=a.shuffle)
+        module = Sleepy(a.step_sleep, a.slow_rank, a.slow_sleep)
+        loader = regression_loader(batch_size=micro, shuffle=a.shuffle)
     val_loader = None
     if a.validate:
         val_loader = token_loader(micro) if a.model == "llama" else regression_loader(batch_size=micro)
@@ -140,12 +221,16 @@ def main() -> None:
         for p in module.parameters()
     ]
     rank = trainer.strategy.global_rank
-    Path(a.root, f"rank{rank}.json").write_text(json.dumps({"pid": os.getpid(), "ppid": os.getppid()}))
+    Path(a.root, f"rank{rank}.json").write_text(
+        json.dumps({"pid": os.getpid(), "ppid": os.getppid(), "params": params, "skipped": guard.skipped})
+    )
     if trainer.is_global_zero:
         Path(a.out).write_text(
             json.dumps(
                 {
                     "world_size": trainer.strategy.world_size,
+                    "global_step": trainer.global_step,
+                    "stragglers": stragglers.reports,
                     "params": params,
                     "memory": {"grads": probe.grads, "states": probe.states},
                 }

@@ -22,7 +22,7 @@ SEQ_LEN = 16
 
 
 def token_loader(micro_batch: int) -> TokenLoader:
-    """Random tokens packed into SEQ_LEN blocks: batches {"input_ids", "labels"} of shape [micro_batch, SEQ_LEN]."""
+    """Random tokens in SEQ_LEN blocks: batches {"input_ids", "labels"} of shape [micro_batch, SEQ_LEN]."""
     tokens = torch.randint(0, LLAMA.vocab_size, (4000,), generator=torch.Generator().manual_seed(0))
     return TokenLoader(PackedDataset(tokens, seq_len=SEQ_LEN), batch_size=micro_batch, shuffle=True, seed=1)
 

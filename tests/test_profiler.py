@@ -46,9 +46,13 @@ def trace_names(path: Path) -> list[str]:
 def tiny_llama_fit(root: Path, steps: int, callbacks: list[Callback], **overrides) -> CausalLM:
     module = CausalLM(LLAMA, lr=1e-2)
     trainer = Trainer(
-        max_steps=steps, seed=0, default_root_dir=root, callbacks=callbacks, enable_checkpointing=False,
+        max_steps=steps,
+        seed=0,
+        default_root_dir=root,
+        callbacks=callbacks,
+        enable_checkpointing=False,
         **quiet(**overrides),
-    )  # fmt: skip
+    )
     trainer.fit(module, token_loader(4))
     return module
 
@@ -188,6 +192,15 @@ def test_a_run_that_ends_inside_a_window_still_writes_it(root: Path) -> None:
     assert list(read_metrics(root, "profiler/forward_ms")) == [3]
 
 
+def test_repeat_records_one_trace_per_window(root: Path) -> None:
+    profiler = Profiler(wait=0, warmup=1, active=1, repeat=2)  # warm up 1, record 2, warm up 3, record 4
+    Trainer(max_steps=6, default_root_dir=root, callbacks=[profiler], **quiet()).fit(
+        Regression(), regression_loader()
+    )
+    assert [p.name for p in profiler.trace_paths] == ["step-2.pt.trace.json", "step-4.pt.trace.json"]
+    assert list(read_metrics(root, "profiler/step_ms")) == [2, 4]
+
+
 def test_a_run_shorter_than_wait_and_warmup_writes_nothing(root: Path) -> None:
     profiler = Profiler(wait=2, warmup=2)
     Trainer(max_steps=3, default_root_dir=root, callbacks=[profiler], **quiet()).fit(
@@ -203,12 +216,12 @@ class Boom(Callback):
 
 
 def test_a_failure_inside_a_window_keeps_its_error_and_the_trace(root: Path) -> None:
-    profiler = Profiler(wait=0, warmup=0, active=5)
+    profiler = Profiler(wait=0, warmup=1, active=5)  # records steps 2-6
     trainer = Trainer(max_steps=8, default_root_dir=root, callbacks=[profiler, Boom()], **quiet())
     with pytest.raises(RuntimeError, match="boom at step 3"):
         trainer.fit(Regression(), regression_loader())
     assert [p.name for p in profiler.trace_paths] == ["step-3.pt.trace.json"]  # written in teardown
-    assert trace_names(profiler.trace_paths[0]).count("trainer.forward") == 3
+    assert trace_names(profiler.trace_paths[0]).count("trainer.forward") == 2
 
 
 def test_memory_snapshot_on_the_cpu_says_it_is_cuda_only(root: Path, monkeypatch) -> None:
@@ -287,8 +300,11 @@ def test_two_ddp_ranks_each_write_a_trace_with_the_gloo_all_reduce(tmp_path: Pat
         env.pop(key, None)
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--devices", "2", "--steps", "6", "--root", str(root)],
-        capture_output=True, text=True, env=env, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     for rank in (0, 1):
         trace = root / "profiler" / f"rank-{rank}" / "step-4.pt.trace.json"  # wait 1, warmup 1, active 2

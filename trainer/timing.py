@@ -3,7 +3,7 @@
 The loop and the strategy wrap each phase in `clock.phase(name)`. That adds the phase's wall-clock
 seconds to the running `totals` (watchers such as straggler detection diff two snapshots) and,
 while a torch profiler is recording, labels the span `trainer.<name>` in its trace. On CUDA, host time
-is launch time; a watcher that needs device time sets `synchronize` for the steps it measures.
+is launch time; a watcher that needs device time calls `request_sync` for the steps it measures.
 """
 
 from __future__ import annotations
@@ -23,10 +23,21 @@ class PhaseClock:
 
     def __init__(self) -> None:
         self.totals: dict[str, float] = dict.fromkeys(PHASES, 0.0)
-        self.synchronize: Callable[[], None] | None = None  # e.g. torch.cuda.synchronize, set by a watcher
+        self.synchronize: Callable[[], None] | None = None  # called at phase boundaries while requested
+        self._sync_requests: dict[int, Callable[[], None]] = {}
 
     def phase(self, name: str) -> _Phase:
         return _Phase(self, name)
+
+    def request_sync(self, watcher: object, synchronize: Callable[[], None]) -> None:
+        """Synchronize the device (e.g. `torch.cuda.synchronize`) at phase boundaries until released, so
+        spans measure device time; several watchers may ask at once."""
+        self._sync_requests[id(watcher)] = synchronize
+        self.synchronize = synchronize
+
+    def release_sync(self, watcher: object) -> None:
+        self._sync_requests.pop(id(watcher), None)
+        self.synchronize = next(iter(self._sync_requests.values()), None)
 
     def snapshot(self) -> dict[str, float]:
         """A copy of the running totals; subtract an earlier snapshot to time a window of steps."""

@@ -243,6 +243,18 @@ class Trainer:
         self._call("on_load_checkpoint", state)
         return path
 
+    def save_and_stop(self, why: str) -> Path:
+        """Save a checkpoint of this step (through the run's ModelCheckpoint, validated, when there is one)
+        and end the fit after it; `fit(..., ckpt_path="last")` continues from there. Call on every rank."""
+        saver = self.checkpoint_callback
+        path = saver.save(self) if saver is not None else self.save_checkpoint()
+        self.should_stop = True
+        rank_zero_info(
+            f"stopping at step {self.global_step} ({why}); checkpoint {path}; "
+            "run the same command with ckpt_path='last' to continue"
+        )
+        return path
+
     def log_metrics(self, metrics: dict[str, float]) -> None:
         """Send metrics (already agreed over ranks) to every logger at the current step; rank zero writes."""
         self.callback_metrics.update(metrics)
@@ -588,11 +600,11 @@ class Trainer:
         if self._progress is not None:
             self._progress.close()
             self._progress = None
-        if self.is_global_zero and stage == "fit":
-            for lg in self.loggers:
-                lg.finalize()
         self.strategy.teardown()  # first: it completes checkpoints still being written
         self._call("teardown", stage)
+        if self.is_global_zero and stage == "fit":  # last: callbacks may still log in teardown
+            for lg in self.loggers:
+                lg.finalize()
         torch.use_deterministic_algorithms(self._was_deterministic)
 
     # ---- checkpoints -----------------------------------------------------------------------------
