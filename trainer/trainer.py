@@ -367,16 +367,18 @@ class Trainer:
                 window = _take(iterator, self.accumulate_grad_batches, remaining)
             if not window:
                 return True
-            outputs = self._optimizer_step(module, window, meter)
-            if not outputs["skipped"]:  # validation and checkpoints (batch-end callbacks) are not productive
-                s.productive_s += time.perf_counter() - started
+            outputs = self._optimizer_step(module, window, meter, started)
             if val_loader is not None and val_every and s.global_step % val_every == 0:
                 self._validation_loop(module, val_loader)
             self._call("on_train_batch_end", outputs)
         return False
 
-    def _optimizer_step(self, module: TrainModule, window: list[Any], meter: _Throughput) -> dict[str, Any]:
-        """Forward+backward every micro-batch of `window`, then clip and step once."""
+    def _optimizer_step(
+        self, module: TrainModule, window: list[Any], meter: _Throughput, started: float
+    ) -> dict[str, Any]:
+        """Forward+backward every micro-batch of `window`, then clip and step once. The time since
+        `started` (the data fetch) is productive unless the update is skipped; what follows (logging,
+        validation, checkpoints in batch-end callbacks) is not."""
         s, strategy = self.state, self.strategy
         if self.first_train_batch is None:
             self.first_train_batch = window[0]
@@ -414,6 +416,8 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.lr_scheduler.step()
         strategy.after_optimizer_step()
+        if not skipped:
+            s.productive_s += time.perf_counter() - started
         s.global_step += 1
         s.batches_in_epoch += len(window)
         meter.step_done()

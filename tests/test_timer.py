@@ -1,0 +1,84 @@
+"""Timer: a signal or a near deadline ends the fit with a checkpoint, and the run resumes exactly."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+from conftest import Regression, quiet, regression_loader
+
+from callbacks import Callback, ModelCheckpoint, Timer
+from trainer import Trainer
+
+
+def fit(root, steps, callbacks, ckpt_path=None):
+    torch.manual_seed(0)
+    module = Regression(dropout=0.1)
+    trainer = Trainer(max_steps=steps, seed=0, default_root_dir=root, callbacks=callbacks, **quiet())
+    trainer.fit(module, regression_loader(shuffle=True), ckpt_path=ckpt_path)
+    return module, trainer
+
+
+class SendSignal(Callback):
+    def __init__(self, step, signum):
+        self.step, self.signum = step, signum
+
+    def on_train_batch_start(self, trainer, module, batch_idx):
+        if trainer.global_step + 1 == self.step:
+            os.kill(os.getpid(), self.signum)  # arrives in the middle of the step
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_signal_stops_after_the_step_with_a_checkpoint_and_the_run_resumes_exactly(
+    tmp_path, caplog, signum
+):
+    straight, _ = fit(tmp_path / "straight", 8, [])
+    root = tmp_path / "run"
+    before = signal.getsignal(signum)
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        _, trainer = fit(root, 8, [SendSignal(3, signum), Timer(), ModelCheckpoint(every_n_steps=100)])
+    assert trainer.global_step == 3
+    assert signal.getsignal(signum) is before  # the handler is the user's again after fit
+    assert any(f"stopping at step 3 (received {signum.name})" in r.message for r in caplog.records)
+    assert (root / "checkpoints" / "step-00000003" / "validated.json").exists()
+    resumed, _ = fit(root, 8, [Timer()], ckpt_path="last")
+    for p, q in zip(resumed.parameters(), straight.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+class Slow(Callback):
+    def on_train_batch_end(self, trainer, module, outputs):
+        time.sleep(0.05)
+
+
+def test_a_near_deadline_stops_early_with_a_checkpoint(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        _, trainer = fit(tmp_path, 1000, [Slow(), Timer(duration=0.5)])
+    assert 1 <= trainer.global_step < 1000
+    assert any("time limit is near" in r.message for r in caplog.records)
+    assert (tmp_path / "checkpoints" / f"step-{trainer.global_step:08d}").exists()
+
+
+@pytest.mark.parametrize(
+    "duration, seconds", [(90, 90.0), ("00:01:30:00", 5400.0), (timedelta(minutes=2), 120.0), (None, None)]
+)
+def test_durations(duration, seconds):
+    assert Timer(duration=duration).duration_s == seconds
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"duration": "1h"}, "duration='1h' is invalid; allowed: seconds, a timedelta or 'DD:HH:MM:SS'"),
+        ({"duration": -5}, "duration=-5 is invalid; allowed: a positive length of time"),
+        ({"signals": ("SIGNOPE",)}, "signals: 'SIGNOPE' is not a signal name"),
+    ],
+)
+def test_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Timer(**kwargs)
