@@ -70,17 +70,20 @@ class NaNGuard(Callback):
         self, trainer: Trainer, module: TrainModule, optimizer: torch.optim.Optimizer
     ) -> None:
         loss = trainer.step_loss.detach().float()
+        norm = trainer.step_grad_norm().detach().float().to(loss.device)
         finite = torch.isfinite(loss)
+        # the norm is global, but a rank's gradients can go bad after the sync (a faulty device): count ranks
+        bad_loss, bad_norm = (~finite).float(), (~torch.isfinite(norm)).float()
         summed = trainer.strategy.reduce(
-            torch.stack([torch.where(finite, loss, 0.0), (~finite).float()]), "sum"
-        ).tolist()
-        norm = float(trainer.step_grad_norm())
-        mean_loss = summed[0] / trainer.strategy.world_size
+            torch.stack([torch.where(finite, loss, 0.0), bad_loss, bad_norm]), "sum"
+        )
+        total, bad_losses, bad_norms = summed.tolist()
+        mean_loss = total / trainer.strategy.world_size
         problem = None
-        if summed[1] > 0:
-            problem = f"loss is not finite on {int(summed[1])} rank(s)"
-        elif not torch.isfinite(torch.tensor(norm)):
-            problem = f"gradient norm is {norm}"
+        if bad_losses > 0:
+            problem = f"loss is not finite on {int(bad_losses)} rank(s)"
+        elif bad_norms > 0:
+            problem = f"gradient norm is not finite on {int(bad_norms)} rank(s)"
         elif self.spike_factor is not None and len(self.history) >= self.min_history:
             median = statistics.median(self.history)
             if mean_loss > self.spike_factor * median:

@@ -1,0 +1,147 @@
+"""Fault tolerance across real processes: the fault drill (two SIGKILLs under torchrun), SIGTERM,
+stragglers, the NaN guard on one rank, and checkpoint validation of sharded (FSDP) checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import read_metrics
+from test_ddp import SCRIPT, assert_params_close, result, run
+
+from trainer.launch import free_port
+
+pytestmark = pytest.mark.slow
+
+
+def test_fault_drill_two_sigkills_under_torchrun_end_exactly_like_an_uninterrupted_run(tmp_path):
+    rng = random.Random()
+    first = rng.randint(3, 7)
+    second = rng.randint(first + 2, 11)
+    bad_rank = rng.randint(0, 1)
+    print(f"fault drill: rank {bad_rank} is killed before step {first}, then before step {second}")
+    common = ["--devices", "2", "--steps", "12", "--ckpt-every", "2", "--shuffle", "--global-batch", "64"]
+    done, _ = run(common, tmp_path, "straight")
+    assert done.returncode == 0, done.stderr[-3000:]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--max-restarts=2",
+        f"--master_port={free_port()}",
+    ]
+    done, root = run(
+        [*common, "--resume", "--bad-rank", str(bad_rank), "--kill-steps", f"{first},{second}"],
+        tmp_path,
+        "drill",
+        launcher=torchrun,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.count("resuming from") == 2, done.stderr[-3000:]
+    assert_params_close(result(tmp_path, "drill")["params"], result(tmp_path, "straight")["params"], atol=0)
+    assert read_metrics(root) == read_metrics(tmp_path / "straight")
+    report = [line for line in done.stderr.splitlines() if "effective training time" in line]
+    assert report and "2 restart(s)" in report[-1], done.stderr[-3000:]
+    kept = sorted(p.name for p in (root / "checkpoints").iterdir() if p.name.startswith("step-"))
+    assert kept and all((root / "checkpoints" / name / "validated.json").exists() for name in kept)
+
+
+def wait_for_step(root, step, proc, timeout=120):
+    """Until the run's JSONL log shows `step` (the process is training and has a checkpoint behind it)."""
+    log = root / "logs" / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read()
+        if log.exists() and any(
+            json.loads(line).get("step", 0) >= step for line in log.read_text().splitlines()
+        ):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the run never reached step {step}")
+
+
+def test_sigterm_checkpoints_and_exits_0_and_the_run_resumes_exactly(tmp_path):
+    root = tmp_path / "stopped"
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR")
+    }
+    cmd = [
+        sys.executable,
+        str(SCRIPT),
+        "--devices",
+        "2",
+        "--steps",
+        "1000",
+        "--ckpt-every",
+        "1000",
+        "--timer",
+    ]
+    cmd += ["--step-sleep", "0.02", "--shuffle", "--root", str(root), "--out", str(tmp_path / "stopped.json")]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**env, "OMP_NUM_THREADS": "1"})
+    wait_for_step(root, 3, proc)
+    proc.send_signal(signal.SIGTERM)  # to rank 0 only: rank 1 learns it through the per-step all-reduce
+    _, stderr = proc.communicate(timeout=30)  # the grace period
+    assert proc.returncode == 0, stderr[-3000:]
+    stopped = json.loads((tmp_path / "stopped.json").read_text())["global_step"]
+    assert 3 <= stopped < 1000 and f"stopping at step {stopped} (received SIGTERM)" in stderr
+    assert (root / "checkpoints" / f"step-{stopped:08d}" / "validated.json").exists()
+    steps = ["--steps", str(stopped + 3), "--shuffle", "--devices", "2"]
+    done, _ = run([*steps, "--resume"], tmp_path, "stopped")  # the same root: continue the stopped run
+    assert done.returncode == 0, done.stderr[-3000:]
+    straight, _ = run(steps, tmp_path, "straight")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    assert_params_close(result(tmp_path, "stopped")["params"], result(tmp_path, "straight")["params"], atol=0)
+
+
+def test_a_slow_rank_is_named_and_an_even_job_has_no_straggler(tmp_path):
+    args = ["--devices", "2", "--steps", "8", "--straggler-every", "4", "--step-sleep", "0.01"]
+    done, _ = run([*args, "--slow-rank", "1", "--slow-sleep", "0.1"], tmp_path, "slow")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "straggler: rank 1 (" in done.stderr
+    assert result(tmp_path, "slow")["stragglers"] == [{"step": 4, "ranks": [1]}, {"step": 8, "ranks": [1]}]
+    done, _ = run(args, tmp_path, "even")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "straggler:" not in done.stderr and result(tmp_path, "even")["stragglers"] == []
+
+
+def test_a_nan_on_one_rank_is_skipped_on_every_rank(tmp_path):
+    done, root = run(
+        ["--devices", "2", "--steps", "6", "--bad-rank", "1", "--nan-step", "3"], tmp_path, "nan"
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((root / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["skipped"] for r in ranks] == [1, 1]
+    assert ranks[0]["params"] == ranks[1]["params"]  # the replicas stayed identical
+    assert "NaNGuard: step 3: gradient norm is not finite on 1 rank(s)" in done.stderr
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_sharded_checkpoint_with_wrong_weights_fails_validation(tmp_path, stage):
+    args = [
+        "--strategy",
+        "fsdp",
+        "--stage",
+        str(stage),
+        "--devices",
+        "2",
+        "--steps",
+        "6",
+        "--ckpt-every",
+        "2",
+    ]
+    done, root = run([*args, "--bad-save-step", "4"], tmp_path, "bad")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "checkpoint step-00000004 failed validation (rank 0: live" in done.stderr
+    assert sorted(p.name for p in (root / "checkpoints").iterdir()) == [
+        "bad-step-00000004",
+        "step-00000002",
+        "step-00000006",
+    ]
