@@ -11,6 +11,7 @@ import torch
 
 from callbacks.base import Callback
 from trainer import checkpoint as ckpt
+from trainer import flags
 from trainer.logging import log
 from trainer.rng import isolated_rng
 
@@ -50,16 +51,8 @@ class ModelCheckpoint(Callback):
         validate_atol: float = 0.0,
         validate_batch: Any = None,
     ) -> None:
-        if every_n_steps is not None and (
-            isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1
-        ):
-            raise ValueError(f"every_n_steps={every_n_steps!r} is invalid; allowed: an int >= 1 or None")
-        if every_n_minutes is not None and (
-            isinstance(every_n_minutes, bool)
-            or not isinstance(every_n_minutes, (int, float))
-            or every_n_minutes <= 0
-        ):
-            raise ValueError(f"every_n_minutes={every_n_minutes!r} is invalid; allowed: a number > 0 or None")
+        flags.check_int("every_n_steps", every_n_steps, 1, allow_none=True)
+        flags.check_number("every_n_minutes", every_n_minutes, 0, strict=True, allow_none=True)
         if (
             isinstance(save_top_k, bool)
             or not isinstance(save_top_k, int)
@@ -69,12 +62,7 @@ class ModelCheckpoint(Callback):
             raise ValueError(f"save_top_k={save_top_k!r} is invalid; allowed: -1 (keep all) or an int >= 1")
         if mode not in ("min", "max"):
             raise ValueError(f"mode={mode!r} is invalid; allowed: 'min' or 'max'")
-        if (
-            isinstance(validate_atol, bool)
-            or not isinstance(validate_atol, (int, float))
-            or validate_atol < 0
-        ):
-            raise ValueError(f"validate_atol={validate_atol!r} is invalid; allowed: a number >= 0")
+        flags.check_number("validate_atol", validate_atol, 0)
         self.dirpath = Path(dirpath) if dirpath is not None else None
         self.every_n_steps, self.every_n_minutes = every_n_steps, every_n_minutes
         self.save_last, self.save_top_k = save_last, save_top_k

@@ -6,6 +6,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from callbacks.base import Callback
+from trainer import flags
 from trainer.logging import rank_zero_info
 
 if TYPE_CHECKING:
@@ -26,12 +27,10 @@ class EarlyStopping(Callback):
         min_delta: float = 0.0,
         check_finite: bool = True,
     ) -> None:
-        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
-            raise ValueError(f"patience={patience!r} is invalid; allowed: an int >= 1")
+        flags.check_int("patience", patience, 1)
         if mode not in ("min", "max"):
             raise ValueError(f"mode={mode!r} is invalid; allowed: 'min' or 'max'")
-        if isinstance(min_delta, bool) or not isinstance(min_delta, (int, float)) or min_delta < 0:
-            raise ValueError(f"min_delta={min_delta!r} is invalid; allowed: a number >= 0")
+        flags.check_number("min_delta", min_delta, 0)
         self.monitor, self.patience, self.mode = monitor, patience, mode
         self.min_delta, self.check_finite = float(min_delta), check_finite
         self.best: float | None = None

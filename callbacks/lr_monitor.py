@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from callbacks.base import Callback
+from trainer import flags
 
 if TYPE_CHECKING:
     from trainer.module import TrainModule
@@ -17,10 +18,7 @@ class LearningRateMonitor(Callback):
     beta1 or SGD's momentum as `momentum/...`."""
 
     def __init__(self, every_n_steps: int | None = None, log_momentum: bool = False) -> None:
-        if every_n_steps is not None and (
-            isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1
-        ):
-            raise ValueError(f"every_n_steps={every_n_steps!r} is invalid; allowed: an int >= 1 or None")
+        flags.check_int("every_n_steps", every_n_steps, 1, allow_none=True)
         self.every_n_steps, self.log_momentum = every_n_steps, log_momentum
         self._lrs: list[float] = []
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from callbacks.base import Callback
+from trainer import flags
 from trainer.logging import log
 
 if TYPE_CHECKING:
@@ -43,19 +44,11 @@ class NaNGuard(Callback):
         skip_spikes: bool = True,
         max_rollbacks: int = 3,
     ) -> None:
-        if rollback_after is not None and (
-            isinstance(rollback_after, bool) or not isinstance(rollback_after, int) or rollback_after < 1
-        ):
-            raise ValueError(f"rollback_after={rollback_after!r} is invalid; allowed: an int >= 1 or None")
-        if spike_factor is not None and (
-            isinstance(spike_factor, bool) or not isinstance(spike_factor, (int, float)) or spike_factor <= 1
-        ):
-            raise ValueError(f"spike_factor={spike_factor!r} is invalid; allowed: a number > 1 or None")
-        for name, value in (("window", window), ("min_history", min_history)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} is invalid; allowed: an int >= 1")
-        if isinstance(max_rollbacks, bool) or not isinstance(max_rollbacks, int) or max_rollbacks < 0:
-            raise ValueError(f"max_rollbacks={max_rollbacks!r} is invalid; allowed: an int >= 0")
+        flags.check_int("rollback_after", rollback_after, 1, allow_none=True)
+        flags.check_number("spike_factor", spike_factor, 1, strict=True, allow_none=True)
+        flags.check_int("window", window, 1)
+        flags.check_int("min_history", min_history, 1)
+        flags.check_int("max_rollbacks", max_rollbacks, 0)
         self.rollback_after, self.spike_factor, self.skip_spikes = rollback_after, spike_factor, skip_spikes
         self.max_rollbacks = max_rollbacks
         self.min_history = min_history

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from callbacks.base import Callback
+from trainer import flags
 from trainer.logging import log
 
 if TYPE_CHECKING:
@@ -29,15 +30,12 @@ class StragglerDetector(Callback):
     def __init__(
         self, every_n_steps: int = 100, window: int = 10, factor: float = 1.5, min_gap_s: float = 0.0
     ) -> None:
-        for name, value in (("every_n_steps", every_n_steps), ("window", window)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} is invalid; allowed: an int >= 1")
+        flags.check_int("every_n_steps", every_n_steps, 1)
+        flags.check_int("window", window, 1)
         if window > every_n_steps:
             raise ValueError(f"window={window} is invalid; allowed: at most every_n_steps={every_n_steps}")
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 1:
-            raise ValueError(f"factor={factor!r} is invalid; allowed: a number > 1")
-        if isinstance(min_gap_s, bool) or not isinstance(min_gap_s, (int, float)) or min_gap_s < 0:
-            raise ValueError(f"min_gap_s={min_gap_s!r} is invalid; allowed: a number >= 0")
+        flags.check_number("factor", factor, 1, strict=True)
+        flags.check_number("min_gap_s", min_gap_s, 0)
         self.every_n_steps, self.window, self.factor, self.min_gap_s = (
             every_n_steps,
             window,

@@ -86,3 +86,8 @@ class DDPStrategy(MeshStrategy):
     def accumulation_context(self, is_last_micro_batch: bool) -> contextlib.AbstractContextManager:
         """All-reduce only on the step's last micro-batch; the others accumulate locally."""
         return contextlib.nullcontext() if is_last_micro_batch else self.model.no_sync()
+
+    def teardown(self) -> None:
+        super().teardown()
+        # DDP's reducer holds the process group; freed here, not by C++ destructors while Python shuts down
+        self.model = None

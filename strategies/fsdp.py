@@ -312,6 +312,7 @@ class FSDPStrategy(DDPStrategy):
         for block in self._checkpointed:  # the user's module leaves as it came (its own forward)
             del block.forward
         self._checkpointed = []
+        super().teardown()
 
 
 def _blocks(module: nn.Module) -> list[nn.Module]:

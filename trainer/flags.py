@@ -16,6 +16,19 @@ def check_int(name: str, value: Any, minimum: int, allow_none: bool = False) -> 
     return value
 
 
+def check_number(
+    name: str, value: Any, minimum: float, *, strict: bool = False, allow_none: bool = False
+) -> float | None:
+    """A real number >= `minimum` (> with `strict`), or None when allowed."""
+    if value is None and allow_none:
+        return None
+    numeric = not isinstance(value, bool) and isinstance(value, (int, float))
+    if not numeric or value < minimum or (strict and value == minimum):
+        allowed = f"a number {'>' if strict else '>='} {minimum:g}" + (" or None" if allow_none else "")
+        raise ValueError(f"{name}={value!r} is invalid; allowed: {allowed}")
+    return float(value)
+
+
 def check_limit(name: str, value: Any) -> int | float | None:
     """None (all), an int count >= 0, or a float fraction in [0, 1]."""
     if value is None:

@@ -175,8 +175,11 @@ def exit_quietly_when_done() -> None:
 def destroy_process_group() -> None:
     """Shut the default process group down before the interpreter does: left to C++ destructors at exit,
     gloo's threads can abort the process ('terminate called without an active exception')."""
+    import gc
+
     import torch.distributed as dist
 
+    gc.collect()  # unreachable wrappers (a DDP reducer in a Trainer <-> module cycle) let go of the group first
     if dist.is_initialized():
         dist.destroy_process_group()
 
