@@ -202,7 +202,8 @@ def test_slurm_tasks_join_one_world(tmp_path):
     env.update(
         SLURM_NTASKS="2",
         SLURM_NODELIST="localhost",
-        SLURM_JOB_ID=str(free_port()),
+        SLURM_JOB_ID="4242",
+        MASTER_PORT=str(free_port()),  # the port derived from the job id could be taken on a shared machine
         SLURM_JOB_NAME="train",
         SLURM_NTASKS_PER_NODE="2",
         SLURM_NODEID="0",

@@ -99,6 +99,7 @@ def test_slurm_nodelists_expand_in_order():
         2,
         "node7",
     )
+    assert world.master_port == 15042  # derived from the job id: the same on every task of the job
 
 
 def test_devices_that_do_not_match_the_running_job_are_refused(monkeypatch):

@@ -169,8 +169,9 @@ class Trainer:
         val_dataloaders: Iterable | None = None,
         ckpt_path: str | Path | None = None,
     ) -> None:
-        """Train `module`; `ckpt_path` "last" resumes from the newest checkpoint (or starts fresh if
-        there is none), a path resumes from that checkpoint."""
+        """Train `module`; `ckpt_path` "last" resumes from the newest good checkpoint (damaged or never
+        validated ones are skipped with a warning; none at all: a fresh start), a path resumes from that
+        checkpoint after its checksums are verified."""
         _check_module(module)
         if train_dataloaders is None:
             raise ValueError("fit needs train_dataloaders; got None")
