@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from callbacks.base import Callback
+from trainer import flags
 from trainer.logging import log, rank_zero_info
 
 if TYPE_CHECKING:
@@ -249,28 +250,16 @@ class GPUHealthMonitor(Callback):
         nvml: Any = None,
         device_index: int | None = None,
     ) -> None:
-        for name, value in (
-            ("interval_s", interval_s),
-            ("max_temperature_c", max_temperature_c),
-            ("max_power_fraction", max_power_fraction),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                raise ValueError(f"{name}={value!r} is invalid; allowed: a number > 0")
-        if (
-            isinstance(check_every_n_steps, bool)
-            or not isinstance(check_every_n_steps, int)
-            or check_every_n_steps < 1
-        ):
-            raise ValueError(f"check_every_n_steps={check_every_n_steps!r} is invalid; allowed: an int >= 1")
+        flags.check_number("interval_s", interval_s, 0, strict=True)
+        flags.check_number("max_temperature_c", max_temperature_c, 0, strict=True)
+        flags.check_number("max_power_fraction", max_power_fraction, 0, strict=True)
+        flags.check_int("check_every_n_steps", check_every_n_steps, 1)
         if on_fatal not in ("stop", "warn"):
             raise ValueError(f"on_fatal={on_fatal!r} is invalid; allowed: 'stop' or 'warn'")
         ignored_xids = tuple(ignored_xids)
         if not all(isinstance(x, int) and not isinstance(x, bool) for x in ignored_xids):
             raise ValueError(f"ignored_xids={ignored_xids!r} is invalid; allowed: XID numbers (ints)")
-        if device_index is not None and (
-            isinstance(device_index, bool) or not isinstance(device_index, int) or device_index < 0
-        ):
-            raise ValueError(f"device_index={device_index!r} is invalid; allowed: an int >= 0 or None")
+        flags.check_int("device_index", device_index, 0, allow_none=True)
         self.interval_s, self.check_every_n_steps = float(interval_s), check_every_n_steps
         self.max_temperature_c, self.max_power_fraction = float(max_temperature_c), float(max_power_fraction)
         self.on_fatal, self.ignored_xids = on_fatal, frozenset(ignored_xids)

@@ -24,6 +24,7 @@ from torch.profiler import ProfilerAction, ProfilerActivity
 from callbacks.base import Callback
 from callbacks.mfu import peak_flops
 from callbacks.throughput import flops_per_token_of, no_peak_reason, ranks_per_replica
+from trainer import flags
 from trainer.logging import log, rank_zero_info
 
 if TYPE_CHECKING:
@@ -112,27 +113,19 @@ class Profiler(Callback):
             ("active", active, 1),
             ("repeat", repeat, 0),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name}={value!r} is invalid; allowed: an int >= {low}")
-        flags = {
+            flags.check_int(name, value, low)
+        switches = {
             "record_shapes": record_shapes,
             "profile_memory": profile_memory,
             "with_stack": with_stack,
             "memory_snapshot": memory_snapshot,
         }
-        for name, value in flags.items():
+        for name, value in switches.items():
             if not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r} is invalid; allowed: True or False")
         if dirpath is not None and not isinstance(dirpath, (str, Path)):
             raise ValueError(f"dirpath={dirpath!r} is invalid; allowed: a path or None")
-        if flops_per_token is not None and (
-            isinstance(flops_per_token, bool)
-            or not isinstance(flops_per_token, (int, float))
-            or flops_per_token <= 0
-        ):
-            raise ValueError(
-                f"flops_per_token={flops_per_token!r} is invalid; allowed: a positive number or None"
-            )
+        flags.check_number("flops_per_token", flops_per_token, 0, strict=True, allow_none=True)
         self.wait, self.warmup, self.active, self.repeat = wait, warmup, active, repeat
         self.dirpath = Path(dirpath) if dirpath is not None else None
         self.record_shapes, self.profile_memory, self.with_stack = record_shapes, profile_memory, with_stack

@@ -9,6 +9,7 @@ import torch
 
 from callbacks.base import Callback
 from callbacks.mfu import model_flops_per_token, peak_flops
+from trainer import flags
 from trainer.logging import rank_zero_info
 
 if TYPE_CHECKING:
@@ -31,22 +32,8 @@ class ThroughputMonitor(Callback):
     """
 
     def __init__(self, log_every_n_steps: int | None = None, flops_per_token: float | None = None) -> None:
-        if log_every_n_steps is not None and (
-            isinstance(log_every_n_steps, bool)
-            or not isinstance(log_every_n_steps, int)
-            or log_every_n_steps < 1
-        ):
-            raise ValueError(
-                f"log_every_n_steps={log_every_n_steps!r} is invalid; allowed: an int >= 1 or None"
-            )
-        if flops_per_token is not None and (
-            isinstance(flops_per_token, bool)
-            or not isinstance(flops_per_token, (int, float))
-            or flops_per_token <= 0
-        ):
-            raise ValueError(
-                f"flops_per_token={flops_per_token!r} is invalid; allowed: a positive number or None"
-            )
+        flags.check_int("log_every_n_steps", log_every_n_steps, 1, allow_none=True)
+        flags.check_number("flops_per_token", flops_per_token, 0, strict=True, allow_none=True)
         self.log_every_n_steps = log_every_n_steps
         self.flops_per_token = float(flops_per_token) if flops_per_token is not None else None
         self._peak: float | None = None

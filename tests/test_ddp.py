@@ -45,6 +45,18 @@ def run(
     return done, root
 
 
+def torchrun(max_restarts: int, nproc: int = 2) -> list[str]:
+    """The launcher command of an elastic torchrun job on this machine."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        f"--max-restarts={max_restarts}",
+        f"--master_port={free_port()}",
+    ]
+
+
 def result(tmp: Path, name: str) -> dict:
     return json.loads((tmp / f"{name}.json").read_text())
 
@@ -88,14 +100,7 @@ def test_self_spawn_then_torchrun_spawns_nothing_more(tmp_path):
     ranks = [json.loads((root / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[1]["ppid"] == ranks[0]["pid"], "rank 0 is the user's process and the parent of rank 1"
 
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={free_port()}",
-    ]
-    done, root = run(["--devices", "2"], tmp_path, "torchrun", launcher=torchrun)
+    done, root = run(["--devices", "2"], tmp_path, "torchrun", launcher=torchrun(max_restarts=0))
     assert done.returncode == 0, done.stderr[-3000:]
     ranks = [json.loads((root / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["ppid"] == ranks[1]["ppid"], "both ranks are children of torchrun's agent"
@@ -171,19 +176,11 @@ def test_torchrun_restart_after_sigkill_resumes_from_the_checkpoint(tmp_path):
     common = ["--devices", "2", "--steps", "10", "--ckpt-every", "2", "--shuffle", "--global-batch", "64"]
     done, _ = run(common, tmp_path, "straight")
     assert done.returncode == 0, done.stderr[-3000:]
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        "--max-restarts=1",
-        f"--master_port={free_port()}",
-    ]
     done, root = run(
         [*common, "--resume", "--bad-rank", "1", "--bad-step", "7", "--sigkill"],
         tmp_path,
         "restarted",
-        launcher=torchrun,
+        launcher=torchrun(max_restarts=1),
         timeout=240,
     )
     assert done.returncode == 0, done.stderr[-3000:]

@@ -13,9 +13,7 @@ import time
 
 import pytest
 from conftest import read_metrics
-from test_ddp import SCRIPT, assert_params_close, result, run
-
-from trainer.launch import free_port
+from test_ddp import SCRIPT, assert_params_close, result, run, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -29,19 +27,11 @@ def test_fault_drill_two_sigkills_under_torchrun_end_exactly_like_an_uninterrupt
     common = ["--devices", "2", "--steps", "12", "--ckpt-every", "2", "--shuffle", "--global-batch", "64"]
     done, _ = run(common, tmp_path, "straight")
     assert done.returncode == 0, done.stderr[-3000:]
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        "--max-restarts=2",
-        f"--master_port={free_port()}",
-    ]
     done, root = run(
         [*common, "--resume", "--bad-rank", str(bad_rank), "--kill-steps", f"{first},{second}"],
         tmp_path,
         "drill",
-        launcher=torchrun,
+        launcher=torchrun(max_restarts=2),
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
