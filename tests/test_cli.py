@@ -127,6 +127,14 @@ def test_cli_errors_are_one_line_with_exit_code_2(tmp_path, capsys):
         "unknown key 'callbacks[0].init_args.every_n_step'; did you mean 'every_n_steps'?"
         in capsys.readouterr().err
     )
+    assert (
+        main(["fit", str(TINY), "callbacks=[{class_path: callbacks.Timer, init_args: {duration: 4 hours}}]"])
+        == 2
+    )
+    assert (
+        "trainer: error: callbacks[0] (callbacks.Timer): duration='4 hours' is invalid; allowed: seconds"
+        in capsys.readouterr().err
+    )
     assert main(["fit", str(TINY), "loggers=[mlflow]"]) == 2
     assert "loggers[0]: cannot import 'mlflow'" in capsys.readouterr().err
     assert main(["fit", str(TINY), "trainer.max_steps=5", "trainer.warmup_steps=10"]) == 2

@@ -313,12 +313,13 @@ def build_run(config: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
     model, data, optim = config["model"], config["data"], config["optimizer"]
     trainer_args, strategy = dict(config["trainer"]), dict(config["strategy"])
     try:
-        trainer = Trainer(
-            strategy=build_strategy(strategy.pop("name"), processes=_processes(trainer_args), **strategy),
-            callbacks=[_instantiate(c) for c in config["callbacks"]],
-            loggers=[_instantiate(c) for c in config["loggers"]],
-            **trainer_args,
-        )
+        built_strategy = build_strategy(strategy.pop("name"), processes=_processes(trainer_args), **strategy)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"strategy: {err}") from err
+    callbacks = [_instantiate(c, f"callbacks[{i}]") for i, c in enumerate(config["callbacks"])]
+    loggers = [_instantiate(c, f"loggers[{i}]") for i, c in enumerate(config["loggers"])]
+    try:
+        trainer = Trainer(strategy=built_strategy, callbacks=callbacks, loggers=loggers, **trainer_args)
     except (ValueError, TypeError) as err:
         raise ConfigError(f"trainer: {err}") from err
     batch_size = _micro_batch(data, trainer_args)
@@ -377,5 +378,9 @@ def _processes(trainer_args: dict[str, Any]) -> int:
     return flags.resolve_devices(trainer_args["devices"], accelerator) * trainer_args["num_nodes"]
 
 
-def _instantiate(entry: dict[str, Any]) -> Any:
-    return import_path(entry["class_path"], entry["class_path"])(**entry["init_args"])
+def _instantiate(entry: dict[str, Any], where: str) -> Any:
+    """Build a callback or logger; a bad argument's error names the list entry and the class."""
+    try:
+        return import_path(entry["class_path"], where)(**entry["init_args"])
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"{where} ({entry['class_path']}): {err}") from err
