@@ -448,28 +448,22 @@ class Trainer:
             metrics["train/skipped_steps"] = self.state.skipped_steps
         user = self.metrics.compute(lambda t: strategy.reduce(t, "mean"))
         metrics.update(user)
-        self.callback_metrics.update(metrics)
-        if self.is_global_zero:
-            for lg in self.loggers:
-                lg.log_metrics(metrics, self.global_step)
-            if self._progress is not None:
-                shown = {"loss": metrics["train/loss"], "lr": lr}
-                if "train/tokens_per_s" in metrics:
-                    shown["tok/s"] = metrics["train/tokens_per_s"]
-                shown.update({k: v for k, v in user.items() if k in self.metrics.prog_bar_names})
-                self._progress.show(shown)
+        self.log_metrics(metrics)
+        if self._progress is not None:  # rank zero's
+            shown = {"loss": metrics["train/loss"], "lr": lr}
+            if "train/tokens_per_s" in metrics:
+                shown["tok/s"] = metrics["train/tokens_per_s"]
+            shown.update({k: v for k, v in user.items() if k in self.metrics.prog_bar_names})
+            self._progress.show(shown)
 
     # ---- evaluation ------------------------------------------------------------------------------
     def _validation_loop(self, module: TrainModule, loader: Iterable) -> dict[str, float]:
         self._call("on_validation_start")
         metrics = self._eval_loop(module, loader, "validation_step", "val", self.limit_val_batches)
-        self.callback_metrics.update(metrics)
+        self.log_metrics(metrics)
         self._last_val_step = self.global_step
-        if self.is_global_zero:
-            for lg in self.loggers:
-                lg.log_metrics(metrics, self.global_step)
-            if self._progress is not None and "val/loss" in metrics:
-                self._progress.write(f"step {self.global_step}: val/loss {metrics['val/loss']:.4f}")
+        if self._progress is not None and "val/loss" in metrics:
+            self._progress.write(f"step {self.global_step}: val/loss {metrics['val/loss']:.4f}")
         self._call("on_validation_end")
         return metrics
 
