@@ -5,8 +5,9 @@ Order within one optimizer step: on_train_batch_start -> (forward+backward of ev
 on_validation_start -> on_validation_end] -> on_train_batch_end. A "batch" here is everything one
 optimizer step consumes (all its accumulation micro-batches), so a hook sees whole steps.
 
-Callbacks steer the run through the Trainer: `should_stop`, `save_checkpoint`, `skip_optimizer_step`
-(from on_before_optimizer_step), `rollback` and `log_metrics`; see trainer.trainer.
+Callbacks steer the run through the Trainer: `should_stop`, `save_checkpoint`, `save_and_stop`,
+`skip_optimizer_step` (from on_before_optimizer_step), `rollback`, `loss_on` and `log_metrics`; they
+read `step_loss`, `step_grad_norm()`, `clock` and `state`. See trainer.trainer.
 """
 
 from __future__ import annotations
