@@ -58,28 +58,36 @@ def wait_for_step(root, step, proc, timeout=120):
     raise AssertionError(f"the run never reached step {step}")
 
 
-def test_sigterm_checkpoints_and_exits_0_and_the_run_resumes_exactly(tmp_path):
-    root = tmp_path / "stopped"
+def terminate_mid_run(launcher, root, out, *args):
+    """Start a long 2-rank job of sleepy steps with a Timer, SIGTERM the launched process once step 3 is
+    logged, and return its exit code and stderr."""
     env = {
         k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR")
     }
     cmd = [
-        sys.executable,
+        *launcher,
         str(SCRIPT),
-        "--devices",
-        "2",
         "--steps",
         "1000",
         "--ckpt-every",
         "1000",
         "--timer",
+        "--step-sleep",
+        "0.02",
     ]
-    cmd += ["--step-sleep", "0.02", "--shuffle", "--root", str(root), "--out", str(tmp_path / "stopped.json")]
+    cmd += ["--shuffle", "--root", str(root), "--out", str(out), *args]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**env, "OMP_NUM_THREADS": "1"})
     wait_for_step(root, 3, proc)
-    proc.send_signal(signal.SIGTERM)  # to rank 0 only: rank 1 learns it through the per-step all-reduce
+    proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=30)  # the grace period
-    assert proc.returncode == 0, stderr[-3000:]
+    return proc.returncode, stderr
+
+
+def test_sigterm_checkpoints_and_exits_0_and_the_run_resumes_exactly(tmp_path):
+    root = tmp_path / "stopped"
+    # to rank 0 only: rank 1 learns it through the per-step all-reduce
+    code, stderr = terminate_mid_run([sys.executable], root, tmp_path / "stopped.json", "--devices", "2")
+    assert code == 0, stderr[-3000:]
     stopped = json.loads((tmp_path / "stopped.json").read_text())["global_step"]
     assert 3 <= stopped < 1000 and f"stopping at step {stopped} (received SIGTERM)" in stderr
     assert (root / "checkpoints" / f"step-{stopped:08d}" / "validated.json").exists()
@@ -89,6 +97,16 @@ def test_sigterm_checkpoints_and_exits_0_and_the_run_resumes_exactly(tmp_path):
     straight, _ = run(steps, tmp_path, "straight")
     assert straight.returncode == 0, straight.stderr[-3000:]
     assert_params_close(result(tmp_path, "stopped")["params"], result(tmp_path, "straight")["params"], atol=0)
+
+
+def test_sigterm_to_torchrun_reaches_the_workers_and_they_checkpoint(tmp_path):
+    root = tmp_path / "stopped"
+    code, stderr = terminate_mid_run(torchrun(max_restarts=0), root, tmp_path / "stopped.json")
+    # torchrun forwards SIGTERM to its workers, waits for them, then exits 1 itself (its SignalException)
+    assert code == 1 and "Received 15 death signal, shutting down workers" in stderr, stderr[-3000:]
+    stopped = json.loads((tmp_path / "stopped.json").read_text())["global_step"]
+    assert f"stopping at step {stopped} (received SIGTERM)" in stderr
+    assert (root / "checkpoints" / f"step-{stopped:08d}" / "validated.json").exists()
 
 
 def test_a_slow_rank_is_named_and_an_even_job_has_no_straggler(tmp_path):
