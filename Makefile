@@ -24,4 +24,4 @@ lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 
 bench: setup
-	$(BIN)/python bench/overhead.py && $(BIN)/python bench/throughput.py && $(BIN)/python bench/scaling.py && $(BIN)/python bench/checkpoint.py
+	$(BIN)/python bench/overhead.py && $(BIN)/python bench/throughput.py && $(BIN)/python bench/scaling.py && $(BIN)/python bench/checkpoint.py && $(BIN)/python bench/guards.py
