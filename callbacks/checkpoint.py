@@ -74,7 +74,6 @@ class ModelCheckpoint(Callback):
         )
         # {"path", "step", "score", "good"} of the checkpoints kept; "reference" (live loss) until validated
         self.saved: list[dict[str, Any]] = []
-        self.last_path: Path | None = None
         self._last_save_time = time.monotonic()
 
     def setup(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
@@ -115,10 +114,10 @@ class ModelCheckpoint(Callback):
             entry["reference"] = float(trainer.loss_on(self._held_out_batch(trainer)))
         # listed before writing, so the checkpoint's own copy of this state already knows about itself
         self.saved = [c for c in self.saved if c["path"] != str(path)] + [entry]
-        self.last_path = trainer.save_checkpoint(path, pending_validation=self.validate)
+        trainer.save_checkpoint(path, pending_validation=self.validate)
         self._last_save_time = time.monotonic()
         self._validate_written(trainer)
-        return self.last_path
+        return path
 
     # ---- validation ------------------------------------------------------------------------------
     def _validate_written(self, trainer: Trainer) -> None:

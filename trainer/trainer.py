@@ -136,8 +136,7 @@ class Trainer:
         self._module_name = ""
         self._was_deterministic = False
         # what callbacks may read or steer during a fit (see the "steering" section below)
-        self.train_dataloader: Iterable | None = None  # this rank's shard
-        self.val_dataloaders: Iterable | None = None
+        self.val_dataloaders: Iterable | None = None  # this rank's shard
         self.first_train_batch: Any = None  # the fit's first micro-batch on this rank, as the loader gave it
         self.step_loss: torch.Tensor | None = None  # this rank's loss of the step in progress
         self._step_norm: torch.Tensor | None = None
@@ -301,7 +300,7 @@ class Trainer:
         try:
             train_loader = self._shard(train_loader)
             val_loader = self._shard(val_loader) if val_loader is not None else None
-            self.train_dataloader, self.val_dataloaders = train_loader, val_loader
+            self.val_dataloaders = val_loader
             self._train_batches = EpochBatches(train_loader, self.limit_train_batches)
             self._setup_optimizer(module)
             resume_from = self._resolve_checkpoint(ckpt_path)
