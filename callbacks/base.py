@@ -45,7 +45,9 @@ class Callback:
         """Before the micro-batches of an optimizer step; `batch_idx` is the first one's index in the epoch."""
 
     def on_after_backward(self, trainer: Trainer, module: TrainModule) -> None:
-        """Gradients of the whole step are accumulated (and synced), not yet clipped."""
+        """Gradients of the whole step are accumulated, synced and normalised: `.grad` is the gradient of the
+        step's mean loss (token-weighted when the step reports num_tokens; fp16's loss scale divided out),
+        not yet clipped."""
 
     def on_before_optimizer_step(
         self, trainer: Trainer, module: TrainModule, optimizer: torch.optim.Optimizer

@@ -8,6 +8,7 @@ overrides what differs (wrapping, collectives, gradient sync, which ranks write 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from trainer import checkpoint as ckpt
+from trainer.data.distributed import shard_loader
 from trainer.precision import Precision
 from trainer.timing import PhaseClock
 from trainer.tree import apply_to_tensors
@@ -44,11 +46,38 @@ def unpack_loss(output: Any, method: str) -> tuple[torch.Tensor, torch.Tensor | 
     return (output.reshape(()) if output.dim() else output), num_tokens
 
 
+def combine_micro_batches(outputs: list[StepOutput]) -> StepOutput:
+    """One step's loss over its micro-batches: token-weighted when they report num_tokens, else their mean."""
+    counts = [o.num_tokens for o in outputs]
+    if len(outputs) == 1:
+        return outputs[0]
+    if all(c is None for c in counts):
+        return StepOutput(torch.stack([o.loss for o in outputs]).float().mean())
+    if any(c is None for c in counts):
+        raise ValueError(
+            "training_step returned 'num_tokens' for some micro-batches but not others; return it always or never"
+        )
+    n = torch.stack(counts)
+    return StepOutput((torch.stack([o.loss.float() for o in outputs]) * n).sum() / n.sum(), n.sum())
+
+
+class StepRunner(nn.Module):
+    """Holds the user's module; its forward runs one of the module's `*_step` methods. A wrapper that
+    hooks `forward` (DDP) wraps this, so the step runs inside the wrapper's forward while `self(x)` in the
+    step still reaches the module's own forward (Lightning's wrapper works the same way)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, method: str, *args: Any) -> Any:
+        return getattr(self.module, method)(*args)
+
+
 class Strategy:
     """How the work of a run is spread over processes and devices (default: one process, one device)."""
 
     name = "base"
-    hooks_on_module = False  # True when the strategy hooks the module's own forward (FSDP2 shards in place)
     # phases (see trainer.timing) in which a rank waits for no other rank: its own speed shows there
     local_phases: tuple[str, ...] = ("data", "forward", "optimizer")
 
@@ -58,7 +87,6 @@ class Strategy:
         self.num_nodes = 1
         self.precision = Precision("32")
         self._device = torch.device("cpu")
-        self.model: nn.Module | None = None  # the (possibly wrapped) module steps run through
         self.clock = PhaseClock()  # time per phase of the step, read by callbacks
 
     # ---- set-up ----------------------------------------------------------------------------------
@@ -109,10 +137,8 @@ class Strategy:
         return torch.device(self.root_device)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        """Move, cast and wrap the module; returns what steps run through."""
-        module = self.precision.convert_module(module.to(self.root_device))
-        self.model = module
-        return module
+        """Move, cast and wrap (or shard) the module in place; returns it."""
+        return self.precision.convert_module(module.to(self.root_device))
 
     def startup_report(self, module: nn.Module) -> str | None:
         """A line for the start of a run (e.g. per-rank memory of a sharded strategy), or None."""
@@ -129,6 +155,25 @@ class Strategy:
         return self.precision.convert_input(batch)
 
     # ---- one optimizer step ----------------------------------------------------------------------
+    def process_dataloader(self, loader: Iterable, seed: int, train: bool = True) -> Iterable:
+        """The loader this rank reads: the user's loader split over the batch group (ranks that read
+        different data). A strategy that samples differently (DP-SGD's Poisson sampling) overrides this."""
+        return shard_loader(loader, self.dp_rank, self.dp_size, seed)
+
+    def train_step(self, module: nn.Module, micro_batches: list[Any], first_batch_idx: int) -> StepOutput:
+        """Forward and backward of every micro-batch of one optimizer step; returns the step's loss and
+        token count. The Trainer then normalises, clips and steps. This default is gradient accumulation:
+        one forward+backward per micro-batch, gradient sync only on the last. A pipeline schedule or
+        DP-SGD overrides it and consumes all micro-batches at once."""
+        outputs = []
+        for i, batch in enumerate(micro_batches):
+            batch = self.batch_to_device(batch)
+            with self.accumulation_context(is_last_micro_batch=i == len(micro_batches) - 1):
+                outputs.append(
+                    self.forward_backward(module, batch, first_batch_idx + i, 1.0 / len(micro_batches))
+                )
+        return combine_micro_batches(outputs)
+
     def accumulation_context(self, is_last_micro_batch: bool) -> contextlib.AbstractContextManager:
         """Wraps each micro-batch; data-parallel strategies skip gradient sync until the last one."""
         return contextlib.nullcontext()
@@ -147,16 +192,10 @@ class Strategy:
         return StepOutput(loss.detach(), num_tokens)
 
     def call_step(self, module: nn.Module, method: str, *args: Any) -> Any:
-        """`module.<method>(*args)`, through the wrapper `self.model` when the strategy wrapped the module,
-        so the wrapper's forward hooks run (DDP's gradient-sync bookkeeping, FSDP's parameter gathering)."""
-        wrapper = module if self.model is None else self.model
-        if wrapper is module and not self.hooks_on_module:
-            return getattr(module, method)(*args)
-        module.forward = getattr(module, method)  # the wrapper calls module.forward: point it at the step
-        try:
-            return wrapper(*args)
-        finally:
-            del module.forward
+        """`module.<method>(*args)` so that the wrapper's hooks run around it (DDP's gradient-sync
+        bookkeeping, FSDP's parameter gathering) while `self(x)` inside the step still reaches the
+        module's own forward. One process, no wrapper: a plain call."""
+        return getattr(module, method)(*args)
 
     def eval_step(self, module: nn.Module, method: str, batch: Any, batch_idx: int) -> Any:
         """`validation_step` or `test_step` under the run's precision (the caller disables grad), through

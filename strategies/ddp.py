@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from strategies.base import StepRunner
 from strategies.mesh import MeshStrategy
 from trainer.precision import Precision
 
@@ -46,6 +48,7 @@ class DDPStrategy(MeshStrategy):
             "find_unused_parameters": find_unused_parameters,
         }
         self.gradient_compression = gradient_compression
+        self.model: DistributedDataParallel | None = None
         self.powersgd_rank, self.powersgd_start_iter = powersgd_rank, powersgd_start_iter
 
     def configure(self, accelerator: str, devices: int, num_nodes: int, precision: Precision) -> None:
@@ -58,9 +61,11 @@ class DDPStrategy(MeshStrategy):
     def setup_module(self, module: nn.Module) -> nn.Module:
         module = super().setup_module(module)
         device_ids = [self.root_device.index] if self.root_device.type == "cuda" else None
-        # DDP's constructor broadcasts rank 0's parameters and buffers, so every replica starts equal
+        # DDP hooks its own forward: it wraps a StepRunner, whose forward is the step being run, so the
+        # step's backward is synced while the module keeps its own forward for `self(x)` in the step.
+        # DDP's constructor broadcasts rank 0's parameters and buffers, so every replica starts equal.
         self.model = DistributedDataParallel(
-            module,
+            StepRunner(module),
             device_ids=device_ids,
             process_group=self.dp_group,
             **self.ddp_kwargs,
@@ -82,6 +87,9 @@ class DDPStrategy(MeshStrategy):
                 start_powerSGD_iter=self.powersgd_start_iter,
             )
             self.model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+    def call_step(self, module: nn.Module, method: str, *args: Any) -> Any:
+        return self.model(method, *args)
 
     def accumulation_context(self, is_last_micro_batch: bool) -> contextlib.AbstractContextManager:
         """All-reduce only on the step's last micro-batch; the others accumulate locally."""

@@ -18,10 +18,16 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 from torch.distributed.tensor import DTensor
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
+from strategies.activation_checkpointing import MODES, checkpoint_blocks, transformer_blocks
 from strategies.ddp import DDPStrategy
 from strategies.memory import MemoryReport, measure
 from strategies.meta_init import materialize
@@ -30,14 +36,8 @@ from trainer import checkpoint as ckpt
 from trainer.export import DCP_DIR
 from trainer.precision import Precision
 
-ACTIVATION_CHECKPOINTING = (None, "full", "selective")
-# selective checkpointing keeps the outputs of these (the expensive ops) and recomputes the rest
-_SAVE_OPS = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten.addmm.default,
-    torch.ops.aten.bmm.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-}
+# the methods the Trainer calls on the module: each runs FSDP's root pre/post-forward like `forward`
+STEP_METHODS = ("training_step", "validation_step", "test_step")
 
 
 class FSDPStrategy(DDPStrategy):
@@ -56,7 +56,6 @@ class FSDPStrategy(DDPStrategy):
     """
 
     name = "fsdp"
-    hooks_on_module = True
 
     def __init__(
         self,
@@ -77,7 +76,7 @@ class FSDPStrategy(DDPStrategy):
             )
         if reduce_dtype not in ("fp32", "bf16"):
             raise ValueError(f"reduce_dtype={reduce_dtype!r} is invalid; allowed: 'fp32', 'bf16'")
-        if activation_checkpointing not in ACTIVATION_CHECKPOINTING:
+        if activation_checkpointing not in MODES:
             raise ValueError(
                 f"activation_checkpointing={activation_checkpointing!r} is invalid; allowed: None, 'full', 'selective'"
             )
@@ -99,7 +98,8 @@ class FSDPStrategy(DDPStrategy):
         self._sliced: SlicedParameters | None = None
         self._pending_save: Any = None
         self._save_group: Any = None
-        self._checkpointed: list[nn.Module] = []
+        self._root: nn.Module | None = None  # the fully_shard-ed module (stages 2/3)
+        self._step_methods: list[str] = []  # registered as FSDP forward methods on it
 
     def mesh_dims(self) -> dict[str, int]:
         if self.replicate > 1:
@@ -131,18 +131,21 @@ class FSDPStrategy(DDPStrategy):
         self.shard(module)
         if any(p.is_meta for p in module.parameters()):
             materialize(module, self.root_device)
-        self.model = module
+        # A step reads root parameters outside `forward` (`self.net(x)`, a tied head): registered, each
+        # step gathers them as `forward` would; `self(x)` inside it is a nested forward FSDP2 tolerates.
+        self._root = module
+        self._step_methods = [m for m in STEP_METHODS if hasattr(module, m)]
+        for method in self._step_methods:
+            register_fsdp_forward_method(module, method)
         return module
 
     def shard(self, module: nn.Module) -> nn.Module:
         """The order matters (TorchTitan's): checkpoint each block, then shard each block, then the root,
         so the checkpoint wraps the block's own computation and FSDP sees the checkpointed blocks."""
         module = self.precision.convert_module(module)
-        blocks = _blocks(module)
+        blocks = transformer_blocks(module)
         if self.activation_checkpointing:
-            for block in blocks:
-                _checkpoint_forward(block, selective=self.activation_checkpointing == "selective")
-            self._checkpointed = blocks
+            blocks = checkpoint_blocks(module, blocks, self.activation_checkpointing)
         mesh = self.mesh["dp_replicate", "dp_shard"] if self.replicate > 1 else self.mesh["dp_shard"]
         kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": self.zero_stage == 3}
         if self.precision.name == "bf16-mixed":
@@ -170,10 +173,15 @@ class FSDPStrategy(DDPStrategy):
         return self._sliced.optimizer
 
     # ---- the step --------------------------------------------------------------------------------
+    def call_step(self, module: nn.Module, method: str, *args: Any) -> Any:
+        if self.zero_stage == 1:
+            return super().call_step(module, method, *args)  # through DDP
+        return getattr(module, method)(*args)  # registered: runs inside FSDP's pre/post-forward
+
     def accumulation_context(self, is_last_micro_batch: bool) -> contextlib.AbstractContextManager:
         if self.zero_stage == 1:
             return super().accumulation_context(is_last_micro_batch)
-        self.model.set_requires_gradient_sync(is_last_micro_batch)  # reduce-scatter once per step
+        self._root.set_requires_gradient_sync(is_last_micro_batch)  # reduce-scatter once per step
         return contextlib.nullcontext()
 
     def global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
@@ -309,39 +317,8 @@ class FSDPStrategy(DDPStrategy):
 
     def teardown(self) -> None:
         self.finish_checkpoint()
-        for block in self._checkpointed:  # the user's module leaves as it came (its own forward)
-            del block.forward
-        self._checkpointed = []
+        for method in self._step_methods:  # drop the instance attributes that registration added
+            vars(self._root).pop(method, None)
+        self._root, self._step_methods = None, []
         super().teardown()
 
-
-def _blocks(module: nn.Module) -> list[nn.Module]:
-    """The model's declared transformer blocks (FSDP units); none declared: the whole module is one unit."""
-    declared = getattr(module, "transformer_blocks", None)
-    if not callable(declared):
-        return []
-    try:
-        return list(declared())
-    except AttributeError:
-        return []
-
-
-def _checkpoint_forward(block: nn.Module, selective: bool) -> None:
-    """Recompute `block`'s forward in the backward instead of storing its activations."""
-    forward = block.forward
-    context = None
-    if selective:
-
-        def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-            from torch.utils.checkpoint import CheckpointPolicy
-
-            return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-        context = functools.partial(create_selective_checkpoint_contexts, policy)
-
-    def checkpointed(*args: Any, **kwargs: Any) -> Any:
-        if context is None:
-            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=context, **kwargs)
-
-    block.forward = checkpointed

@@ -13,12 +13,11 @@ import torch
 
 from callbacks.base import Callback
 from callbacks.checkpoint import ModelCheckpoint
-from strategies.base import StepOutput, Strategy, unpack_loss
+from strategies.base import Strategy, unpack_loss
 from strategies.registry import build_strategy
 from trainer import checkpoint as ckpt
 from trainer import flags
 from trainer.checkpoint import CheckpointError, step_dir_name
-from trainer.data.distributed import shard_loader
 from trainer.epochs import EpochBatches
 from trainer.logging import (
     JSONLLogger,
@@ -174,6 +173,9 @@ class Trainer:
         _check_module(module)
         if train_dataloaders is None:
             raise ValueError("fit needs train_dataloaders; got None")
+        _check_not_empty("train_dataloaders", train_dataloaders)
+        if val_dataloaders is not None:
+            _check_not_empty("val_dataloaders", val_dataloaders)
         _check_ckpt_path(ckpt_path)
         return self.strategy.launch(self._run_fit, module, train_dataloaders, val_dataloaders, ckpt_path)
 
@@ -263,18 +265,27 @@ class Trainer:
                 lg.log_metrics(metrics, self.global_step)
 
     def loss_on(self, batch: Any) -> torch.Tensor:
-        """This rank's loss on `batch` in eval mode, without gradients or RNG side effects: validation_step
-        if the module defines it, else training_step. Call on every rank (sharded models gather)."""
+        """This rank's `validation_step` loss on `batch` in eval mode, without gradients, RNG or metric side
+        effects. Never `training_step`: it may count, log or change state. Call on every rank (sharded
+        models gather)."""
         module = self.module
-        method = "validation_step" if _overrides(module, "validation_step") else "training_step"
-        was_training = module.training
+        if not _overrides(module, "validation_step"):
+            raise TypeError(
+                f"loss_on needs {type(module).__name__}.validation_step, which is not defined; "
+                "allowed: a module that overrides validation_step"
+            )
+        was_training, pending = module.training, self.metrics
+        # what the step logs goes to a buffer that is dropped, leaving a step's pending metrics untouched
+        self.metrics = MetricBuffer()
         module.eval()
         try:
             with isolated_rng(), torch.no_grad():
-                output = self.strategy.eval_step(module, method, self.strategy.batch_to_device(batch), 0)
-            return unpack_loss(output, method)[0].float()
+                output = self.strategy.eval_step(
+                    module, "validation_step", self.strategy.batch_to_device(batch), 0
+                )
+            return unpack_loss(output, "validation_step")[0].float()
         finally:
-            self.metrics.reset()  # what the step logged is not a training or validation metric
+            self.metrics = pending
             module.train(was_training)
 
     def effective_training_time(self) -> dict[str, float]:
@@ -298,8 +309,8 @@ class Trainer:
     ) -> None:
         self._setup(module, "fit")
         try:
-            train_loader = self._shard(train_loader)
-            val_loader = self._shard(val_loader) if val_loader is not None else None
+            train_loader = self._loader(train_loader, train=True)
+            val_loader = self._loader(val_loader, train=False) if val_loader is not None else None
             self.val_dataloaders = val_loader
             self._train_batches = EpochBatches(train_loader, self.limit_train_batches)
             self._setup_optimizer(module)
@@ -383,20 +394,15 @@ class Trainer:
         if self.first_train_batch is None:
             self.first_train_batch = window[0]
         self._call("on_train_batch_start", s.batches_in_epoch)
-        outs: list[StepOutput] = []
-        for i, batch in enumerate(window):
+        for batch in window:
             samples, tokens = meter.count(batch)
             s.samples_seen += samples
             s.tokens_seen += tokens or 0
-            batch = strategy.batch_to_device(batch)
-            with strategy.accumulation_context(is_last_micro_batch=i == len(window) - 1):
-                outs.append(
-                    strategy.forward_backward(module, batch, s.batches_in_epoch + i, 1.0 / len(window))
-                )
-        loss, num_tokens = _step_loss(outs)
+        out = strategy.train_step(module, window, s.batches_in_epoch)  # forward+backward of the window
+        loss, num_tokens = out.loss, out.num_tokens
         self.step_loss, self._step_norm, self._skip_reason = loss, None, None
-        self._call("on_after_backward")
         strategy.finish_gradients(module, self.optimizer, num_tokens)
+        self._call("on_after_backward")
         log_now = (s.global_step + 1) % self.log_every_n_steps == 0 or s.global_step + 1 == self.max_steps
         if self.gradient_clip_val is not None:
             self._step_norm = strategy.clip_gradients(
@@ -502,7 +508,7 @@ class Trainer:
     ) -> dict[str, float]:
         self._setup(module, stage)
         try:
-            loader = self._shard(loader)
+            loader = self._loader(loader, train=False)
             path = self._resolve_checkpoint(ckpt_path)
             if path is not None:
                 self.strategy.load_checkpoint(path, module, None)
@@ -640,7 +646,9 @@ class Trainer:
                 f"ckpt_path='last': no checkpoint in {self.checkpoint_dir} yet, starting from scratch"
             )
         else:
-            rank_zero_info(f"resuming from {found}")
+            meta = ckpt.read_meta(found) if self.is_global_zero else {}
+            saved = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(meta["time"])) if "time" in meta else "?"
+            rank_zero_info(f"resuming from {found}: step {meta.get('step', '?')}, saved {saved}")
         return found
 
     def _restore(self, path: Path) -> None:
@@ -670,9 +678,9 @@ class Trainer:
         self.strategy.precision.load_state_dict(state["precision"])
 
     # ---- small helpers ---------------------------------------------------------------------------
-    def _shard(self, loader: Iterable) -> Iterable:
-        """The loader this data-parallel rank reads (see trainer.data.distributed)."""
-        return shard_loader(loader, self.strategy.dp_rank, self.strategy.dp_size, self.seed or 0)
+    def _loader(self, loader: Iterable, train: bool) -> Iterable:
+        """The loader this rank reads, as the strategy decides (by default: its share of the batch group)."""
+        return self.strategy.process_dataloader(loader, self.seed or 0, train=train)
 
     def _announce(self, module: TrainModule) -> None:
         """One line on what is about to run: size, parallelism, precision and the global batch."""
@@ -772,21 +780,6 @@ def _batch_size(batch: Any) -> tuple[int, int | None]:
     return samples, (ids.numel() if isinstance(ids, torch.Tensor) else None)
 
 
-def _step_loss(outs: list[StepOutput]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The step's loss over its micro-batches: token-weighted when they report num_tokens, else their mean."""
-    counts = [o.num_tokens for o in outs]
-    if len(outs) == 1:
-        return outs[0].loss, counts[0]
-    if all(c is None for c in counts):
-        return torch.stack([o.loss for o in outs]).float().mean(), None
-    if any(c is None for c in counts):
-        raise ValueError(
-            "training_step returned 'num_tokens' for some micro-batches but not others; return it always or never"
-        )
-    n = torch.stack(counts)
-    return (torch.stack([o.loss.float() for o in outs]) * n).sum() / n.sum(), n.sum()
-
-
 def _take(iterator: Any, k: int, remaining: int | None) -> list[Any]:
     """Up to k next batches (fewer at the end of the epoch or of `remaining`)."""
     window: list[Any] = []
@@ -804,6 +797,16 @@ def _check_ckpt_path(ckpt_path: Any) -> None:
         raise FileNotFoundError(
             f"ckpt_path '{ckpt_path}' does not exist; allowed: an existing checkpoint directory, 'last' or None"
         )
+
+
+def _check_not_empty(name: str, loader: Any) -> None:
+    """A loader that says it has no batches is refused before anything starts (it would end the run later)."""
+    try:
+        length = len(loader)
+    except TypeError:  # an iterable without len(): known only once read
+        return
+    if length == 0:
+        raise ValueError(f"{name} is empty (len 0); allowed: a loader that yields at least one batch, or None")
 
 
 def _overrides(module: TrainModule, method: str) -> bool:
