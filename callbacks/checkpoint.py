@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import shutil
 import time
 from pathlib import Path
@@ -12,11 +13,11 @@ import torch
 from callbacks.base import Callback
 from trainer import checkpoint as ckpt
 from trainer import flags
-from trainer.logging import log
+from trainer.logging import log, rank_zero_info
+from trainer.module import TrainModule
 from trainer.rng import isolated_rng
 
 if TYPE_CHECKING:
-    from trainer.module import TrainModule
     from trainer.trainer import Trainer
 
 
@@ -24,14 +25,21 @@ class ModelCheckpoint(Callback):
     """Save `<dirpath>/step-XXXXXXXX/` every `every_n_steps` optimizer steps and/or `every_n_minutes`, and
     (with `save_last`) at the end of fit. Each file's SHA-256 goes into the checkpoint's manifest.
 
-    With `validate`, a checkpoint is *good* only after it was proven loadable: the checksums are verified,
-    the checkpoint is loaded into the live module (same processes, sharded the same way; the live values
-    are stashed on the CPU and put back after), and its loss on a held-out batch must equal the loss the
-    live model had at save time within `validate_atol` (0.0: bitwise). A checkpoint that fails is renamed
-    `bad-step-...` and the older good ones stay. `ckpt_path="last"` only ever resumes from good ones.
-    The held-out batch is `validate_batch`, else the first batch of the validation loader, else the
-    fit's first training micro-batch. With an async-saving strategy, validation happens once the
-    background write finished (at the next save or the end of fit).
+    With `validate`, a checkpoint is *good* only after it was proven loadable: rank zero verifies the
+    checksums, then every rank loads the checkpoint into the live module (same processes, sharded the same
+    way; the live values are stashed on the CPU and put back after). When the module overrides
+    `validation_step` and there is a validation batch (`validate_batch`, else the first batch of this
+    rank's validation loader), the reloaded model's `validation_step` loss on it must also equal the live
+    model's at save time within `validate_atol` (0.0: bitwise). Otherwise (no validation data, an empty
+    loader, no `validation_step`) it checks the checksums and the reload only, and says so once.
+    `training_step` is never run: it may count, log or change state. A model that is not finite at save
+    time (a non-finite live loss; without a loss, a non-finite parameter or buffer) is not reloaded: its
+    checkpoint fails at once. A checkpoint that fails is renamed `bad-step-...` and the older good ones
+    stay; `ckpt_path="last"` only ever resumes from good ones. With an async-saving strategy, validation
+    happens once the background write finished (at the next save or the end of fit).
+
+    A fresh run (nothing resumed) whose `dirpath` already holds checkpoints warns once at its start:
+    `ckpt_path="last"` would pick the newest of them, whichever run wrote it. Nothing is deleted.
 
     Keeps `save_top_k` good checkpoints: the newest ones, or with `monitor` the best by that metric
     (`mode` "min"/"max") plus always the newest. -1 keeps all. Nothing is deleted before a newer
@@ -72,21 +80,35 @@ class ModelCheckpoint(Callback):
             float(validate_atol),
             validate_batch,
         )
-        # {"path", "step", "score", "good"} of the checkpoints kept; "reference" (live loss) until validated
+        # {"path", "step", "score", "good"} of the checkpoints kept; until validated also "reference" (the
+        # live loss, None without one) and "not_finite" (why the live model was not finite, or None)
         self.saved: list[dict[str, Any]] = []
         self._last_save_time = time.monotonic()
+        self._held_out: tuple[Any] | None = None  # (batch or None), decided at a fit's first save
 
     def setup(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
         if self.dirpath is None:
             self.dirpath = Path(trainer.default_root_dir) / "checkpoints"
         self._last_save_time = time.monotonic()
+        self._held_out = None
+
+    def on_fit_start(self, trainer: Trainer, module: TrainModule) -> None:
+        fresh = trainer.state.restarts == 0 and trainer.global_step == 0
+        earlier = ckpt.newer_than(self.dirpath, -1) if fresh and trainer.is_global_zero else []
+        if earlier:
+            log.warning(
+                f"{self.dirpath} already holds {len(earlier)} checkpoint(s) of an earlier run, the newest "
+                f"{max(p.name for p in earlier)}; ckpt_path='last' would resume that one, not this run. "
+                "For a fresh run use another default_root_dir or ModelCheckpoint(dirpath=...)"
+            )
 
     def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: dict[str, Any]) -> None:
         due = bool(self.every_n_steps) and trainer.global_step % self.every_n_steps == 0
         if self.every_n_minutes is not None:
             late = time.monotonic() - self._last_save_time >= 60 * self.every_n_minutes
             # clocks differ per rank: rank zero's decides (every rank must save at the same step)
-            due |= bool(trainer.strategy.reduce(torch.tensor(float(late and trainer.is_global_zero)), "max"))
+            late_on_zero = torch.tensor(float(late and trainer.is_global_zero))
+            due |= bool(trainer.strategy.reduce(late_on_zero, "max", group="world"))
         if due:
             self.save(trainer)
 
@@ -111,7 +133,7 @@ class ModelCheckpoint(Callback):
         self._validate_written(trainer)
         entry = {"path": str(path), "step": trainer.global_step, "score": score, "good": not self.validate}
         if self.validate:
-            entry["reference"] = float(trainer.loss_on(self._held_out_batch(trainer)))
+            entry["reference"], entry["not_finite"] = self._live_reference(trainer)
         # listed before writing, so the checkpoint's own copy of this state already knows about itself
         self.saved = [c for c in self.saved if c["path"] != str(path)] + [entry]
         trainer.save_checkpoint(path, pending_validation=self.validate)
@@ -128,54 +150,119 @@ class ModelCheckpoint(Callback):
         self._prune(trainer)
 
     def _validate(self, trainer: Trainer, entry: dict[str, Any]) -> None:
-        path, strategy = Path(entry["path"]), trainer.strategy
-        problem = None
-        if trainer.is_global_zero:
-            try:
-                ckpt.verify(path)
-            except (ckpt.CheckpointError, FileNotFoundError) as err:
-                problem = str(err)
-        problem = strategy.broadcast_object(problem)
-        loss = float("nan")
+        path = Path(entry["path"])
+        # a restored entry of a checkpoint that was never validated has neither key: checksums and reload
+        not_finite = entry.get("not_finite")
+        problem = None if not_finite is None else f"is bad: {not_finite}"
+        loss = None
         if problem is None:
-            stash = _stash(trainer.module)
-            try:
-                strategy.load_checkpoint(path, trainer.module, None)
-                loss = float(trainer.loss_on(self._held_out_batch(trainer)))
-            except ckpt.CheckpointError as err:
-                problem = str(err)
-            finally:
-                _unstash(stash)
-                strategy.reshard(trainer.module)
-            differs = not abs(loss - entry["reference"]) <= self.validate_atol
-            if bool(strategy.reduce(torch.tensor(float(differs or problem is not None)), "max")):
-                pairs = strategy.all_gather_object((entry["reference"], loss, problem))
-                problem = next((p for _, _, p in pairs if p), None) or "; ".join(
-                    f"rank {r}: live {ref!r} vs reloaded {got!r}" for r, (ref, got, _) in enumerate(pairs)
-                )
+            problem, loss = self._reload_problem(trainer, path, entry.get("reference"))
         if problem is None:
             if trainer.is_global_zero:
-                ckpt.mark_validated(path, {"step": entry["step"], "loss": loss, "atol": self.validate_atol})
+                checked = ["checksums", "reload"] + (["loss"] if loss is not None else [])
+                report = {"step": entry["step"], "checked": checked, "loss": loss, "atol": self.validate_atol}
+                ckpt.mark_validated(path, report)
             entry["good"] = True
-            entry.pop("reference")
+            entry.pop("reference", None)
+            entry.pop("not_finite", None)
         else:
             self.saved.remove(entry)
             if trainer.is_global_zero:
                 bad = ckpt.mark_bad(path) if path.exists() else path
                 log.error(
-                    f"checkpoint {path.name} failed validation ({problem}); moved to {bad.name}, "
-                    "the older good checkpoints are kept"
+                    f"checkpoint {path.name} {problem}; moved to {bad.name}, the older good checkpoints are kept"
                 )
-        strategy.barrier()
+        trainer.strategy.barrier(group="world")
+
+    def _reload_problem(
+        self, trainer: Trainer, path: Path, reference: float | None
+    ) -> tuple[str | None, float | None]:
+        """("failed validation (why)", agreed over ranks, or None when good; the reloaded model's loss, None
+        when `reference` is None and only the checksums and the reload are checked)."""
+        strategy, problem = trainer.strategy, None
+        if trainer.is_global_zero:
+            try:
+                ckpt.verify(path)
+            except (ckpt.CheckpointError, FileNotFoundError) as err:
+                problem = f"failed validation ({err})"
+        problem = strategy.broadcast_object(problem, group="world")
+        if problem is not None:
+            return problem, None
+        loss = None
+        stash = _stash(trainer.module)
+        try:
+            strategy.load_checkpoint(path, trainer.module, None)
+            if reference is not None:
+                loss = float(trainer.loss_on(self._held_out_batch(trainer)))
+        except ckpt.CheckpointError as err:
+            problem = f"failed validation ({err})"
+        finally:
+            _unstash(stash)
+            strategy.reshard(trainer.module)
+        differs = (
+            problem is None and reference is not None and not abs(loss - reference) <= self.validate_atol
+        )
+        if bool(strategy.reduce(torch.tensor(float(differs or problem is not None)), "max", group="world")):
+            reports = strategy.all_gather_object((reference, loss, problem), group="world")
+            mismatch = "; ".join(
+                f"rank {r}: live {ref!r} vs reloaded {got!r}" for r, (ref, got, _) in enumerate(reports)
+            )
+            problem = next((p for _, _, p in reports if p), None) or f"failed validation ({mismatch})"
+        return problem, loss
+
+    def _live_reference(self, trainer: Trainer) -> tuple[float | None, str | None]:
+        """(the live model's loss on the held-out batch, None without one; why the live model is not
+        finite, agreed over ranks, or None). Without a loss, every floating tensor of its state is checked."""
+        batch = self._held_out_batch(trainer)
+        loss = trainer.loss_on(batch) if batch is not None else None
+        if batch is not None and loss is None:
+            self._compare_no_loss(f"{type(trainer.module).__name__}.validation_step returns no loss")
+        if loss is None:
+            why = next(
+                (
+                    f"{name} has non-finite values"
+                    for name, t in trainer.module.state_dict().items()
+                    if t.is_floating_point() and not bool(torch.isfinite(_local(t)).all())
+                ),
+                None,
+            )
+        else:
+            loss = float(loss)
+            why = None if math.isfinite(loss) else f"live loss {loss}"
+        strategy = trainer.strategy
+        if not bool(strategy.reduce(torch.tensor(float(why is not None)), "max", group="world")):
+            return loss, None
+        whys = strategy.all_gather_object(why, group="world")
+        rank, why = next((r, w) for r, w in enumerate(whys) if w)
+        where = f" on rank {rank}" if len(whys) > 1 else ""
+        return loss, f"the model is not finite at step {trainer.global_step} ({why}{where})"
 
     def _held_out_batch(self, trainer: Trainer) -> Any:
-        if self.validate_batch is None:
-            if trainer.val_dataloaders is not None:
-                with isolated_rng():
-                    self.validate_batch = next(iter(trainer.val_dataloaders))
-            else:
-                self.validate_batch = trainer.first_train_batch
-        return self.validate_batch
+        """The batch whose `validation_step` loss a reload must reproduce, or None: check the checksums and
+        the reload only. Decided at a fit's first save, the same on every rank, and said once."""
+        if self._held_out is None:
+            batch, why = self.validate_batch, None
+            if type(trainer.module).validation_step is TrainModule.validation_step:
+                batch, why = None, f"{type(trainer.module).__name__} defines no validation_step"
+            elif batch is None and trainer.val_dataloaders is None:
+                why = "no validation data"
+            elif batch is None:
+                with isolated_rng():  # drawing a batch must not move the training RNG
+                    batch = next(iter(trainer.val_dataloaders), None)
+                why = "the validation loader is empty" if batch is None else None
+            # a shard can be empty on one rank only; every rank must take the same path (collectives)
+            everywhere = trainer.strategy.reduce(torch.tensor(float(batch is not None)), "min", group="world")
+            if batch is not None and not bool(everywhere):
+                batch, why = None, "the validation loader is empty on another rank"
+            self._held_out = (batch,)
+            if why is not None:
+                self._compare_no_loss(why)
+        return self._held_out[0]
+
+    def _compare_no_loss(self, why: str) -> None:
+        """From now on, validate the checksums and a reload only; say so, with `why`."""
+        self._held_out = (None,)
+        rank_zero_info(f"checkpoint validation: {why}; checking checksums and a reload only")
 
     def on_load_checkpoint(self, trainer: Trainer, module: TrainModule, checkpoint: dict[str, Any]) -> None:
         """Checkpoints newer than the restored step belong to a discarded future (a resume from an older
@@ -217,7 +304,8 @@ class ModelCheckpoint(Callback):
         return [c for c in entries if c not in keep]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"saved": [{k: v for k, v in c.items() if k != "reference"} for c in self.saved]}
+        pending = ("reference", "not_finite")
+        return {"saved": [{k: v for k, v in c.items() if k not in pending} for c in self.saved]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.saved = []

@@ -145,7 +145,8 @@ def test_a_sharded_checkpoint_with_wrong_weights_fails_validation(tmp_path, stag
         "--ckpt-every",
         "2",
     ]
-    done, root = run([*args, "--bad-save-step", "4"], tmp_path, "bad")
+    # a validation loader: only a reloaded model's validation loss can tell the wrong weights apart
+    done, root = run([*args, "--validate", "--bad-save-step", "4"], tmp_path, "bad")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "checkpoint step-00000004 failed validation (rank 0: live" in done.stderr
     assert sorted(p.name for p in (root / "checkpoints").iterdir()) == [

@@ -14,7 +14,7 @@ from strategies import SingleDeviceStrategy
 from trainer import Trainer
 
 
-def fit(root, steps, callbacks=(), ckpt_path=None, strategy="auto"):
+def fit(root, steps, callbacks=(), ckpt_path=None, strategy="auto", val_loader=None):
     torch.manual_seed(0)
     module = Regression(dropout=0.1)
     trainer = Trainer(
@@ -25,7 +25,7 @@ def fit(root, steps, callbacks=(), ckpt_path=None, strategy="auto"):
         callbacks=list(callbacks),
         **quiet(),
     )
-    trainer.fit(module, regression_loader(shuffle=True), ckpt_path=ckpt_path)
+    trainer.fit(module, regression_loader(shuffle=True), val_loader, ckpt_path=ckpt_path)
     return module, trainer
 
 
@@ -83,7 +83,7 @@ def test_last_skips_a_damaged_newest_checkpoint_and_resumes_exactly_from_the_one
 
 class BadSave(SingleDeviceStrategy):
     """Writes wrong weights into the checkpoint of one step: the checksums match the files, the loss
-    does not match the live model's. Only reloading the checkpoint can tell."""
+    does not match the live model's. Only reloading the checkpoint and its validation loss can tell."""
 
     def __init__(self, bad_step: int) -> None:
         super().__init__()
@@ -114,7 +114,13 @@ class Listing(Callback):
 def test_a_checkpoint_that_reloads_differently_fails_validation_and_the_good_one_is_kept(tmp_path, caplog):
     spy = Listing(tmp_path)
     with caplog.at_level(logging.INFO, logger="trainer"):
-        fit(tmp_path, 6, [ModelCheckpoint(every_n_steps=2, save_top_k=1), spy], strategy=BadSave(bad_step=4))
+        fit(
+            tmp_path,
+            6,
+            [ModelCheckpoint(every_n_steps=2, save_top_k=1), spy],
+            strategy=BadSave(bad_step=4),
+            val_loader=regression_loader(batch_size=8),
+        )
     failed = [r.message for r in caplog.records if "failed validation" in r.message]
     assert len(failed) == 1 and "step-00000004" in failed[0] and "live" in failed[0]
     assert spy.seen[4] == ["bad-step-00000004", "step-00000002"]  # top-1, yet the good one stays
@@ -149,12 +155,37 @@ def test_time_based_checkpoints(tmp_path):
     assert listing(tmp_path) == ["step-00000001", "step-00000002", "step-00000003"]
 
 
-def test_the_held_out_batch_comes_from_the_validation_loader(tmp_path):
-    cb = ModelCheckpoint(every_n_steps=2)
-    Trainer(max_steps=2, default_root_dir=tmp_path, callbacks=[cb], **quiet()).fit(
-        Regression(), regression_loader(), regression_loader(batch_size=5)
+def test_the_held_out_batch_is_the_first_validation_batch_or_validate_batch(tmp_path):
+    class Seen(Regression):
+        def __init__(self):
+            super().__init__()
+            self.validation_batches = []
+
+        def validation_step(self, batch, batch_idx):
+            self.validation_batches.append(batch[0])
+            return super().validation_step(batch, batch_idx)
+
+    val_loader = regression_loader(batch_size=8)
+    first = next(iter(val_loader))[0]
+    module = Seen()
+    Trainer(max_steps=2, default_root_dir=tmp_path / "a", callbacks=[ModelCheckpoint()], **quiet()).fit(
+        module, regression_loader(), val_loader
     )
-    assert cb.validate_batch[0].shape == (5, 8)
+    # the end-of-fit validation loop (32 batches), then the final save's live and reloaded losses
+    assert len(module.validation_batches) == 34
+    assert all(torch.equal(x, first) for x in module.validation_batches[32:])
+
+    given = (torch.ones(3, 8), torch.zeros(3, 1))
+    module = Seen()
+    cb = ModelCheckpoint(validate_batch=given)
+    Trainer(max_steps=2, default_root_dir=tmp_path / "b", callbacks=[cb], **quiet()).fit(
+        module, regression_loader()
+    )
+    assert len(module.validation_batches) == 2 and all(
+        torch.equal(x, given[0]) for x in module.validation_batches
+    )
+    report = json.loads((tmp_path / "b" / "checkpoints" / "step-00000002" / "validated.json").read_text())
+    assert report["checked"] == ["checksums", "reload", "loss"]
 
 
 @pytest.mark.parametrize(

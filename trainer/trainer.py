@@ -51,7 +51,7 @@ class Trainer:
         *,
         strategy: str | Strategy = "auto",
         accelerator: str = "auto",
-        devices: int | str = "auto",
+        devices: int | str | list[int] = "auto",
         num_nodes: int = 1,
         max_steps: int | None = None,
         max_epochs: int | None = None,
@@ -107,10 +107,13 @@ class Trainer:
         self.default_root_dir = Path(default_root_dir)
         self.enable_progress_bar = bool(enable_progress_bar)
 
+        device_ids = list(devices) if isinstance(devices, (list, tuple)) else None  # Lightning's devices=[i]
         devices = flags.resolve_devices(devices, accelerator)
         num_nodes = flags.check_int("num_nodes", num_nodes, 1)
         self.strategy = build_strategy(strategy, processes=devices * num_nodes)
-        self.strategy.configure(accelerator, devices, num_nodes, Precision(precision, accelerator))
+        # device_ids only when given: DDPStrategy's and FSDPStrategy's configure do not take it yet
+        picked = {} if device_ids is None else {"device_ids": device_ids}
+        self.strategy.configure(accelerator, devices, num_nodes, Precision(precision, accelerator), **picked)
         self.callbacks = list(callbacks or [])
         for cb in self.callbacks:
             if not isinstance(cb, Callback):
@@ -198,7 +201,7 @@ class Trainer:
         path = Path(path) if path is not None else self.checkpoint_dir / step_dir_name(self.global_step)
         state: dict[str, Any] = {
             "loop": self.state.state_dict(),
-            "rng": self.strategy.all_gather_object(rng_state()),
+            "rng": self.strategy.all_gather_object(rng_state(), group="world"),
             "scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else {},
             "precision": self.strategy.precision.state_dict(),
             "data": self._train_batches.state_dict() if self._train_batches is not None else {},
@@ -229,7 +232,7 @@ class Trainer:
         step < `before_step`). The data stream goes on from where it is, so the batches since that
         checkpoint are not replayed (as PaLM does after a loss spike). Call on every rank between steps."""
         path = ckpt.find_last_good(self.checkpoint_dir, before_step) if self.is_global_zero else None
-        path = self.strategy.broadcast_object(path)
+        path = self.strategy.broadcast_object(path, group="world")
         if path is None:
             raise CheckpointError(
                 f"rollback needs a good checkpoint{'' if before_step is None else f' before step {before_step}'}; "
@@ -264,10 +267,10 @@ class Trainer:
             for lg in self.loggers:
                 lg.log_metrics(metrics, self.global_step)
 
-    def loss_on(self, batch: Any) -> torch.Tensor:
+    def loss_on(self, batch: Any) -> torch.Tensor | None:
         """This rank's `validation_step` loss on `batch` in eval mode, without gradients, RNG or metric side
-        effects. Never `training_step`: it may count, log or change state. Call on every rank (sharded
-        models gather)."""
+        effects; None when the step returns nothing (it only logs). Never `training_step`: it may count,
+        log or change state. Call on every rank (sharded models gather)."""
         module = self.module
         if not _overrides(module, "validation_step"):
             raise TypeError(
@@ -283,7 +286,7 @@ class Trainer:
                 output = self.strategy.eval_step(
                     module, "validation_step", self.strategy.batch_to_device(batch), 0
                 )
-            return unpack_loss(output, "validation_step")[0].float()
+            return None if output is None else unpack_loss(output, "validation_step")[0].float()
         finally:
             self.metrics = pending
             module.train(was_training)
@@ -440,10 +443,10 @@ class Trainer:
     ) -> None:
         strategy = self.strategy
         if num_tokens is not None:  # token-weighted mean over ranks
-            total = strategy.reduce(torch.stack([loss * num_tokens, num_tokens]), "sum")
+            total = strategy.reduce(torch.stack([loss * num_tokens, num_tokens]), "sum", group="loss")
             loss = total[0] / total[1]
         else:
-            loss = strategy.reduce(loss, "mean")
+            loss = strategy.reduce(loss, "mean", group="loss")
         metrics = {"train/loss": float(loss), "train/lr": lr, "epoch": self.state.epoch}
         if norm is not None:
             metrics["train/grad_norm"] = float(norm)
@@ -451,7 +454,7 @@ class Trainer:
         metrics["train/effective_time"] = self.effective_training_time()["fraction"]
         if self.state.skipped_steps:
             metrics["train/skipped_steps"] = self.state.skipped_steps
-        user = self.metrics.compute(lambda t: strategy.reduce(t, "mean"))
+        user = self.metrics.compute(lambda t: strategy.reduce(t, "mean", group="loss"))
         metrics.update(user)
         self.log_metrics(metrics)
         if self._progress is not None:  # rank zero's
@@ -489,10 +492,12 @@ class Trainer:
                 output = self.strategy.eval_step(module, method, self.strategy.batch_to_device(batch), idx)
                 if output is not None:
                     losses.append(unpack_loss(output, method)[0].float())
-        metrics = self.metrics.compute(lambda t: self.strategy.reduce(t, "mean"))
+        metrics = self.metrics.compute(lambda t: self.strategy.reduce(t, "mean", group="loss"))
         self.metrics.reset()
         if losses:
-            metrics[f"{prefix}/loss"] = float(self.strategy.reduce(torch.stack(losses).mean(), "mean"))
+            metrics[f"{prefix}/loss"] = float(
+                self.strategy.reduce(torch.stack(losses).mean(), "mean", group="loss")
+            )
         module.train(was_training)
         return metrics
 
@@ -635,19 +640,21 @@ class Trainer:
                     ckpt.check_good(ckpt_path)
                 except ckpt.CheckpointError as err:
                     problem = str(err)
-            problem = self.strategy.broadcast_object(problem)
+            problem = self.strategy.broadcast_object(problem, group="world")
             if problem is not None:
                 raise ckpt.CheckpointError(problem)
             return Path(ckpt_path)
         found = ckpt.find_last_good(self.checkpoint_dir) if self.is_global_zero else None
-        found = self.strategy.broadcast_object(found)
+        found = self.strategy.broadcast_object(found, group="world")
         if found is None:
             rank_zero_info(
                 f"ckpt_path='last': no checkpoint in {self.checkpoint_dir} yet, starting from scratch"
             )
         else:
             meta = ckpt.read_meta(found) if self.is_global_zero else {}
-            saved = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(meta["time"])) if "time" in meta else "?"
+            saved = (
+                time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(meta["time"])) if "time" in meta else "?"
+            )
             rank_zero_info(f"resuming from {found}: step {meta.get('step', '?')}, saved {saved}")
         return found
 
@@ -806,7 +813,9 @@ def _check_not_empty(name: str, loader: Any) -> None:
     except TypeError:  # an iterable without len(): known only once read
         return
     if length == 0:
-        raise ValueError(f"{name} is empty (len 0); allowed: a loader that yields at least one batch, or None")
+        raise ValueError(
+            f"{name} is empty (len 0); allowed: a loader that yields at least one batch, or None"
+        )
 
 
 def _overrides(module: TrainModule, method: str) -> bool:
