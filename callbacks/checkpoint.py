@@ -85,12 +85,13 @@ class ModelCheckpoint(Callback):
         self.saved: list[dict[str, Any]] = []
         self._last_save_time = time.monotonic()
         self._held_out: tuple[Any] | None = None  # (batch or None), decided at a fit's first save
+        self._attempted_step: int | None = None  # the step last saved, good or bad: never saved twice
 
     def setup(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
         if self.dirpath is None:
             self.dirpath = Path(trainer.default_root_dir) / "checkpoints"
         self._last_save_time = time.monotonic()
-        self._held_out = None
+        self._held_out = self._attempted_step = None
 
     def on_fit_start(self, trainer: Trainer, module: TrainModule) -> None:
         fresh = trainer.state.restarts == 0 and trainer.global_step == 0
@@ -113,7 +114,7 @@ class ModelCheckpoint(Callback):
             self.save(trainer)
 
     def on_fit_end(self, trainer: Trainer, module: TrainModule) -> None:
-        if self.save_last and not any(c["step"] == trainer.global_step for c in self.saved):
+        if self.save_last and not self._saved_already(trainer.global_step):
             self.save(trainer)
         trainer.strategy.finish_checkpoint()
         self._validate_written(trainer)
@@ -127,8 +128,9 @@ class ModelCheckpoint(Callback):
                 f"{', '.join(sorted(trainer.callback_metrics)) or 'none yet'}"
             )
         path = self.dirpath / ckpt.step_dir_name(trainer.global_step)
-        if any(c["step"] == trainer.global_step for c in self.saved):
+        if self._saved_already(trainer.global_step):
             return path  # saved already (say, by a Timer and by the schedule at the same step)
+        self._attempted_step = trainer.global_step
         trainer.strategy.finish_checkpoint()  # a background write still running completes first
         self._validate_written(trainer)
         entry = {"path": str(path), "step": trainer.global_step, "score": score, "good": not self.validate}
@@ -140,6 +142,10 @@ class ModelCheckpoint(Callback):
         self._last_save_time = time.monotonic()
         self._validate_written(trainer)
         return path
+
+    def _saved_already(self, step: int) -> bool:
+        """A checkpoint of `step` is kept, or was tried in this fit and failed (it is not written twice)."""
+        return self._attempted_step == step or any(c["step"] == step for c in self.saved)
 
     # ---- validation ------------------------------------------------------------------------------
     def _validate_written(self, trainer: Trainer) -> None:
@@ -268,6 +274,7 @@ class ModelCheckpoint(Callback):
         """Checkpoints newer than the restored step belong to a discarded future (a resume from an older
         one, a rollback): rename them `discarded-step-...` so that "last" can never go back to them."""
         self.saved = [c for c in self.saved if c["step"] <= trainer.global_step]
+        self._attempted_step = None  # the steps after the restored one will be trained (and saved) again
         if trainer.is_global_zero:
             for path in ckpt.newer_than(self.dirpath, trainer.global_step):
                 target = path.with_name(f"discarded-{path.name}")

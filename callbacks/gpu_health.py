@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning_utilities.core.imports import RequirementCache
 
 from callbacks.base import Callback
 from trainer import flags
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from trainer.trainer import Trainer
 
 LEVELS = ("ok", "warn", "stop")
+_NVML_AVAILABLE = RequirementCache("nvidia-ml-py", "pynvml")  # imports pynvml only when first asked
 FATAL_CHECKS = frozenset({"gpu_lost", "ecc", "remapped_rows", "xid"})
 # XIDs an application causes (a faulting kernel, a killed process), not a failing GPU (as DCGM sees them)
 APPLICATION_XIDS = (13, 31, 43, 45)
@@ -318,7 +320,7 @@ class GPUHealthMonitor(Callback):
         summary = torch.tensor(
             [-math.inf if v is None else float(v) for v in local], device=trainer.strategy.root_device
         )
-        worst, any_new, *values = trainer.strategy.reduce(summary, "max").tolist()
+        worst, any_new, *values = trainer.strategy.reduce(summary, "max", group="world").tolist()
         metrics = {name: v for name, v in zip(METRICS, values, strict=True) if v > -math.inf}
         trainer.log_metrics({**metrics, "gpu/health": worst})
         if any_new:
@@ -333,10 +335,9 @@ class GPUHealthMonitor(Callback):
         """Start NVML on this rank's GPU and take the starting reading; what went wrong, or None."""
         nvml = self.nvml
         if nvml is None:
-            try:
-                import pynvml as nvml
-            except ImportError:
+            if not _NVML_AVAILABLE:
                 return "nvidia-ml-py is not installed: pip install nvidia-ml-py"
+            import pynvml as nvml
         try:
             nvml.nvmlInit()
         except nvml.NVMLError as err:
@@ -382,7 +383,7 @@ class GPUHealthMonitor(Callback):
     def _report(self, trainer: Trainer, level: str, new: dict[str, str]) -> None:
         """Rank zero logs every rank's new reasons in one line; each reason is reported once per fit."""
         self._reported |= new.keys()
-        gathered = trainer.strategy.all_gather_object((level, new))
+        gathered = trainer.strategy.all_gather_object((level, new), group="world")
         if not trainer.is_global_zero:
             return
         found = _by_rank(

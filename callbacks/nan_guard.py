@@ -65,13 +65,14 @@ class NaNGuard(Callback):
         loss = trainer.step_loss.detach().float()
         norm = trainer.step_grad_norm().detach().float().to(loss.device)
         finite = torch.isfinite(loss)
-        # the norm is global, but a rank's gradients can go bad after the sync (a faulty device): count ranks
+        # the norm is global, but a rank's gradients can go bad after the sync (a faulty device): count
+        # ranks, over the whole world, since every rank must take the same skip/rollback decision
         bad_loss, bad_norm = (~finite).float(), (~torch.isfinite(norm)).float()
         summed = trainer.strategy.reduce(
-            torch.stack([torch.where(finite, loss, 0.0), bad_loss, bad_norm]), "sum"
+            torch.stack([torch.where(finite, loss, 0.0), bad_loss, bad_norm]), "sum", group="world"
         )
         total, bad_losses, bad_norms = summed.tolist()
-        mean_loss = total / trainer.strategy.world_size
+        mean_loss = total / trainer.strategy.group_size("world")
         problem = None
         if bad_losses > 0:
             problem = f"loss is not finite on {int(bad_losses)} rank(s)"

@@ -66,7 +66,7 @@ class StragglerDetector(Callback):
         now = clock.snapshot()
         mine = sum(now[p] - self._start[p] for p in trainer.strategy.local_phases)
         self._start = None
-        times = trainer.strategy.all_gather_object(mine)
+        times = trainer.strategy.all_gather_object(mine, group="world")
         median = statistics.median(times)
         self.last = {
             rank: t / median

@@ -81,7 +81,8 @@ class ThroughputMonitor(Callback):
             dtype=torch.float64,
             device=strategy.root_device,
         )
-        tokens, samples, flops = strategy.reduce(local, "mean").tolist()  # same steps on every rank
+        # every rank ran the same steps: the mean over the world is the per-device rate
+        tokens, samples, flops = strategy.reduce(local, "mean", group="world").tolist()
         metrics = {"throughput/samples_per_s_per_device": samples}
         if tokens > 0:
             metrics["throughput/tokens_per_s_per_device"] = tokens
@@ -106,7 +107,7 @@ def _stall_s(trainer: Trainer) -> float:
 def ranks_per_replica(trainer: Trainer) -> int:
     """Ranks that consume the same data-parallel shard (tensor/pipeline/context parallel): each counts
     the replica's tokens, so per-device rates divide by them."""
-    return max(trainer.strategy.world_size // max(trainer.strategy.dp_size, 1), 1)
+    return trainer.strategy.group_size("world") // trainer.strategy.group_size("batch")
 
 
 def sequence_length(batch: Any) -> int | None:

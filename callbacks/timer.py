@@ -81,7 +81,7 @@ class Timer(Callback):
         )
         stop = self.received is not None or late
         if trainer.strategy.world_size > 1:
-            stop = bool(trainer.strategy.reduce(torch.tensor(float(stop)), "max"))
+            stop = bool(trainer.strategy.reduce(torch.tensor(float(stop)), "max", group="world"))
         if not stop:
             return
         if self.received:

@@ -4,6 +4,7 @@ from strategies.base import Strategy
 from strategies.ddp import DDPStrategy
 from strategies.fsdp import FSDPStrategy
 from strategies.mesh import MeshStrategy
+from strategies.parallel_dims import ParallelDims
 from strategies.registry import STRATEGIES, build_strategy
 from strategies.single import SingleDeviceStrategy
 
@@ -12,6 +13,7 @@ __all__ = [
     "DDPStrategy",
     "FSDPStrategy",
     "MeshStrategy",
+    "ParallelDims",
     "SingleDeviceStrategy",
     "Strategy",
     "build_strategy",

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from strategies.parallel_dims import check_group_name
 from trainer import checkpoint as ckpt
 from trainer.data.distributed import shard_loader
 from trainer.precision import Precision
@@ -86,18 +87,28 @@ class Strategy:
         self.devices = 1
         self.num_nodes = 1
         self.precision = Precision("32")
+        self.device_ids: list[int] | None = None  # Lightning's devices=[i, ...]: the GPU of each local rank
         self._device = torch.device("cpu")
         self.clock = PhaseClock()  # time per phase of the step, read by callbacks
 
     # ---- set-up ----------------------------------------------------------------------------------
-    def configure(self, accelerator: str, devices: int, num_nodes: int, precision: Precision) -> None:
-        """Receive the Trainer's validated flags; raise here (before any process starts) if they don't fit."""
+    def configure(
+        self,
+        accelerator: str,
+        devices: int,
+        num_nodes: int,
+        precision: Precision,
+        device_ids: list[int] | None = None,
+    ) -> None:
+        """Receive the Trainer's validated flags; raise here (before any process starts) if they don't fit.
+        `device_ids` are the GPU indices of `devices=[i, ...]` (None: local rank r uses `cuda:r`)."""
         self.accelerator, self.devices, self.num_nodes, self.precision = (
             accelerator,
             devices,
             num_nodes,
             precision,
         )
+        self.device_ids = device_ids
 
     def launch(self, function: Any, *args: Any) -> Any:
         """Run `function(*args)` in every process of the job and return rank zero's result."""
@@ -108,7 +119,7 @@ class Strategy:
 
     @property
     def root_device(self) -> torch.device:
-        """This process's device (a distributed strategy sets `cuda:LOCAL_RANK` in setup_environment)."""
+        """This process's device: the CPU, or the GPU picked from `accelerator`/`devices` (`cuda:LOCAL_RANK`)."""
         return self._device
 
     @property
@@ -119,14 +130,21 @@ class Strategy:
     def world_size(self) -> int:
         return 1
 
+    def planned_group_size(self, name: str) -> int:
+        """The size the named group will have, known before any process starts (from the configured
+        degrees): what a recipe divides its global batch by."""
+        check_group_name(name)
+        return 1
+
     @property
     def dp_rank(self) -> int:
-        """This process's index among data-parallel replicas: which shard of the data it reads."""
-        return 0
+        """This process's index in the batch group (ranks that read different data): its data shard."""
+        return self.group_rank("batch")
 
     @property
     def dp_size(self) -> int:
-        return 1
+        """Ranks that read different data: the global batch is dp_size x the per-rank batch."""
+        return self.group_size("batch")
 
     @property
     def is_global_zero(self) -> bool:
@@ -213,8 +231,9 @@ class Strategy:
         token-weighted losses, divide the summed gradients by the global token count."""
         self.precision.unscale_gradients(optimizer)
         if num_tokens is not None:
-            # gradient sync averages over dp ranks, so each rank's sum is worth dp_size / global count
-            factor = self.dp_size / self.reduce(num_tokens, "sum")
+            # gradient sync averages over the ranks of the loss group (they hold different tokens), so
+            # each rank's token sum is worth group size / the group's token count
+            factor = self.group_size("loss") / self.reduce(num_tokens, "sum", group="loss")
             torch._foreach_mul_([p.grad for p in module.parameters() if p.grad is not None], factor)
 
     def grad_norm(self, module: nn.Module) -> torch.Tensor:
@@ -245,18 +264,36 @@ class Strategy:
         """Per-step bookkeeping of a strategy (MoE bias update, privacy accountant)."""
 
     # ---- collectives (trivial in one process) ----------------------------------------------------
-    def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
-        """All-reduce over every rank: "mean", "sum", "max" or "min"."""
+    # Each names its group (strategies/parallel_dims.py: "world", "batch", "loss", "tp", ...), so that
+    # nothing reduces over the whole world by accident; one process checks the name all the same.
+    def group_rank(self, name: str) -> int:
+        """This rank's index within its group `name`."""
+        check_group_name(name)
+        return 0
+
+    def group_size(self, name: str) -> int:
+        """How many ranks this rank's group `name` holds."""
+        check_group_name(name)
+        return 1
+
+    def reduce(self, tensor: torch.Tensor, op: str = "mean", *, group: str) -> torch.Tensor:
+        """All-reduce over the ranks of `group`: "mean", "sum", "max" or "min"."""
+        check_group_name(group)
         return tensor
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
+    def all_gather_object(self, obj: Any, *, group: str = "world") -> list[Any]:
+        """Every rank's `obj`, indexed by its rank within `group`."""
+        check_group_name(group)
         return [obj]
 
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+    def broadcast_object(self, obj: Any, src: int = 0, *, group: str = "world") -> Any:
+        """Global rank `src`'s `obj`, on every rank of its `group`."""
+        check_group_name(group)
         return obj
 
-    def barrier(self) -> None:
-        """Wait for every rank."""
+    def barrier(self, *, group: str = "world") -> None:
+        """Wait for every rank of `group`."""
+        check_group_name(group)
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def save_checkpoint(

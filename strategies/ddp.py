@@ -51,12 +51,19 @@ class DDPStrategy(MeshStrategy):
         self.model: DistributedDataParallel | None = None
         self.powersgd_rank, self.powersgd_start_iter = powersgd_rank, powersgd_start_iter
 
-    def configure(self, accelerator: str, devices: int, num_nodes: int, precision: Precision) -> None:
+    def configure(
+        self,
+        accelerator: str,
+        devices: int,
+        num_nodes: int,
+        precision: Precision,
+        device_ids: list[int] | None = None,
+    ) -> None:
         if self.gradient_compression == "bf16" and accelerator != "cuda":
             raise ValueError(
                 "gradient_compression='bf16' needs CUDA with NCCL (DDP's bf16 hook); allowed on the CPU: 'fp16', 'powersgd'"
             )
-        super().configure(accelerator, devices, num_nodes, precision)
+        super().configure(accelerator, devices, num_nodes, precision, device_ids)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         module = super().setup_module(module)
@@ -77,12 +84,12 @@ class DDPStrategy(MeshStrategy):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
         if self.gradient_compression == "fp16":
-            self.model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            self.model.register_comm_hook(self.dp_group, default_hooks.fp16_compress_hook)
         elif self.gradient_compression == "bf16":
-            self.model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+            self.model.register_comm_hook(self.dp_group, default_hooks.bf16_compress_hook)
         elif self.gradient_compression == "powersgd":
             state = powerSGD_hook.PowerSGDState(
-                process_group=None,
+                process_group=self.dp_group,  # PowerSGD's own all-reduces: over DDP's replicas only
                 matrix_approximation_rank=self.powersgd_rank,
                 start_powerSGD_iter=self.powersgd_start_iter,
             )

@@ -31,6 +31,7 @@ from strategies.activation_checkpointing import MODES, checkpoint_blocks, transf
 from strategies.ddp import DDPStrategy
 from strategies.memory import MemoryReport, measure
 from strategies.meta_init import materialize
+from strategies.parallel_dims import ParallelDims
 from strategies.zero1 import SlicedParameters
 from trainer import checkpoint as ckpt
 from trainer.export import DCP_DIR
@@ -101,12 +102,18 @@ class FSDPStrategy(DDPStrategy):
         self._root: nn.Module | None = None  # the fully_shard-ed module (stages 2/3)
         self._step_methods: list[str] = []  # registered as FSDP forward methods on it
 
-    def mesh_dims(self) -> dict[str, int]:
-        if self.replicate > 1:
-            return {"dp_replicate": self.replicate, "dp_shard": self.world_size // self.replicate}
-        return {"dp_shard": self.world_size}
+    def parallel_dims(self) -> ParallelDims:
+        """Shard over all ranks, or within groups of world/replicate ranks, replicated across the groups."""
+        return ParallelDims(dp_replicate=self.replicate, dp_shard=-1)
 
-    def configure(self, accelerator: str, devices: int, num_nodes: int, precision: Precision) -> None:
+    def configure(
+        self,
+        accelerator: str,
+        devices: int,
+        num_nodes: int,
+        precision: Precision,
+        device_ids: list[int] | None = None,
+    ) -> None:
         world = devices * num_nodes
         if world % self.replicate:
             raise ValueError(
@@ -118,7 +125,7 @@ class FSDPStrategy(DDPStrategy):
             )
         if self.zero_stage > 1 and precision.name == "bf16-mixed":
             precision.autocast_forward = False  # FSDP2 casts the gathered parameters itself
-        super().configure(accelerator, devices, num_nodes, precision)
+        super().configure(accelerator, devices, num_nodes, precision, device_ids)
 
     def module_init_context(self) -> contextlib.AbstractContextManager:
         """`configure_model` builds on meta: nothing is allocated until each rank holds only its shards."""
@@ -146,7 +153,7 @@ class FSDPStrategy(DDPStrategy):
         blocks = transformer_blocks(module)
         if self.activation_checkpointing:
             blocks = checkpoint_blocks(module, blocks, self.activation_checkpointing)
-        mesh = self.mesh["dp_replicate", "dp_shard"] if self.replicate > 1 else self.mesh["dp_shard"]
+        mesh = self.mesh.mesh("dense")  # 2-D (dp_replicate, dense) for hybrid sharding, else 1-D
         kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": self.zero_stage == 3}
         if self.precision.name == "bf16-mixed":
             kwargs["mp_policy"] = MixedPrecisionPolicy(
@@ -167,9 +174,7 @@ class FSDPStrategy(DDPStrategy):
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         if self.zero_stage > 1:
             return optimizer
-        self._sliced = SlicedParameters(
-            optimizer, self.dp_rank, self.dp_size, self.mesh.get_group("dp_shard")
-        )
+        self._sliced = SlicedParameters(optimizer, self.dp_rank, self.dp_size, self.dp_group)
         return self._sliced.optimizer
 
     # ---- the step --------------------------------------------------------------------------------
@@ -206,7 +211,7 @@ class FSDPStrategy(DDPStrategy):
 
     def memory_report(self, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> MemoryReport:
         """This rank's bytes in parameters, gradients and optimizer states, and the formula's."""
-        return measure(module, optimizer, self.zero_stage, self.dp_size)
+        return measure(module, optimizer, self.zero_stage, self.group_size("dense"))  # ranks sharing shards
 
     def startup_report(self, module: nn.Module) -> str:
         return self.memory_report(module, None).lines()
@@ -321,4 +326,3 @@ class FSDPStrategy(DDPStrategy):
             vars(self._root).pop(method, None)
         self._root, self._step_methods = None, []
         super().teardown()
-

@@ -1,6 +1,6 @@
 """MeshStrategy: what every multi-process strategy shares. It joins or starts the job (trainer.launch),
-creates the process group (gloo on the CPU, NCCL on GPUs) and the DeviceMesh of the strategy's parallel
-dimensions, and implements the collectives the Trainer uses.
+creates the process group (gloo on the CPU, NCCL on GPUs) and the named groups of the strategy's
+ParallelDims (strategies/parallel_dims.py), and implements the collectives, each over a named group.
 
 The process group's store is namespaced per restart attempt: after a torchrun restart, keys left by
 the failed attempt would otherwise send gloo to dead peers ('Connection refused' in connectFullMesh).
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import math
 import os
 import re
 import time
@@ -19,19 +18,25 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from strategies.base import Strategy
+from strategies.parallel_dims import ParallelDims, ParallelMesh
+from trainer import flags
 from trainer.launch import World, destroy_process_group, detect_world, exit_quietly_when_done, spawn_and_run
-from trainer.logging import set_rank
+from trainer.logging import rank_zero_info, set_rank
 from trainer.precision import Precision
 
-DATA_PARALLEL_DIMS = ("dp_replicate", "dp_shard")
+_REDUCE_OPS = {
+    "mean": dist.ReduceOp.SUM,
+    "sum": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
 _TIMEOUT = re.compile(r"timed? ?out|timeout", re.IGNORECASE)
 
 
 class MeshStrategy(Strategy):
-    """A strategy over several processes; subclasses name their mesh in `mesh_dims()`.
+    """A strategy over several processes; subclasses give their parallel degrees in `parallel_dims()`.
 
     `timeout_s` bounds every collective: a rank that waits longer raises an error naming the ranks
     that never arrived, instead of hanging for torch's default 30 minutes.
@@ -43,15 +48,22 @@ class MeshStrategy(Strategy):
             raise ValueError(f"timeout_s={timeout_s!r} is invalid; allowed: a number of seconds > 0")
         self.timeout_s = float(timeout_s)
         self.world: World | None = None
-        self.mesh: DeviceMesh | None = None
+        self.mesh: ParallelMesh | None = None  # the named groups, built in setup_environment
         self._store: dist.Store | None = None
 
-    def mesh_dims(self) -> dict[str, int]:
-        """Parallel dimension name -> size; the product is the world size."""
-        return {"dp_replicate": self.world_size}
+    def parallel_dims(self) -> ParallelDims:
+        """This strategy's parallel degrees (plain data parallel: every rank a replica)."""
+        return ParallelDims(dp_replicate=self.world_size, dp_shard=1)
 
     # ---- set-up ----------------------------------------------------------------------------------
-    def configure(self, accelerator: str, devices: int, num_nodes: int, precision: Precision) -> None:
+    def configure(
+        self,
+        accelerator: str,
+        devices: int,
+        num_nodes: int,
+        precision: Precision,
+        device_ids: list[int] | None = None,
+    ) -> None:
         if accelerator == "cuda" and devices > torch.cuda.device_count():
             raise ValueError(
                 f"devices={devices} but this machine has {torch.cuda.device_count()} CUDA devices; "
@@ -71,7 +83,8 @@ class MeshStrategy(Strategy):
                 f"num_nodes={num_nodes} needs a launcher that starts every node; allowed: run under "
                 "torchrun --nnodes=N (or srun on SLURM), or num_nodes=1"
             )
-        super().configure(accelerator, devices, num_nodes, precision)
+        super().configure(accelerator, devices, num_nodes, precision, device_ids)
+        self.parallel_dims().resolve(devices * num_nodes)  # a mesh that does not fit fails before spawning
 
     def launch(self, function: Callable[..., Any], *args: Any) -> Any:
         """Join the running job, or start `devices` processes of this program and run in each."""
@@ -82,8 +95,8 @@ class MeshStrategy(Strategy):
     def setup_environment(self) -> None:
         world = self.world = detect_world()
         if self.accelerator == "cuda":
-            torch.cuda.set_device(world.local_rank)
-            self._device = torch.device("cuda", world.local_rank)
+            self._device = flags.device_for(self.accelerator, self.device_ids, world.local_rank)
+            torch.cuda.set_device(self._device)
         timeout = datetime.timedelta(seconds=self.timeout_s)
         if not dist.is_initialized():
             store = dist.TCPStore(
@@ -108,13 +121,9 @@ class MeshStrategy(Strategy):
             if not (spawned_by_us and world.rank == 0):  # a self-spawning rank 0 does it after its children
                 atexit.register(destroy_process_group)
         set_rank(world.rank)
-        dims = self.mesh_dims()
-        if math.prod(dims.values()) != world.world_size:
-            shape = " x ".join(f"{k}={v}" for k, v in dims.items())
-            raise ValueError(
-                f"mesh {shape} has {math.prod(dims.values())} ranks but the world has {world.world_size}"
-            )
-        self.mesh = init_device_mesh(self.root_device.type, tuple(dims.values()), mesh_dim_names=tuple(dims))
+        if self.mesh is None:  # the groups outlive a fit: this process's next fit/validate reuses them
+            self.mesh = self.parallel_dims().build(self.root_device.type, timeout)
+            rank_zero_info(self.mesh.describe())
 
     # ---- who is who ------------------------------------------------------------------------------
     @property
@@ -126,53 +135,50 @@ class MeshStrategy(Strategy):
         return dist.get_world_size() if dist.is_initialized() else self.devices * self.num_nodes
 
     @property
-    def dp_rank(self) -> int:
-        rank, names = 0, self.mesh.mesh_dim_names
-        for name in (n for n in names if n in DATA_PARALLEL_DIMS):
-            rank = rank * self.mesh.size(names.index(name)) + self.mesh.get_local_rank(name)
-        return rank
-
-    @property
-    def dp_size(self) -> int:
-        names = self.mesh.mesh_dim_names
-        return math.prod(self.mesh.size(names.index(n)) for n in names if n in DATA_PARALLEL_DIMS)
-
-    @property
     def dp_group(self) -> dist.ProcessGroup:
-        """The process group of the data-parallel ranks (a 1-D data-parallel mesh)."""
-        dims = [n for n in self.mesh.mesh_dim_names if n in DATA_PARALLEL_DIMS]
-        if len(dims) != 1:
-            raise RuntimeError(
-                f"the data-parallel ranks span mesh dims {dims}; a single process group needs one"
-            )
-        return self.mesh.get_group(dims[0])
+        """The process group of the batch view: the ranks that read different data (DDP's replicas)."""
+        return self.mesh.group("batch")
 
-    # ---- collectives -----------------------------------------------------------------------------
-    def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
-        ops = {
-            "mean": dist.ReduceOp.SUM,
-            "sum": dist.ReduceOp.SUM,
-            "max": dist.ReduceOp.MAX,
-            "min": dist.ReduceOp.MIN,
-        }
-        if op not in ops:
-            raise ValueError(f"reduce op {op!r} is unknown; allowed: {', '.join(ops)}")
+    def planned_group_size(self, name: str) -> int:
+        return self.parallel_dims().resolve(self.devices * self.num_nodes).size(name)
+
+    def group_rank(self, name: str) -> int:
+        return self.mesh.rank(name)
+
+    def group_size(self, name: str) -> int:
+        return self.mesh.size(name)
+
+    # ---- collectives: each over a named group; on a group of one rank they are no-ops ----------------
+    def reduce(self, tensor: torch.Tensor, op: str = "mean", *, group: str) -> torch.Tensor:
+        if op not in _REDUCE_OPS:
+            raise ValueError(f"reduce op {op!r} is unknown; allowed: {', '.join(_REDUCE_OPS)}")
         out = tensor.detach().clone().to(self.root_device)
-        dist.all_reduce(out, op=ops[op])
-        return out / dist.get_world_size() if op == "mean" else out
+        size = self.group_size(group)
+        if size > 1:
+            dist.all_reduce(out, op=_REDUCE_OPS[op], group=self.mesh.group(group))
+        return out / size if op == "mean" else out
 
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, obj)
+    def all_gather_object(self, obj: Any, *, group: str = "world") -> list[Any]:
+        if self.group_size(group) == 1:
+            return [obj]
+        gathered: list[Any] = [None] * self.group_size(group)
+        dist.all_gather_object(gathered, obj, group=self.mesh.group(group))
         return gathered
 
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+    def broadcast_object(self, obj: Any, src: int = 0, *, group: str = "world") -> Any:
+        if src not in self.mesh.ranks(group):
+            raise ValueError(
+                f"src={src} is not in this rank's {group!r} group; allowed: {self.mesh.ranks(group)}"
+            )
+        if self.group_size(group) == 1:
+            return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=src)
+        dist.broadcast_object_list(box, src=src, group=self.mesh.group(group))
         return box[0]
 
-    def barrier(self) -> None:
-        dist.barrier()
+    def barrier(self, *, group: str = "world") -> None:
+        if self.group_size(group) > 1:
+            dist.barrier(group=self.mesh.group(group))
 
     # ---- failures --------------------------------------------------------------------------------
     def _run_and_report(self, function: Callable[..., Any], *args: Any) -> Any:

@@ -141,7 +141,7 @@ def test_without_a_validation_loss_checksums_and_a_reload_are_checked_and_said_o
 def test_a_model_that_is_not_finite_fails_its_checkpoint_and_the_older_good_one_is_kept(
     tmp_path, caplog, val_loader, why
 ):
-    callbacks = [PoisonAfter(step=4), ModelCheckpoint(every_n_steps=2, save_top_k=1, save_last=False)]
+    callbacks = [PoisonAfter(step=4), ModelCheckpoint(every_n_steps=2, save_top_k=1)]
     with caplog.at_level(logging.INFO, logger="trainer"):
         fit(tmp_path, Counting(), 4, callbacks, val_loader)
     assert messages(caplog, "checkpoint step-00000004") == [

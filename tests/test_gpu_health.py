@@ -412,7 +412,7 @@ def stub_trainer(device: torch.device, problems_elsewhere: dict[int, str] | None
 
 
 def test_a_missing_nvidia_ml_py_is_named_with_the_install_command(monkeypatch, trainer_log):
-    monkeypatch.setitem(sys.modules, "pynvml", None)  # `import pynvml` raises ImportError
+    monkeypatch.setattr("callbacks.gpu_health._NVML_AVAILABLE", False)  # the RequirementCache's answer
     monitor = GPUHealthMonitor()
     monitor.setup(stub_trainer(torch.device("cuda", 0)), None, "fit")
     assert messages(trainer_log, logging.INFO) == [

@@ -322,7 +322,7 @@ def build_run(config: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
         trainer = Trainer(strategy=built_strategy, callbacks=callbacks, loggers=loggers, **trainer_args)
     except (ValueError, TypeError) as err:
         raise ConfigError(f"trainer: {err}") from err
-    batch_size = _micro_batch(data, trainer_args)
+    batch_size = _micro_batch(data, trainer_args, trainer.strategy.planned_group_size("batch"))
     optim_args = {**optim, "betas": tuple(optim["betas"])}
     llama = build_llama_config(model) if model["class_path"] is None else None
     if llama is not None and data["seq_len"] > llama.max_seq_len:
@@ -356,18 +356,19 @@ def build_run(config: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
     return trainer, module, train_loader, val_loader
 
 
-def _micro_batch(data: dict[str, Any], trainer_args: dict[str, Any]) -> int:
-    """data.batch_size, or data.global_batch_size split exactly over processes and accumulation steps."""
+def _micro_batch(data: dict[str, Any], trainer_args: dict[str, Any], readers: int) -> int:
+    """data.batch_size, or data.global_batch_size split exactly over the `readers` (the ranks that read
+    different data: the mesh's batch group, not the process count) and the accumulation steps."""
     total = data["global_batch_size"]
     if total is None:
         return data["batch_size"]
-    processes, accumulate = _processes(trainer_args), trainer_args["accumulate_grad_batches"]
-    if total % (processes * accumulate):
+    accumulate = trainer_args["accumulate_grad_batches"]
+    if total % (readers * accumulate):
         raise ConfigError(
-            f"data.global_batch_size={total} does not divide by {processes} processes x accumulate_grad_batches="
-            f"{accumulate}; allowed: a multiple of {processes * accumulate}"
+            f"data.global_batch_size={total} does not divide by {readers} data-parallel ranks x "
+            f"accumulate_grad_batches={accumulate}; allowed: a multiple of {readers * accumulate}"
         )
-    return total // (processes * accumulate)
+    return total // (readers * accumulate)
 
 
 def _processes(trainer_args: dict[str, Any]) -> int:

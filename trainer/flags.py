@@ -60,16 +60,21 @@ def check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
 
 
 def resolve_accelerator(value: Any) -> str:
-    check_choice("accelerator", value, ("auto", "cpu", "cuda"))
+    """The run's accelerator, "cpu" or "cuda", from "auto" (CUDA if available), "cpu", "cuda" or "gpu"
+    (Lightning's name for "cuda")."""
+    check_choice("accelerator", value, ("auto", "cpu", "cuda", "gpu"))
     if value == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if value == "cuda" and not torch.cuda.is_available():
-        raise ValueError("accelerator='cuda' but no CUDA device is available; allowed here: 'cpu' or 'auto'")
-    return value
+    if value in ("cuda", "gpu") and not torch.cuda.is_available():
+        raise ValueError(
+            f"accelerator={value!r} but no CUDA device is available; allowed here: 'cpu' or 'auto'"
+        )
+    return "cuda" if value == "gpu" else value
 
 
 def resolve_devices(value: Any, accelerator: str) -> int:
-    """Processes per node: an int, or "auto" = what torchrun/SLURM started, else every GPU, else 1 on the CPU."""
+    """Processes per node: an int, a list of GPU indices (one process each, see `check_device_ids`), or
+    "auto" = what torchrun/SLURM started, else every GPU, else 1 on the CPU."""
     if value == "auto":
         from trainer.launch import detect_world
 
@@ -77,9 +82,43 @@ def resolve_devices(value: Any, accelerator: str) -> int:
         if world is not None:
             return world.local_world_size
         return torch.cuda.device_count() if accelerator == "cuda" else 1
+    if isinstance(value, (list, tuple)):
+        return len(check_device_ids(value, accelerator))
     if isinstance(value, str):
-        raise ValueError(f"devices={value!r} is invalid; allowed: an int >= 1 or 'auto'")
+        raise ValueError(
+            f"devices={value!r} is invalid; allowed: an int >= 1, a list of GPU indices or 'auto'"
+        )
     return check_int("devices", value, 1)  # type: ignore[return-value]
+
+
+def check_device_ids(value: list[Any] | tuple[Any, ...], accelerator: str) -> list[int]:
+    """Lightning's `devices=[i, ...]`: distinct CUDA indices below the device count. A CPU run has no device
+    indices (its "devices" are gloo processes), so a list there is an error rather than a count."""
+    if accelerator != "cuda":
+        raise ValueError(
+            f"devices={list(value)!r} picks GPUs but accelerator={accelerator!r}; allowed on the CPU: an int >= 1 or 'auto'"
+        )
+    count = torch.cuda.device_count()
+    valid = all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < count for i in value)
+    if not value or not valid or len(set(value)) != len(value):
+        raise ValueError(
+            f"devices={list(value)!r} is invalid; allowed: a non-empty list of distinct GPU indices in 0..{count - 1}"
+        )
+    return list(value)
+
+
+def device_for(accelerator: str, device_ids: list[int] | None, local_rank: int) -> torch.device:
+    """The device of the process with `local_rank`: `cuda:<device_ids[local_rank]>` (or `cuda:<local_rank>`
+    without a list) on CUDA, else the CPU. Pure: it allocates nothing and calls no CUDA API."""
+    if accelerator != "cuda":
+        return torch.device("cpu")
+    if device_ids is None:
+        return torch.device("cuda", local_rank)
+    if not 0 <= local_rank < len(device_ids):
+        raise ValueError(
+            f"local rank {local_rank} has no GPU in devices={device_ids}; allowed: local ranks 0..{len(device_ids) - 1}"
+        )
+    return torch.device("cuda", device_ids[local_rank])
 
 
 def check_clip(value: Any) -> float | None:

@@ -16,20 +16,24 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lightning_utilities.core.imports import RequirementCache
+from lightning_utilities.core.rank_zero import rank_zero_only
+
 log = logging.getLogger("trainer")
-_RANK = int(os.environ.get("RANK", 0))  # replaced by the strategy once the process group is known
+_TENSORBOARD_AVAILABLE = RequirementCache("tensorboard")  # read from package metadata when first asked
 
 
 def set_rank(rank: int) -> None:
-    """Tell the console helpers which rank this process is."""
-    global _RANK
-    _RANK = rank
+    """Tell the rank-zero helpers (lightning-utilities' `rank_zero_only.rank`) and the console which rank
+    this process is."""
+    rank_zero_only.rank = rank
     _style_console()
 
 
+@rank_zero_only
 def rank_zero_info(message: str) -> None:
-    if _RANK == 0:
-        log.info(message)
+    """An info line, from rank zero only."""
+    log.info(message)
 
 
 def configure_console_logging() -> None:
@@ -42,10 +46,14 @@ def configure_console_logging() -> None:
 
 def _style_console() -> None:
     """Rank zero prints info lines; other ranks print only warnings and errors, prefixed with their rank."""
-    log.setLevel(logging.INFO if _RANK == 0 else logging.WARNING)
-    prefix = "[trainer]" if _RANK == 0 else f"[trainer rank {_RANK}]"
+    rank = rank_zero_only.rank
+    log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    prefix = "[trainer]" if rank == 0 else f"[trainer rank {rank}]"
     for handler in log.handlers:
         handler.setFormatter(logging.Formatter(f"{prefix} %(message)s"))
+
+
+set_rank(int(os.environ.get("RANK", 0)))  # until the strategy knows the process group
 
 
 class Logger:
@@ -111,13 +119,11 @@ class TensorBoardLogger(Logger):
     """Scalars to `<run_dir>/tensorboard` (needs the `tensorboard` package)."""
 
     def __init__(self, save_dir: str | Path | None = None) -> None:
-        try:
-            import tensorboard  # noqa: F401
-        except ImportError as err:
+        if not _TENSORBOARD_AVAILABLE:
             raise ImportError(
                 "TensorBoardLogger needs the 'tensorboard' package, which is not installed: "
                 "pip install tensorboard (or the project's [tensorboard] extra)"
-            ) from err
+            )
         self.save_dir = Path(save_dir) if save_dir is not None else None
         self._writer = None
 

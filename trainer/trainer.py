@@ -111,9 +111,9 @@ class Trainer:
         devices = flags.resolve_devices(devices, accelerator)
         num_nodes = flags.check_int("num_nodes", num_nodes, 1)
         self.strategy = build_strategy(strategy, processes=devices * num_nodes)
-        # device_ids only when given: DDPStrategy's and FSDPStrategy's configure do not take it yet
-        picked = {} if device_ids is None else {"device_ids": device_ids}
-        self.strategy.configure(accelerator, devices, num_nodes, Precision(precision, accelerator), **picked)
+        self.strategy.configure(
+            accelerator, devices, num_nodes, Precision(precision, accelerator), device_ids
+        )
         self.callbacks = list(callbacks or [])
         for cb in self.callbacks:
             if not isinstance(cb, Callback):
