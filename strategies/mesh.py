@@ -13,6 +13,7 @@ import datetime
 import os
 import re
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +23,14 @@ import torch.distributed as dist
 from strategies.base import Strategy
 from strategies.parallel_dims import ParallelDims, ParallelMesh
 from trainer import flags
-from trainer.launch import World, destroy_process_group, detect_world, exit_quietly_when_done, spawn_and_run
+from trainer.launch import (
+    World,
+    destroy_process_group,
+    detect_world,
+    exit_quietly_when_done,
+    mark_reported_elsewhere,
+    spawn_and_run,
+)
 from trainer.logging import rank_zero_info, set_rank
 from trainer.precision import Precision
 
@@ -189,10 +197,28 @@ class MeshStrategy(Strategy):
         except Exception as err:
             if self._store is None or not _TIMEOUT.search(str(err)):
                 _record_for_torchelastic(err)
+                self._mark_if_rank_zero_has_it(err)
                 raise
             report = RuntimeError(self._timeout_report(err))
             _record_for_torchelastic(report)
             raise report from err
+
+    def _mark_if_rank_zero_has_it(self, err: Exception) -> None:
+        """One bug usually fails every rank at once: rank zero prints the traceback, and a rank whose
+        error is the same (type and message) prints one line instead (see trainer.launch)."""
+        if self._store is None:
+            return
+        summary = "".join(traceback.format_exception_only(err)).strip()
+        if self.world.rank == 0:
+            self._store.set("error/0", summary)
+            return
+        try:  # rank zero fails within moments when it is the same bug; a rank-local error waits 2 s at most
+            self._store.wait(["error/0"], datetime.timedelta(seconds=2))
+            same = self._store.get("error/0").decode() == summary
+        except Exception:  # rank zero has not failed (it waits for this rank in a collective), or is gone
+            same = False
+        if same:
+            mark_reported_elsewhere(err, "rank 0")
 
     def _timeout_report(self, err: Exception) -> str:
         """Every rank that timed out says so in the store; the ranks that never do are the ones stuck."""

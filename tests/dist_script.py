@@ -100,10 +100,12 @@ class Misbehave(Callback):
 
     def on_train_batch_end(self, trainer, module, outputs):
         a, rank, step = self.args, trainer.strategy.global_rank, trainer.global_step
-        if rank != a.bad_rank or step != a.bad_step:
+        if (rank != a.bad_rank and not a.every_rank) or step != a.bad_step:
             return
         if a.raise_error:
-            raise RuntimeError(f"deliberate failure on rank {rank} at step {step}")
+            raise RuntimeError(
+                f"deliberate failure on rank {'every' if a.every_rank else rank} at step {step}"
+            )
         if a.hang:
             time.sleep(600)
         if a.sigkill and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
@@ -141,6 +143,7 @@ def main() -> None:
     p.add_argument("--bad-rank", type=int, default=-1)
     p.add_argument("--bad-step", type=int, default=-1)
     p.add_argument("--raise-error", action="store_true")
+    p.add_argument("--every-rank", action="store_true")  # misbehave on every rank, not only --bad-rank
     p.add_argument("--hang", action="store_true")
     p.add_argument("--sigkill", action="store_true")
     p.add_argument("--kill-steps", default="")

@@ -156,6 +156,17 @@ def test_a_rank_that_raises_ends_the_job_promptly_with_its_error(tmp_path, bad_r
     assert time.monotonic() - start < 60
 
 
+def test_the_same_error_on_every_rank_prints_one_traceback(tmp_path):
+    done, _ = run(["--devices", "2", "--every-rank", "--bad-step", "3", "--raise-error"], tmp_path, "raise")
+    assert done.returncode != 0
+    assert done.stderr.count("Traceback (most recent call last)") == 1, done.stderr[-3000:]
+    assert "RuntimeError: deliberate failure on rank every at step 3" in done.stderr
+    assert (
+        "[trainer rank 1] failed with the same error as rank 0: RuntimeError: deliberate failure on rank every"
+        in done.stderr
+    )
+
+
 def test_a_killed_worker_ends_the_job(tmp_path):
     done, _ = run(["--devices", "2", "--bad-rank", "1", "--bad-step", "3", "--sigkill"], tmp_path, "killed")
     assert done.returncode != 0

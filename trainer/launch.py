@@ -21,11 +21,14 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from trainer.logging import log
+
+_REPORTED_BY = "_trainer_reported_by"  # attribute on an exception: which rank prints its traceback
 
 
 @dataclass(frozen=True)
@@ -160,7 +163,12 @@ def exit_quietly_when_done() -> None:
 
     def hook(*exc_info: Any) -> None:
         failed.append(True)
-        previous(*exc_info)
+        where = getattr(exc_info[1], _REPORTED_BY, None)
+        if where is None:
+            previous(*exc_info)
+        else:  # the same error's traceback is printed by `where`: one line here, not a second copy
+            summary = "".join(traceback.format_exception_only(exc_info[1])).strip().splitlines()[-1]
+            log.error(f"failed with the same error as {where}: {summary}")
 
     sys.excepthook = hook
 
@@ -170,6 +178,11 @@ def exit_quietly_when_done() -> None:
         os._exit(1 if failed else 0)
 
     atexit.register(finish)
+
+
+def mark_reported_elsewhere(err: BaseException, where: str) -> None:
+    """Tell this spawned rank's exit hook that `where` prints `err`'s traceback, so it prints one line."""
+    setattr(err, _REPORTED_BY, where)
 
 
 def destroy_process_group() -> None:
