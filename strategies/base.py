@@ -100,7 +100,7 @@ class Strategy:
         precision: Precision,
         device_ids: list[int] | None = None,
     ) -> None:
-        """Receive the Trainer's validated flags; raise here (before any process starts) if they don't fit.
+        """Receive the Trainer's validated flags, then `check_configuration` (before any process starts).
         `device_ids` are the GPU indices of `devices=[i, ...]` (None: local rank r uses `cuda:r`)."""
         self.accelerator, self.devices, self.num_nodes, self.precision = (
             accelerator,
@@ -109,6 +109,10 @@ class Strategy:
             precision,
         )
         self.device_ids = device_ids
+        self.check_configuration()
+
+    def check_configuration(self) -> None:
+        """Raise a one-line error if the configured flags don't fit this strategy (subclasses extend it)."""
 
     def launch(self, function: Any, *args: Any) -> Any:
         """Run `function(*args)` in every process of the job and return rank zero's result."""

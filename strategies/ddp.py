@@ -10,7 +10,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from strategies.base import StepRunner
 from strategies.mesh import MeshStrategy
-from trainer.precision import Precision
 
 COMPRESSION = (None, "fp16", "bf16", "powersgd")
 
@@ -51,19 +50,12 @@ class DDPStrategy(MeshStrategy):
         self.model: DistributedDataParallel | None = None
         self.powersgd_rank, self.powersgd_start_iter = powersgd_rank, powersgd_start_iter
 
-    def configure(
-        self,
-        accelerator: str,
-        devices: int,
-        num_nodes: int,
-        precision: Precision,
-        device_ids: list[int] | None = None,
-    ) -> None:
-        if self.gradient_compression == "bf16" and accelerator != "cuda":
+    def check_configuration(self) -> None:
+        if self.gradient_compression == "bf16" and self.accelerator != "cuda":
             raise ValueError(
                 "gradient_compression='bf16' needs CUDA with NCCL (DDP's bf16 hook); allowed on the CPU: 'fp16', 'powersgd'"
             )
-        super().configure(accelerator, devices, num_nodes, precision, device_ids)
+        super().check_configuration()
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         module = super().setup_module(module)

@@ -35,7 +35,6 @@ from strategies.parallel_dims import ParallelDims
 from strategies.zero1 import SlicedParameters
 from trainer import checkpoint as ckpt
 from trainer.export import DCP_DIR
-from trainer.precision import Precision
 
 # the methods the Trainer calls on the module: each runs FSDP's root pre/post-forward like `forward`
 STEP_METHODS = ("training_step", "validation_step", "test_step")
@@ -106,15 +105,8 @@ class FSDPStrategy(DDPStrategy):
         """Shard over all ranks, or within groups of world/replicate ranks, replicated across the groups."""
         return ParallelDims(dp_replicate=self.replicate, dp_shard=-1)
 
-    def configure(
-        self,
-        accelerator: str,
-        devices: int,
-        num_nodes: int,
-        precision: Precision,
-        device_ids: list[int] | None = None,
-    ) -> None:
-        world = devices * num_nodes
+    def check_configuration(self) -> None:
+        world, precision = self.devices * self.num_nodes, self.precision
         if world % self.replicate:
             raise ValueError(
                 f"replicate={self.replicate} does not divide the world of {world} processes; allowed: a divisor of {world}"
@@ -125,7 +117,7 @@ class FSDPStrategy(DDPStrategy):
             )
         if self.zero_stage > 1 and precision.name == "bf16-mixed":
             precision.autocast_forward = False  # FSDP2 casts the gathered parameters itself
-        super().configure(accelerator, devices, num_nodes, precision, device_ids)
+        super().check_configuration()
 
     def module_init_context(self) -> contextlib.AbstractContextManager:
         """`configure_model` builds on meta: nothing is allocated until each rank holds only its shards."""

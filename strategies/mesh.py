@@ -32,7 +32,6 @@ from trainer.launch import (
     spawn_and_run,
 )
 from trainer.logging import rank_zero_info, set_rank
-from trainer.precision import Precision
 
 _REDUCE_OPS = {
     "mean": dist.ReduceOp.SUM,
@@ -64,14 +63,8 @@ class MeshStrategy(Strategy):
         return ParallelDims(dp_replicate=self.world_size, dp_shard=1)
 
     # ---- set-up ----------------------------------------------------------------------------------
-    def configure(
-        self,
-        accelerator: str,
-        devices: int,
-        num_nodes: int,
-        precision: Precision,
-        device_ids: list[int] | None = None,
-    ) -> None:
+    def check_configuration(self) -> None:
+        accelerator, devices, num_nodes = self.accelerator, self.devices, self.num_nodes
         if accelerator == "cuda" and devices > torch.cuda.device_count():
             raise ValueError(
                 f"devices={devices} but this machine has {torch.cuda.device_count()} CUDA devices; "
@@ -91,7 +84,7 @@ class MeshStrategy(Strategy):
                 f"num_nodes={num_nodes} needs a launcher that starts every node; allowed: run under "
                 "torchrun --nnodes=N (or srun on SLURM), or num_nodes=1"
             )
-        super().configure(accelerator, devices, num_nodes, precision, device_ids)
+        super().check_configuration()
         self.parallel_dims().resolve(devices * num_nodes)  # a mesh that does not fit fails before spawning
 
     def launch(self, function: Callable[..., Any], *args: Any) -> Any:

@@ -14,12 +14,10 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import regression_loader  # noqa: E402
-from user_steps import MODULES  # noqa: E402
+from user_steps import FIT, GLOBAL_BATCH, MODULES  # noqa: E402
 
 from strategies import DDPStrategy, FSDPStrategy  # noqa: E402
 from trainer import Trainer  # noqa: E402
-
-STEPS, GLOBAL_BATCH = 6, 16
 
 
 def strategy(name: str, ac: str | None):
@@ -45,12 +43,7 @@ def main() -> None:
         trainer = Trainer(
             strategy=strategy(a.strategy, a.ac),
             devices=a.devices,
-            max_steps=STEPS,
-            gradient_clip_val=0.5,
-            seed=0,
-            log_every_n_steps=1,
-            enable_progress_bar=False,
-            enable_checkpointing=False,
+            **FIT,
             default_root_dir=Path(a.root) / call,
         )
         trainer.fit(module, regression_loader(batch_size=micro), regression_loader(batch_size=micro, n=64))

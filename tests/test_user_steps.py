@@ -13,12 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import regression_loader
-from user_steps import MODULES
+from user_steps import FIT, GLOBAL_BATCH, MODULES, STEPS
 
 from trainer import Trainer
 
 SCRIPT = Path(__file__).parent / "steps_script.py"
-STEPS, GLOBAL_BATCH = 6, 16
 
 
 def one_process(cls) -> dict:
@@ -26,12 +25,7 @@ def one_process(cls) -> dict:
     torch.manual_seed(0)
     module = cls()
     trainer = Trainer(
-        max_steps=STEPS,
-        gradient_clip_val=0.5,
-        seed=0,
-        log_every_n_steps=1,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
+        **FIT,
         default_root_dir=Path(os.environ["PYTEST_TMP"]),
     )
     trainer.fit(module, regression_loader(batch_size=GLOBAL_BATCH), regression_loader(batch_size=8, n=64))

@@ -10,6 +10,17 @@ from torch import nn
 
 from trainer import TrainModule
 
+STEPS, GLOBAL_BATCH = 6, 16
+# the run every comparison uses, in one process or several: same steps, seed and clipping
+FIT = {
+    "max_steps": STEPS,
+    "gradient_clip_val": 0.5,
+    "seed": 0,
+    "log_every_n_steps": 1,
+    "enable_progress_bar": False,
+    "enable_checkpointing": False,
+}
+
 
 class Block(nn.Module):
     def __init__(self, dim: int) -> None:
