@@ -107,6 +107,25 @@ def test_fit_needs_a_train_module_and_a_loader(tmp_path):
         Trainer(default_root_dir=tmp_path).fit(Regression(), None)
 
 
+def test_an_empty_loader_is_refused_before_the_first_step(tmp_path):
+    """An empty validation loader used to end the fit with a bare StopIteration and no final checkpoint."""
+    steps = []
+
+    class Counting(Regression):
+        def training_step(self, batch, batch_idx):
+            steps.append(batch_idx)
+            return super().training_step(batch, batch_idx)
+
+    empty = regression_loader(n=0)
+    with pytest.raises(
+        ValueError, match=r"^val_dataloaders is empty \(len 0\); allowed: a loader that yields"
+    ):
+        Trainer(max_steps=2, default_root_dir=tmp_path, **quiet()).fit(Counting(), regression_loader(), empty)
+    with pytest.raises(ValueError, match=r"^train_dataloaders is empty \(len 0\)"):
+        Trainer(max_steps=2, default_root_dir=tmp_path, **quiet()).fit(Counting(), empty)
+    assert steps == [] and not (tmp_path / "checkpoints").exists()
+
+
 def test_missing_checkpoint_path_is_named(tmp_path):
     with pytest.raises(
         FileNotFoundError, match=r"ckpt_path '.*nope' does not exist; allowed: an existing checkpoint"

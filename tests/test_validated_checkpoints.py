@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import pytest
 import torch
@@ -76,7 +77,10 @@ def test_last_skips_a_damaged_newest_checkpoint_and_resumes_exactly_from_the_one
         resumed, _ = fit(root, 8, [ModelCheckpoint(every_n_steps=2, save_top_k=2)], ckpt_path="last")
     why = "does not match its SHA-256" if damage == "flip" else "were written (truncated or altered)"
     assert any("skipping a bad checkpoint" in r.message and why in r.message for r in caplog.records)
-    assert any("resuming from" in r.message and "step-00000004" in r.message for r in caplog.records)
+    resumed_line = next(r.message for r in caplog.records if "resuming from" in r.message)
+    assert re.search(r"step-00000004: step 4, saved \d{4}-\d\d-\d\d \d\d:\d\d:\d\d$", resumed_line), (
+        resumed_line
+    )
     assert_same_params(resumed, straight)
     assert "discarded-step-00000006" in listing(root)  # kept for inspection, never picked by "last"
 
