@@ -291,7 +291,9 @@ class GPUHealthMonitor(Callback):
             return
         problem = self._open(device)
         # every rank watches or none does: the checks are collectives
-        problems = {r: p for r, p in enumerate(trainer.strategy.all_gather_object(problem)) if p}
+        problems = {
+            r: p for r, p in enumerate(trainer.strategy.all_gather_object(problem, group="world")) if p
+        }
         if problems:
             self._close()
             rank_zero_info(f"GPUHealthMonitor: inactive ({_by_rank(problems)})")

@@ -160,6 +160,7 @@ def test_the_same_error_on_every_rank_prints_one_traceback(tmp_path):
     done, _ = run(["--devices", "2", "--every-rank", "--bad-step", "3", "--raise-error"], tmp_path, "raise")
     assert done.returncode != 0
     assert done.stderr.count("Traceback (most recent call last)") == 1, done.stderr[-3000:]
+    assert done.stderr.count("rank 1 exited with code 1") == 1, done.stderr[-3000:]  # said once
     assert "RuntimeError: deliberate failure on rank every at step 3" in done.stderr
     assert (
         "[trainer rank 1] failed with the same error as rank 0: RuntimeError: deliberate failure on rank every"

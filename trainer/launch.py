@@ -133,7 +133,7 @@ def spawn_and_run(nprocs: int, function: Callable[..., Any], *args: Any) -> Any:
         return function(*args)
     except BaseException:
         watchdog.stop()
-        _report_dead(children, grace_s=1.0)  # a child that died is usually why rank 0 failed
+        _report_dead(children, watchdog.reported, grace_s=1.0)  # a dead child is usually why rank 0 failed
         _terminate(children)
         raise
 
@@ -144,7 +144,7 @@ def _wait_for_children(children: list[subprocess.Popen], watchdog: _Watchdog) ->
     for child in children:
         child.wait()
     destroy_process_group()  # after the children: rank 0 hosts the store they use until the end
-    if _report_dead(children):
+    if _report_dead(children, watchdog.reported):
         sys.stderr.flush()
         os._exit(1)
 
@@ -220,8 +220,8 @@ def _die_with_parent() -> None:
         pass
 
 
-def _report_dead(children: list[subprocess.Popen], grace_s: float = 0.0) -> bool:
-    """Log each child that ended badly; True if one did."""
+def _report_dead(children: list[subprocess.Popen], reported: set[int], grace_s: float = 0.0) -> bool:
+    """Log each child that ended badly, once (ranks in `reported` were logged already); True if one did."""
     deadline = time.monotonic() + grace_s
     dead = False
     for rank, child in enumerate(children, start=1):
@@ -230,8 +230,10 @@ def _report_dead(children: list[subprocess.Popen], grace_s: float = 0.0) -> bool
         except subprocess.TimeoutExpired:
             continue
         if code != 0:
-            how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-            log.error(f"rank {rank} {how}; ending the job (its error, if any, is printed above)")
+            if rank not in reported:
+                how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                log.error(f"rank {rank} {how}; ending the job (its error, if any, is printed above)")
+                reported.add(rank)
             dead = True
     return dead
 
@@ -251,11 +253,12 @@ class _Watchdog(threading.Thread):
     def __init__(self, children: list[subprocess.Popen]) -> None:
         super().__init__(daemon=True, name="trainer-watchdog")
         self.children = children
+        self.reported: set[int] = set()  # ranks already logged as dead (by this thread or after it stopped)
         self._stop_event = threading.Event()
 
     def run(self) -> None:
         while not self._stop_event.wait(0.2):
-            if _report_dead(self.children):
+            if _report_dead(self.children, self.reported):
                 _terminate(self.children)
                 sys.stderr.flush()
                 os._exit(1)
