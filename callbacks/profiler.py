@@ -217,7 +217,7 @@ class Profiler(Callback):
         if self._windows != windows:
             # every rank ends the window at this step; wait for the slowest writer here, so that the next
             # step's collectives don't charge the trace writing to training time
-            trainer.strategy.barrier()
+            trainer.strategy.barrier(group="world")
         if self.repeat and self._windows >= self.repeat:
             self._stop(trainer)  # the schedule is done: stop stepping a profiler that records nothing
         else:

@@ -315,7 +315,7 @@ class Strategy:
                 ckpt.save_torch_file(state, tmp / ckpt.STATE_FILE)
 
             ckpt.write_atomically(Path(path), write, ckpt.meta_for(state))
-        self.barrier()
+        self.barrier(group="world")
 
     def reshard(self, module: nn.Module) -> None:
         """Drop parameter copies gathered for a forward, so the next forward reads the parameters as they

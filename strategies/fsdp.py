@@ -220,7 +220,7 @@ class FSDPStrategy(DDPStrategy):
         if self.is_global_zero:
             path.parent.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
-        self.barrier()
+        self.barrier(group="world")
         model_sd, optim_sd = get_state_dict(module, optimizer or [])
         payload = {"model": model_sd, "optim": optim_sd}
         finish = functools.partial(self._finish_save, tmp, path, state)
@@ -236,7 +236,7 @@ class FSDPStrategy(DDPStrategy):
 
     def _finish_save(self, tmp: Path, path: Path, state: dict) -> None:
         """After every rank wrote its shards: rank zero adds the trainer state and renames atomically."""
-        self.barrier()
+        self.barrier(group="world")
         if self.is_global_zero:
             ckpt.write_atomically(
                 path,
@@ -244,7 +244,7 @@ class FSDPStrategy(DDPStrategy):
                 ckpt.meta_for(state, format="dcp"),
                 staged=tmp,
             )
-        self.barrier()
+        self.barrier(group="world")
 
     def reshard(self, module: nn.Module) -> None:
         # stage 2 keeps parameters gathered after a forward without backward (an eval step)
@@ -273,7 +273,7 @@ class FSDPStrategy(DDPStrategy):
                 ckpt.save_torch_file(state, tmp / ckpt.STATE_FILE)
 
             ckpt.write_atomically(Path(path), write, ckpt.meta_for(state))
-        self.barrier()
+        self.barrier(group="world")
 
     def load_checkpoint(
         self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None
