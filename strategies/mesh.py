@@ -30,6 +30,7 @@ from trainer.launch import (
     exit_quietly_when_done,
     mark_reported_elsewhere,
     spawn_and_run,
+    take_spawned_store,
 )
 from trainer.logging import rank_zero_info, set_rank
 
@@ -100,13 +101,16 @@ class MeshStrategy(Strategy):
             torch.cuda.set_device(self._device)
         timeout = datetime.timedelta(seconds=self.timeout_s)
         if not dist.is_initialized():
-            store = dist.TCPStore(
-                world.master_addr,
-                world.master_port,
-                world.world_size,
-                is_master=world.rank == 0 and not world.agent_store,
-                timeout=timeout,
-            )
+            store = take_spawned_store()  # a self-spawned rank 0 bound its store before starting the others
+            if store is None:
+                store = dist.TCPStore(
+                    world.master_addr,
+                    world.master_port,
+                    world.world_size,
+                    is_master=world.rank == 0 and not world.agent_store,
+                    timeout=timeout,
+                )
+            store.set_timeout(timeout)
             self._store = dist.PrefixStore(f"trainer/attempt-{world.restart_count}", store)
             backend = "nccl" if self.accelerator == "cuda" else "gloo"
             dist.init_process_group(

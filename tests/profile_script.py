@@ -5,26 +5,18 @@ and the ThroughputMonitor."""
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from helpers import LLAMA, token_loader  # noqa: E402
 
 from callbacks.profiler import Profiler
 from callbacks.throughput import ThroughputMonitor
 from trainer import Trainer
-from trainer.data import PackedDataset, TokenLoader
 from trainer.models.causal_lm import CausalLM
-from trainer.models.llama import LlamaConfig
-
-LLAMA = LlamaConfig(
-    vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16, rope_theta=10000.0
-)
-SEQ_LEN = 16
-
-
-def token_loader(micro_batch: int) -> TokenLoader:
-    """Random tokens in SEQ_LEN blocks: batches {"input_ids", "labels"} of shape [micro_batch, SEQ_LEN]."""
-    tokens = torch.randint(0, LLAMA.vocab_size, (4000,), generator=torch.Generator().manual_seed(0))
-    return TokenLoader(PackedDataset(tokens, seq_len=SEQ_LEN), batch_size=micro_batch, shuffle=True, seed=1)
 
 
 def main() -> None:

@@ -13,7 +13,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import regression_loader  # noqa: E402
+from helpers import regression_loader  # noqa: E402
 from user_steps import FIT, GLOBAL_BATCH, MODULES  # noqa: E402
 
 from strategies import DDPStrategy, FSDPStrategy  # noqa: E402

@@ -2,18 +2,15 @@
 
 import pytest
 import torch
-from conftest import Regression, quiet, regression_loader
+from helpers import Regression, fit, params, quiet, regression_loader
 from torch.utils.data import DataLoader, TensorDataset
 
 from trainer import Trainer, TrainModule
 
 
 def fit_params(module, loader, root, **kwargs):
-    torch.manual_seed(0)
-    Trainer(max_steps=6, default_root_dir=root, enable_checkpointing=False, **quiet(**kwargs)).fit(
-        module, loader
-    )
-    return [p.detach().clone() for p in module.parameters()]
+    fit(module, loader, root, 6, enable_checkpointing=False, **kwargs)
+    return params(module)
 
 
 def test_accumulating_four_micro_batches_equals_one_batch_four_times_larger(tmp_path):
@@ -99,7 +96,7 @@ def test_last_partial_window_of_an_epoch_steps_with_what_is_left(tmp_path):
     [("bf16-mixed", torch.bfloat16), ("16-mixed", torch.float16), ("bf16-true", torch.bfloat16)],
 )
 def test_reduced_precision_runs_on_cpu_in_that_dtype_and_reduces_the_loss(tmp_path, precision, compute_dtype):
-    from conftest import read_metrics
+    from helpers import read_metrics
 
     seen = set()
 

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import Regression, quiet, regression_loader
+from helpers import Regression, quiet, regression_loader
 
 from callbacks import ModelCheckpoint
 from trainer import Trainer, TrainModule

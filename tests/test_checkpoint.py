@@ -4,17 +4,11 @@ import json
 
 import pytest
 import torch
-from conftest import Regression, quiet, regression_loader
+from helpers import Regression, checkpoint_steps, quiet, regression_loader
 
 from callbacks import Callback, ModelCheckpoint
 from trainer import Trainer, TrainModule
 from trainer.checkpoint import CheckpointError, find_last, load_model_file, manifest, save_model_file
-
-
-def steps_on_disk(root):
-    return sorted(
-        int(p.name.split("-")[1]) for p in (root / "checkpoints").iterdir() if p.name.startswith("step-")
-    )
 
 
 def test_model_checkpoint_keeps_the_newest_k_and_leaves_no_temporary_files(tmp_path):
@@ -22,7 +16,7 @@ def test_model_checkpoint_keeps_the_newest_k_and_leaves_no_temporary_files(tmp_p
     Trainer(max_steps=10, default_root_dir=tmp_path, callbacks=[cb], **quiet()).fit(
         Regression(), regression_loader()
     )
-    assert steps_on_disk(tmp_path) == [8, 10]
+    assert checkpoint_steps(tmp_path) == [8, 10]
     assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")]
     assert sorted(p.name for p in (tmp_path / "checkpoints" / "step-00000010").iterdir()) == [
         "meta.json",
@@ -45,7 +39,7 @@ def test_model_checkpoint_with_monitor_keeps_the_best_and_the_newest(tmp_path):
     Trainer(max_steps=10, default_root_dir=tmp_path, callbacks=[ScriptedMetric(), cb], **quiet()).fit(
         Regression(), regression_loader()
     )
-    assert steps_on_disk(tmp_path) == [4, 10]  # best (score 1.0) and the newest
+    assert checkpoint_steps(tmp_path) == [4, 10]  # best (score 1.0) and the newest
 
 
 def test_monitor_of_an_unknown_metric_names_what_was_logged(tmp_path):

@@ -8,10 +8,10 @@ import logging
 
 import pytest
 import torch
-from conftest import quiet, regression_loader
+from helpers import fit, regression_loader
 
 from callbacks import Callback, ModelCheckpoint
-from trainer import Trainer, TrainModule
+from trainer import TrainModule
 
 
 class Counting(TrainModule):
@@ -69,10 +69,16 @@ class PoisonAfter(Callback):
                 module.net[0].weight.fill_(float("nan"))
 
 
-def fit(root, module, steps, callbacks, val_loader=None, ckpt_path=None):
-    trainer = Trainer(max_steps=steps, seed=0, default_root_dir=root, callbacks=callbacks, **quiet())
-    trainer.fit(module, regression_loader(), val_loader, ckpt_path=ckpt_path)
-    return trainer
+def run(root, module, steps, callbacks, val_loader=None, ckpt_path=None):
+    return fit(
+        module,
+        regression_loader(),
+        root,
+        steps,
+        val_loader=val_loader,
+        ckpt_path=ckpt_path,
+        callbacks=callbacks,
+    )
 
 
 def rows(root):
@@ -89,7 +95,7 @@ def messages(caplog, text):
 
 def test_validation_runs_validation_step_on_a_validation_batch_and_never_training_step(tmp_path):
     module = Counting()
-    fit(
+    run(
         tmp_path,
         module,
         6,
@@ -123,7 +129,7 @@ def test_without_a_validation_loss_checksums_and_a_reload_are_checked_and_said_o
 ):
     module = module_cls()
     with caplog.at_level(logging.INFO, logger="trainer"):
-        fit(tmp_path, module, 6, [ModelCheckpoint(every_n_steps=2, save_top_k=-1)], val_loader)
+        run(tmp_path, module, 6, [ModelCheckpoint(every_n_steps=2, save_top_k=-1)], val_loader)
     assert module.training_calls == 6
     assert messages(caplog, "checkpoint validation") == [
         f"checkpoint validation: {why}; checking checksums and a reload only"
@@ -143,7 +149,7 @@ def test_a_model_that_is_not_finite_fails_its_checkpoint_and_the_older_good_one_
 ):
     callbacks = [PoisonAfter(step=4), ModelCheckpoint(every_n_steps=2, save_top_k=1)]
     with caplog.at_level(logging.INFO, logger="trainer"):
-        fit(tmp_path, Counting(), 4, callbacks, val_loader)
+        run(tmp_path, Counting(), 4, callbacks, val_loader)
     assert messages(caplog, "checkpoint step-00000004") == [
         f"checkpoint step-00000004 is bad: the model is not finite at step 4 ({why}); moved to bad-step-00000004, "
         "the older good checkpoints are kept"
@@ -155,11 +161,11 @@ def test_a_model_that_is_not_finite_fails_its_checkpoint_and_the_older_good_one_
 
 def test_a_fresh_run_in_a_folder_with_an_earlier_runs_checkpoints_warns_once(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="trainer"):
-        fit(tmp_path, Counting(), 4, [ModelCheckpoint(every_n_steps=2)])
+        run(tmp_path, Counting(), 4, [ModelCheckpoint(every_n_steps=2)])
     assert not messages(caplog, "earlier run")  # an empty folder: nothing to say
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="trainer"):
-        fit(tmp_path, Counting(), 1, [ModelCheckpoint(every_n_steps=2)])
+        run(tmp_path, Counting(), 1, [ModelCheckpoint(every_n_steps=2)])
     warned = [r for r in caplog.records if "earlier run" in r.getMessage()]
     assert len(warned) == 1 and warned[0].levelno == logging.WARNING
     expected = (
@@ -170,5 +176,5 @@ def test_a_fresh_run_in_a_folder_with_an_earlier_runs_checkpoints_warns_once(tmp
     assert listing(tmp_path) == ["step-00000001", "step-00000002", "step-00000004"]  # nothing deleted
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="trainer"):
-        fit(tmp_path, Counting(), 6, [ModelCheckpoint(every_n_steps=2)], ckpt_path="last")
+        run(tmp_path, Counting(), 6, [ModelCheckpoint(every_n_steps=2)], ckpt_path="last")
     assert not messages(caplog, "earlier run")  # a resume continues the run those checkpoints belong to

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import Regression, quiet, read_metrics, regression_loader
+from helpers import Regression, quiet, read_metrics, regression_loader
 
 from callbacks import Callback
 from trainer import Trainer

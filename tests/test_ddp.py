@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import Regression, read_metrics, regression_loader
+import torch.distributed as dist
+from helpers import DIST_SCRIPT as SCRIPT
+from helpers import Regression, assert_params_close, launch_env, read_metrics, regression_loader
 
 from trainer import Trainer
-from trainer.launch import free_port
 
-SCRIPT = Path(__file__).parent / "dist_script.py"
 pytestmark = pytest.mark.slow
 
 
@@ -38,22 +36,20 @@ def run(
         str(tmp / f"{name}.json"),
         *args,
     ]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
-        full_env.pop(key, None)
-    done = subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=timeout)
+    done = subprocess.run(cmd, capture_output=True, text=True, env=launch_env(**(env or {})), timeout=timeout)
     return done, root
 
 
 def torchrun(max_restarts: int, nproc: int = 2) -> list[str]:
-    """The launcher command of an elastic torchrun job on this machine."""
+    """The launcher command of an elastic torchrun job on this machine (`--standalone`: the agent binds its
+    rendezvous store on a port the system picks)."""
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
+        "--standalone",
         f"--nproc_per_node={nproc}",
         f"--max-restarts={max_restarts}",
-        f"--master_port={free_port()}",
     ]
 
 
@@ -74,12 +70,6 @@ def single_process(tmp: Path, module=None, loader=None, steps: int = 8):
         default_root_dir=tmp / "single",
     ).fit(module, loader or regression_loader(batch_size=16))
     return [p.detach().flatten().tolist() for p in module.parameters()], read_metrics(tmp / "single")
-
-
-def assert_params_close(got: list, expected: list, atol: float = 1e-5) -> None:
-    for i, (g, e) in enumerate(zip(got, expected, strict=True)):
-        diff = (torch.tensor(g) - torch.tensor(e)).abs().max().item()
-        assert diff <= atol, f"parameter {i} differs by {diff:.2e} (tolerance {atol})"
 
 
 @pytest.mark.parametrize("devices, accumulate", [(2, 1), (2, 2), (4, 1), (4, 2)])
@@ -109,7 +99,9 @@ def test_self_spawn_then_torchrun_spawns_nothing_more(tmp_path):
 
 
 def test_two_torchrun_nodes_on_one_machine_train_together(tmp_path):
-    endpoint = f"127.0.0.1:{free_port()}"
+    # the test hosts the rendezvous store on a port the system picks; both nodes' agents are its clients
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    endpoint = f"127.0.0.1:{store.port}"
     nodes = []
     for node in (0, 1):
         cmd = [
@@ -122,6 +114,7 @@ def test_two_torchrun_nodes_on_one_machine_train_together(tmp_path):
             "--rdzv_backend=c10d",
             f"--rdzv_endpoint={endpoint}",
             "--rdzv_id=two-nodes",
+            "--rdzv_conf=is_host=false",
             str(SCRIPT),
             "--devices",
             "1",
@@ -132,10 +125,7 @@ def test_two_torchrun_nodes_on_one_machine_train_together(tmp_path):
             "--out",
             str(tmp_path / "nodes.json"),
         ]
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
-        nodes.append(
-            subprocess.Popen(cmd, env={**env, "OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE, text=True)
-        )
+        nodes.append(subprocess.Popen(cmd, env=launch_env(), stderr=subprocess.PIPE, text=True))
     for proc in nodes:
         _, err = proc.communicate(timeout=180)
         assert proc.returncode == 0, err[-3000:]
@@ -147,13 +137,13 @@ def test_two_torchrun_nodes_on_one_machine_train_together(tmp_path):
 
 @pytest.mark.parametrize("bad_rank", [0, 1])
 def test_a_rank_that_raises_ends_the_job_promptly_with_its_error(tmp_path, bad_rank):
-    start = time.monotonic()
+    # promptly: the job ends long before the collective timeout (600 s) a waiting rank would hit; the
+    # subprocess timeout fails the test otherwise
     done, _ = run(
         ["--devices", "2", "--bad-rank", str(bad_rank), "--bad-step", "3", "--raise-error"], tmp_path, "raise"
     )
     assert done.returncode != 0
     assert f"deliberate failure on rank {bad_rank} at step 3" in done.stderr
-    assert time.monotonic() - start < 60
 
 
 def test_the_same_error_on_every_rank_prints_one_traceback(tmp_path):
@@ -175,13 +165,11 @@ def test_a_killed_worker_ends_the_job(tmp_path):
 
 
 def test_a_collective_timeout_names_the_rank_that_stopped_answering(tmp_path):
-    start = time.monotonic()
     done, _ = run(
         ["--devices", "2", "--bad-rank", "1", "--bad-step", "2", "--hang", "--timeout", "4"], tmp_path, "hang"
     )
     assert done.returncode != 0
     assert "rank 0: a collective timed out after 4s; rank(s) [1] stopped answering" in done.stderr
-    assert time.monotonic() - start < 60
 
 
 def test_torchrun_restart_after_sigkill_resumes_from_the_checkpoint(tmp_path):
@@ -203,20 +191,15 @@ def test_torchrun_restart_after_sigkill_resumes_from_the_checkpoint(tmp_path):
     assert read_metrics(root) == read_metrics(tmp_path / "straight")
 
 
-def test_slurm_tasks_join_one_world(tmp_path):
-    out, root = tmp_path / "slurm.json", tmp_path / "slurm"
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR")
-    }
-    env.update(
+def slurm_job(root: Path, out: Path, job_id: int) -> list[str]:
+    """Run two SLURM tasks of one job on this machine; the stderr of each task that failed."""
+    env = launch_env(
         SLURM_NTASKS="2",
         SLURM_NODELIST="localhost",
-        SLURM_JOB_ID="4242",
-        MASTER_PORT=str(free_port()),  # the port derived from the job id could be taken on a shared machine
+        SLURM_JOB_ID=str(job_id),  # the job's port, 15000 + id % 20000, is derived from it on every task
         SLURM_JOB_NAME="train",
         SLURM_NTASKS_PER_NODE="2",
         SLURM_NODEID="0",
-        OMP_NUM_THREADS="1",
     )
     tasks = [
         subprocess.Popen(
@@ -227,9 +210,24 @@ def test_slurm_tasks_join_one_world(tmp_path):
         )
         for r in (0, 1)
     ]
-    for task in tasks:
-        _, err = task.communicate(timeout=120)
-        assert task.returncode == 0, err[-3000:]
+    _, first = tasks[0].communicate(timeout=120)
+    if tasks[0].returncode:  # as srun does: a failed task ends the job step
+        tasks[1].kill()
+        tasks[1].communicate()
+        return [first]
+    _, second = tasks[1].communicate(timeout=120)
+    return [second] if tasks[1].returncode else []
+
+
+def test_slurm_tasks_join_one_world(tmp_path):
+    out, root = tmp_path / "slurm.json", tmp_path / "slurm"
+    # SLURM tasks agree on a port before any of them runs, so another process may hold it: a new job id
+    # (and port) when rank 0 finds it taken
+    for job_id in (4242, 4243, 4244):
+        failures = slurm_job(root / str(job_id), out, job_id)
+        if not any("EADDRINUSE" in err for err in failures):
+            break
+    assert not failures, failures[0][-3000:]
     done, _ = run(["--devices", "2"], tmp_path, "spawned")
     assert done.returncode == 0
     assert_params_close(json.loads(out.read_text())["params"], result(tmp_path, "spawned")["params"], atol=0)

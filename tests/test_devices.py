@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Regression, quiet, regression_loader
+from helpers import Regression, quiet, regression_loader
 
 from strategies import SingleDeviceStrategy
 from trainer import Trainer

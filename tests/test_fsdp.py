@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import read_metrics
+from helpers import read_metrics
 from test_ddp import SCRIPT, assert_params_close, result, run, single_process
 
 from strategies import FSDPStrategy

@@ -7,7 +7,6 @@ against pynvml when it is installed) returning readings as an H100 SXM 80GB in t
 from __future__ import annotations
 
 import logging
-import os
 import re
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import Regression, quiet, read_metrics, regression_loader
+from helpers import Regression, launch_env, quiet, read_metrics, regression_loader
 
 from callbacks import Callback
 from callbacks.gpu_health import GPUHealthMonitor, HealthPolicy, NvmlReader, slowdown_reasons
@@ -496,7 +495,7 @@ def test_the_fake_has_pynvml_names_and_values():
 DDP_SCRIPT = """
 import os, sys
 sys.path.insert(0, {tests!r})
-from conftest import Regression, regression_loader
+from helpers import Regression, regression_loader
 from test_gpu_health import AtStep, FakeNVML, h100
 from callbacks.gpu_health import GPUHealthMonitor
 from strategies import DDPStrategy
@@ -527,14 +526,12 @@ def test_a_failing_gpu_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     script.write_text(
         textwrap.dedent(DDP_SCRIPT).format(tests=str(Path(__file__).parent), root=str(tmp_path))
     )
-    launched = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")
-    env = {k: v for k, v in os.environ.items() if k not in launched}
     done = subprocess.run(
         [sys.executable, str(script)],
         capture_output=True,
         text=True,
         timeout=90,
-        env={**env, "OMP_NUM_THREADS": "1"},
+        env=launch_env(),
     )
     assert done.returncode == 0, done.stderr[-3000:]
     # two processes share the pipe: with PYTHONUNBUFFERED a line's text and its newline can interleave

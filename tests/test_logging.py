@@ -5,8 +5,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import Regression, quiet, read_metrics, regression_loader
-from test_resume import TinyLM, token_loader
+from helpers import Regression, quiet, read_metrics, regression_loader
+from test_resume import TinyLM, tiny_lm_loader
 
 from trainer import Trainer
 from trainer.logging import TensorBoardLogger, WandbLogger
@@ -14,7 +14,7 @@ from trainer.logging import TensorBoardLogger, WandbLogger
 
 def test_each_logged_step_has_loss_lr_grad_norm_and_speed(tmp_path):
     trainer = Trainer(max_steps=6, log_every_n_steps=3, enable_progress_bar=False, default_root_dir=tmp_path)
-    trainer.fit(TinyLM(), token_loader())
+    trainer.fit(TinyLM(), tiny_lm_loader())
     assert (trainer.state.samples_seen, trainer.state.tokens_seen) == (
         6 * 8,
         6 * 8 * 16,
@@ -89,7 +89,7 @@ def test_wandb_logger_runs_offline_without_an_api_key(tmp_path, monkeypatch):
 
 def test_progress_bar_shows_step_loss_lr_and_speed(tmp_path, capfd):
     Trainer(max_steps=4, log_every_n_steps=2, default_root_dir=tmp_path, enable_checkpointing=False).fit(
-        TinyLM(), token_loader()
+        TinyLM(), tiny_lm_loader()
     )
     err = capfd.readouterr().err
     assert "4/4" in err and "loss=" in err and "lr=" in err and "tok/s=" in err

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from conftest import Regression, quiet, read_metrics, regression_loader
+from helpers import Regression, quiet, read_metrics, regression_loader
 
 from callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
 from trainer import Trainer

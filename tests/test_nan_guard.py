@@ -6,10 +6,9 @@ import logging
 
 import pytest
 import torch
-from conftest import Regression, quiet, read_metrics, regression_loader
+from helpers import Regression, fit, read_metrics, regression_loader
 
 from callbacks import Callback, ModelCheckpoint, NaNGuard
-from trainer import Trainer
 
 
 class Poison(Callback):
@@ -36,13 +35,11 @@ class Poison(Callback):
 
 
 def run(tmp_path, steps, callbacks, **kwargs):
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # the same initial weights in every run of a test
     module = Regression()
-    trainer = Trainer(
-        max_steps=steps, seed=0, default_root_dir=tmp_path, callbacks=callbacks, **quiet(**kwargs)
+    return module, fit(
+        module, regression_loader(shuffle=True), tmp_path, steps, callbacks=callbacks, **kwargs
     )
-    trainer.fit(module, regression_loader(shuffle=True))
-    return module, trainer
 
 
 def same(a, b):

@@ -13,7 +13,6 @@ import torch.multiprocessing as mp
 from strategies import MeshStrategy, ParallelDims, SingleDeviceStrategy
 from strategies.parallel_dims import GROUP_NAMES
 from trainer import Trainer
-from trainer.launch import free_port
 from trainer.precision import Precision
 
 WORLD_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -189,6 +188,7 @@ def _check_rank(rank: int, world: int, port: int, degrees: dict[str, int]) -> No
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         TORCHELASTIC_RUN_ID="test",  # joins as under torchrun (the self-spawn path is tested elsewhere)
+        TORCHELASTIC_USE_AGENT_STORE="true",  # the test process hosts the store, as torchrun's agent does
     )
     strategy = MeshOf(**degrees)
     strategy.configure("cpu", world, 1, Precision("32"))
@@ -232,4 +232,5 @@ def _check_rank(rank: int, world: int, port: int, degrees: dict[str, int]) -> No
     ids=["pp2-dp_shard2-tp2", "dp_shard2-cp2-ep2"],
 )
 def test_every_named_group_of_a_real_gloo_mesh_holds_the_expected_ranks(world, degrees):
-    mp.spawn(_check_rank, args=(world, free_port(), degrees), nprocs=world)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # bound on a port it picks
+    mp.spawn(_check_rank, args=(world, store.port, degrees), nprocs=world)

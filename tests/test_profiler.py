@@ -4,7 +4,6 @@ back as JSON, and a 2-rank gloo run whose traces show the all-reduce."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,8 +11,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import Regression, quiet, read_metrics, regression_loader
-from profile_script import LLAMA, SEQ_LEN, token_loader
+from helpers import (
+    LLAMA,
+    SEQ_LEN,
+    Regression,
+    launch_env,
+    quiet,
+    read_metrics,
+    regression_loader,
+    token_loader,
+)
 from torch.autograd import DeviceType
 
 import callbacks.profiler as profiler_module
@@ -295,14 +302,11 @@ def test_bad_throughput_arguments_are_named(kwargs: dict) -> None:
 @pytest.mark.slow
 def test_two_ddp_ranks_each_write_a_trace_with_the_gloo_all_reduce(tmp_path: Path) -> None:
     root = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
-        env.pop(key, None)
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--devices", "2", "--steps", "6", "--root", str(root)],
         capture_output=True,
         text=True,
-        env=env,
+        env=launch_env(),
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]

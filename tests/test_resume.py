@@ -4,11 +4,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Regression, quiet, read_metrics, regression_loader
+from helpers import Regression, quiet, read_metrics, regression_loader, token_loader
 
 from callbacks import Callback, ModelCheckpoint
 from trainer import Trainer, TrainModule
-from trainer.data import PackedDataset, TokenLoader
+from trainer.data import TokenLoader
 
 
 class CrashAt(Callback):
@@ -77,14 +77,13 @@ class TinyLM(TrainModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
-def token_loader() -> TokenLoader:
-    tokens = torch.randint(0, 257, (2000,), generator=torch.Generator().manual_seed(0))
-    return TokenLoader(PackedDataset(tokens, seq_len=16), batch_size=8, shuffle=True, seed=3)
+def tiny_lm_loader() -> TokenLoader:
+    return token_loader(8, vocab_size=257, n_tokens=2000, seed=3)
 
 
 def test_resume_with_stateful_token_loader_continues_exactly(tmp_path):
     # 124 blocks / 8 = 15 micro-batches per epoch: windows straddle epoch ends
-    assert_resume_matches(TinyLM, token_loader, tmp_path)
+    assert_resume_matches(TinyLM, tiny_lm_loader, tmp_path)
 
 
 def test_resume_with_fp16_scaler_restores_its_scale(tmp_path):

@@ -73,7 +73,7 @@ def test_bad_schedule_arguments_are_named(kwargs, match):
 
 
 def test_a_scheduler_from_configure_optimizers_steps_once_per_optimizer_step(tmp_path):
-    from conftest import Regression, quiet, read_metrics, regression_loader
+    from helpers import Regression, quiet, read_metrics, regression_loader
 
     from trainer import Trainer
 
@@ -92,7 +92,7 @@ def test_a_scheduler_from_configure_optimizers_steps_once_per_optimizer_step(tmp
 
 
 def test_own_scheduler_and_trainer_schedule_together_is_an_error(tmp_path):
-    from conftest import Regression, quiet, regression_loader
+    from helpers import Regression, quiet, regression_loader
 
     from trainer import Trainer
 

@@ -5,7 +5,7 @@ import logging
 
 import pytest
 import torch
-from conftest import regression_data
+from helpers import regression_data
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from strategies import DDPStrategy

@@ -10,18 +10,17 @@ from datetime import timedelta
 
 import pytest
 import torch
-from conftest import Regression, quiet, regression_loader
+from helpers import Regression, fit, regression_loader
 
 from callbacks import Callback, ModelCheckpoint, Timer
-from trainer import Trainer
 
 
-def fit(root, steps, callbacks, ckpt_path=None):
-    torch.manual_seed(0)
+def run(root, steps, callbacks, ckpt_path=None):
+    torch.manual_seed(0)  # the same initial weights in every run of a test
     module = Regression(dropout=0.1)
-    trainer = Trainer(max_steps=steps, seed=0, default_root_dir=root, callbacks=callbacks, **quiet())
-    trainer.fit(module, regression_loader(shuffle=True), ckpt_path=ckpt_path)
-    return module, trainer
+    return module, fit(
+        module, regression_loader(shuffle=True), root, steps, callbacks=callbacks, ckpt_path=ckpt_path
+    )
 
 
 class SendSignal(Callback):
@@ -37,16 +36,16 @@ class SendSignal(Callback):
 def test_a_signal_stops_after_the_step_with_a_checkpoint_and_the_run_resumes_exactly(
     tmp_path, caplog, signum
 ):
-    straight, _ = fit(tmp_path / "straight", 8, [])
+    straight, _ = run(tmp_path / "straight", 8, [])
     root = tmp_path / "run"
     before = signal.getsignal(signum)
     with caplog.at_level(logging.INFO, logger="trainer"):
-        _, trainer = fit(root, 8, [SendSignal(3, signum), Timer(), ModelCheckpoint(every_n_steps=100)])
+        _, trainer = run(root, 8, [SendSignal(3, signum), Timer(), ModelCheckpoint(every_n_steps=100)])
     assert trainer.global_step == 3
     assert signal.getsignal(signum) is before  # the handler is the user's again after fit
     assert any(f"stopping at step 3 (received {signum.name})" in r.message for r in caplog.records)
     assert (root / "checkpoints" / "step-00000003" / "validated.json").exists()
-    resumed, _ = fit(root, 8, [Timer()], ckpt_path="last")
+    resumed, _ = run(root, 8, [Timer()], ckpt_path="last")
     for p, q in zip(resumed.parameters(), straight.parameters(), strict=True):
         assert torch.equal(p, q)
 
@@ -58,7 +57,7 @@ class Slow(Callback):
 
 def test_a_near_deadline_stops_early_with_a_checkpoint(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="trainer"):
-        _, trainer = fit(tmp_path, 1000, [Slow(), Timer(duration=0.5)])
+        _, trainer = run(tmp_path, 1000, [Slow(), Timer(duration=0.5)])
     assert 1 <= trainer.global_step < 1000
     assert any("time limit is near" in r.message for r in caplog.records)
     assert (tmp_path / "checkpoints" / f"step-{trainer.global_step:08d}").exists()

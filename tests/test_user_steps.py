@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import regression_loader
+from helpers import launch_env, regression_loader
 from user_steps import FIT, GLOBAL_BATCH, MODULES, STEPS
 
 from trainer import Trainer
@@ -61,11 +61,8 @@ def test_steps_calling_self_forward_or_a_submodule_train_in_one_process(referenc
 def test_user_steps_under_every_wrapper_match_one_process(tmp_path, references, strategy, ac):
     out = tmp_path / "out.json"
     cmd = [sys.executable, str(SCRIPT), "--strategy", strategy, "--root", str(tmp_path), "--out", str(out)]
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
-    }
     done = subprocess.run(
-        [*cmd, *(["--ac", ac] if ac else [])], capture_output=True, text=True, env=env, timeout=300
+        [*cmd, *(["--ac", ac] if ac else [])], capture_output=True, text=True, env=launch_env(), timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(out.read_text())

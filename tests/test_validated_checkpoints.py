@@ -8,25 +8,26 @@ import re
 
 import pytest
 import torch
-from conftest import Regression, quiet, regression_loader
+from helpers import Regression, fit, quiet, regression_loader
 
 from callbacks import Callback, ModelCheckpoint
 from strategies import SingleDeviceStrategy
 from trainer import Trainer
 
 
-def fit(root, steps, callbacks=(), ckpt_path=None, strategy="auto", val_loader=None):
-    torch.manual_seed(0)
+def run(root, steps, callbacks=(), ckpt_path=None, strategy="auto", val_loader=None):
+    torch.manual_seed(0)  # the same initial weights in every run of a test
     module = Regression(dropout=0.1)
-    trainer = Trainer(
-        max_steps=steps,
-        seed=0,
+    trainer = fit(
+        module,
+        regression_loader(shuffle=True),
+        root,
+        steps,
+        val_loader=val_loader,
+        ckpt_path=ckpt_path,
         strategy=strategy,
-        default_root_dir=root,
         callbacks=list(callbacks),
-        **quiet(),
     )
-    trainer.fit(module, regression_loader(shuffle=True), val_loader, ckpt_path=ckpt_path)
     return module, trainer
 
 
@@ -45,7 +46,7 @@ def listing(root):
 
 
 def test_each_checkpoint_is_validated_with_a_manifest_of_checksums(tmp_path):
-    fit(tmp_path, 6, [ModelCheckpoint(every_n_steps=2, save_top_k=-1)])
+    run(tmp_path, 6, [ModelCheckpoint(every_n_steps=2, save_top_k=-1)])
     assert listing(tmp_path) == ["step-00000002", "step-00000004", "step-00000006"]
     for name in listing(tmp_path):
         ckpt = tmp_path / "checkpoints" / name
@@ -62,9 +63,9 @@ def test_each_checkpoint_is_validated_with_a_manifest_of_checksums(tmp_path):
 def test_last_skips_a_damaged_newest_checkpoint_and_resumes_exactly_from_the_one_before(
     tmp_path, caplog, damage
 ):
-    straight, _ = fit(tmp_path / "straight", 8)
+    straight, _ = run(tmp_path / "straight", 8)
     root = tmp_path / "run"
-    fit(root, 6, [ModelCheckpoint(every_n_steps=2, save_top_k=2)])
+    run(root, 6, [ModelCheckpoint(every_n_steps=2, save_top_k=2)])
     assert listing(root) == ["step-00000004", "step-00000006"]
     victim = root / "checkpoints" / "step-00000006" / "model.safetensors"
     data = bytearray(victim.read_bytes())
@@ -74,7 +75,7 @@ def test_last_skips_a_damaged_newest_checkpoint_and_resumes_exactly_from_the_one
         del data[len(data) // 2 :]
     victim.write_bytes(bytes(data))
     with caplog.at_level(logging.INFO, logger="trainer"):
-        resumed, _ = fit(root, 8, [ModelCheckpoint(every_n_steps=2, save_top_k=2)], ckpt_path="last")
+        resumed, _ = run(root, 8, [ModelCheckpoint(every_n_steps=2, save_top_k=2)], ckpt_path="last")
     why = "does not match its SHA-256" if damage == "flip" else "were written (truncated or altered)"
     assert any("skipping a bad checkpoint" in r.message and why in r.message for r in caplog.records)
     resumed_line = next(r.message for r in caplog.records if "resuming from" in r.message)
@@ -118,7 +119,7 @@ class Listing(Callback):
 def test_a_checkpoint_that_reloads_differently_fails_validation_and_the_good_one_is_kept(tmp_path, caplog):
     spy = Listing(tmp_path)
     with caplog.at_level(logging.INFO, logger="trainer"):
-        fit(
+        run(
             tmp_path,
             6,
             [ModelCheckpoint(every_n_steps=2, save_top_k=1), spy],
@@ -133,29 +134,29 @@ def test_a_checkpoint_that_reloads_differently_fails_validation_and_the_good_one
 
 
 def test_a_checkpoint_that_was_never_validated_is_not_resumed_from(tmp_path, caplog):
-    straight, _ = fit(tmp_path / "straight", 6)
+    straight, _ = run(tmp_path / "straight", 6)
     root = tmp_path / "run"
-    fit(root, 4, [ModelCheckpoint(every_n_steps=2, save_top_k=2)])
+    run(root, 4, [ModelCheckpoint(every_n_steps=2, save_top_k=2)])
     (root / "checkpoints" / "step-00000004" / "validated.json").unlink()  # as if killed while validating
     with caplog.at_level(logging.INFO, logger="trainer"):
-        resumed, _ = fit(root, 6, [ModelCheckpoint(every_n_steps=2)], ckpt_path="last")
+        resumed, _ = run(root, 6, [ModelCheckpoint(every_n_steps=2)], ckpt_path="last")
     assert any("was never validated" in r.message for r in caplog.records)
     assert any("resuming from" in r.message and "step-00000002" in r.message for r in caplog.records)
     assert_same_params(resumed, straight)
 
 
 def test_validation_off_still_checks_the_checksums(tmp_path, caplog):
-    fit(tmp_path, 4, [ModelCheckpoint(every_n_steps=2, validate=False)])
+    run(tmp_path, 4, [ModelCheckpoint(every_n_steps=2, validate=False)])
     ckpt = tmp_path / "checkpoints" / "step-00000004"
     assert not (ckpt / "validated.json").exists()
     (ckpt / "state.pt").write_bytes(b"garbage")
     with caplog.at_level(logging.INFO, logger="trainer"):
-        fit(tmp_path, 5, [ModelCheckpoint(validate=False)], ckpt_path="last")
+        run(tmp_path, 5, [ModelCheckpoint(validate=False)], ckpt_path="last")
     assert any("resuming from" in r.message and "step-00000002" in r.message for r in caplog.records)
 
 
 def test_time_based_checkpoints(tmp_path):
-    fit(tmp_path, 3, [ModelCheckpoint(every_n_minutes=1e-9, save_top_k=-1)])
+    run(tmp_path, 3, [ModelCheckpoint(every_n_minutes=1e-9, save_top_k=-1)])
     assert listing(tmp_path) == ["step-00000001", "step-00000002", "step-00000003"]
 
 

@@ -16,7 +16,6 @@ import ctypes
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -101,17 +100,21 @@ def expand_nodelist(nodelist: str) -> list[str]:
     return hosts
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_spawned_store: list[Any] = []  # the store rank 0 of a self-spawned job bound before starting the others
 
 
 def spawn_and_run(nprocs: int, function: Callable[..., Any], *args: Any) -> Any:
-    """Start local ranks 1..nprocs-1 as copies of this command, become rank 0, run `function`."""
+    """Start local ranks 1..nprocs-1 as copies of this command, become rank 0, run `function`.
+
+    Rank 0 binds its TCPStore on port 0 before starting the others and hands them the port the system
+    chose: no window in which another process can take a port that was found free but not yet bound."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, nprocs, is_master=True, wait_for_workers=False)
+    _spawned_store[:] = [store]
     env = {
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
+        "MASTER_PORT": str(store.port),
         "WORLD_SIZE": str(nprocs),
         "LOCAL_WORLD_SIZE": str(nprocs),
         "NODE_RANK": "0",
@@ -178,6 +181,11 @@ def exit_quietly_when_done() -> None:
         os._exit(1 if failed else 0)
 
     atexit.register(finish)
+
+
+def take_spawned_store() -> Any:
+    """The TCPStore `spawn_and_run` bound for this rank 0, once; None in any other process."""
+    return _spawned_store.pop() if _spawned_store else None
 
 
 def mark_reported_elsewhere(err: BaseException, where: str) -> None:

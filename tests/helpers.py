@@ -1,0 +1,137 @@
+"""What the tests share: tiny modules and data, a fit-and-return helper, parameter comparison,
+checkpoint listing, and the environment a launched child starts from."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from trainer import Trainer, TrainModule
+from trainer.data import PackedDataset, TokenLoader
+from trainer.models.llama import LlamaConfig
+
+TESTS = Path(__file__).parent
+SEED = int(os.environ.get("TRAINER_TEST_SEED", "0"))  # every test's seed: a failure's report prints it
+DIST_SCRIPT = TESTS / "dist_script.py"
+
+# torchrun's, our spawner's and SLURM's variables: a child started by a test must not inherit a world
+LAUNCHER_KEYS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_JOB_ID",
+)
+
+LLAMA = LlamaConfig(
+    vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16, rope_theta=10000.0
+)
+
+
+class Regression(TrainModule):
+    """A small MLP on a regression task; `dropout` makes the run depend on the RNG."""
+
+    def __init__(self, dropout: float = 0.0, lr: float = 1e-2, optimizer: str = "adamw") -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Dropout(dropout), torch.nn.Linear(32, 1)
+        )
+        self.lr, self.optimizer_name = lr, optimizer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self):
+        if self.optimizer_name == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=self.lr)
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+def regression_data(n: int = 256, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    w = torch.randn(8, 1, generator=g)
+    return TensorDataset(x, torch.tanh(x @ w) + 0.05 * torch.randn(n, 1, generator=g))
+
+
+def regression_loader(batch_size: int = 16, shuffle: bool = False, n: int = 256) -> DataLoader:
+    return DataLoader(regression_data(n), batch_size=batch_size, shuffle=shuffle)
+
+
+SEQ_LEN = 16
+
+
+def token_loader(batch_size: int, vocab_size: int = LLAMA.vocab_size, n_tokens: int = 4000, seed: int = 1):
+    """Random tokens (a fixed generator) in SEQ_LEN blocks, shuffled with `seed`: {"input_ids", "labels"}."""
+    tokens = torch.randint(0, vocab_size, (n_tokens,), generator=torch.Generator().manual_seed(0))
+    return TokenLoader(PackedDataset(tokens, seq_len=SEQ_LEN), batch_size=batch_size, shuffle=True, seed=seed)
+
+
+def read_metrics(root: Path, key: str = "train/loss") -> dict[int, float]:
+    """step -> value of `key` from the always-on JSONL log."""
+    out = {}
+    for line in (Path(root) / "logs" / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if key in row:
+            out[row["step"]] = row[key]
+    return out
+
+
+def quiet(**overrides):
+    """Trainer kwargs for tests: no progress bar, log every step."""
+    return {"enable_progress_bar": False, "log_every_n_steps": 1, **overrides}
+
+
+def fit(module, loader, root: Path, steps: int, *, val_loader=None, ckpt_path=None, **kwargs) -> Trainer:
+    """One seeded `Trainer.fit` of `steps` optimizer steps, logging every step; returns the Trainer."""
+    trainer = Trainer(max_steps=steps, seed=kwargs.pop("seed", 0), default_root_dir=root, **quiet(**kwargs))
+    trainer.fit(module, loader, val_loader, ckpt_path=ckpt_path)
+    return trainer
+
+
+def params(module: torch.nn.Module) -> list[torch.Tensor]:
+    """A detached copy of the module's parameters, in order."""
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def assert_params_close(got, expected, atol: float = 1e-5) -> None:
+    """Parameter lists (tensors or nested lists) equal within `atol`, naming the first that is not."""
+    for i, (g, e) in enumerate(zip(got, expected, strict=True)):
+        diff = (torch.as_tensor(g) - torch.as_tensor(e)).abs().max().item()
+        assert diff <= atol, f"parameter {i} differs by {diff:.2e} (tolerance {atol})"
+
+
+def checkpoint_steps(root: Path) -> list[int]:
+    """The steps of the `step-N` checkpoints under root/checkpoints, ascending."""
+    return sorted(
+        int(p.name.split("-")[1])
+        for p in (Path(root) / "checkpoints").iterdir()
+        if p.name.startswith("step-")
+    )
+
+
+def launch_env(**extra: str) -> dict[str, str]:
+    """This process's environment without any launcher's variables, one thread per process, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_KEYS}
+    return {**env, "OMP_NUM_THREADS": "1", **extra}
