@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: train test lint bench setup
+.PHONY: train test lint bench setup mutate
 
 setup: $(VENV)/.installed
 
@@ -25,3 +25,7 @@ lint: setup
 
 bench: setup
 	$(BIN)/python bench/overhead.py && $(BIN)/python bench/throughput.py && $(BIN)/python bench/scaling.py && $(BIN)/python bench/checkpoint.py && $(BIN)/python bench/guards.py
+
+mutate: setup  ## mutation testing of the core files against the fast tests (hours; SAMPLE=N: N mutants per file)
+	$(BIN)/pip install -q -e '.[dev,mutate]'
+	$(BIN)/python .ci/mutate.py $(if $(SAMPLE),--sample $(SAMPLE)) $(if $(SEED),--seed $(SEED))

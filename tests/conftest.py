@@ -17,8 +17,10 @@ torch.set_num_threads(1)
 
 @pytest.fixture(autouse=True)
 def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every test: the same seed for torch and `random`, no torchrun/SLURM variables, and the token cache
-    (which the CLI and data tests write) under the test's own temp dir, never ~/.cache/trainer."""
+    """Every test: the same seed for torch and `random`, no torchrun/SLURM variables, and the working
+    directory and the token cache under the test's own temp dir: a default path (./runs) or a cache
+    write never lands in the repository or ~/.cache/trainer."""
+    monkeypatch.chdir(tmp_path)
     torch.manual_seed(SEED)
     random.seed(SEED)
     for key in LAUNCHER_KEYS:

@@ -14,12 +14,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import Regression, regression_loader  # noqa: E402
+from helpers import Regression, regression_loader  # noqa: E402
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 from callbacks import Callback, ModelCheckpoint, NaNGuard, StragglerDetector, Timer  # noqa: E402
 from strategies import DDPStrategy, FSDPStrategy  # noqa: E402
-from trainer import Trainer  # noqa: E402
+from trainer import Trainer, TrainModule  # noqa: E402
 from trainer.data import PackedDataset, TokenLoader  # noqa: E402
 from trainer.models.causal_lm import CausalLM  # noqa: E402
 from trainer.models.llama import LlamaConfig  # noqa: E402
@@ -32,6 +34,132 @@ LLAMA = LlamaConfig(
 def token_loader(batch_size: int) -> TokenLoader:
     tokens = torch.randint(0, 64, (4000,), generator=torch.Generator().manual_seed(0))
     return TokenLoader(PackedDataset(tokens, seq_len=16), batch_size=batch_size, shuffle=True, seed=1)
+
+
+def uneven_token_data(n: int = 64, length: int = 12) -> TensorDataset:
+    """(ids, labels) with -100 padding: even-indexed samples hold 8..12 valid labels, odd ones 1..3. The
+    data-parallel sampler deals even indices to rank 0 and odd ones to rank 1 (of 2): their token counts
+    differ about fourfold, so a token-mean loss is only right if the ranks' counts are combined correctly."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 16, (n, length), generator=g)
+    labels = torch.randint(0, 16, (n, length), generator=g)
+    valid = torch.where(
+        torch.arange(n) % 2 == 0,
+        torch.randint(8, length + 1, (n,), generator=g),
+        torch.randint(1, 4, (n,), generator=g),
+    )
+    labels[torch.arange(length)[None, :] >= valid[:, None]] = -100
+    return TensorDataset(ids, labels)
+
+
+class TokenMeanLM(TrainModule):
+    """Next-token loss averaged over the valid (label != -100) tokens of the micro-batch, reporting their
+    count; plain SGD, so every factor on the gradient shows in the update."""
+
+    def __init__(self, lr: float = 0.5) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8)
+        self.head = torch.nn.Linear(8, 16)
+        self.lr = lr
+
+    def training_step(self, batch, batch_idx):
+        ids, labels = batch
+        logits = self.head(self.emb(ids))
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        return {"loss": loss, "num_tokens": (labels != -100).sum()}
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class ActivationProbe:
+    """Measures one forward (the first training step's, on this rank): `saved_bytes`, the distinct
+    non-parameter storages that autograd saves for backward as seen by a hook around the whole step
+    (a checkpointed block's inner activations go through the checkpoint's own hook instead), and
+    `forward_bytes`, the CPU memory the forward allocated and had not freed when it returned."""
+
+    def __init__(self) -> None:
+        self.report: dict | None = None
+
+    def measure(self, module: torch.nn.Module, step):
+        from torch.profiler import ProfilerActivity, profile
+
+        own = {
+            (p.to_local() if isinstance(p, DTensor) else p).untyped_storage().data_ptr()
+            for p in module.parameters()
+        }
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in own:
+                saved[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        with (
+            profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof,
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        ):
+            out = step()
+        forward = sum(e.cpu_memory_usage for e in prof.events() if e.cpu_parent is None)
+        self.report = {"saved_bytes": sum(saved.values()), "forward_bytes": forward}
+        return out
+
+
+class ScriptLM(CausalLM):
+    """CausalLM with a choice of optimizer (SGD: the update shows every factor on the gradient), whose
+    first training step can be measured by an ActivationProbe."""
+
+    def __init__(self, *args, optimizer: str = "adamw", probe: ActivationProbe | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.optimizer_name, self.probe = optimizer, probe
+
+    def training_step(self, batch, batch_idx):
+        if self.probe is not None and self.probe.report is None:
+            return self.probe.measure(self, lambda: super(ScriptLM, self).training_step(batch, batch_idx))
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self):
+        if self.optimizer_name == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=self.lr)
+        return super().configure_optimizers()
+
+
+class PlacementProbe(Callback):
+    """Where FSDP put things on this rank: each fully_shard-ed module's offload policy, and the devices of
+    parameter shards, gradients (before the first optimizer step) and optimizer states (after it)."""
+
+    def __init__(self) -> None:
+        self.report: dict = {}
+
+    @staticmethod
+    def _devices(tensors) -> list[str]:
+        return sorted({str((t.to_local() if isinstance(t, DTensor) else t).device) for t in tensors})
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        if "grad_devices" in self.report:
+            return
+        sharded = [m for m in module.modules() if isinstance(m, FSDPModule)]
+        groups = [m._get_fsdp_state()._fsdp_param_group for m in sharded]
+        self.report.update(
+            sharded_modules=len(sharded),
+            cpu_offload_policies=sum(
+                isinstance(g.offload_policy, CPUOffloadPolicy) for g in groups if g is not None
+            ),
+            offloaded_params=sum(fp.offload_to_cpu for g in groups if g is not None for fp in g.fsdp_params),
+            fsdp_params=sum(len(g.fsdp_params) for g in groups if g is not None),
+            dtensor_params=sum(isinstance(p, DTensor) for p in module.parameters()),
+            params=sum(1 for _ in module.parameters()),
+            param_devices=self._devices(module.parameters()),
+            grad_devices=self._devices(p.grad for p in module.parameters() if p.grad is not None),
+        )
+
+    def on_train_batch_end(self, trainer, module, outputs):
+        if "state_devices" not in self.report:
+            states = trainer.optimizer.state.values()
+            self.report["state_devices"] = self._devices(
+                v for state in states for v in state.values() if isinstance(v, torch.Tensor) and v.dim()
+            )
 
 
 class MemoryProbe(Callback):
@@ -52,8 +180,10 @@ class MemoryProbe(Callback):
 class Sleepy(Regression):
     """Regression whose training step sleeps: `step_sleep` on every rank, plus `slow_sleep` on `slow_rank`."""
 
-    def __init__(self, step_sleep: float, slow_rank: int, slow_sleep: float) -> None:
-        super().__init__(dropout=0.0)
+    def __init__(
+        self, step_sleep: float, slow_rank: int, slow_sleep: float, lr: float = 1e-2, optimizer: str = "adamw"
+    ) -> None:
+        super().__init__(dropout=0.0, lr=lr, optimizer=optimizer)
         self.step_sleep, self.slow_rank, self.slow_sleep = step_sleep, slow_rank, slow_sleep
 
     def training_step(self, batch, batch_idx):
@@ -162,7 +292,12 @@ def main() -> None:
     p.add_argument("--offload", action="store_true")
     p.add_argument("--async-save", action="store_true")
     p.add_argument("--precision", default="32")
-    p.add_argument("--model", default="regression")
+    p.add_argument("--model", default="regression", choices=["regression", "llama", "tokens"])
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])  # "tokens" always uses SGD
+    p.add_argument("--lr", type=float, default=None)  # None: the model's own default
+    p.add_argument("--no-clip", action="store_true")  # gradient_clip_val=None instead of 0.5
+    p.add_argument("--report-activations", action="store_true")  # bytes the first forward keeps for backward
+    p.add_argument("--report-placement", action="store_true")  # FSDP offload policies and tensor devices
     p.add_argument("--validate", action="store_true")
     p.add_argument("--root", required=True)
     p.add_argument("--out", required=True)
@@ -185,7 +320,10 @@ def main() -> None:
     else:
         strategy = DDPStrategy(gradient_compression=a.compression, powersgd_start_iter=2, timeout_s=a.timeout)
     probe, stragglers = MemoryProbe(), Stragglers()
+    activations, placement = ActivationProbe() if a.report_activations else None, PlacementProbe()
     extra = [Timer()] if a.timer else []
+    if a.report_placement:
+        extra.append(placement)
     guard = NaNGuard(rollback_after=None)
     if a.nan_step >= 0:
         extra.append(guard)
@@ -198,7 +336,7 @@ def main() -> None:
         max_steps=a.steps,
         precision=a.precision,
         accumulate_grad_batches=a.accumulate,
-        gradient_clip_val=0.5,
+        gradient_clip_val=None if a.no_clip else 0.5,
         seed=0,
         log_every_n_steps=1,
         enable_progress_bar=False,
@@ -210,10 +348,18 @@ def main() -> None:
             ModelCheckpoint(every_n_steps=a.ckpt_every, save_top_k=a.top_k),
         ],
     )
+    lr = {} if a.lr is None else {"lr": a.lr}
     if a.model == "llama":
-        module, loader = CausalLM(LLAMA, lr=1e-2), token_loader(micro)
+        lr = {"lr": 1e-2, **lr}
+        if a.optimizer == "adamw" and activations is None:
+            module = CausalLM(LLAMA, **lr)
+        else:
+            module = ScriptLM(LLAMA, optimizer=a.optimizer, probe=activations, **lr)
+        loader = token_loader(micro)
+    elif a.model == "tokens":
+        module, loader = TokenMeanLM(**lr), DataLoader(uneven_token_data(), batch_size=micro)
     else:
-        module = Sleepy(a.step_sleep, a.slow_rank, a.slow_sleep)
+        module = Sleepy(a.step_sleep, a.slow_rank, a.slow_sleep, optimizer=a.optimizer, **lr)
         loader = regression_loader(batch_size=micro, shuffle=a.shuffle)
     val_loader = None
     if a.validate:
@@ -236,6 +382,8 @@ def main() -> None:
                     "stragglers": stragglers.reports,
                     "params": params,
                     "memory": {"grads": probe.grads, "states": probe.states},
+                    "activations": activations.report if activations is not None else None,
+                    "placement": placement.report,
                 }
             )
         )

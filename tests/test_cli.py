@@ -1,7 +1,6 @@
 """The `trainer` command: recipes run end to end; bad keys, types and paths give one-line errors."""
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -9,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import launch_env
 
 from trainer.cli import main
 from trainer.config import ConfigError, load_recipe
@@ -26,7 +26,7 @@ SMALL = [
 
 
 def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env = launch_env(WANDB_MODE="offline", HF_HUB_OFFLINE="1")  # TRAINER_CACHE: the test's tmp_path
     return subprocess.run(
         [sys.executable, "-m", "trainer.cli", *args],
         capture_output=True,
@@ -57,6 +57,9 @@ def test_fit_the_tiny_recipe_end_to_end_then_resume_and_validate(tmp_path):
     assert val[-1][1] < val[0][1] - 1.0, f"validation loss did not fall: {val}"
     assert "done: 20 steps" in done.stdout and "export/model.safetensors" in done.stdout
     assert (root / "export" / "config.json").exists() and (root / "checkpoints" / "step-00000020").is_dir()
+    assert list((tmp_path / "trainer-cache").iterdir()), (
+        "the token cache is written under the test's tmp_path"
+    )
 
     more = run_cli(
         "fit", *args[: -len(SMALL)], *SMALL, "trainer.max_steps=25", "--ckpt-path", "last", cwd=tmp_path

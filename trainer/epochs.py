@@ -19,9 +19,11 @@ from trainer.rng import rng_state, set_rng_state
 class EpochBatches:
     """Iterates `loader` one epoch at a time and knows how to come back to a position."""
 
-    def __init__(self, loader: Iterable, limit: int | float | None = None) -> None:
+    def __init__(
+        self, loader: Iterable, limit: int | float | None = None, name: str = "limit_train_batches"
+    ) -> None:
         self.loader = loader
-        self.limit = limit
+        self.limit, self.name = limit, name  # name: the Trainer flag the limit came from, for errors
         self.stateful = callable(getattr(loader, "state_dict", None)) and callable(
             getattr(loader, "load_state_dict", None)
         )
@@ -39,7 +41,7 @@ class EpochBatches:
         if isinstance(self.limit, float):
             if full is None:
                 raise ValueError(
-                    f"limit_train_batches={self.limit} is a fraction but the loader has no len(); pass an int"
+                    f"{self.name}={self.limit} is a fraction but the loader has no len(); pass an int"
                 )
             return int(full * self.limit)
         return self.limit if full is None else min(full, self.limit)

@@ -228,8 +228,8 @@ class Trainer:
         self._skip_reason = reason
 
     def rollback(self, before_step: int | None = None) -> Path:
-        """Put model, optimizer, LR schedule and step counter back to the newest good checkpoint (of a
-        step < `before_step`). The data stream goes on from where it is, so the batches since that
+        """Put model, optimizer, RNG streams, LR schedule and step counter back to the newest good checkpoint
+        (of a step < `before_step`). The data stream goes on from where it is, so the batches since that
         checkpoint are not replayed (as PaLM does after a loss spike). Call on every rank between steps."""
         path = ckpt.find_last_good(self.checkpoint_dir, before_step) if self.is_global_zero else None
         path = self.strategy.broadcast_object(path, group="world")
@@ -242,6 +242,7 @@ class Trainer:
         loop = state["loop"]
         self.state.global_step, self.state.productive_s = loop["global_step"], loop.get("productive_s", 0.0)
         self.state.restarts += 1
+        self._restore_rng(state)
         self._restore_schedule(state)
         if self._progress is not None:
             self._progress.reset(self.global_step)
@@ -316,6 +317,11 @@ class Trainer:
             val_loader = self._loader(val_loader, train=False) if val_loader is not None else None
             self.val_dataloaders = val_loader
             self._train_batches = EpochBatches(train_loader, self.limit_train_batches)
+            if self.limit_train_batches is not None and self._train_batches.epoch_length() == 0:
+                raise ValueError(
+                    f"limit_train_batches={self.limit_train_batches} leaves no batch of the train loader per "
+                    "epoch; allowed: a limit that keeps at least one batch"
+                )
             self._setup_optimizer(module)
             resume_from = self._resolve_checkpoint(ckpt_path)
             if resume_from is not None:
@@ -484,7 +490,7 @@ class Trainer:
         module.eval()
         self.metrics.reset()
         losses: list[torch.Tensor] = []
-        n_batches = EpochBatches(loader, limit).epoch_length()
+        n_batches = EpochBatches(loader, limit, "limit_val_batches").epoch_length()
         with isolated_rng(), torch.no_grad():
             for idx, batch in enumerate(loader):
                 if n_batches is not None and idx >= n_batches:
@@ -658,11 +664,15 @@ class Trainer:
             rank_zero_info(f"resuming from {found}: step {meta.get('step', '?')}, saved {saved}")
         return found
 
+    def _restore_rng(self, state: dict[str, Any]) -> None:
+        """This rank's RNG streams as saved (rank 0's when the world size changed)."""
+        rngs = state["rng"]
+        set_rng_state(rngs[self.strategy.global_rank] if len(rngs) == self.strategy.world_size else rngs[0])
+
     def _restore(self, path: Path) -> None:
         state = self.strategy.load_checkpoint(path, self.module, self.optimizer)
         self.state.load_state_dict(state["loop"])
-        rngs = state["rng"]
-        set_rng_state(rngs[self.strategy.global_rank] if len(rngs) == self.strategy.world_size else rngs[0])
+        self._restore_rng(state)
         self._restore_schedule(state)
         self._train_batches.load_state_dict(state["data"])
         for cb in self.callbacks:
