@@ -14,62 +14,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from helpers import Regression, regression_loader  # noqa: E402
+from helpers import LLAMA, Regression, TokenMeanLM, regression_loader, token_loader, uneven_token_data  # noqa: E402
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
 
 from callbacks import Callback, ModelCheckpoint, NaNGuard, StragglerDetector, Timer  # noqa: E402
 from strategies import DDPStrategy, FSDPStrategy  # noqa: E402
-from trainer import Trainer, TrainModule  # noqa: E402
-from trainer.data import PackedDataset, TokenLoader  # noqa: E402
+from trainer import Trainer  # noqa: E402
 from trainer.models.causal_lm import CausalLM  # noqa: E402
-from trainer.models.llama import LlamaConfig  # noqa: E402
-
-LLAMA = LlamaConfig(
-    vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16, rope_theta=10000.0
-)
-
-
-def token_loader(batch_size: int) -> TokenLoader:
-    tokens = torch.randint(0, 64, (4000,), generator=torch.Generator().manual_seed(0))
-    return TokenLoader(PackedDataset(tokens, seq_len=16), batch_size=batch_size, shuffle=True, seed=1)
-
-
-def uneven_token_data(n: int = 64, length: int = 12) -> TensorDataset:
-    """(ids, labels) with -100 padding: even-indexed samples hold 8..12 valid labels, odd ones 1..3. The
-    data-parallel sampler deals even indices to rank 0 and odd ones to rank 1 (of 2): their token counts
-    differ about fourfold, so a token-mean loss is only right if the ranks' counts are combined correctly."""
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 16, (n, length), generator=g)
-    labels = torch.randint(0, 16, (n, length), generator=g)
-    valid = torch.where(
-        torch.arange(n) % 2 == 0,
-        torch.randint(8, length + 1, (n,), generator=g),
-        torch.randint(1, 4, (n,), generator=g),
-    )
-    labels[torch.arange(length)[None, :] >= valid[:, None]] = -100
-    return TensorDataset(ids, labels)
-
-
-class TokenMeanLM(TrainModule):
-    """Next-token loss averaged over the valid (label != -100) tokens of the micro-batch, reporting their
-    count; plain SGD, so every factor on the gradient shows in the update."""
-
-    def __init__(self, lr: float = 0.5) -> None:
-        super().__init__()
-        self.emb = torch.nn.Embedding(16, 8)
-        self.head = torch.nn.Linear(8, 16)
-        self.lr = lr
-
-    def training_step(self, batch, batch_idx):
-        ids, labels = batch
-        logits = self.head(self.emb(ids))
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
-        return {"loss": loss, "num_tokens": (labels != -100).sum()}
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
 class ActivationProbe:
@@ -357,7 +310,7 @@ def main() -> None:
             module = ScriptLM(LLAMA, optimizer=a.optimizer, probe=activations, **lr)
         loader = token_loader(micro)
     elif a.model == "tokens":
-        module, loader = TokenMeanLM(**lr), DataLoader(uneven_token_data(), batch_size=micro)
+        module, loader = TokenMeanLM(**lr), DataLoader(uneven_token_data(by_parity=True), batch_size=micro)
     else:
         module = Sleepy(a.step_sleep, a.slow_rank, a.slow_sleep, optimizer=a.optimizer, **lr)
         loader = regression_loader(batch_size=micro, shuffle=a.shuffle)

@@ -3,13 +3,17 @@ checkpoint listing, and the environment a launched child starts from."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
+import time
+import types
 from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from callbacks import Callback
 from trainer import Trainer, TrainModule
 from trainer.data import PackedDataset, TokenLoader
 from trainer.models.llama import LlamaConfig
@@ -88,6 +92,44 @@ def token_loader(batch_size: int, vocab_size: int = LLAMA.vocab_size, n_tokens: 
     return TokenLoader(PackedDataset(tokens, seq_len=SEQ_LEN), batch_size=batch_size, shuffle=True, seed=seed)
 
 
+class TokenMeanLM(TrainModule):
+    """Next-token loss averaged over the valid (label != -100) tokens of the micro-batch, reporting their
+    count unless `report_tokens=False`; plain SGD, so every factor on the gradient shows in the update."""
+
+    def __init__(self, lr: float = 0.5, report_tokens: bool = True) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8)
+        self.head = torch.nn.Linear(8, 16)
+        self.lr, self.report_tokens = lr, report_tokens
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(ids))
+
+    def training_step(self, batch, batch_idx):
+        ids, labels = batch
+        loss = torch.nn.functional.cross_entropy(self(ids).flatten(0, 1), labels.flatten(), ignore_index=-100)
+        return {"loss": loss, "num_tokens": (labels != -100).sum()} if self.report_tokens else loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def uneven_token_data(n: int = 64, length: int = 12, by_parity: bool = False) -> TensorDataset:
+    """(ids, labels) with -100 padding after 1..`length` valid labels per sample. `by_parity`: even samples
+    hold 8..12 valid labels and odd ones 1..3, so the two ranks of a data-parallel sampler (even indices to
+    rank 0, odd to rank 1) see about fourfold different token counts."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 16, (n, length), generator=g)
+    labels = torch.randint(0, 16, (n, length), generator=g)
+    if by_parity:
+        many, few = torch.randint(8, length + 1, (n,), generator=g), torch.randint(1, 4, (n,), generator=g)
+        valid = torch.where(torch.arange(n) % 2 == 0, many, few)
+    else:
+        valid = torch.randint(1, length + 1, (n,), generator=g)
+    labels[torch.arange(length)[None, :] >= valid[:, None]] = -100
+    return TensorDataset(ids, labels)
+
+
 def read_metrics(root: Path, key: str = "train/loss") -> dict[int, float]:
     """step -> value of `key` from the always-on JSONL log."""
     out = {}
@@ -101,6 +143,17 @@ def read_metrics(root: Path, key: str = "train/loss") -> dict[int, float]:
 def quiet(**overrides):
     """Trainer kwargs for tests: no progress bar, log every step."""
     return {"enable_progress_bar": False, "log_every_n_steps": 1, **overrides}
+
+
+class StopAt(Callback):
+    """Saves a checkpoint after optimizer step `step` and ends the fit there, as a preempted run would."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, module, outputs):
+        if trainer.global_step == self.step:
+            trainer.save_and_stop("test interruption")
 
 
 def fit(module, loader, root: Path, steps: int, *, val_loader=None, ckpt_path=None, **kwargs) -> Trainer:
@@ -129,6 +182,29 @@ def checkpoint_steps(root: Path) -> list[int]:
         for p in (Path(root) / "checkpoints").iterdir()
         if p.name.startswith("step-")
     )
+
+
+class FakeClock:
+    """A clock that moves only when the test moves it: what a test expects of time is exact, and does not
+    depend on how fast or loaded this machine is."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def fake_time(monkeypatch, module: str, clock: FakeClock, *clocks: str) -> None:
+    """Give `module` (e.g. "trainer.trainer") a `time` whose functions named in `clocks` read `clock`;
+    the real `time` and every other module are untouched."""
+    shim = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) if not k.startswith("_")})
+    for name in clocks:
+        setattr(shim, name, clock)
+    monkeypatch.setattr(importlib.import_module(module), "time", shim)
 
 
 def launch_env(**extra: str) -> dict[str, str]:

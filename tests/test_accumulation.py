@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from helpers import Regression, fit, params, quiet, regression_loader
-from torch.utils.data import DataLoader, TensorDataset
+from helpers import Regression, TokenMeanLM, fit, params, quiet, regression_loader, uneven_token_data
+from torch.utils.data import DataLoader
 
-from trainer import Trainer, TrainModule
+from trainer import Trainer
 
 
 def fit_params(module, loader, root, **kwargs):
@@ -20,36 +20,6 @@ def test_accumulating_four_micro_batches_equals_one_batch_four_times_larger(tmp_
     acc = fit_params(Regression(), regression_loader(batch_size=8), tmp_path / "b", accumulate_grad_batches=4)
     for a, b in zip(big, acc, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
-
-
-class TokenMeanLM(TrainModule):
-    """Next-token loss averaged over the *valid* (label != -100) tokens of the micro-batch."""
-
-    def __init__(self, report_tokens: bool = True) -> None:
-        super().__init__()
-        self.emb = torch.nn.Embedding(16, 8)
-        self.head = torch.nn.Linear(8, 16)
-        self.report_tokens = report_tokens
-
-    def training_step(self, batch, batch_idx):
-        ids, labels = batch
-        logits = self.head(self.emb(ids))
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
-        if self.report_tokens:
-            return {"loss": loss, "num_tokens": (labels != -100).sum()}
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.5)
-
-
-def uneven_token_data(n: int = 64, length: int = 12) -> TensorDataset:
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 16, (n, length), generator=g)
-    labels = torch.randint(0, 16, (n, length), generator=g)
-    valid = torch.randint(1, length + 1, (n,), generator=g)  # 1..12 valid tokens per sample
-    labels[torch.arange(length)[None, :] >= valid[:, None]] = -100
-    return TensorDataset(ids, labels)
 
 
 def test_token_weighted_accumulation_equals_one_large_batch_with_uneven_token_counts(tmp_path):

@@ -19,7 +19,7 @@ import math
 
 import pytest
 import torch
-from helpers import Regression, quiet, read_metrics, regression_loader
+from helpers import Regression, StopAt, quiet, read_metrics, regression_loader
 
 from callbacks import Callback
 from trainer import Trainer
@@ -84,17 +84,6 @@ class CountingRegression(Regression):
     def training_step(self, batch, batch_idx):
         self.micro_batches += 1
         return super().training_step(batch, batch_idx)
-
-
-class StopAt(Callback):
-    """Saves a checkpoint after optimizer step `step` and ends the fit there, as a preempted run would."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer, module, outputs):
-        if trainer.global_step == self.step:
-            trainer.save_and_stop("test interruption")
 
 
 def fit_recording(root, schedule, max_steps=TOTAL, stop_at=None, ckpt_path=None, **kwargs):

@@ -11,8 +11,8 @@ import sys
 import time
 
 import pytest
-from helpers import SEED, launch_env, read_metrics
-from test_ddp import SCRIPT, assert_params_close, result, run, torchrun
+from helpers import SEED, assert_params_close, launch_env, read_metrics
+from test_ddp import SCRIPT, result, run, torchrun
 
 pytestmark = pytest.mark.slow
 

@@ -11,15 +11,12 @@ import sys
 
 import pytest
 import torch
-from helpers import read_metrics
-from test_ddp import SCRIPT, assert_params_close, result, run, single_process
+from helpers import LLAMA, assert_params_close, read_metrics, token_loader
+from test_ddp import SCRIPT, result, run, single_process
 
 from strategies import FSDPStrategy
 from trainer import Trainer
 from trainer.models.causal_lm import CausalLM
-
-sys.path.insert(0, str(SCRIPT.parent))
-from dist_script import LLAMA, token_loader  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -18,11 +18,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import DIST_SCRIPT, LLAMA, Regression, fit, launch_env, read_metrics, regression_data
+from helpers import (
+    DIST_SCRIPT,
+    LLAMA,
+    Regression,
+    TokenMeanLM,
+    fit,
+    launch_env,
+    read_metrics,
+    regression_data,
+    token_loader,
+    uneven_token_data,
+)
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(DIST_SCRIPT.parent))
-from dist_script import ScriptLM, TokenMeanLM, token_loader, uneven_token_data  # noqa: E402
+from dist_script import ScriptLM  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -146,7 +157,7 @@ def test_token_mean_loss_with_uneven_tokens_per_rank_matches_one_process(tmp_pat
     )
     assert out["world_size"] == 2
 
-    data = uneven_token_data()
+    data = uneven_token_data(by_parity=True)
     labels = data.tensors[1][:GLOBAL_BATCH]
     per_rank = [(labels[r::2] != -100).sum().item() for r in (0, 1)]
     assert per_rank[0] > 3 * per_rank[1], f"the ranks' first batches hold {per_rank} tokens: not uneven"

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import Regression, quiet, read_metrics, regression_data
+from helpers import Regression, StopAt, quiet, read_metrics, regression_data
 from torch.utils.data import DataLoader
 
-from callbacks import Callback
 from trainer import Trainer
 
 TRAIN_N, TRAIN_BS = 256, 16  # 16 training batches per epoch
@@ -141,15 +140,6 @@ def test_limit_val_batches_zero_runs_no_validation_step(tmp_path):
     fit(tmp_path, module, val=val_loader(), max_epochs=2, limit_train_batches=4, limit_val_batches=0)
     assert module.val_calls == []
     assert read_metrics(tmp_path, "val/loss") == {}
-
-
-class StopAt(Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer, module, outputs):
-        if trainer.global_step == self.step:
-            trainer.save_and_stop("test interruption")
 
 
 def test_a_resumed_run_keeps_the_limit(tmp_path):

@@ -7,33 +7,16 @@ after each step that must never count), so the expected value is exact: kept ste
 
 from __future__ import annotations
 
-import importlib
-import time
-import types
-
 import pytest
 import torch
-from helpers import Regression, quiet, regression_loader
+from helpers import FakeClock, Regression, StopAt, fake_time, quiet, regression_loader
 
 from callbacks import Callback, ModelCheckpoint, NaNGuard
 from trainer import Trainer
 
-trainer_module = importlib.import_module("trainer.trainer")
-
 STEP_S = 1.0  # fake seconds per training_step call (one micro-batch)
 VAL_S = 100.0  # fake seconds per validation_step call: never productive
 STALL_S = 10.0  # fake seconds after each step (logging, checkpoints): never productive
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def perf_counter(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 @pytest.fixture
@@ -41,9 +24,7 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
     """trainer/trainer.py's `time`, with only perf_counter faked (time.time etc. stay real, and no other
     module, trainer.timing included, sees the fake)."""
     fake = FakeClock()
-    shim = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) if not k.startswith("_")})
-    shim.perf_counter = fake.perf_counter
-    monkeypatch.setattr(trainer_module, "time", shim)
+    fake_time(monkeypatch, "trainer.trainer", fake, "perf_counter")
     return fake
 
 
@@ -82,15 +63,6 @@ class Stall(Callback):
 
     def on_train_batch_end(self, trainer, module, outputs):
         self.clock.advance(STALL_S)
-
-
-class StopAt(Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer, module, outputs):
-        if trainer.global_step == self.step:
-            trainer.save_and_stop("test interruption")
 
 
 def fit(root, clock, steps, callbacks, ckpt_path=None, **kwargs) -> Trainer:

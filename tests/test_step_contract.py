@@ -5,8 +5,7 @@ normalisation, clipping order and logging stay the same."""
 from __future__ import annotations
 
 import torch
-from helpers import Regression, quiet, read_metrics, regression_loader
-from test_accumulation import TokenMeanLM, uneven_token_data
+from helpers import Regression, TokenMeanLM, quiet, read_metrics, regression_loader, uneven_token_data
 from torch.utils.data import DataLoader, Subset
 
 from callbacks import Callback

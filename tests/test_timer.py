@@ -5,12 +5,11 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import time
 from datetime import timedelta
 
 import pytest
 import torch
-from helpers import Regression, fit, regression_loader
+from helpers import FakeClock, Regression, fake_time, fit, regression_loader
 
 from callbacks import Callback, ModelCheckpoint, Timer
 
@@ -50,16 +49,26 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_and_the_run_resumes_exa
         assert torch.equal(p, q)
 
 
-class Slow(Callback):
+class Takes(Callback):
+    """Each step takes `seconds` on the Timer's (fake) clock: listed before the Timer, it moves the clock
+    between the Timer's step start and step end."""
+
+    def __init__(self, clock: FakeClock, seconds: float) -> None:
+        self.clock, self.seconds = clock, seconds
+
     def on_train_batch_end(self, trainer, module, outputs):
-        time.sleep(0.05)
+        self.clock.advance(self.seconds)
 
 
-def test_a_near_deadline_stops_early_with_a_checkpoint(tmp_path, caplog):
+def test_a_near_deadline_stops_early_with_a_checkpoint(tmp_path, caplog, monkeypatch):
+    clock = FakeClock()
+    fake_time(monkeypatch, "callbacks.timer", clock, "monotonic")
     with caplog.at_level(logging.INFO, logger="trainer"):
-        _, trainer = run(tmp_path, 1000, [Slow(), Timer(duration=0.5)])
-    assert 1 <= trainer.global_step < 1000
-    assert any("time limit is near" in r.message for r in caplog.records)
+        # 1 s steps, a 100 s limit: after step k, k s have passed and the longest step is 1 s, so the
+        # first step that ends with less than 1 s to spare (99 + 1 >= 100) is 99
+        _, trainer = run(tmp_path, 1000, [Takes(clock, 1.0), Timer(duration=100)])
+    assert trainer.global_step == 99
+    assert any("the 100 s time limit is near" in r.message for r in caplog.records)
     assert (tmp_path / "checkpoints" / f"step-{trainer.global_step:08d}").exists()
 
 
