@@ -35,6 +35,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sample", type=int, default=None, help="mutants per file (default: all)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--files", nargs="*", help="sample only these of the configured files (with --sample)")
     p.add_argument("--keep", action="store_true", help="reuse mutants/ (results of an earlier run stand)")
     a = p.parse_args()
     if not a.keep:
@@ -45,9 +46,8 @@ def main() -> None:
         # generate the mutants and the test map (a filter matching nothing stops mutmut right after)
         subprocess.run([MUTMUT, "run", "generate-only"], capture_output=True)
         rng = random.Random(a.seed)
-        names = [
-            n for keys in mutant_keys().values() for n in rng.sample(sorted(keys), min(a.sample, len(keys)))
-        ]
+        files = {path: keys for path, keys in mutant_keys().items() if not a.files or path in a.files}
+        names = [n for keys in files.values() for n in rng.sample(sorted(keys), min(a.sample, len(keys)))]
         subprocess.run([MUTMUT, "run", *names], check=True)
     report()
 
