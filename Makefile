@@ -26,6 +26,6 @@ lint: setup
 bench: setup
 	$(BIN)/python bench/overhead.py && $(BIN)/python bench/throughput.py && $(BIN)/python bench/scaling.py && $(BIN)/python bench/checkpoint.py && $(BIN)/python bench/guards.py
 
-mutate: setup  ## mutation testing of the core files against the fast tests (hours; SAMPLE=N: N mutants per file)
+mutate: setup  ## mutation testing of the core files (hours; SAMPLE=N: N mutants per file; GLOO=N: strategies vs gloo tests)
 	$(BIN)/pip install -q -e '.[dev,mutate]'
-	$(BIN)/python .ci/mutate.py $(if $(SAMPLE),--sample $(SAMPLE)) $(if $(SEED),--seed $(SEED))
+	$(BIN)/python .ci/mutate.py $(if $(SAMPLE),--sample $(SAMPLE)) $(if $(GLOO),--gloo $(GLOO)) $(if $(SEED),--seed $(SEED))

@@ -4,14 +4,17 @@ changed function; a mutant the tests do not fail on "survived". Prints the score
 survivors. All ~3,700 mutants take hours on 2 cores, so `--sample N` tries N mutants per file, drawn with
 `--seed`; `mutmut show NAME` prints a survivor's diff.
 
-Multi-process tests are not used: their ranks import the project from the install, not mutmut's copy, so
-strategies/ddp.py, fsdp.py and zero1.py are mostly "not reached" here; the gloo tests cover them instead.
+mutmut's own runs use only tests that call the mutated function in pytest's process, so strategies/ddp.py,
+fsdp.py and zero1.py, whose code runs in spawned ranks, are mostly "not reached" by them. `--gloo N` tries
+N mutants of each of those files against the multi-process gloo tests in GLOO_TESTS instead: the ranks
+import mutmut's copy (PYTHONPATH) and inherit the mutant's name (MUTANT_UNDER_TEST).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import subprocess
@@ -20,6 +23,25 @@ from collections import Counter
 from pathlib import Path
 
 MUTMUT = str(Path(sys.executable).with_name("mutmut"))
+GLOO_TESTS = {  # the gloo tests a mutant of each strategy file must fail (fastest first: -x stops there)
+    "strategies/ddp.py": [
+        "tests/test_gradient_sync.py::test_two_ranks_with_sgd_and_no_clipping_match_one_process_step_by_step[ddp-accumulate2]",
+        "tests/test_gradient_sync.py::test_token_mean_loss_with_uneven_tokens_per_rank_matches_one_process",
+        "tests/test_ddp.py::test_gradient_compression_trains_close_to_exact_all_reduce",
+    ],
+    "strategies/zero1.py": [
+        "tests/test_gradient_sync.py::test_two_ranks_with_sgd_and_no_clipping_match_one_process_step_by_step[zero1]",
+        "tests/test_fsdp.py::test_each_zero_stage_matches_one_process_and_holds_the_formula_memory[2-1]",
+        "tests/test_fsdp.py::test_validation_runs_through_the_sharded_model[1]",
+    ],
+    "strategies/fsdp.py": [
+        "tests/test_async_save.py",
+        "tests/test_fsdp.py::test_bad_fsdp_arguments_are_named",
+        "tests/test_gradient_sync.py::test_two_ranks_with_sgd_and_no_clipping_match_one_process_step_by_step[zero3-llama-accumulate2]",
+        "tests/test_fsdp_memory_features.py",
+        "tests/test_fsdp.py::test_a_sharded_checkpoint_resumes_on_another_world_size",
+    ],
+}
 STATUS = {1: "killed", 3: "killed", 36: "killed", 0: "survived", 33: "not reached", 34: "skipped"}
 
 
@@ -36,10 +58,16 @@ def main() -> None:
     p.add_argument("--sample", type=int, default=None, help="mutants per file (default: all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--files", nargs="*", help="sample only these of the configured files (with --sample)")
+    p.add_argument("--gloo", type=int, default=None, help="N mutants per strategy file, against gloo tests")
     p.add_argument("--keep", action="store_true", help="reuse mutants/ (results of an earlier run stand)")
     a = p.parse_args()
     if not a.keep:
         shutil.rmtree("mutants", ignore_errors=True)  # mutmut skips copies that exist: stale source otherwise
+    if a.gloo is not None:
+        if not a.keep:
+            subprocess.run([MUTMUT, "run", "generate-only"], capture_output=True)
+        gloo(a.gloo, random.Random(a.seed))
+        return
     if a.sample is None:
         subprocess.run([MUTMUT, "run"], check=True)
     else:
@@ -50,6 +78,48 @@ def main() -> None:
         names = [n for keys in files.values() for n in rng.sample(sorted(keys), min(a.sample, len(keys)))]
         subprocess.run([MUTMUT, "run", *names], check=True)
     report()
+
+
+def gloo(n: int, rng: random.Random) -> None:
+    """Run `n` mutants of each file in GLOO_TESTS against its multi-process tests; print a line each."""
+    keys, env = mutant_keys(), {**os.environ, "PYTHONPATH": str(Path("mutants").resolve())}
+    print(f"{'file':28} {'tried':>6} {'killed':>7} {'survived':>9} {'score':>6}")
+    survivors = []
+    for path, tests in GLOO_TESTS.items():
+        names = rng.sample(sorted(keys[path]), min(n, len(keys[path])))
+        if run_tests(tests, env, mutant="") != 0:
+            sys.exit(f"the gloo tests of {path} fail without a mutant: fix them first ({' '.join(tests)})")
+        killed = 0
+        for name in names:
+            survived = run_tests(tests, env, mutant=name) == 0
+            print(f"  {name}: {'survived' if survived else 'killed'}", flush=True)
+            killed += not survived
+            survivors += [name] if survived else []
+        print(
+            f"{path:28} {len(names):6} {killed:7} {len(names) - killed:9} {100 * killed / len(names):5.1f}%"
+        )
+    if survivors:
+        print("\nnot killed (mutmut show NAME for the change):")
+        print("\n".join(f"  {name}" for name in survivors))
+
+
+def run_tests(tests: list[str], env: dict[str, str], mutant: str) -> int:
+    """pytest's exit code for `tests` in mutmut's copy with `mutant` switched on ("" for none)."""
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-x",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "timeout=150",
+        *tests,
+    ]
+    return subprocess.run(
+        command, cwd="mutants", env={**env, "MUTANT_UNDER_TEST": mutant}, capture_output=True
+    ).returncode
 
 
 def report() -> None:
