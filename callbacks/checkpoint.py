@@ -316,7 +316,7 @@ class ModelCheckpoint(Callback):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.saved = []
-        for c in state.get("saved", []):
+        for c in state["saved"]:  # what `state_dict` returned: always has "saved"
             path = Path(c["path"])
             if path.exists():  # a checkpoint's own entry was written before it was validated
                 good = (path / ckpt.VALIDATED_FILE).exists() or not self.validate

@@ -282,6 +282,7 @@ class Strategy:
 
     def reduce(self, tensor: torch.Tensor, op: str = "mean", *, group: str) -> torch.Tensor:
         """All-reduce over the ranks of `group`: "mean", "sum", "max" or "min"."""
+        check_reduce_op(op)
         check_group_name(group)
         return tensor
 
@@ -365,3 +366,14 @@ def load_module_state(module: nn.Module, state_dict: dict[str, torch.Tensor], so
             f"checkpoint '{source}' does not fit {type(module).__name__}: {'; '.join(parts)}"
         )
     module.load_state_dict(state_dict)
+
+
+REDUCE_OPS = ("mean", "sum", "max", "min")
+
+
+def check_reduce_op(op: str) -> str:
+    """`op` if `Strategy.reduce` knows it; a ValueError listing the ops otherwise. One process checks it
+    too, so a typo fails on a laptop rather than on the first multi-GPU run."""
+    if op not in REDUCE_OPS:
+        raise ValueError(f"reduce op {op!r} is unknown; allowed: {', '.join(REDUCE_OPS)}")
+    return op

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from strategies.base import Strategy
+from strategies.base import Strategy, check_reduce_op
 from strategies.parallel_dims import ParallelDims, ParallelMesh
 from trainer import flags
 from trainer.launch import (
@@ -155,8 +155,7 @@ class MeshStrategy(Strategy):
 
     # ---- collectives: each over a named group; on a group of one rank they are no-ops ----------------
     def reduce(self, tensor: torch.Tensor, op: str = "mean", *, group: str) -> torch.Tensor:
-        if op not in _REDUCE_OPS:
-            raise ValueError(f"reduce op {op!r} is unknown; allowed: {', '.join(_REDUCE_OPS)}")
+        check_reduce_op(op)
         out = tensor.detach().clone().to(self.root_device)
         size = self.group_size(group)
         if size > 1:

@@ -1,8 +1,10 @@
 """Checkpoints: atomic directories, retention, tied weights, and loading that never runs code."""
 
 import json
+import re
 
 import pytest
+import safetensors.torch
 import torch
 from helpers import Regression, checkpoint_steps, quiet, regression_loader
 
@@ -137,3 +139,159 @@ def test_trainmodule_log_outside_a_run_is_an_error():
 
     with pytest.raises(RuntimeError, match=r"M.log\('x'\) called outside of a Trainer run"):
         M().log("x", 1.0)
+
+
+def test_meta_json_records_the_format_the_step_and_when_it_was_saved(tmp_path):
+    Trainer(max_steps=2, default_root_dir=tmp_path, **quiet()).fit(Regression(), regression_loader())
+    meta = json.loads((tmp_path / "checkpoints" / "step-00000002" / "meta.json").read_text())
+    # format 1: weights in model.safetensors (a sharded FSDP checkpoint says "dcp"); tools pick the reader by it
+    assert meta["format"] == 1 and meta["step"] == 2 and isinstance(meta["time"], float)
+    assert meta["files"] == ["model.safetensors", "optimizer.pt", "state.pt"]
+
+
+def test_a_new_checkpoint_of_the_same_step_replaces_the_old_one(tmp_path):
+    earlier = Regression()
+    Trainer(max_steps=2, default_root_dir=tmp_path, **quiet()).fit(earlier, regression_loader())
+    later = Regression()  # other initial weights: a fresh run in the same folder
+    Trainer(max_steps=2, default_root_dir=tmp_path, **quiet()).fit(later, regression_loader())
+    assert checkpoint_steps(tmp_path) == [2]
+    assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".")]
+    saved = load_model_file(tmp_path / "checkpoints" / "step-00000002" / "model.safetensors")
+    assert all(torch.equal(saved[k], v) for k, v in later.state_dict().items())
+    assert not torch.equal(saved["net.0.weight"], earlier.net[0].weight)
+
+
+class TiedGain(Regression):
+    """A one-element gain applied twice: two layers share the same 1x1 weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain_in = torch.nn.Linear(1, 1, bias=False)
+        self.gain_out = torch.nn.Linear(1, 1, bias=False)
+        self.gain_out.weight = self.gain_in.weight
+
+    def forward(self, x):
+        return self.gain_out(self.gain_in(self.net(x)))
+
+
+def test_a_tied_one_element_weight_is_saved_once_and_a_resume_continues_exactly(tmp_path):
+    torch.manual_seed(0)
+    straight = TiedGain()
+    Trainer(max_steps=4, seed=0, default_root_dir=tmp_path / "straight", **quiet()).fit(
+        straight, regression_loader()
+    )
+    torch.manual_seed(0)
+    Trainer(max_steps=2, seed=0, default_root_dir=tmp_path / "run", **quiet()).fit(
+        TiedGain(), regression_loader()
+    )
+    saved = load_model_file(tmp_path / "run" / "checkpoints" / "step-00000002" / "model.safetensors")
+    assert saved["gain_out.weight"] is saved["gain_in.weight"]
+    torch.manual_seed(0)
+    resumed = TiedGain()
+    Trainer(max_steps=4, seed=0, default_root_dir=tmp_path / "run", **quiet()).fit(
+        resumed, regression_loader(), ckpt_path="last"
+    )
+    assert resumed.gain_out.weight is resumed.gain_in.weight
+    for (name, a), b in zip(straight.named_parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b), f"parameter {name} differs after resume"
+
+
+def rewrite_manifest(ckpt_dir, drop=()):
+    """Record the files as they are now (what a tool that rewrote a file would do); drop keys from meta.json."""
+    meta = json.loads((ckpt_dir / "meta.json").read_text())
+    meta["manifest"] = manifest(ckpt_dir)
+    for key in drop:
+        meta.pop(key)
+    (ckpt_dir / "meta.json").write_text(json.dumps(meta))
+
+
+def test_weights_written_by_plain_safetensors_without_alias_metadata_load(tmp_path):
+    trained = Regression()
+    Trainer(max_steps=2, default_root_dir=tmp_path, **quiet()).fit(trained, regression_loader())
+    ckpt = tmp_path / "checkpoints" / "step-00000002"
+    weights = safetensors.torch.load_file(ckpt / "model.safetensors")
+    safetensors.torch.save_file(weights, ckpt / "model.safetensors")  # no metadata at all
+    rewrite_manifest(ckpt)
+    fresh = Regression()
+    Trainer(default_root_dir=tmp_path, **quiet()).validate(fresh, regression_loader(), ckpt_path=ckpt)
+    for a, b in zip(trained.parameters(), fresh.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_checkpoint_with_a_corrupted_meta_json_is_named(tmp_path):
+    Trainer(max_steps=2, default_root_dir=tmp_path, **quiet()).fit(Regression(), regression_loader())
+    ckpt = tmp_path / "checkpoints" / "step-00000002"
+    (ckpt / "meta.json").write_text('{"step": 2, "fil')  # cut short
+    with pytest.raises(
+        CheckpointError, match=rf"^checkpoint '{re.escape(str(ckpt))}' has a corrupted meta.json \("
+    ):
+        Trainer(max_steps=4, default_root_dir=tmp_path, **quiet()).fit(
+            Regression(), regression_loader(), ckpt_path=ckpt
+        )
+
+
+def test_a_checkpoint_from_before_manifests_loads_and_a_lost_file_is_reported_missing(tmp_path):
+    trained = Regression()
+    Trainer(max_steps=2, default_root_dir=tmp_path, **quiet()).fit(trained, regression_loader())
+    ckpt = tmp_path / "checkpoints" / "step-00000002"
+    # the first format: meta.json lists the files, with no checksums and nothing about validation
+    rewrite_manifest(ckpt, drop=("manifest", "pending_validation"))
+    (ckpt / "validated.json").unlink()
+    fresh = Regression()
+    Trainer(default_root_dir=tmp_path, **quiet()).validate(fresh, regression_loader(), ckpt_path=ckpt)
+    assert all(torch.equal(a, b) for a, b in zip(trained.parameters(), fresh.parameters(), strict=True))
+    (ckpt / "model.safetensors").unlink()  # lost in a copy: it is missing, not corrupted
+    with pytest.raises(
+        CheckpointError,
+        match=rf"^checkpoint '{re.escape(str(ckpt))}' is incomplete: missing model.safetensors$",
+    ):
+        Trainer(default_root_dir=tmp_path, **quiet()).validate(
+            Regression(), regression_loader(), ckpt_path=ckpt
+        )
+
+
+def test_a_checkpoint_missing_files_names_all_of_them(tmp_path):
+    Trainer(max_steps=2, default_root_dir=tmp_path, **quiet()).fit(Regression(), regression_loader())
+    ckpt = tmp_path / "checkpoints" / "step-00000002"
+    (ckpt / "optimizer.pt").unlink()
+    (ckpt / "state.pt").unlink()
+    with pytest.raises(
+        CheckpointError,
+        match=rf"^checkpoint '{re.escape(str(ckpt))}' is incomplete: missing optimizer.pt, state.pt$",
+    ):
+        Trainer(max_steps=4, default_root_dir=tmp_path, **quiet()).fit(
+            Regression(), regression_loader(), ckpt_path=ckpt
+        )
+
+
+@pytest.mark.parametrize("mode, kept", [("min", [4, 10]), ("max", [6, 10])])
+def test_model_checkpoint_with_monitor_keeps_the_best_by_mode_and_the_newest(tmp_path, mode, kept):
+    class ScriptedMetric(Callback):
+        scores = {2: 5.0, 4: 1.0, 6: 9.0, 8: 4.0, 10: 2.0}
+
+        def on_train_batch_end(self, trainer, module, outputs):
+            if trainer.global_step in self.scores:
+                trainer.callback_metrics["score"] = self.scores[trainer.global_step]
+
+    cb = ModelCheckpoint(every_n_steps=2, save_top_k=1, monitor="score", mode=mode, save_last=False)
+    Trainer(max_steps=10, default_root_dir=tmp_path, callbacks=[ScriptedMetric(), cb], **quiet()).fit(
+        Regression(), regression_loader()
+    )
+    assert checkpoint_steps(tmp_path) == kept  # min: 1.0 at step 4; max: 9.0 at step 6
+
+
+def test_a_resumed_run_goes_on_pruning_the_checkpoints_of_the_run_before(tmp_path):
+    Trainer(
+        max_steps=6,
+        default_root_dir=tmp_path,
+        callbacks=[ModelCheckpoint(every_n_steps=2, save_top_k=2)],
+        **quiet(),
+    ).fit(Regression(), regression_loader())
+    assert checkpoint_steps(tmp_path) == [4, 6]
+    Trainer(
+        max_steps=10,
+        default_root_dir=tmp_path,
+        callbacks=[ModelCheckpoint(every_n_steps=2, save_top_k=2)],
+        **quiet(),
+    ).fit(Regression(), regression_loader(), ckpt_path="last")
+    assert checkpoint_steps(tmp_path) == [8, 10]

@@ -56,6 +56,13 @@ class LogsOnly(Counting):
         self.log("val_mse", super().validation_step(batch, batch_idx))
 
 
+class NoBatches(torch.utils.data.IterableDataset):
+    """A validation set that yields nothing (its loader has no len(), so only reading it tells)."""
+
+    def __iter__(self):
+        return iter(())
+
+
 class PoisonAfter(Callback):
     """Fills the first weight with NaN once `step` optimizer steps are done (listed before the checkpoint
     callback, so that step's checkpoint already sees it)."""
@@ -122,6 +129,7 @@ def test_validation_runs_validation_step_on_a_validation_batch_and_never_trainin
         (Counting, None, "no validation data"),
         (NoValidationStep, None, "NoValidationStep defines no validation_step"),
         (LogsOnly, regression_loader(batch_size=8), "LogsOnly.validation_step returns no loss"),
+        (Counting, torch.utils.data.DataLoader(NoBatches(), batch_size=8), "the validation loader is empty"),
     ],
 )
 def test_without_a_validation_loss_checksums_and_a_reload_are_checked_and_said_once(

@@ -4,7 +4,7 @@ import pytest
 import torch
 from helpers import Regression, quiet, read_metrics, regression_loader
 
-from callbacks import Callback
+from callbacks import Callback, NaNGuard
 from trainer import Trainer
 
 
@@ -60,3 +60,29 @@ def test_clip_by_value_bounds_every_gradient_entry(tmp_path):
     ).fit(Regression(), regression_loader())
     assert seen and all(v <= torch.tensor(1e-3).item() for v in seen)  # 1e-3 in fp32
     assert max(read_metrics(tmp_path, "train/grad_norm").values()) > 1e-3
+
+
+class NothingToLearn(Regression):
+    """Every batch's loss is a constant that reaches no parameter (as a step over a batch with nothing
+    to learn from may return): backward leaves every `.grad` None."""
+
+    def training_step(self, batch, batch_idx):
+        return torch.zeros((), requires_grad=True)
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_a_step_without_gradients_logs_a_zero_norm_and_leaves_the_weights(tmp_path, clip):
+    torch.manual_seed(0)
+    module = NothingToLearn()
+    before = [p.detach().clone() for p in module.parameters()]
+    Trainer(
+        max_steps=3,
+        gradient_clip_val=clip,
+        callbacks=[NaNGuard()],
+        default_root_dir=tmp_path,
+        enable_checkpointing=False,
+        **quiet(),
+    ).fit(module, regression_loader())
+    assert read_metrics(tmp_path, "train/grad_norm") == {1: 0.0, 2: 0.0, 3: 0.0}
+    assert read_metrics(tmp_path, "nan_guard/skipped_steps") == {}  # a zero norm is a good step
+    assert all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))

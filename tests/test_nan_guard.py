@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from helpers import Regression, fit, read_metrics, regression_loader
+from helpers import Regression, StopAt, fit, read_metrics, regression_loader
 
 from callbacks import Callback, ModelCheckpoint, NaNGuard
 
@@ -82,7 +82,9 @@ def test_a_spike_only_warns_when_told_not_to_skip(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="trainer"):
         run(tmp_path, 10, [poison, NaNGuard(spike_factor=5.0, window=5, min_history=3, skip_spikes=False)])
     assert not same(poison.after[8], poison.before[8])
-    assert any("spiked above" in r.message for r in caplog.records)
+    warned = [r.message for r in caplog.records if "spiked above" in r.message]
+    assert len(warned) == 1 and warned[0].startswith("NaNGuard: step 8: loss "), warned
+    assert "update skipped" not in warned[0]
 
 
 class Steps(Callback):
@@ -134,9 +136,101 @@ def test_rollback_without_a_good_checkpoint_says_so(tmp_path):
         ({"rollback_after": 0}, "rollback_after=0 is invalid; allowed: an int >= 1 or None"),
         ({"spike_factor": 1.0}, "spike_factor=1.0 is invalid; allowed: a number > 1 or None"),
         ({"window": 0}, "window=0 is invalid; allowed: an int >= 1"),
+        ({"min_history": 0}, "min_history=0 is invalid; allowed: an int >= 1"),
         ({"max_rollbacks": -1}, "max_rollbacks=-1 is invalid; allowed: an int >= 0"),
     ],
 )
 def test_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         NaNGuard(**kwargs)
+
+
+def rollback_messages(caplog):
+    return [r.message for r in caplog.records if "rolled back" in r.message]
+
+
+@pytest.mark.parametrize("bad_steps", [4, 5])
+def test_by_default_the_fifth_bad_step_in_a_row_rolls_back(tmp_path, caplog, bad_steps):
+    poison = Poison(range(3, 3 + bad_steps))
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        _, trainer = run(tmp_path, 10, [poison, ModelCheckpoint(every_n_steps=2, save_top_k=-1), NaNGuard()])
+    if bad_steps == 4:  # steps 3-6 skipped, step 7 good: no rollback
+        assert rollback_messages(caplog) == [] and trainer.state.restarts == 0
+    else:  # steps 3-7 skipped: back to step 2, the newest checkpoint before the first bad step
+        assert rollback_messages(caplog) == [
+            "NaNGuard: 5 bad steps in a row at step 7: rolled back to step-00000002; training goes on "
+            "with the data that follows (the batches in between are skipped)"
+        ]
+        assert trainer.state.restarts == 1
+    assert trainer.global_step == 10
+
+
+def test_a_bad_first_step_is_skipped_and_counted_as_the_first_of_a_streak(tmp_path, caplog):
+    poison = Poison([1])
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        module, trainer = run(tmp_path, 4, [poison, NaNGuard(rollback_after=2)])
+    assert same(poison.after[1], poison.before[1]) and not same(poison.after[2], poison.before[2])
+    assert [r.message for r in caplog.records if r.message.startswith("NaNGuard")] == [
+        "NaNGuard: step 1: gradient norm is not finite on 1 rank(s); update skipped (1 bad step(s) in a row)"
+    ]
+    assert trainer.state.restarts == 0 and trainer.state.skipped_steps == 1
+
+
+class ScriptedLoss(Regression):
+    """The loss of batch i is `losses[i]` exactly (the gradients are zero)."""
+
+    def __init__(self, losses):
+        super().__init__()
+        self.losses = losses
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        return self(x).mean() * 0.0 + self.losses[batch_idx]
+
+
+def test_a_loss_exactly_at_the_spike_threshold_is_not_a_spike(tmp_path, caplog):
+    # median 1.0 over the good steps, factor 2: 2.0 is at the threshold (kept), 2.5 above it (skipped)
+    module = ScriptedLoss([1.0, 1.0, 1.0, 2.0, 2.5, 1.0])
+    guard = NaNGuard(spike_factor=2.0, window=5, min_history=3)
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        trainer = fit(module, regression_loader(), tmp_path, 6, callbacks=[guard])
+    assert [r.message for r in caplog.records if "spiked" in r.message] == [
+        "NaNGuard: step 5: loss 2.5 spiked above 2.0 x the running median 1; update skipped "
+        "(1 bad step(s) in a row)"
+    ]
+    assert trainer.state.skipped_steps == 1
+
+
+def test_a_resumed_run_keeps_the_loss_history_for_spikes(tmp_path, caplog):
+    def guard():
+        return NaNGuard(spike_factor=5.0, window=5, min_history=3)
+
+    run(tmp_path, 10, [guard(), StopAt(6)])
+    poison = Poison([7], "loss", 50.0)
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        run(tmp_path, 10, [poison, guard()], ckpt_path="last")
+    # the first step after the resume is judged against the 5 losses before the interruption
+    assert same(poison.after[7], poison.before[7])
+    assert any(
+        r.message.startswith("NaNGuard: step 7: loss ") and "spiked above" in r.message
+        for r in caplog.records
+    )
+
+
+def test_a_resumed_run_counts_the_rollbacks_made_before_it(tmp_path):
+    def guard():
+        return NaNGuard(rollback_after=2, max_rollbacks=1)
+
+    checkpoints = ModelCheckpoint(every_n_steps=2, save_top_k=-1)
+    _, first = run(tmp_path, 10, [Poison([3, 4]), checkpoints, guard(), StopAt(6)])
+    assert first.state.restarts == 1 and first.global_step == 6
+    # the one rollback allowed was spent before the interruption: the next streak ends the run
+    with pytest.raises(
+        RuntimeError, match=r"NaNGuard: 1 rollbacks did not help; 2 bad steps in a row again at step 9"
+    ):
+        run(
+            tmp_path,
+            12,
+            [Poison([8, 9]), ModelCheckpoint(every_n_steps=2, save_top_k=-1), guard()],
+            ckpt_path="last",
+        )

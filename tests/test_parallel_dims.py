@@ -175,6 +175,12 @@ def test_an_unknown_group_name_lists_the_allowed_ones():
     assert (one.group_rank("tp"), one.group_size("loss"), one.dp_rank, one.dp_size) == (0, 1, 0, 1)
 
 
+def test_an_unknown_reduce_op_is_refused_in_one_process_too():
+    """A callback's reduce with a typo fails on a laptop, not first on a multi-GPU run."""
+    with pytest.raises(ValueError, match="reduce op 'avg' is unknown; allowed: mean, sum, max, min"):
+        SingleDeviceStrategy().reduce(torch.ones(()), "avg", group="world")
+
+
 # ---- real process groups --------------------------------------------------------------------------------
 def _check_rank(rank: int, world: int, port: int, degrees: dict[str, int]) -> None:
     """One rank: build the mesh through MeshStrategy, then compare every named group with the expected

@@ -61,10 +61,21 @@ def test_constant_after_warmup():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"name": "exp", "warmup_steps": 0, "total_steps": 10}, "lr_schedule='exp' is unknown"),
+        (
+            {"name": "exp", "warmup_steps": 0, "total_steps": 10},
+            "lr_schedule='exp' is unknown; allowed: constant, linear, cosine, wsd",
+        ),
         ({"name": "cosine", "warmup_steps": -1, "total_steps": 10}, "warmup_steps=-1"),
         ({"name": "cosine", "warmup_steps": 10, "total_steps": 10}, "warmup_steps=10 leaves no room"),
         ({"name": "cosine", "warmup_steps": 0, "total_steps": 10, "min_lr_ratio": 2.0}, "min_lr_ratio=2.0"),
+        (
+            {"name": "wsd", "warmup_steps": 0, "total_steps": 10, "decay_fraction": 0.0},
+            r"decay_fraction=0.0 is invalid; allowed: a float in \(0, 1\]",
+        ),
+        (
+            {"name": "wsd", "warmup_steps": 0, "total_steps": 10, "decay_fraction": 1.5},
+            r"decay_fraction=1.5 is invalid; allowed: a float in \(0, 1\]",
+        ),
     ],
 )
 def test_bad_schedule_arguments_are_named(kwargs, match):

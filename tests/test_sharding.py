@@ -132,6 +132,14 @@ def test_multi_node_without_a_launcher_and_bf16_hooks_on_cpu_are_refused():
         DDPStrategy(timeout_s=0)
 
 
+def test_a_strategy_not_yet_given_to_a_trainer_plans_for_one_process_on_one_node():
+    # the Trainer's defaults (devices=1, num_nodes=1) until a Trainer configures it
+    strategy = DDPStrategy()
+    assert strategy.world_size == 1 and strategy.planned_group_size("batch") == 1
+    strategy.configure("cpu", 2, 1, strategy.precision)
+    assert strategy.world_size == 2 and strategy.planned_group_size("batch") == 2
+
+
 def test_other_ranks_print_only_warnings_prefixed_with_their_rank():
     from trainer.logging import configure_console_logging, log, set_rank
 

@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from helpers import Regression, fit, quiet, regression_loader
+from helpers import FakeClock, Regression, fake_time, fit, quiet, regression_loader
 
 from callbacks import Callback, ModelCheckpoint
 from strategies import SingleDeviceStrategy
@@ -158,6 +158,22 @@ def test_validation_off_still_checks_the_checksums(tmp_path, caplog):
 def test_time_based_checkpoints(tmp_path):
     run(tmp_path, 3, [ModelCheckpoint(every_n_minutes=1e-9, save_top_k=-1)])
     assert listing(tmp_path) == ["step-00000001", "step-00000002", "step-00000003"]
+
+
+def test_time_based_checkpoints_wait_for_the_interval(tmp_path, monkeypatch):
+    clock = FakeClock()
+    fake_time(monkeypatch, "callbacks.checkpoint", clock, "monotonic")
+
+    class TwentyFiveSecondSteps(
+        Callback
+    ):  # listed first: the step's time has passed when the save is decided
+        def on_train_batch_end(self, trainer, module, outputs):
+            clock.advance(25.0)
+
+    every_minute = ModelCheckpoint(every_n_minutes=1, save_top_k=-1, save_last=False)
+    run(tmp_path, 7, [TwentyFiveSecondSteps(), every_minute])
+    # 75 s after the start at step 3, 75 s after that save at step 6; never at 25 or 50 s
+    assert listing(tmp_path) == ["step-00000003", "step-00000006"]
 
 
 def test_the_held_out_batch_is_the_first_validation_batch_or_validate_batch(tmp_path):

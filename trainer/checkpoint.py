@@ -47,8 +47,9 @@ def step_dir_name(step: int) -> str:
 
 
 def meta_for(state: dict[str, Any], **extra: Any) -> dict[str, Any]:
-    """meta.json fields of a checkpoint of the trainer `state`: its step and what the Trainer asked to record."""
-    return {"step": state.get("loop", {}).get("global_step"), **state.get("meta", {}), **extra}
+    """meta.json fields of a checkpoint of the trainer `state` (Trainer.save_checkpoint's, which always has
+    "loop" and "meta"): its step and what the Trainer asked to record."""
+    return {"step": state["loop"]["global_step"], **state["meta"], **extra}
 
 
 def write_atomically(

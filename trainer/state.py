@@ -23,7 +23,7 @@ class LoopState:
     productive_s: float = 0.0  # seconds in steps the model kept (not skipped, not rolled back)
     started_at: float = 0.0  # time.time() when the run first started (kept across restarts)
     restarts: int = 0  # resumes from a checkpoint, rollbacks included
-    skipped_steps: int = 0  # optimizer steps skipped (non-finite or spiking loss)
+    skipped_steps: int = 0  # optimizer steps skipped (non-finite or spiking loss, fp16 scaler overflow)
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)

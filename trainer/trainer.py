@@ -425,9 +425,9 @@ class Trainer:
         with self.clock.phase("optimizer"):
             if skipped:
                 strategy.precision.skip_step()
-                s.skipped_steps += 1
-            else:
-                strategy.optimizer_step(self.optimizer)
+            else:  # False: fp16's loss scaler dropped the update for inf/nan gradients
+                skipped = not strategy.optimizer_step(self.optimizer)
+            s.skipped_steps += skipped
             self.optimizer.zero_grad(set_to_none=True)
             self.lr_scheduler.step()
         strategy.after_optimizer_step()
