@@ -159,10 +159,10 @@ class ModelCheckpoint(Callback):
         path = Path(entry["path"])
         # a restored entry of a checkpoint that was never validated has neither key: checksums and reload
         not_finite = entry.get("not_finite")
-        problem = None if not_finite is None else f"is bad: {not_finite}"
-        loss = None
-        if problem is None:
+        if not_finite is None:
             problem, loss = self._reload_problem(trainer, path, entry.get("reference"))
+        else:  # not reloaded: the live model it was saved from was not finite
+            problem, loss = f"is bad: {not_finite}", None
         if problem is None:
             if trainer.is_global_zero:
                 checked = ["checksums", "reload"] + (["loss"] if loss is not None else [])
@@ -228,7 +228,10 @@ class ModelCheckpoint(Callback):
                 (
                     f"{name} has non-finite values"
                     for name, t in trainer.module.state_dict().items()
-                    if t.is_floating_point() and not bool(torch.isfinite(_local(t)).all())
+                    # a module's get_extra_state may put any object in it (saving names it)
+                    if isinstance(t, torch.Tensor)
+                    and t.is_floating_point()
+                    and not bool(torch.isfinite(_local(t)).all())
                 ),
                 None,
             )

@@ -129,6 +129,7 @@ class NaNGuard(Callback):
         return {"history": list(self.history), "skipped": self.skipped, "rollbacks": self.rollbacks}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        # what `state_dict` returned (the Trainer loads only a checkpoint's own NaNGuard entry): all three keys
         self.history.clear()
-        self.history.extend(state.get("history", []))
-        self.skipped, self.rollbacks = state.get("skipped", 0), state.get("rollbacks", 0)
+        self.history.extend(state["history"])
+        self.skipped, self.rollbacks = state["skipped"], state["rollbacks"]

@@ -64,7 +64,11 @@ class SlicedParameters:
         """The optimizer's state as if it were not sharded (full-size tensors): any world size can load it."""
         sd = self.optimizer.state_dict()
         for index, (p, view, lo, hi) in enumerate(self.entries):
-            state = sd["state"].get(index, {})
+            if index not in sd["state"]:
+                continue
+            # a copy: state_dict() hands out the optimizer's own per-parameter dicts, and a full-size tensor
+            # written into them would replace the slice the next step updates
+            state = sd["state"][index] = dict(sd["state"][index])
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and value.shape == view.shape and value.dim() == 1:
                     padded = torch.zeros(p.numel(), dtype=value.dtype, device=value.device)

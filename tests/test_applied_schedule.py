@@ -86,7 +86,7 @@ class CountingRegression(Regression):
         return super().training_step(batch, batch_idx)
 
 
-def fit_recording(root, schedule, max_steps=TOTAL, stop_at=None, ckpt_path=None, **kwargs):
+def fit_recording(root, schedule, max_steps=TOTAL, stop_at=None, ckpt_path=None, ratio=RATIO, **kwargs):
     torch.manual_seed(0)
     module, recorder = CountingRegression(), AppliedLR()
     callbacks = [recorder] + ([StopAt(stop_at)] if stop_at is not None else [])
@@ -96,7 +96,7 @@ def fit_recording(root, schedule, max_steps=TOTAL, stop_at=None, ckpt_path=None,
         default_root_dir=root,
         lr_schedule=schedule,
         warmup_steps=WARMUP,
-        min_lr_ratio=RATIO,
+        min_lr_ratio=ratio,
         accumulate_grad_batches=2,
         callbacks=callbacks,
         **quiet(**kwargs),
@@ -128,6 +128,20 @@ def test_applied_lr_follows_the_closed_form_with_warmup_floor_and_accumulation(t
     # and the logged train/lr (logged at step s + 1) is the lr that step used
     logged = read_metrics(tmp_path, "train/lr")
     assert [logged[s + 1] for s in range(TOTAL)] == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.parametrize("schedule", ["linear", "cosine"])
+def test_a_floor_of_zero_decays_towards_zero(tmp_path, schedule):
+    _, _, recorder = fit_recording(tmp_path, schedule, ratio=0)
+    expected = expected_lrs(schedule, ratio=0.0)
+    assert_curve(recorder.lr, expected, range(TOTAL))
+    assert recorder.lr[TOTAL - 1] < PEAK * 0.1  # below where the default floor (0.1) would stop it
+
+
+def test_a_constant_schedule_warms_up_through_a_run_shorter_than_its_warmup(tmp_path):
+    trainer, _, recorder = fit_recording(tmp_path, "constant", max_steps=WARMUP - 1)
+    assert trainer.global_step == WARMUP - 1
+    assert_curve(recorder.lr, expected_lrs("constant", total=WARMUP - 1), range(WARMUP - 1))
 
 
 # stopped mid-epoch (16 micro-batches per epoch = 8 optimizer steps) and inside the decay

@@ -89,3 +89,27 @@ def test_loss_on_names_validation_step_when_it_returns_no_scalar_loss(tmp_path):
             callbacks=[LossOnFirstBatch()],
             enable_checkpointing=False,
         )
+
+
+class Stages(Callback):
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str]] = []
+
+    def setup(self, trainer, module, stage):
+        self.seen.append(("setup", stage))
+
+    def teardown(self, trainer, module, stage):
+        self.seen.append(("teardown", stage))
+
+
+def test_callbacks_are_told_which_stage_sets_up_and_tears_down(tmp_path):
+    stages = Stages()
+    trainer = Trainer(default_root_dir=tmp_path, callbacks=[stages], **quiet(enable_checkpointing=False))
+    trainer.validate(WithTest(), regression_loader())
+    trainer.test(WithTest(), regression_loader())
+    assert stages.seen == [
+        ("setup", "validate"),
+        ("teardown", "validate"),
+        ("setup", "test"),
+        ("teardown", "test"),
+    ]

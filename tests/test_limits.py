@@ -182,3 +182,17 @@ def test_a_fraction_limit_on_a_loader_without_len_is_refused(tmp_path):
 def test_a_train_limit_that_keeps_no_batch_is_refused_naming_the_limit(tmp_path, limit):
     with pytest.raises(ValueError, match=rf"limit_train_batches={limit} leaves no batch of the train loader"):
         fit(tmp_path, Counting(), max_epochs=1, limit_train_batches=limit)
+
+
+def test_a_loader_without_len_is_read_to_its_end_in_accumulation_windows(tmp_path):
+    """No limit: each pass of the 10 batches is 3 full windows of 3 micro-batches and a last one of 1."""
+    module = Counting()
+    trainer = Trainer(
+        max_epochs=2,
+        accumulate_grad_batches=3,
+        default_root_dir=tmp_path,
+        **quiet(enable_checkpointing=False),
+    )
+    trainer.fit(module, NoLen())
+    assert module.per_epoch() == {0: list(range(10)), 1: list(range(10))}
+    assert trainer.global_step == 8

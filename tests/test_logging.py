@@ -99,3 +99,13 @@ def test_importing_trainer_loads_torch_and_little_else():
     code = "import sys, trainer; print(sorted(m for m in ('transformers', 'datasets', 'wandb', 'tensorboard') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize("flag, name", [("bf16", "bf16-mixed"), ("32", "32")])
+def test_the_run_hyperparameters_name_its_precision(tmp_path, flag, name):
+    Trainer(max_steps=1, precision=flag, default_root_dir=tmp_path, **quiet(enable_checkpointing=False)).fit(
+        Regression(), regression_loader()
+    )
+    hparams = json.loads((tmp_path / "logs" / "hparams.json").read_text())
+    assert hparams["precision"] == name
+    assert (hparams["max_steps"], hparams["strategy"], hparams["module"]) == (1, "single", "Regression")

@@ -6,9 +6,11 @@ import logging
 
 import pytest
 import torch
-from helpers import Regression, StopAt, fit, read_metrics, regression_loader
+from helpers import Regression, StopAt, fit, quiet, read_metrics, regression_loader
 
 from callbacks import Callback, ModelCheckpoint, NaNGuard
+from strategies import SingleDeviceStrategy
+from trainer import Trainer
 
 
 class Poison(Callback):
@@ -110,6 +112,8 @@ def test_bad_steps_in_a_row_roll_back_to_the_checkpoint_before_them(tmp_path, ca
     assert "discarded-step-00000006" in names and "step-00000006" in names and "step-00000008" in names
     # after the rollback the run reads the batches that follow step 6, not those of steps 5 and 6 again
     assert trainer.state.batches_in_epoch == 10
+    # the rollback is logged at the step the run went back to
+    assert read_metrics(tmp_path, "nan_guard/rollbacks") == {4: 1}
 
 
 def test_the_guard_gives_up_when_rollbacks_do_not_help(tmp_path):
@@ -234,3 +238,63 @@ def test_a_resumed_run_counts_the_rollbacks_made_before_it(tmp_path):
             [Poison([8, 9]), ModelCheckpoint(every_n_steps=2, save_top_k=-1), guard()],
             ckpt_path="last",
         )
+
+
+def spike_messages(caplog):
+    return [r.message for r in caplog.records if "spiked" in r.message]
+
+
+def test_by_default_the_running_median_is_over_the_last_100_good_steps(tmp_path, caplog):
+    # 51 steps at loss 1, then 50 at loss 3: the last 100 good steps hold 50 of each, median 2
+    module = ScriptedLoss([1.0] * 51 + [3.0] * 50 + [100.0])
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        fit(
+            module,
+            regression_loader(batch_size=1, n=102),
+            tmp_path,
+            102,
+            callbacks=[NaNGuard(spike_factor=10.0)],
+            enable_checkpointing=False,
+        )
+    assert spike_messages(caplog) == [
+        "NaNGuard: step 102: loss 100 spiked above 10.0 x the running median 2; update skipped "
+        "(1 bad step(s) in a row)"
+    ]
+
+
+def test_a_resumed_run_counts_the_steps_skipped_before_it(tmp_path):
+    run(tmp_path, 8, [Poison([3]), NaNGuard(), StopAt(5)])
+    _, trainer = run(tmp_path, 8, [Poison([7]), NaNGuard()], ckpt_path="last")
+    assert read_metrics(tmp_path, "nan_guard/skipped_steps") == {2: 1, 6: 2}
+    assert trainer.callback_metrics["nan_guard/skipped_steps"] == 2
+
+
+class TwoAlikeRanks(SingleDeviceStrategy):
+    """One process standing in for a world of two ranks that see the same losses: a sum over the world
+    counts each value twice."""
+
+    def group_size(self, name):
+        return 2 if name == "world" else super().group_size(name)
+
+    def reduce(self, tensor, op="mean", *, group):
+        out = super().reduce(tensor, op, group=group)
+        return out * 2 if op == "sum" and group == "world" else out
+
+
+def test_the_spike_warning_reports_the_mean_loss_over_ranks(tmp_path, caplog):
+    module = ScriptedLoss([1.0, 1.0, 1.0, 2.5])
+    guard = NaNGuard(spike_factor=2.0, window=5, min_history=3)
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        trainer = Trainer(
+            strategy=TwoAlikeRanks(),
+            max_steps=4,
+            default_root_dir=tmp_path,
+            enable_checkpointing=False,
+            callbacks=[guard],
+            **quiet(),
+        )
+        trainer.fit(module, regression_loader())
+    assert spike_messages(caplog) == [
+        "NaNGuard: step 4: loss 2.5 spiked above 2.0 x the running median 1; update skipped "
+        "(1 bad step(s) in a row)"
+    ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +14,10 @@ import torch.multiprocessing as mp
 from strategies import MeshStrategy, ParallelDims, SingleDeviceStrategy
 from strategies.parallel_dims import GROUP_NAMES
 from trainer import Trainer
+from trainer.config import build_run, load_recipe
 from trainer.precision import Precision
+
+RECIPES = Path(__file__).parents[1] / "recipes"
 
 WORLD_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 # the coordinates that stay fixed within one group of each view (see expected_groups)
@@ -179,6 +183,32 @@ def test_an_unknown_reduce_op_is_refused_in_one_process_too():
     """A callback's reduce with a typo fails on a laptop, not first on a multi-GPU run."""
     with pytest.raises(ValueError, match="reduce op 'avg' is unknown; allowed: mean, sum, max, min"):
         SingleDeviceStrategy().reduce(torch.ones(()), "avg", group="world")
+
+
+def test_object_collectives_and_the_barrier_default_to_the_world_in_one_process_too():
+    """A callback may leave out the group of all_gather_object, broadcast_object and barrier: the whole
+    world, in one process as in a multi-process run."""
+    one = SingleDeviceStrategy()
+    assert one.all_gather_object({"step": 3}) == [{"step": 3}]
+    assert one.broadcast_object("step-00000003") == "step-00000003"
+    one.barrier()
+
+
+def test_in_one_process_a_recipe_s_global_batch_is_split_over_the_accumulation_only(tmp_path):
+    """One process reads all the data: data.global_batch_size=12 with 2 accumulated micro-batches makes
+    micro-batches of 6."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    overrides = [
+        f"data.path={corpus}",
+        "data.seq_len=64",
+        "data.global_batch_size=12",
+        "trainer.accumulate_grad_batches=2",
+        f"trainer.default_root_dir={tmp_path / 'run'}",
+        *("model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2"),
+    ]
+    trainer, _, train_loader, _ = build_run(load_recipe(RECIPES / "llama_tiny.yaml", overrides))
+    assert trainer.strategy.world_size == 1 and train_loader.batch_size == 6
 
 
 # ---- real process groups --------------------------------------------------------------------------------

@@ -3,11 +3,25 @@ custom strategy is configured with autocasts on the CPU by default and says whet
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
-from helpers import Regression, fit, read_metrics, regression_loader
+from helpers import (
+    Regression,
+    StopAt,
+    TokenMeanLM,
+    assert_params_close,
+    fit,
+    params,
+    read_metrics,
+    regression_loader,
+    uneven_token_data,
+)
+from torch.utils.data import DataLoader, TensorDataset
 
 from callbacks import Callback
+from trainer import TrainModule
 from trainer.precision import Precision
 
 
@@ -106,3 +120,66 @@ class Recorder(Callback):
 
     def on_train_batch_end(self, trainer, module, outputs):
         self.kept.append(outputs["skipped"])
+
+
+class ScaleProbe(TrainModule):
+    """loss = 1.5 * sum of an fp16 linear output: its gradient reaches the fp16 output as 1.5 x the loss
+    scale, an fp16 overflow (inf) at the scaler's initial 2**16 and finite from 2**15 on. So a fresh fp16
+    run drops exactly its first update, then keeps every one while the scaler remembers the lower scale."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 1, bias=False)
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        return 1.5 * self.lin(x * 1e-3).float().sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def fp16_probe_run(root, **kwargs):
+    torch.manual_seed(0)
+    return fit(ScaleProbe(), regression_loader(), root, 5, precision="16-mixed", **kwargs)
+
+
+@pytest.mark.filterwarnings(
+    "ignore:Detected call of `lr_scheduler.step\\(\\)` before"
+)  # the dropped 1st update
+def test_a_resumed_fp16_run_keeps_the_loss_scale_it_learned(tmp_path):
+    kept = []
+    straight = fp16_probe_run(tmp_path / "straight")
+    first = fp16_probe_run(tmp_path / "resumed", callbacks=[StopAt(3)])
+    assert (first.global_step, first.state.skipped_steps) == (3, 1)  # the first update, dropped
+    resumed = fp16_probe_run(tmp_path / "resumed", ckpt_path="last", callbacks=[Recorder(kept)])
+    assert kept == [False, False]  # a scale re-learned from 2**16 would drop step 4's update again
+    assert resumed.state.skipped_steps == straight.state.skipped_steps == 1
+    assert_params_close(params(resumed.module), params(straight.module), atol=0)
+
+
+@pytest.mark.parametrize("saved, resumed", [("16-mixed", "32"), ("32", "16-mixed")])
+def test_a_run_resumes_in_another_precision(tmp_path, saved, resumed):
+    """The fp16 loss scaler's state is kept for an fp16 run only: fp32 ignores it, and an fp16 run resumed
+    from an fp32 checkpoint starts a fresh scaler."""
+    fit(Regression(), regression_loader(), tmp_path, 4, precision=saved, callbacks=[StopAt(2)])
+    trainer = fit(Regression(), regression_loader(), tmp_path, 4, precision=resumed, ckpt_path="last")
+    assert trainer.global_step == 4 and trainer.state.restarts == 1
+    losses = read_metrics(tmp_path)
+    assert sorted(losses) == [1, 2, 3, 4] and all(math.isfinite(v) for v in losses.values())
+
+
+def test_bf16_true_casts_float_inputs_and_keeps_token_ids_integer(tmp_path):
+    seen = []
+
+    class Records(TokenMeanLM):
+        def training_step(self, batch, batch_idx):
+            ids, labels, weights = batch
+            seen.append((ids.dtype, labels.dtype, weights.dtype))
+            return super().training_step((ids, labels), batch_idx)
+
+    ids, labels = uneven_token_data().tensors
+    loader = DataLoader(TensorDataset(ids, labels, torch.rand(len(ids))), batch_size=8)
+    fit(Records(), loader, tmp_path, 2, precision="bf16-true", enable_checkpointing=False)
+    assert seen == [(torch.int64, torch.int64, torch.bfloat16)] * 2
+    assert all(math.isfinite(v) for v in read_metrics(tmp_path).values())

@@ -58,6 +58,23 @@ def test_constant_after_warmup():
     assert used[4:] == pytest.approx([1.0] * 6)
 
 
+def test_a_one_step_decay_window_reaches_the_floor_when_it_ends():
+    # wsd: the last round(0.2 * 5) = 1 step decays; linear/cosine: warmup leaves a single decay step
+    for schedule in (
+        LRSchedule("wsd", 0, 5, min_lr_ratio=0.3),
+        LRSchedule("linear", 4, 5, min_lr_ratio=0.3),
+        LRSchedule("cosine", 4, 5, min_lr_ratio=0.3),
+    ):
+        used = lrs(schedule, 7)
+        assert used[4] == pytest.approx(1.0), schedule.name  # the decay's first step is at the peak
+        assert used[5:] == pytest.approx([0.3, 0.3]), schedule.name  # done: the floor, and it stays
+
+
+def test_a_constant_schedule_may_warm_up_for_longer_than_the_run():
+    used = lrs(LRSchedule("constant", warmup_steps=8, total_steps=4), 4)
+    assert used == pytest.approx([1 / 8, 2 / 8, 3 / 8, 4 / 8])
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -66,7 +83,10 @@ def test_constant_after_warmup():
             "lr_schedule='exp' is unknown; allowed: constant, linear, cosine, wsd",
         ),
         ({"name": "cosine", "warmup_steps": -1, "total_steps": 10}, "warmup_steps=-1"),
-        ({"name": "cosine", "warmup_steps": 10, "total_steps": 10}, "warmup_steps=10 leaves no room"),
+        (
+            {"name": "cosine", "warmup_steps": 10, "total_steps": 10},
+            "warmup_steps=10 leaves no room to decay in 10 total steps; allowed: warmup_steps < max_steps",
+        ),
         ({"name": "cosine", "warmup_steps": 0, "total_steps": 10, "min_lr_ratio": 2.0}, "min_lr_ratio=2.0"),
         (
             {"name": "wsd", "warmup_steps": 0, "total_steps": 10, "decay_fraction": 0.0},

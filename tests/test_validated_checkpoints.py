@@ -220,3 +220,91 @@ def test_the_held_out_batch_is_the_first_validation_batch_or_validate_batch(tmp_
 def test_bad_model_checkpoint_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ModelCheckpoint(**kwargs)
+
+
+class RottingDisk(SingleDeviceStrategy):
+    """A disk that silently changes a byte of optimizer.pt of one checkpoint right after it was written:
+    the manifest holds the checksums of what was written. Reloading the weights alone cannot tell."""
+
+    def __init__(self, bad_step: int) -> None:
+        super().__init__()
+        self.bad_step = bad_step
+
+    def save_checkpoint(self, path, module, optimizer, state):
+        super().save_checkpoint(path, module, optimizer, state)
+        if state["loop"]["global_step"] == self.bad_step:
+            victim = path / "optimizer.pt"
+            data = bytearray(victim.read_bytes())
+            data[len(data) // 2] ^= 0x10
+            victim.write_bytes(bytes(data))
+
+
+def test_a_file_damaged_right_after_the_save_fails_validation_by_its_checksum(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        run(
+            tmp_path,
+            4,
+            [ModelCheckpoint(every_n_steps=2, save_top_k=-1)],
+            strategy=RottingDisk(bad_step=4),
+            val_loader=regression_loader(batch_size=8),
+        )
+    ckpt = tmp_path / "checkpoints" / "step-00000004"
+    assert [r.message for r in caplog.records if "failed validation" in r.message] == [
+        f"checkpoint step-00000004 failed validation (checkpoint '{ckpt}': optimizer.pt does not match its "
+        "SHA-256 from the save (corrupted or altered)); moved to bad-step-00000004, the older good "
+        "checkpoints are kept"
+    ]
+    assert listing(tmp_path) == ["bad-step-00000004", "step-00000002"]
+    assert not (tmp_path / "checkpoints" / "bad-step-00000004" / "validated.json").exists()
+
+
+class BackgroundWrites(SingleDeviceStrategy):
+    """Says each checkpoint is still being written until the next save or the end of the fit waits for it,
+    as an async-saving strategy does: ModelCheckpoint validates it only then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writing = False
+
+    @property
+    def checkpoint_in_progress(self) -> bool:
+        return self.writing
+
+    def save_checkpoint(self, path, module, optimizer, state):
+        super().save_checkpoint(path, module, optimizer, state)
+        self.writing = True
+
+    def finish_checkpoint(self) -> None:
+        self.writing = False
+
+
+class OwnSaveThenKilled(Callback):
+    """At `step`: the user's own `trainer.save_checkpoint(path)`, then the process is killed."""
+
+    def __init__(self, step, path) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer, module, outputs):
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+            raise KeyboardInterrupt("killed")
+
+
+def test_a_checkpoint_a_killed_run_left_unvalidated_is_validated_by_checksums_and_reload_and_kept(tmp_path):
+    root, own = tmp_path / "run", tmp_path / "own-save"
+    with pytest.raises(KeyboardInterrupt):
+        run(
+            root,
+            4,
+            [ModelCheckpoint(every_n_steps=2), OwnSaveThenKilled(3, own)],
+            strategy=BackgroundWrites(),
+            val_loader=regression_loader(batch_size=8),
+        )
+    step2 = root / "checkpoints" / "step-00000002"
+    assert listing(root) == ["step-00000002"] and not (step2 / "validated.json").exists()
+    # resumed with another held-out batch: run 1's live loss on its own batch is no reference for it
+    other_batch = (torch.ones(4, 8), torch.zeros(4, 1))
+    run(root, 4, [ModelCheckpoint(every_n_steps=2, validate_batch=other_batch)], ckpt_path=own)
+    assert listing(root) == ["step-00000002", "step-00000004"]
+    report = json.loads((step2 / "validated.json").read_text())
+    assert report["checked"] == ["checksums", "reload"] and report["loss"] is None

@@ -656,12 +656,12 @@ class Trainer:
             rank_zero_info(
                 f"ckpt_path='last': no checkpoint in {self.checkpoint_dir} yet, starting from scratch"
             )
-        else:
-            meta = ckpt.read_meta(found) if self.is_global_zero else {}
+        elif self.is_global_zero:  # the line is rank zero's, read from its files (every meta has a step)
+            meta = ckpt.read_meta(found)
             saved = (
                 time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(meta["time"])) if "time" in meta else "?"
             )
-            rank_zero_info(f"resuming from {found}: step {meta.get('step', '?')}, saved {saved}")
+            rank_zero_info(f"resuming from {found}: step {meta['step']}, saved {saved}")
         return found
 
     def _restore_rng(self, state: dict[str, Any]) -> None:
