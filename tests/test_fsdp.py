@@ -202,6 +202,9 @@ def test_a_mesh_that_does_not_divide_the_world_and_fp16_scaling_are_refused_befo
         Trainer(strategy=FSDPStrategy(replicate=3), devices=4)
     with pytest.raises(ValueError, match="precision '16-mixed' needs a gradient scaler FSDP2 lacks"):
         Trainer(strategy=FSDPStrategy(), devices=2, precision="16-mixed")
+    # stage 1 is DDP underneath, whose gradients the scaler unscales: fp16 is allowed there
+    trainer = Trainer(strategy=FSDPStrategy(zero_stage=1), devices=2, precision="16-mixed")
+    assert trainer.strategy.precision.name == "16-mixed"
 
 
 def test_a_checkpoint_of_another_model_or_stage_is_refused(tmp_path):
