@@ -72,6 +72,18 @@ class Regression(TrainModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
+class ScriptedLoss(Regression):
+    """The loss of batch i is `losses[i]` exactly (the gradients are zero)."""
+
+    def __init__(self, losses):
+        super().__init__()
+        self.losses = losses
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        return self(x).mean() * 0.0 + self.losses[batch_idx]
+
+
 def regression_data(n: int = 256, seed: int = 0) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 8, generator=g)

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from helpers import Regression, StopAt, fit, quiet, read_metrics, regression_loader
+from helpers import Regression, ScriptedLoss, StopAt, fit, quiet, read_metrics, regression_loader
 
 from callbacks import Callback, ModelCheckpoint, NaNGuard
 from strategies import SingleDeviceStrategy
@@ -178,18 +178,6 @@ def test_a_bad_first_step_is_skipped_and_counted_as_the_first_of_a_streak(tmp_pa
         "NaNGuard: step 1: gradient norm is not finite on 1 rank(s); update skipped (1 bad step(s) in a row)"
     ]
     assert trainer.state.restarts == 0 and trainer.state.skipped_steps == 1
-
-
-class ScriptedLoss(Regression):
-    """The loss of batch i is `losses[i]` exactly (the gradients are zero)."""
-
-    def __init__(self, losses):
-        super().__init__()
-        self.losses = losses
-
-    def training_step(self, batch, batch_idx):
-        x, _ = batch
-        return self(x).mean() * 0.0 + self.losses[batch_idx]
 
 
 def test_a_loss_exactly_at_the_spike_threshold_is_not_a_spike(tmp_path, caplog):

@@ -5,20 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import Regression, TokenMeanLM, fit, read_metrics, regression_loader, uneven_token_data
+from helpers import (
+    ScriptedLoss,
+    TokenMeanLM,
+    fit,
+    read_metrics,
+    regression_loader,
+    uneven_token_data,
+)
 from torch.utils.data import DataLoader, TensorDataset
-
-
-class ScriptedLoss(Regression):
-    """The loss of batch i is `losses[i]` exactly (the gradients are zero)."""
-
-    def __init__(self, losses):
-        super().__init__()
-        self.losses = losses
-
-    def training_step(self, batch, batch_idx):
-        x, _ = batch
-        return self(x).mean() * 0.0 + self.losses[batch_idx]
 
 
 def test_an_accumulated_step_logs_the_mean_of_its_micro_batch_losses(tmp_path):
