@@ -138,6 +138,12 @@ def test_a_floor_of_zero_decays_towards_zero(tmp_path, schedule):
     assert recorder.lr[TOTAL - 1] < PEAK * 0.1  # below where the default floor (0.1) would stop it
 
 
+def test_a_floor_of_one_holds_the_peak_after_warmup(tmp_path):
+    _, _, recorder = fit_recording(tmp_path, "cosine", ratio=1)
+    assert_curve(recorder.lr, expected_lrs("cosine", ratio=1.0), range(TOTAL))
+    assert [recorder.lr[s] for s in range(WARMUP, TOTAL)] == [PEAK] * (TOTAL - WARMUP)
+
+
 def test_a_constant_schedule_warms_up_through_a_run_shorter_than_its_warmup(tmp_path):
     trainer, _, recorder = fit_recording(tmp_path, "constant", max_steps=WARMUP - 1)
     assert trainer.global_step == WARMUP - 1
