@@ -25,6 +25,28 @@ from trainer import Trainer  # noqa: E402
 from trainer.models.causal_lm import CausalLM  # noqa: E402
 
 
+class AllReduceCounter(Callback):
+    """DDP's gradient all-reduces (one per bucket) in each optimizer step, counted by a comm hook that
+    then does DDP's own all-reduce."""
+
+    def __init__(self) -> None:
+        self.per_step: list[int] = []
+        self._count = 0
+
+    def on_fit_start(self, trainer, module):
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        def counting(group, bucket):
+            self._count += 1
+            return allreduce_hook(group, bucket)
+
+        trainer.strategy.model.register_comm_hook(trainer.strategy.dp_group, counting)
+
+    def on_train_batch_end(self, trainer, module, outputs):
+        self.per_step.append(self._count)
+        self._count = 0
+
+
 class ActivationProbe:
     """Measures one forward (the first training step's, on this rank): `saved_bytes`, the distinct
     non-parameter storages that autograd saves for backward as seen by a hook around the whole step
@@ -252,6 +274,7 @@ def main() -> None:
     p.add_argument("--report-activations", action="store_true")  # bytes the first forward keeps for backward
     p.add_argument("--report-placement", action="store_true")  # FSDP offload policies and tensor devices
     p.add_argument("--validate", action="store_true")
+    p.add_argument("--count-allreduces", action="store_true")  # DDP's gradient all-reduces per step
     p.add_argument("--root", required=True)
     p.add_argument("--out", required=True)
     a = p.parse_args()
@@ -277,6 +300,9 @@ def main() -> None:
     extra = [Timer()] if a.timer else []
     if a.report_placement:
         extra.append(placement)
+    allreduces = AllReduceCounter()
+    if a.count_allreduces:
+        extra.append(allreduces)
     guard = NaNGuard(rollback_after=None)
     if a.nan_step >= 0:
         extra.append(guard)
@@ -337,6 +363,7 @@ def main() -> None:
                     "memory": {"grads": probe.grads, "states": probe.states},
                     "activations": activations.report if activations is not None else None,
                     "placement": placement.report,
+                    "allreduces": allreduces.per_step,
                 }
             )
         )

@@ -84,6 +84,16 @@ def test_ddp_matches_one_process_with_the_same_global_batch(tmp_path, devices, a
     assert_params_close(result(tmp_path, "ddp")["params"], params)
 
 
+def test_accumulated_micro_batches_are_all_reduced_once_per_step(tmp_path):
+    """The tiny model's gradients fit one DDP bucket: one all-reduce per optimizer step, not one per
+    micro-batch (DDP's no_sync on all but the last)."""
+    done, _ = run(
+        ["--devices", "2", "--accumulate", "4", "--steps", "4", "--count-allreduces"], tmp_path, "ddp"
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert result(tmp_path, "ddp")["allreduces"] == [1, 1, 1, 1]
+
+
 def test_self_spawn_then_torchrun_spawns_nothing_more(tmp_path):
     done, root = run(["--devices", "2"], tmp_path, "spawned")
     assert done.returncode == 0, done.stderr[-3000:]
