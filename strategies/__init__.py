@@ -4,6 +4,7 @@ from strategies.base import Strategy
 from strategies.ddp import DDPStrategy
 from strategies.fsdp import FSDPStrategy
 from strategies.mesh import MeshStrategy
+from strategies.parallel3d import Parallel3DStrategy
 from strategies.parallel_dims import ParallelDims
 from strategies.registry import STRATEGIES, build_strategy
 from strategies.single import SingleDeviceStrategy
@@ -13,6 +14,7 @@ __all__ = [
     "DDPStrategy",
     "FSDPStrategy",
     "MeshStrategy",
+    "Parallel3DStrategy",
     "ParallelDims",
     "SingleDeviceStrategy",
     "Strategy",

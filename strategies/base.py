@@ -38,6 +38,8 @@ def unpack_loss(output: Any, method: str) -> tuple[torch.Tensor, torch.Tensor | 
     if isinstance(output, dict):
         num_tokens = output.get("num_tokens")
         output = output.get("loss")
+    if callable(getattr(output, "full_tensor", None)):  # a DTensor loss (tensor parallel): its value
+        output = output.full_tensor()
     if not isinstance(output, torch.Tensor) or output.numel() != 1:
         raise TypeError(
             f"{method} returned {type(output).__name__}; allowed: a scalar loss tensor or a dict with a 'loss' scalar tensor"
@@ -117,6 +119,10 @@ class Strategy:
     def launch(self, function: Any, *args: Any) -> Any:
         """Run `function(*args)` in every process of the job and return rank zero's result."""
         return function(*args)
+
+    def check_module(self, module: nn.Module) -> None:
+        """Raise a one-line error if `module` cannot run under this strategy (called before any process
+        starts; e.g. heads that tensor parallelism cannot split)."""
 
     def setup_environment(self) -> None:
         """Join or create the process group and pick this process's device."""
@@ -238,11 +244,11 @@ class Strategy:
             # gradient sync averages over the ranks of the loss group (they hold different tokens), so
             # each rank's token sum is worth group size / the group's token count
             factor = self.group_size("loss") / self.reduce(num_tokens, "sum", group="loss")
-            torch._foreach_mul_([p.grad for p in module.parameters() if p.grad is not None], factor)
+            scale_(_grads(module), factor)
 
     def grad_norm(self, module: nn.Module) -> torch.Tensor:
         """Global L2 norm of all gradients (over every shard, stage and rank)."""
-        return self.global_norm([p.grad for p in module.parameters() if p.grad is not None])
+        return self.global_norm(_grads(module))
 
     def global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """L2 norm of this rank's `grads` combined over ranks; sharded strategies override this."""
@@ -252,12 +258,12 @@ class Strategy:
 
     def clip_gradients(self, module: nn.Module, max_value: float, algorithm: str) -> torch.Tensor:
         """Clip by global norm ("norm") or elementwise ("value"); returns the norm before clipping."""
-        params = [p for p in module.parameters() if p.grad is not None]
-        norm = self.global_norm([p.grad for p in params])
-        if algorithm == "norm":
-            torch.nn.utils.clip_grads_with_norm_(params, max_value, norm)
+        grads = _grads(module)
+        norm = self.global_norm(grads)
+        if algorithm == "norm":  # torch's clip_grads_with_norm_, for gradients on several meshes
+            scale_(grads, (max_value / (norm + 1e-6)).clamp(max=1.0))
         else:
-            torch.nn.utils.clip_grad_value_(params, max_value)
+            torch.nn.utils.clip_grad_value_(module.parameters(), max_value)
         return norm
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -344,6 +350,20 @@ class Strategy:
 
     def teardown(self) -> None:
         """Release processes groups and devices."""
+
+
+def _grads(module: nn.Module) -> list[torch.Tensor]:
+    return [p.grad for p in module.parameters() if p.grad is not None]
+
+
+def scale_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
+    """Multiply `tensors` in place by `factor`, one fused op per DeviceMesh: a foreach op refuses
+    DTensors of different meshes (tensor-parallel weights next to data-parallel-only norms)."""
+    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_mesh.setdefault(getattr(t, "device_mesh", None), []).append(t)
+    for group in by_mesh.values():
+        torch._foreach_mul_(group, factor)
 
 
 def load_module_state(module: nn.Module, state_dict: dict[str, torch.Tensor], source: Path) -> None:

@@ -145,7 +145,13 @@ class FSDPStrategy(DDPStrategy):
         blocks = transformer_blocks(module)
         if self.activation_checkpointing:
             blocks = checkpoint_blocks(module, blocks, self.activation_checkpointing)
-        mesh = self.mesh.mesh("dense")  # 2-D (dp_replicate, dense) for hybrid sharding, else 1-D
+        self.fully_shard_units(blocks, module)
+        return module
+
+    def fully_shard_units(self, blocks: list[nn.Module], root: nn.Module) -> None:
+        """Shard each block, then `root` (what is left), over the "dense" mesh (2-D with dp_replicate
+        for hybrid sharding, else 1-D), each block prefetching the next one's parameters."""
+        mesh = self.mesh.mesh("dense")
         kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": self.zero_stage == 3}
         if self.precision.name == "bf16-mixed":
             kwargs["mp_policy"] = MixedPrecisionPolicy(
@@ -156,12 +162,11 @@ class FSDPStrategy(DDPStrategy):
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda")
         for block in blocks:
             fully_shard(block, **kwargs)
-        fully_shard(module, **kwargs)
+        fully_shard(root, **kwargs)
         for block, following in zip(blocks, blocks[1:], strict=False):
             block.set_modules_to_forward_prefetch([following])  # gather block i+1 while block i computes
         for block, previous in zip(blocks[1:], blocks, strict=False):
             block.set_modules_to_backward_prefetch([previous])
-        return module
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         if self.zero_stage > 1:
@@ -183,14 +188,6 @@ class FSDPStrategy(DDPStrategy):
 
     def global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         norm = super().global_norm(grads)
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm
-
-    def clip_gradients(self, module: nn.Module, max_value: float, algorithm: str) -> torch.Tensor:
-        if algorithm == "value" or self.zero_stage == 1:
-            return super().clip_gradients(module, max_value, algorithm)
-        params = [p for p in module.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)  # a DTensor: reduced over shards
-        torch.nn.utils.clip_grads_with_norm_(params, max_value, norm)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:

@@ -7,12 +7,14 @@ from typing import Any
 from strategies.base import Strategy
 from strategies.ddp import DDPStrategy
 from strategies.fsdp import FSDPStrategy
+from strategies.parallel3d import Parallel3DStrategy
 from strategies.single import SingleDeviceStrategy
 
 STRATEGIES: dict[str, type[Strategy]] = {
     "single": SingleDeviceStrategy,
     "ddp": DDPStrategy,
     "fsdp": FSDPStrategy,
+    "parallel3d": Parallel3DStrategy,
 }
 NAMES = ("auto", *STRATEGIES)
 

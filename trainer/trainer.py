@@ -180,6 +180,7 @@ class Trainer:
         if val_dataloaders is not None:
             _check_not_empty("val_dataloaders", val_dataloaders)
         _check_ckpt_path(ckpt_path)
+        self.strategy.check_module(module)
         return self.strategy.launch(self._run_fit, module, train_dataloaders, val_dataloaders, ckpt_path)
 
     def validate(
@@ -512,6 +513,7 @@ class Trainer:
     ) -> dict[str, float]:
         _check_module(module)
         _check_ckpt_path(ckpt_path)
+        self.strategy.check_module(module)
         return self.strategy.launch(self._run_evaluate, module, loader, ckpt_path, stage)
 
     def _run_evaluate(

@@ -54,10 +54,21 @@ class CausalLM(TrainModule):
         return self.model(input_ids)
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        logits = self.model(batch["input_ids"])  # [B, T, V]
-        labels = batch["labels"]
+        return self.pipeline_loss(self.model(batch["input_ids"]), batch["labels"])
+
+    def pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Mean cross-entropy of logits [B, T, V] over the labels that are not -100, and their count;
+        also what a pipeline's last stage computes on its output."""
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
         return {"loss": loss, "num_tokens": (labels != -100).sum()}
+
+    def pipeline_batch(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a pipeline feeds its first stage and hands its loss: (input_ids, labels)."""
+        return batch["input_ids"], batch["labels"]
+
+    def pipeline_model(self) -> nn.Module:
+        """The model a pipeline cuts into stages (it declares `pipeline_layout()`)."""
+        return self.model
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
         return self._loss(batch)
@@ -83,6 +94,13 @@ class CausalLM(TrainModule):
 
     def flops_per_token(self, seq_len: int) -> float:
         return _hook(self.model, "flops_per_token")(seq_len)
+
+    def tensor_parallel_plan(self, sequence_parallel: bool, loss_parallel: bool) -> dict[str, Any]:
+        plan = _hook(self.model, "tensor_parallel_plan")(sequence_parallel, loss_parallel)
+        return {f"model.{path}": style for path, style in plan.items()}
+
+    def enable_context_parallel(self, attention_fn: Any, positions_fn: Any) -> None:
+        _hook(self.model, "enable_context_parallel")(attention_fn, positions_fn)
 
 
 def _hook(model: Any, name: str) -> Any:

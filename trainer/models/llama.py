@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -125,9 +126,14 @@ class RotaryEmbedding(nn.Module):
         self.cos.copy_(angles.cos())
         self.sin.copy_(angles.sin())
 
-    def forward(self, seq_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for positions 0..seq_len-1 in the activations' dtype."""
-        return self.cos[:seq_len].to(dtype), self.sin[:seq_len].to(dtype)  # (T, head_dim) each
+    def forward(
+        self, dtype: torch.dtype, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (max_seq_len, head_dim) in the activations' dtype, or only the rows of `positions`
+        (a context-parallel shard of the sequence); attention takes the first T rows."""
+        if positions is None:
+            return self.cos.to(dtype), self.sin.to(dtype)
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -136,8 +142,22 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v under the causal mask; query head h reads kv head h // (Hq / Hkv).
+
+    enable_gqa: on the CPU it still takes the flash kernel and skips copying K/V n_heads / n_kv_heads
+    times; measured (tiny preset, torch 2.13, 2 cores) attention fwd+bwd 15.6 ms vs 17.9 ms with
+    repeat_interleave, a full step ~1-2% faster.
+    """
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
 class Attention(nn.Module):
-    """Causal grouped-query attention: n_heads query heads share n_kv_heads key/value heads."""
+    """Causal grouped-query attention: n_heads query heads share n_kv_heads key/value heads.
+
+    `attention_fn(q, k, v)` is the attention kernel: a strategy may replace it (context parallelism
+    gathers K/V over the ranks that share the sequence).
+    """
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -146,18 +166,17 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
+        self.attention_fn = causal_attention
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
+        cos, sin = cos[:T], sin[:T]
         # Head counts are read from the weights (-1) so a tensor-parallel shard with fewer heads runs unchanged.
         q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_heads, T, head_dim)
         k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_kv_heads, T, head_dim)
         v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_kv_heads, T, head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        # enable_gqa: query head h reads kv head h // (n_heads / n_kv_heads) inside the kernel. On CPU it still
-        # takes the flash kernel and skips copying K/V n_heads / n_kv_heads times; measured (tiny preset, torch
-        # 2.13, 2 cores) attention fwd+bwd 15.6 ms vs 17.9 ms with repeat_interleave, a full step ~1-2% faster.
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        y = self.attention_fn(q, k, v)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, dim)
 
 
@@ -190,7 +209,12 @@ class TransformerBlock(nn.Module):
 
 
 class Llama(nn.Module):
-    """The decoder: token embedding, n_layers blocks, final norm, output projection to the vocabulary."""
+    """The decoder: token embedding, n_layers blocks, final norm, output projection to the vocabulary.
+
+    For pipeline parallelism a stage is this model with parts removed: `layers` is a ModuleDict keyed by
+    the block's index (so a stage's state-dict keys are the full model's), and a stage without the
+    embedding takes hidden states (B, T, dim) as input, one without the norm and output returns them.
+    """
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -202,9 +226,10 @@ class Llama(nn.Module):
         with torch.device("meta"):
             self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
             self.rope = RotaryEmbedding(config.head_dim, config.max_seq_len, config.rope_theta)
-            self.layers = nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layers))
+            self.layers = nn.ModuleDict({str(i): TransformerBlock(config) for i in range(config.n_layers)})
             self.norm = RMSNorm(config.dim, config.norm_eps)
             self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.positions_fn: Any = None  # context parallelism: the positions of this rank's tokens
         self.to_empty(device=device)
         self.init_weights()
 
@@ -216,41 +241,123 @@ class Llama(nn.Module):
         so the stream's variance at the output stays O(1) as depth grows instead of growing with 2 * n_layers.
         RMSNorm weights start at 1 so every norm begins as a pure rescaling. A tied output shares the
         embedding's init (it is the same tensor).
+
+        Each matrix draws from its own generator, seeded by one draw from the global RNG plus the
+        matrix's place in the full model: a pipeline stage holding only some layers gets exactly the
+        values those layers have in the whole model, and the seed still decides everything.
         """
-        std = self.config.init_std
-        residual_std = std / math.sqrt(2 * self.config.n_layers)
-        if self.config.tie_embeddings:
+        c = self.config
+        std, residual_std = c.init_std, c.init_std / math.sqrt(2 * c.n_layers)
+
+        def normal(weight: torch.Tensor, std: float, index: int) -> None:
+            generator = torch.Generator(weight.device).manual_seed(base + index)
+            nn.init.normal_(weight, std=std, generator=generator)
+
+        if c.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
             # (Re)tie here because `to_empty` replaces each module's parameter separately, splitting a tie.
             self.output.weight = self.tok_embeddings.weight
+        if any(p.is_meta for p in self.parameters()):
+            return  # nothing to fill, and no draw: a meta build and its materialisation draw once in all
+        base = int(torch.randint(0, 2**62, (), device="cpu").item())
         with torch.no_grad():
-            nn.init.normal_(self.tok_embeddings.weight, std=std)
-            for block in self.layers:
+            if self.tok_embeddings is not None:
+                normal(self.tok_embeddings.weight, std, 0)
+            for name, block in self.layers.items():
                 attention, ffn = block.attention, block.feed_forward
-                for linear in (attention.wq, attention.wk, attention.wv, ffn.w1, ffn.w3):
-                    nn.init.normal_(linear.weight, std=std)
-                for linear in (attention.wo, ffn.w2):
-                    nn.init.normal_(linear.weight, std=residual_std)
+                first = 1 + 7 * int(name)
+                for k, linear in enumerate((attention.wq, attention.wk, attention.wv, ffn.w1, ffn.w3)):
+                    normal(linear.weight, std, first + k)
+                normal(attention.wo.weight, residual_std, first + 5)
+                normal(ffn.w2.weight, residual_std, first + 6)
                 nn.init.ones_(block.attention_norm.weight)
                 nn.init.ones_(block.ffn_norm.weight)
-            nn.init.ones_(self.norm.weight)
-            if not self.config.tie_embeddings:
-                nn.init.normal_(self.output.weight, std=std)
+            if self.output is not None:
+                nn.init.ones_(self.norm.weight)
+                if not c.tie_embeddings:
+                    normal(self.output.weight, std, 1 + 7 * c.n_layers)
         self.rope.reset_parameters()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits (B, T, vocab_size) in float32 for token ids (B, T); position t sees tokens 0..t."""
-        B, T = tokens.shape
-        if T > self.config.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds max_seq_len={self.config.max_seq_len}")
-        h = self.tok_embeddings(tokens)  # (B, T, dim)
-        cos, sin = self.rope(T, h.dtype)
-        for block in self.layers:
+        """Logits (B, T, vocab_size) in float32 for token ids (B, T); position t sees tokens 0..t.
+        A pipeline stage without the embedding takes, and one without the output returns, hidden states."""
+        if tokens.shape[1] > self.config.max_seq_len:
+            raise ValueError(
+                f"sequence length {tokens.shape[1]} exceeds max_seq_len={self.config.max_seq_len}"
+            )
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens  # (B, T, dim)
+        cos, sin = self.rope(h.dtype, self.positions_fn() if self.positions_fn is not None else None)
+        for block in self.layers.values():
             h = block(h, cos, sin)
+        if self.output is None:
+            return h
         return self.output(self.norm(h)).float()  # (B, T, vocab_size)
 
     def transformer_blocks(self) -> list[nn.Module]:
         """The repeated blocks: units for FSDP wrapping, activation checkpointing and pipeline splits."""
-        return list(self.layers)
+        return list(self.layers.values())
+
+    def pipeline_layout(self) -> tuple[list[str], str, list[str]]:
+        """How a pipeline cuts this model: the modules before the blocks (first stage only), the
+        ModuleDict of blocks (split between stages), the modules after them (last stage only)."""
+        return ["tok_embeddings"], "layers", ["norm", "output"]
+
+    def enable_context_parallel(self, attention_fn: Any, positions_fn: Any) -> None:
+        """Context parallelism: every block's attention uses `attention_fn(q, k, v)`, and RoPE reads
+        the positions `positions_fn()` says this rank's tokens hold."""
+        for block in self.layers.values():
+            block.attention.attention_fn = attention_fn
+        self.positions_fn = positions_fn
+
+    def tensor_parallel_plan(self, sequence_parallel: bool, loss_parallel: bool) -> dict[str, Any]:
+        """Module path -> DTensor parallel style (Megatron's layout, TorchTitan's plan): q/k/v and the
+        SwiGLU up-projections column-wise, wo and w2 row-wise, so each block needs one reduction after
+        attention and one after the MLP. With `sequence_parallel` the norms run on sequence shards
+        (activations between blocks are split over the tp ranks) and the reductions become
+        reduce-scatters; with `loss_parallel` the logits stay sharded over the vocabulary for a
+        vocabulary-parallel cross-entropy."""
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            PrepareModuleInput,
+            RowwiseParallel,
+            SequenceParallel,
+        )
+
+        between = Shard(1) if sequence_parallel else Replicate()  # activations between the blocks
+        plan: dict[str, Any] = {}
+        if self.tok_embeddings is not None:  # a pipeline stage may lack the ends
+            plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
+        if self.output is not None:
+            if sequence_parallel:
+                plan["norm"] = SequenceParallel()
+            plan["output"] = ColwiseParallel(
+                input_layouts=between,
+                output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                use_local_output=not loss_parallel,  # a DTensor is what loss_parallel() reads
+            )
+        for name in self.layers:
+            block = f"layers.{name}."
+            for linear in (
+                "attention.wq",
+                "attention.wk",
+                "attention.wv",
+                "feed_forward.w1",
+                "feed_forward.w3",
+            ):
+                plan[block + linear] = ColwiseParallel()
+            for linear in ("attention.wo", "feed_forward.w2"):
+                plan[block + linear] = RowwiseParallel(output_layouts=between)
+            if sequence_parallel:
+                plan[block + "attention_norm"] = SequenceParallel()
+                plan[block + "ffn_norm"] = SequenceParallel()
+                # gather the sequence before the column-parallel projections (cos/sin pass untouched)
+                plan[block + "attention"] = PrepareModuleInput(
+                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+                )
+                plan[block + "feed_forward"] = PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                )
+        return plan
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Parameters, a tied weight counted once; `exclude_embeddings` drops the token embedding table
@@ -265,6 +372,8 @@ class Llama(nn.Module):
         tied to the embedding (the lookup is free, the projection is not); norms are left out. The second term
         is QK^T and attention-times-V over the full T x T score matrix (no discount for the causal mask).
         """
-        n_matmul = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
         c = self.config
+        attention = c.dim * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads)  # wq, wo; wk, wv
+        # from the config, not the modules: a pipeline stage or tensor-parallel shard holds part of them
+        n_matmul = c.n_layers * (attention + 3 * c.dim * c.ffn_dim) + c.dim * c.vocab_size
         return 6 * n_matmul + 12 * c.n_layers * c.n_heads * c.head_dim * seq_len

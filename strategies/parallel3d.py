@@ -1,0 +1,275 @@
+"""Parallel3DStrategy: tensor (+ sequence, + loss) parallel, pipeline parallel and context parallel,
+composed with FSDP/HSDP over the rest of the world, on one mesh (strategies/parallel_dims.py).
+
+The order is TorchTitan's: cut pipeline stages -> tensor parallel -> activation checkpointing ->
+FSDP (per stage) -> materialise. A model takes part through declared hooks: `tensor_parallel_plan`,
+`pipeline_model`/`pipeline_batch`/`pipeline_loss` (its model: `pipeline_layout`) and
+`enable_context_parallel`; each is needed only when its degree is above 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+
+from strategies.activation_checkpointing import checkpoint_blocks, transformer_blocks
+from strategies.base import StepOutput, combine_micro_batches
+from strategies.context_parallel import ContextParallel, check_sequence
+from strategies.fsdp import FSDPStrategy
+from strategies.parallel_dims import ParallelDims
+from strategies.pipeline import (
+    SCHEDULES,
+    ZERO_BUBBLE,
+    Pipeline,
+    check_layers_per_stage,
+    check_schedule,
+    prune,
+    split_blocks,
+    stage_ids,
+    stage_view,
+)
+from trainer.tree import apply_to_tensors
+
+
+def _degree(name: str, value: Any, allow_rest: bool = False) -> int:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or (value < 1 and not (allow_rest and value == -1))
+    ):
+        rest = ", or -1 for the rest of the world" if allow_rest else ""
+        raise ValueError(f"{name}={value!r} is invalid; allowed: an int >= 1{rest}")
+    return value
+
+
+class Parallel3DStrategy(FSDPStrategy):
+    """Data x tensor x pipeline (x context) parallelism.
+
+    - `tp`: DTensor tensor parallelism with the model's plan; `sequence_parallel` shards the activations
+      between blocks over the tp ranks, `loss_parallel` keeps the logits vocabulary-sharded for the loss.
+    - `pp`: pipeline stages cut at block boundaries (`pp_layers_per_stage` or balanced), run by the
+      schedule `pp_schedule` over `microbatches` micro-batches of each batch (default: pp).
+    - `cp`: the sequence sharded over cp ranks (load-balanced chunks), attention over gathered K/V.
+    - `dp_shard` (FSDP, ZeRO `zero_stage` 2 or 3) and `dp_replicate` (HSDP's replicas; with
+      dp_shard=1 plain replication, i.e. DDP) over what is left: dp_shard=-1 takes the rest.
+    """
+
+    name = "parallel3d"
+
+    def __init__(
+        self,
+        dp_replicate: int = 1,
+        dp_shard: int = -1,
+        tp: int = 1,
+        pp: int = 1,
+        cp: int = 1,
+        sequence_parallel: bool = True,
+        loss_parallel: bool = True,
+        pp_schedule: str = "1F1B",
+        microbatches: int | None = None,
+        pp_layers_per_stage: list[int] | None = None,
+        zero_stage: int = 3,
+        reduce_dtype: str = "fp32",
+        activation_checkpointing: str | None = None,
+        async_save: bool = False,
+        timeout_s: float = 600.0,
+    ) -> None:
+        if zero_stage not in (2, 3) or isinstance(zero_stage, bool):
+            raise ValueError(f"zero_stage={zero_stage!r} is invalid for parallel3d; allowed: 2 or 3")
+        super().__init__(
+            zero_stage=zero_stage,
+            replicate=_degree("dp_replicate", dp_replicate),
+            reduce_dtype=reduce_dtype,
+            activation_checkpointing=activation_checkpointing,
+            async_save=async_save,
+            timeout_s=timeout_s,
+        )
+        self.dp_shard = _degree("dp_shard", dp_shard, allow_rest=True)
+        self.tp, self.pp, self.cp = _degree("tp", tp), _degree("pp", pp), _degree("cp", cp)
+        self.sequence_parallel, self.loss_parallel = bool(sequence_parallel), bool(loss_parallel)
+        self.pp_schedule = check_schedule(pp_schedule)
+        if microbatches is not None:
+            _degree("microbatches", microbatches)
+        self.microbatches = microbatches if microbatches is not None else pp
+        self.n_stages = pp * SCHEDULES[pp_schedule]
+        if pp_layers_per_stage is not None:
+            check_layers_per_stage(pp_layers_per_stage, self.n_stages, sum(pp_layers_per_stage))
+        self.pp_layers_per_stage = pp_layers_per_stage
+        self.pipeline: Pipeline | None = None
+        self.context: ContextParallel | None = None
+
+    def parallel_dims(self) -> ParallelDims:
+        return ParallelDims(
+            dp_replicate=self.replicate, dp_shard=self.dp_shard, cp=self.cp, tp=self.tp, pp=self.pp
+        )
+
+    # ---- checks before any process starts ----------------------------------------------------------
+    def check_module(self, module: nn.Module) -> None:
+        """One-line errors for a model these degrees cannot cut: heads not divisible by tp, fewer
+        blocks than pipeline stages, a hook the degrees need and the module lacks."""
+        needs = {"tensor_parallel_plan": self.tp > 1, "enable_context_parallel": self.cp > 1}
+        needs.update(dict.fromkeys(("pipeline_model", "pipeline_batch", "pipeline_loss"), self.pp > 1))
+        for hook, needed in needs.items():
+            if needed and not callable(getattr(module, hook, None)):
+                raise ValueError(
+                    f"{type(module).__name__} does not declare {hook}(), which {self} needs; "
+                    "allowed: a module that declares it (see trainer.models.causal_lm.CausalLM)"
+                )
+        shape = getattr(module, "parallel_shape", None)
+        shape = shape() if callable(shape) else None
+        if shape is None:
+            return
+        for what in ("heads", "kv_heads"):
+            if shape[what] % self.tp:
+                raise ValueError(
+                    f"tp={self.tp} does not divide the model's {shape[what]} {what.replace('_', '-')}; "
+                    f"allowed: a tp that divides {shape[what]}"
+                )
+        if self.n_stages > shape["blocks"]:
+            raise ValueError(
+                f"pp={self.pp} with {self.pp_schedule} makes {self.n_stages} stages but the model has "
+                f"{shape['blocks']} blocks; allowed: at most {shape['blocks']} stages"
+            )
+        if self.pp_layers_per_stage is not None:
+            check_layers_per_stage(self.pp_layers_per_stage, self.n_stages, shape["blocks"])
+
+    def check_batch(self, batch_size: int, seq_len: int | None) -> None:
+        """One-line errors for a per-rank batch the micro-batches do not divide, or a sequence that
+        does not split over cp's load-balanced chunks and tp's sequence shards."""
+        if self.pp > 1 and batch_size % self.microbatches:
+            raise ValueError(
+                f"the per-rank batch of {batch_size} does not split into microbatches={self.microbatches}; "
+                f"allowed: a batch size that is a multiple of {self.microbatches}"
+            )
+        if seq_len is not None:
+            check_sequence(seq_len, self.cp, self.tp if self.sequence_parallel else 1)
+
+    def check_configuration(self) -> None:
+        super().check_configuration()
+        dims = self.parallel_dims().resolve(self.devices * self.num_nodes)
+        data_parallel = dims.dp_replicate * dims.dp_shard * dims.cp
+        if self._zero_bubble and data_parallel > 1:
+            raise ValueError(
+                f"pp_schedule={self.pp_schedule!r} with data parallelism (dp_replicate*dp_shard*cp = {data_parallel}) "
+                "loses the deferred weight gradients of FSDP-sharded stages (torch.distributed.pipelining, "
+                "measured on torch 2.13); allowed with data parallelism: GPipe, 1F1B, Interleaved1F1B, LoopedBFS"
+            )
+        if self._zero_bubble:
+            self.precision.autocast_forward = True  # no FSDP to cast the parameters: autocast does
+
+    @property
+    def _zero_bubble(self) -> bool:
+        """A zero-bubble pipeline: its stages run without FSDP (see check_configuration)."""
+        return self.pp > 1 and self.pp_schedule in ZERO_BUBBLE
+
+    def __str__(self) -> str:
+        return f"Parallel3DStrategy({self.parallel_dims()})"
+
+    # ---- wrapping ----------------------------------------------------------------------------------
+    def shard(self, module: nn.Module) -> nn.Module:
+        module = self.precision.convert_module(module)
+        if self.cp > 1:
+            self.context = ContextParallel(self.mesh.group("cp"), self.mesh.rank("cp"), self.cp)
+            context = self.context
+            module.enable_context_parallel(context.attention, lambda: context.positions(context.seq_len))
+        model, ids, stage_blocks = None, [], []
+        if self.pp > 1:
+            model = module.pipeline_model()
+            names = list(getattr(model, model.pipeline_layout()[1]))
+            stage_blocks = split_blocks(names, self.n_stages, self.pp_layers_per_stage)
+            ids = stage_ids(self.pp_schedule, self.mesh.rank("pp"), self.pp)
+            prune(model, [stage_blocks[i] for i in ids], 0 in ids, self.n_stages - 1 in ids)
+        if self.tp > 1:
+            plan = module.tensor_parallel_plan(self.sequence_parallel, self.loss_parallel)
+            parallelize_module(module, self.mesh.mesh("tp"), plan)
+        blocks = transformer_blocks(module)
+        if self.activation_checkpointing:
+            blocks = checkpoint_blocks(module, blocks, self.activation_checkpointing)
+        if model is None:
+            self.fully_shard_units(blocks, module)
+            return module
+        views = [stage_view(model, stage_blocks[i], i == 0, i == self.n_stages - 1) for i in ids]
+        for view in views:
+            if not self._zero_bubble:
+                self.fully_shard_units(transformer_blocks(view), view)
+        self._views, self._ids = views, ids
+        return module
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        module = super().setup_module(module)
+        if self.pp > 1:
+            self.pipeline = Pipeline(
+                self._views,
+                self._ids,
+                self.n_stages,
+                self.pp_schedule,
+                self.microbatches,
+                self.mesh.group("pp"),
+                self.root_device,
+                module.pipeline_loss,
+            )
+        return module
+
+    # ---- the step ----------------------------------------------------------------------------------
+    def _loss_parallel(self) -> contextlib.AbstractContextManager:
+        """Cross-entropy over vocabulary-sharded logits; must enclose the loss's forward and backward."""
+        return loss_parallel() if self.tp > 1 and self.loss_parallel else contextlib.nullcontext()
+
+    def batch_to_device(self, batch: Any) -> Any:
+        batch = super().batch_to_device(batch)
+        if self.context is None:
+            return batch
+        # every tensor with a sequence dimension (dim 1) is split into this rank's load-balanced chunks
+        return apply_to_tensors(batch, lambda t: self.context.shard(t, 1) if t.dim() >= 2 else t)
+
+    def call_step(self, module: nn.Module, method: str, *args: Any) -> Any:
+        with self._loss_parallel():
+            return super().call_step(module, method, *args)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        with self._loss_parallel():
+            super().backward(loss)
+
+    def train_step(self, module: nn.Module, micro_batches: list[Any], first_batch_idx: int) -> StepOutput:
+        if self.pipeline is None:
+            return super().train_step(module, micro_batches, first_batch_idx)
+        outputs = []
+        for batch in micro_batches:
+            batch = self.batch_to_device(batch)
+            inputs, target = module.pipeline_batch(batch)
+            with self.clock.phase("forward"), self._loss_parallel():  # the schedule interleaves fwd/bwd
+                outputs.append(self.pipeline.step(inputs, target, 1.0 / len(micro_batches)))
+        return combine_micro_batches(outputs)
+
+    def eval_step(self, module: nn.Module, method: str, batch: Any, batch_idx: int) -> Any:
+        if self.pipeline is None:
+            return super().eval_step(module, method, batch, batch_idx)
+        inputs, target = module.pipeline_batch(batch)
+        with self._loss_parallel():
+            out = self.pipeline.evaluate(inputs, target)
+        return {"loss": out.loss, "num_tokens": out.num_tokens} if out.num_tokens is not None else out.loss
+
+    # ---- gradients ---------------------------------------------------------------------------------
+    def global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The L2 norm over every shard, tp rank and stage: per mesh a DTensor norm (reduced over its
+        shards), then the squares summed over the pipeline stages, which hold different parameters."""
+        by_mesh: dict[Any, list[torch.Tensor]] = {}
+        for g in grads:
+            by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+        squares = torch.zeros((), device=self.root_device)
+        for group in by_mesh.values():
+            norm = torch.nn.utils.get_total_norm(group, 2.0)
+            squares = squares + (norm.full_tensor() if isinstance(norm, DTensor) else norm).float() ** 2
+        if self.pp > 1:
+            dist.all_reduce(squares, group=self.mesh.group("pp"))
+        return squares.sqrt()
+
+    def teardown(self) -> None:
+        self.pipeline = None
+        super().teardown()
