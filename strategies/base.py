@@ -124,6 +124,10 @@ class Strategy:
         """Raise a one-line error if `module` cannot run under this strategy (called before any process
         starts; e.g. heads that tensor parallelism cannot split)."""
 
+    def check_batch(self, batch_size: int, seq_len: int | None) -> None:
+        """Raise a one-line error if a per-rank batch of this shape cannot be split as the strategy
+        needs (a recipe calls it before any process starts; a strategy may check every batch too)."""
+
     def setup_environment(self) -> None:
         """Join or create the process group and pick this process's device."""
 

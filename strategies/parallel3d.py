@@ -25,6 +25,7 @@ from strategies.fsdp import FSDPStrategy
 from strategies.parallel_dims import ParallelDims
 from strategies.pipeline import (
     SCHEDULES,
+    V_SHAPED,
     ZERO_BUBBLE,
     Pipeline,
     check_layers_per_stage,
@@ -125,11 +126,11 @@ class Parallel3DStrategy(FSDPStrategy):
         shape = shape() if callable(shape) else None
         if shape is None:
             return
-        for what in ("heads", "kv_heads"):
+        for what in ("heads", "kv_heads", "vocab"):
             if shape[what] % self.tp:
                 raise ValueError(
                     f"tp={self.tp} does not divide the model's {shape[what]} {what.replace('_', '-')}; "
-                    f"allowed: a tp that divides {shape[what]}"
+                    f"allowed: a tp that divides {shape[what]} (or a model whose {what} tp divides)"
                 )
         if self.n_stages > shape["blocks"]:
             raise ValueError(
@@ -217,12 +218,25 @@ class Parallel3DStrategy(FSDPStrategy):
         return module
 
     # ---- the step ----------------------------------------------------------------------------------
+    def process_dataloader(self, loader: Any, seed: int, train: bool = True) -> Any:
+        if not train and self.pp > 1 and self.pp_schedule in V_SHAPED:
+            raise ValueError(
+                f"validation/test under pp_schedule={self.pp_schedule!r}: torch.distributed.pipelining cannot run "
+                "this schedule forward-only (measured on torch 2.13); allowed: InterleavedZeroBubble, another "
+                "schedule, or no validation loader"
+            )
+        return super().process_dataloader(loader, seed, train)
+
     def _loss_parallel(self) -> contextlib.AbstractContextManager:
         """Cross-entropy over vocabulary-sharded logits; must enclose the loss's forward and backward."""
         return loss_parallel() if self.tp > 1 and self.loss_parallel else contextlib.nullcontext()
 
     def batch_to_device(self, batch: Any) -> Any:
         batch = super().batch_to_device(batch)
+        shaped: list[torch.Tensor] = []
+        apply_to_tensors(batch, lambda t: shaped.append(t) if t.dim() >= 2 else None)
+        if shaped:  # (batch, sequence, ...): what micro-batches and sequence shards must divide
+            self.check_batch(shaped[0].shape[0], shaped[0].shape[1])
         if self.context is None:
             return batch
         # every tensor with a sequence dimension (dim 1) is split into this rank's load-balanced chunks

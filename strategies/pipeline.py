@@ -31,7 +31,7 @@ SCHEDULES = {
     "InterleavedZeroBubble": 2,
     "ZBVZeroBubble": 2,
 }
-_V_SHAPED = ("ZBVZeroBubble",)
+V_SHAPED = ("ZBVZeroBubble",)
 # schedules that split the backward into input- and weight-gradient passes
 ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble")
 
@@ -46,7 +46,7 @@ def check_schedule(name: str) -> str:
 def stage_ids(schedule: str, pp_rank: int, pp: int) -> list[int]:
     """The stages rank `pp_rank` of `pp` holds: r (single), r, r+pp, ... (looped) or r, 2pp-1-r (V)."""
     per_rank = SCHEDULES[schedule]
-    if schedule in _V_SHAPED:
+    if schedule in V_SHAPED:
         return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + i * pp for i in range(per_rank)]
 

@@ -323,6 +323,10 @@ def build_run(config: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
     except (ValueError, TypeError) as err:
         raise ConfigError(f"trainer: {err}") from err
     batch_size = _micro_batch(data, trainer_args, trainer.strategy.planned_group_size("batch"))
+    try:
+        trainer.strategy.check_batch(batch_size, data["seq_len"])
+    except ValueError as err:
+        raise ConfigError(f"strategy: {err}") from err
     optim_args = {**optim, "betas": tuple(optim["betas"])}
     llama = build_llama_config(model) if model["class_path"] is None else None
     if llama is not None and data["seq_len"] > llama.max_seq_len:

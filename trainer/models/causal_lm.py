@@ -95,6 +95,19 @@ class CausalLM(TrainModule):
     def flops_per_token(self, seq_len: int) -> float:
         return _hook(self.model, "flops_per_token")(seq_len)
 
+    def parallel_shape(self) -> dict[str, int] | None:
+        """Heads, kv-heads, vocabulary and blocks of the Llama (known before it is built), which tensor
+        and pipeline parallelism must divide; None for a model of another kind."""
+        config = self.config or getattr(self.model, "config", None)
+        if not isinstance(config, LlamaConfig):
+            return None
+        return {
+            "heads": config.n_heads,
+            "kv_heads": config.n_kv_heads,
+            "blocks": config.n_layers,
+            "vocab": config.vocab_size,
+        }
+
     def tensor_parallel_plan(self, sequence_parallel: bool, loss_parallel: bool) -> dict[str, Any]:
         plan = _hook(self.model, "tensor_parallel_plan")(sequence_parallel, loss_parallel)
         return {f"model.{path}": style for path, style in plan.items()}
