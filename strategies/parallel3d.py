@@ -22,6 +22,7 @@ from strategies.activation_checkpointing import checkpoint_blocks, transformer_b
 from strategies.base import StepOutput, combine_micro_batches
 from strategies.context_parallel import ContextParallel, check_sequence
 from strategies.fsdp import FSDPStrategy
+from strategies.memory import MemoryReport, measure
 from strategies.parallel_dims import ParallelDims
 from strategies.pipeline import (
     SCHEDULES,
@@ -283,6 +284,10 @@ class Parallel3DStrategy(FSDPStrategy):
         if self.pp > 1:
             dist.all_reduce(squares, group=self.mesh.group("pp"))
         return squares.sqrt()
+
+    def memory_report(self, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> MemoryReport:
+        """This rank's bytes; the formula's ranks are those sharing a stage's parameters: FSDP's x tp's."""
+        return measure(module, optimizer, self.zero_stage, self.group_size("dense") * self.tp)
 
     def teardown(self) -> None:
         self.pipeline = None

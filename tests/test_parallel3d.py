@@ -273,3 +273,29 @@ def test_the_tiny_3d_recipe_describes_pp2_dp2_tp2_on_eight_processes():
     assert isinstance(strategy, Parallel3DStrategy) and (strategy.pp, strategy.tp) == (2, 2)
     assert strategy.planned_group_size("batch") == 2 and trainer.strategy.devices == 8
     assert isinstance(module.config, LlamaConfig)
+
+
+# ---- memory per GPU of the production recipes, planned on this CPU -------------------------------------
+def test_the_70b_recipe_plans_a_quarter_of_a_billion_elements_per_gpu_and_covers_the_model(capsys):
+    from trainer.cli import main
+
+    assert main(["memory", str(RECIPES / "llama_70b.yaml")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("80-layer Llama, 128 GPUs as pp=4 x dp_shard=4 x tp=8")
+    stages = [line for line in lines if line.startswith("rank ")]
+    assert [line.split()[1] for line in stages] == ["0", "32", "64", "96"]  # one line per pipeline stage
+    elements = [float(line.split("): ")[1].split("B elements")[0]) for line in stages]
+    # each stage's shards over its 8 tp x 4 FSDP ranks, summed over the stages, make the whole model
+    assert sum(elements) * 32 == pytest.approx(70.55, rel=0.01)
+    assert "blocks 0-8, 40-49" in stages[0] and "blocks 30-39, 71-79" in stages[3]
+
+
+def test_the_8b_recipe_holds_a_32nd_of_the_model_per_gpu():
+    from strategies.memory_plan import plan_memory
+    from trainer.config import build_llama_config
+
+    config = load_recipe(RECIPES / "llama_8b.yaml")
+    strategy = Parallel3DStrategy(tp=8, dp_shard=-1)
+    (rank0,) = plan_memory(strategy, lambda: CausalLM(build_llama_config(config["model"])), 32)
+    assert rank0.numel == pytest.approx(8_030_261_248 / 32, rel=1e-3)
+    assert rank0.total_bytes == 16 * rank0.numel  # fp32 weights and gradients, two fp32 AdamW states

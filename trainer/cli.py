@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 from trainer.checkpoint import CheckpointError, find_last
-from trainer.config import SECTIONS, ConfigError, build_run, load_recipe
+from trainer.config import SECTIONS, ConfigError, build_run, load_recipe, memory_lines
 from trainer.export import export_checkpoint, export_llama
 from trainer.logging import configure_console_logging
 from trainer.models.llama import Llama
@@ -29,6 +29,7 @@ examples:
   trainer fit recipes/llama_tiny.yaml --ckpt-path last      # resume (or start) the run
   trainer config recipes/llama_tiny.yaml data.seq_len=128   # print the resolved recipe
   trainer export runs/llama_tiny/checkpoints/step-00000300 out/  # weights for transformers
+  trainer memory recipes/llama_70b.yaml                     # weights+grads+AdamW per GPU of the layout
 """
 
 
@@ -39,12 +40,15 @@ def main(argv: list[str] | None = None) -> int:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{fit,validate,test,config,export}")
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="{fit,validate,test,config,memory,export}"
+    )
     for name, text in (
         ("fit", "train (with validation) as the recipe describes"),
         ("validate", "validation loss of a checkpoint (default: the run's last)"),
         ("test", "test loss of a checkpoint (default: the run's last)"),
         ("config", "print the fully resolved recipe and exit"),
+        ("memory", "weights, gradients and AdamW state per GPU of the recipe's layout, computed on this CPU"),
     ):
         cmd = sub.add_parser(
             name,
@@ -55,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         cmd.add_argument("recipe", type=Path, help="a recipe YAML file")
         cmd.add_argument("overrides", nargs="*", metavar="key.path=value", help="override recipe values")
-        if name != "config":
+        if name not in ("config", "memory"):
             default = None if name == "fit" else "last"
             cmd.add_argument(
                 "--ckpt-path",
@@ -83,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         config = load_recipe(args.recipe, args.overrides)
         if args.command == "config":
             print(yaml.safe_dump(config, sort_keys=False), end="")
+            return 0
+        if args.command == "memory":
+            print(memory_lines(config))
             return 0
         trainer, module, train_loader, val_loader = build_run(config)
         ckpt = None if args.ckpt_path in (None, "none", "None") else args.ckpt_path

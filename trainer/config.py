@@ -360,6 +360,41 @@ def build_run(config: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
     return trainer, module, train_loader, val_loader
 
 
+def memory_lines(config: dict[str, Any]) -> str:
+    """Per-GPU weights, gradients and AdamW state of a resolved Llama recipe under its sharding
+    strategy, one line per pipeline stage (strategies/memory_plan.py), without any GPU or process."""
+    from strategies.memory_plan import plan_memory
+    from strategies.registry import build_strategy
+    from trainer.models.causal_lm import CausalLM
+    from trainer.precision import Precision
+
+    trainer_args, strategy_args = config["trainer"], dict(config["strategy"])
+    name = strategy_args.pop("name")
+    if not isinstance(trainer_args["devices"], int) or config["model"]["class_path"] is not None:
+        raise ConfigError("trainer memory needs trainer.devices as a number and a Llama preset model")
+    world = trainer_args["devices"] * trainer_args["num_nodes"]
+    try:
+        strategy = build_strategy(name, processes=world, **strategy_args)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"strategy: {err}") from err
+    if not callable(getattr(strategy, "shard", None)) or getattr(strategy, "zero_stage", 1) < 2:
+        raise ConfigError(
+            f"trainer memory plans sharded layouts; strategy {name!r} is not one (allowed: fsdp with zero_stage 2 "
+            "or 3, parallel3d)"
+        )
+    strategy.precision = Precision(trainer_args["precision"])
+    llama = build_llama_config(config["model"])
+    try:
+        reports = plan_memory(strategy, lambda: CausalLM(llama), world)
+    except ValueError as err:
+        raise ConfigError(f"strategy: {err}") from err
+    head = (
+        f"{llama.n_layers}-layer Llama, {world} GPUs as {strategy.parallel_dims().resolve(world)}, precision "
+        f"{trainer_args['precision']} (fp32 master weights unless '-true'); activations not included:"
+    )
+    return "\n".join([head, *(r.line() for r in reports)])
+
+
 def _micro_batch(data: dict[str, Any], trainer_args: dict[str, Any], readers: int) -> int:
     """data.batch_size, or data.global_batch_size split exactly over the `readers` (the ranks that read
     different data: the mesh's batch group, not the process count) and the accumulation steps."""
