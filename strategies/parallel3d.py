@@ -178,8 +178,10 @@ class Parallel3DStrategy(FSDPStrategy):
         module = self.precision.convert_module(module)
         if self.cp > 1:
             self.context = ContextParallel(self.mesh.group("cp"), self.mesh.rank("cp"), self.cp)
-            context = self.context
-            module.enable_context_parallel(context.attention, lambda: context.positions(context.seq_len))
+            context, device = self.context, self.root_device
+            module.enable_context_parallel(
+                context.attention, lambda: context.positions(context.seq_len, device)
+            )
         model, ids, stage_blocks = None, [], []
         if self.pp > 1:
             model = module.pipeline_model()

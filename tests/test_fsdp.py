@@ -46,7 +46,10 @@ def test_each_zero_stage_matches_one_process_and_holds_the_formula_memory(tmp_pa
         assert abs(got[step] - loss) <= 1e-5, (
             f"step {step}: zero-{stage} on {devices} ranks {got[step]} vs {loss}"
         )
-    assert_params_close(out["params"], params)
+    # the sums over 4 ranks are ordered differently from one process's (whose own order depends on its
+    # thread count); AdamW's m/sqrt(v) at lr 1e-2 magnifies that for elements whose gradient is near zero:
+    # measured 1.2e-5 and 3.1e-5 in single elements of layers.1 after 8 steps, while the losses agree to 1e-5
+    assert_params_close(out["params"], params, atol=1e-5 if devices == 2 else 1e-4)
 
     # bytes this rank held, against the formula (FSDP2 shards dim 0 in whole rows: allow one row per tensor)
     with_grads, after_step = out["memory"]["grads"], out["memory"]["states"]

@@ -82,7 +82,7 @@ TWO_RANKS = [
     {"tag": "tp2-no-sp", "tp": 2, "sequence_parallel": False, "probe": True},
     {"tag": "tp2-no-loss-parallel", "tp": 2, "loss_parallel": False},
     *({"tag": f"pp2-{s}", "pp": 2, "pp_schedule": s}
-      for s in ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble")),
+      for s in ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")),
     {"tag": "pp2-ZBVZeroBubble", "pp": 2, "pp_schedule": "ZBVZeroBubble", "validate": False},
     {"tag": "pp2-1F1B-4-microbatches", "pp": 2, "microbatches": 4},
     {"tag": "cp2", "cp": 2},
