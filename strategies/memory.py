@@ -50,7 +50,7 @@ class MemoryReport:
         )
         expected = ", ".join(f"{k} {v * mb:.2f} MiB" for k, v in self.expected.items())
         return (
-            f"memory per rank (ZeRO-{self.stage}, {self.ranks} data-parallel ranks, {self.parameters / 1e6:.2f}M "
+            f"memory per rank (ZeRO-{self.stage}, {self.ranks} ranks sharing the parameters, {self.parameters / 1e6:.2f}M "
             f"parameters): now {measured}; a step holds {expected}"
         )
 

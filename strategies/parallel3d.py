@@ -10,6 +10,7 @@ FSDP (per stage) -> materialise. A model takes part through declared hooks: `ten
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any
 
 import torch
@@ -48,6 +49,12 @@ def _degree(name: str, value: Any, allow_rest: bool = False) -> int:
         rest = ", or -1 for the rest of the world" if allow_rest else ""
         raise ValueError(f"{name}={value!r} is invalid; allowed: an int >= 1{rest}")
     return value
+
+
+def _not_the_norms_reduction(record: logging.LogRecord) -> bool:
+    """DTensor warns (once per rank) that reducing the gradient norm over the 2-D (dense, tp) mesh takes
+    two all-reduces of one scalar each; that is what the clipping norm costs, and it is negligible."""
+    return "_NormPartial" not in str(record.args)
 
 
 class Parallel3DStrategy(FSDPStrategy):
@@ -133,6 +140,11 @@ class Parallel3DStrategy(FSDPStrategy):
                     f"tp={self.tp} does not divide the model's {shape[what]} {what.replace('_', '-')}; "
                     f"allowed: a tp that divides {shape[what]} (or a model whose {what} tp divides)"
                 )
+        if self.pp > 1 and shape["tied"]:
+            raise ValueError(
+                f"pp={self.pp} puts the embedding and the output on different stages, but the model ties them "
+                "(tie_embeddings=True); allowed: pp=1, or an untied model"
+            )
         if self.n_stages > shape["blocks"]:
             raise ValueError(
                 f"pp={self.pp} with {self.pp_schedule} makes {self.n_stages} stages but the model has "
@@ -175,6 +187,7 @@ class Parallel3DStrategy(FSDPStrategy):
 
     # ---- wrapping ----------------------------------------------------------------------------------
     def shard(self, module: nn.Module) -> nn.Module:
+        logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_not_the_norms_reduction)
         module = self.precision.convert_module(module)
         if self.cp > 1:
             self.context = ContextParallel(self.mesh.group("cp"), self.mesh.rank("cp"), self.cp)

@@ -192,7 +192,8 @@ def fit_on(devices: int, strategy: Parallel3DStrategy, module=None):
     [
         (3, {"tp": 3}, r"tp=3 does not divide the model's 4 heads"),
         (4, {"tp": 4}, r"tp=4 does not divide the model's 2 kv-heads"),
-        (2, {"tp": 2, "vocab": 65}, r"tp=2 does not divide the model's 65 vocab"),
+        (2, {"tp": 2, "vocab_size": 65}, r"tp=2 does not divide the model's 65 vocab"),
+        (2, {"pp": 2, "tie_embeddings": True}, r"pp=2 puts the embedding and the output on different stages"),
         (8, {"pp": 8}, r"pp=8 with 1F1B makes 8 stages but the model has 4 blocks"),
         (4, {"pp": 4, "pp_schedule": "Interleaved1F1B"}, r"makes 8 stages but the model has 4 blocks"),
         (
@@ -203,7 +204,8 @@ def fit_on(devices: int, strategy: Parallel3DStrategy, module=None):
     ],
 )
 def test_a_model_the_layout_cannot_cut_is_refused_before_spawning(devices, kwargs, match):
-    model = dataclasses.replace(MODEL, vocab_size=kwargs.pop("vocab", MODEL.vocab_size))
+    shape = {k: kwargs.pop(k) for k in ("vocab_size", "tie_embeddings") if k in kwargs}
+    model = dataclasses.replace(MODEL, **shape)
     with pytest.raises(ValueError, match=match):
         fit_on(devices, Parallel3DStrategy(**kwargs), CausalLM(model))
 

@@ -703,8 +703,10 @@ class Trainer:
 
     def _announce(self, module: TrainModule) -> None:
         """One line on what is about to run: size, parallelism, precision and the global batch."""
-        params = sum(p.numel() for p in module.parameters())
         strategy = self.strategy
+        # a pipeline stage holds some of the blocks: the model's size is the sum over the stages
+        local = torch.tensor(float(sum(p.numel() for p in module.parameters())), device=strategy.root_device)
+        params = float(strategy.reduce(local, "sum", group="pp"))
         batch = getattr(self._train_batches.loader, "batch_size", None)
         line = (
             f"{self._module_name}: {params / 1e6:.2f}M parameters | strategy {strategy.name}, "

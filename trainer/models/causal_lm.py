@@ -106,6 +106,7 @@ class CausalLM(TrainModule):
             "kv_heads": config.n_kv_heads,
             "blocks": config.n_layers,
             "vocab": config.vocab_size,
+            "tied": config.tie_embeddings,
         }
 
     def tensor_parallel_plan(self, sequence_parallel: bool, loss_parallel: bool) -> dict[str, Any]:
