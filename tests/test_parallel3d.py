@@ -278,7 +278,7 @@ def test_the_tiny_3d_recipe_describes_pp2_dp2_tp2_on_eight_processes():
 
 
 # ---- memory per GPU of the production recipes, planned on this CPU -------------------------------------
-def test_the_70b_recipe_plans_a_quarter_of_a_billion_elements_per_gpu_and_covers_the_model(capsys):
+def test_the_70b_recipe_plans_half_a_billion_elements_per_gpu_and_its_stages_cover_the_model(capsys):
     from trainer.cli import main
 
     assert main(["memory", str(RECIPES / "llama_70b.yaml")]) == 0
@@ -301,3 +301,10 @@ def test_the_8b_recipe_holds_a_32nd_of_the_model_per_gpu():
     (rank0,) = plan_memory(strategy, lambda: CausalLM(build_llama_config(config["model"])), 32)
     assert rank0.numel == pytest.approx(8_030_261_248 / 32, rel=1e-3)
     assert rank0.total_bytes == 16 * rank0.numel  # fp32 weights and gradients, two fp32 AdamW states
+
+
+def test_trainer_memory_refuses_a_strategy_that_does_not_shard(capsys):
+    from trainer.cli import main
+
+    assert main(["memory", str(RECIPES / "llama_tiny.yaml"), "trainer.devices=2", "strategy.name=ddp"]) == 2
+    assert "trainer memory plans sharded layouts; strategy 'ddp' is not one" in capsys.readouterr().err
