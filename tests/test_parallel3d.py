@@ -91,6 +91,7 @@ FOUR_RANKS = [
     {"tag": "cp4", "cp": 4},
     {"tag": "dp2-tp2", "tp": 2},
     {"tag": "pp2-tp2", "pp": 2, "tp": 2},
+    {"tag": "pp2-tp2-checkpointed", "pp": 2, "tp": 2, "activation_checkpointing": "full"},
     {"tag": "pp2-fsdp2", "pp": 2},
     {"tag": "pp2-interleaved-fsdp2-zero2", "pp": 2, "pp_schedule": "Interleaved1F1B", "zero_stage": 2},
     {"tag": "hsdp2-tp2", "dp_replicate": 2, "dp_shard": 1, "tp": 2},
