@@ -87,7 +87,7 @@ def test_configure_optimizers_returning_nothing_is_an_error(tmp_path):
             return None
 
     with pytest.raises(
-        TypeError, match="configure_optimizers returned NoneType; allowed: a torch.optim.Optimizer"
+        TypeError, match=r"configure_optimizers returned NoneType; allowed: an optimizer, \[optimizer\]"
     ):
         Trainer(max_steps=1, default_root_dir=tmp_path, **quiet()).fit(NoOpt(), regression_loader())
 

@@ -103,7 +103,7 @@ def test_bad_schedule_arguments_are_named(kwargs, match):
         LRSchedule(**kwargs)
 
 
-def test_a_scheduler_from_configure_optimizers_steps_once_per_optimizer_step(tmp_path):
+def test_a_step_interval_scheduler_from_configure_optimizers_steps_once_per_optimizer_step(tmp_path):
     from helpers import Regression, quiet, read_metrics, regression_loader
 
     from trainer import Trainer
@@ -111,10 +111,8 @@ def test_a_scheduler_from_configure_optimizers_steps_once_per_optimizer_step(tmp
     class OwnSchedule(Regression):
         def configure_optimizers(self):
             opt = torch.optim.SGD(self.parameters(), lr=1.0)
-            return {
-                "optimizer": opt,
-                "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
-            }
+            scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     Trainer(max_steps=6, accumulate_grad_batches=3, default_root_dir=tmp_path, **quiet()).fit(
         OwnSchedule(), regression_loader()

@@ -29,6 +29,7 @@ from trainer.logging import (
 )
 from trainer.metrics import MetricBuffer
 from trainer.module import TrainModule
+from trainer.optim_config import SchedulerConfig, parse_optimizers
 from trainer.precision import Precision
 from trainer.progress import ProgressBar
 from trainer.rng import isolated_rng, rng_state, seed_everything, set_rng_state
@@ -131,6 +132,7 @@ class Trainer:
         self.module: TrainModule | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: Any = None
+        self._scheduler_config: SchedulerConfig | None = None  # a scheduler from configure_optimizers
         self._schedule: LRSchedule | None = None
         self._train_batches: EpochBatches | None = None
         self._progress: ProgressBar | None = None
@@ -367,6 +369,7 @@ class Trainer:
             s.batches_in_epoch = 0
             if val_loader is not None and not val_every:
                 self._validation_loop(module, val_loader)
+            self._step_scheduler("epoch", s.epoch)  # after validation: ReduceLROnPlateau reads its metric
         if val_loader is not None and self._last_val_step != s.global_step:
             self._validation_loop(module, val_loader)
 
@@ -430,7 +433,7 @@ class Trainer:
                 skipped = not strategy.optimizer_step(self.optimizer)
             s.skipped_steps += skipped
             self.optimizer.zero_grad(set_to_none=True)
-            self.lr_scheduler.step()
+            self._step_scheduler("step", s.global_step + 1)
         strategy.after_optimizer_step()
         if not skipped:
             s.productive_s += time.perf_counter() - started
@@ -556,25 +559,15 @@ class Trainer:
         self._call("setup", stage)
 
     def _setup_optimizer(self, module: TrainModule) -> None:
-        configured = module.configure_optimizers()
-        scheduler = None
-        if isinstance(configured, dict):
-            optimizer, scheduler = configured.get("optimizer"), configured.get("lr_scheduler")
-        else:
-            optimizer = configured
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"configure_optimizers returned {type(optimizer).__name__}; allowed: a torch.optim.Optimizer or "
-                "{'optimizer': ..., 'lr_scheduler': ...}"
-            )
+        optimizer, self._scheduler_config = parse_optimizers(module.configure_optimizers())
         self.optimizer = self.strategy.setup_optimizer(optimizer)
-        if scheduler is not None:
+        if self._scheduler_config is not None:
             if self.lr_schedule != "constant" or self.warmup_steps:
                 raise ValueError(
                     f"configure_optimizers returned its own lr_scheduler and the Trainer has lr_schedule={self.lr_schedule!r}, "
                     f"warmup_steps={self.warmup_steps}; allowed: one of the two (leave the Trainer's at 'constant', 0)"
                 )
-            self.lr_scheduler = scheduler
+            self.lr_scheduler = self._scheduler_config.scheduler
             return
         total = self._total_steps()
         if self.lr_schedule != "constant" and total is None:
@@ -583,6 +576,15 @@ class Trainer:
             )
         self._schedule = LRSchedule(self.lr_schedule, self.warmup_steps, total or 1, self.min_lr_ratio)
         self.lr_scheduler = build_scheduler(self.optimizer, self._schedule)
+
+    def _step_scheduler(self, interval: str, count: int) -> None:
+        """The Trainer's own schedule steps every optimizer step; a module's scheduler at its interval."""
+        config = self._scheduler_config
+        if config is None:
+            if interval == "step":
+                self.lr_scheduler.step()
+        elif config.interval == interval:
+            config.step(count, self.callback_metrics)
 
     def _total_steps(self) -> int | None:
         """Optimizer steps the fit will take, if knowable."""
