@@ -57,13 +57,41 @@ class TrainModule(nn.Module):
 
     # ---- provided -------------------------------------------------------------------------------
     def log(
-        self, name: str, value: float | torch.Tensor, prog_bar: bool = False, sync_dist: bool = False
+        self,
+        name: str,
+        value: float | torch.Tensor,
+        prog_bar: bool = False,
+        logger: bool = True,
+        on_step: bool | None = None,
+        on_epoch: bool | None = None,
+        reduce_fx: str | Any = "mean",
+        sync_dist: bool = False,
+        batch_size: int | None = None,
     ) -> None:
-        """Record a metric; averaged over the step's micro-batches (or the validation epoch), reduced
-        over ranks when `sync_dist`, written by rank zero's loggers."""
+        """Record a metric, as Lightning's `log` does: in training steps by default per step (the mean
+        over its micro-batches), in validation/test steps over the whole loop; `on_step`/`on_epoch`
+        choose (both: `name_step` and `name_epoch`), `reduce_fx` aggregates ("mean" weighted by
+        `batch_size`, "sum", "max", "min"), `sync_dist` reduces over the data-parallel ranks,
+        `logger=False` keeps it to `trainer.callback_metrics`, `prog_bar` shows it."""
         if self._trainer is None:
             raise RuntimeError(f"{type(self).__name__}.log({name!r}) called outside of a Trainer run")
-        self._trainer.metrics.add(name, value, prog_bar=prog_bar, sync_dist=sync_dist)
+        evaluating = self._trainer.evaluating
+        self._trainer.metrics.add(
+            name,
+            value,
+            on_step=(not evaluating) if on_step is None else on_step,
+            on_epoch=evaluating if on_epoch is None else on_epoch,
+            reduce_fx=reduce_fx,
+            batch_size=batch_size,
+            sync_dist=sync_dist,
+            prog_bar=prog_bar,
+            logger=logger,
+        )
+
+    def log_dict(self, dictionary: dict[str, float | torch.Tensor], **kwargs: Any) -> None:
+        """`log` each entry with the same options."""
+        for name, value in dictionary.items():
+            self.log(name, value, **kwargs)
 
     @property
     def trainer(self) -> Trainer:

@@ -127,7 +127,9 @@ class Trainer:
 
         self.state = LoopState()
         self.metrics = MetricBuffer()
-        self.callback_metrics: dict[str, float] = {}
+        self.callback_metrics: dict[str, float] = {}  # every metric's latest value, for callbacks
+        self.logged_metrics: dict[str, float] = {}  # what was sent to the loggers
+        self.evaluating = False  # inside a validation/test loop: `log` defaults to on_epoch
         self.should_stop = False
         self.module: TrainModule | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -264,12 +266,20 @@ class Trainer:
         )
         return path
 
-    def log_metrics(self, metrics: dict[str, float]) -> None:
-        """Send metrics (already agreed over ranks) to every logger at the current step; rank zero writes."""
+    def log_metrics(self, metrics: dict[str, float], hidden: set[str] = frozenset()) -> None:
+        """Send metrics (already agreed over ranks) to every logger at the current step, except the
+        `hidden` names (logged with logger=False); rank zero writes. All of them reach `callback_metrics`,
+        a `name_step`/`name_epoch` pair also under `name` (its latest value), as in Lightning."""
         self.callback_metrics.update(metrics)
-        if self.is_global_zero:
+        for key, value in metrics.items():
+            for suffix in ("_step", "_epoch"):
+                if key.endswith(suffix):
+                    self.callback_metrics[key[: -len(suffix)]] = value
+        logged = {k: v for k, v in metrics.items() if k not in hidden}
+        self.logged_metrics.update(logged)
+        if self.is_global_zero and logged:
             for lg in self.loggers:
-                lg.log_metrics(metrics, self.global_step)
+                lg.log_metrics(logged, self.global_step)
 
     def loss_on(self, batch: Any) -> torch.Tensor | None:
         """This rank's `validation_step` loss on `batch` in eval mode, without gradients, RNG or metric side
@@ -365,13 +375,26 @@ class Trainer:
                 raise ValueError(
                     "the train loader yielded no batches in an epoch; it must yield at least one"
                 )
+            self._log_epoch_metrics()
             s.epoch += 1
             s.batches_in_epoch = 0
             if val_loader is not None and not val_every:
                 self._validation_loop(module, val_loader)
             self._step_scheduler("epoch", s.epoch)  # after validation: ReduceLROnPlateau reads its metric
+        self._log_epoch_metrics()  # a run that stopped inside an epoch ends that epoch's aggregates here
         if val_loader is not None and self._last_val_step != s.global_step:
             self._validation_loop(module, val_loader)
+
+    def _log_epoch_metrics(self) -> None:
+        """What training steps logged with on_epoch=True, aggregated over the epoch, then reset."""
+        metrics = self.metrics.compute_epoch(self._reduce_logged)
+        if metrics:
+            self.log_metrics(metrics, hidden=self.metrics.not_for_loggers())
+        self.metrics.reset()
+
+    def _reduce_logged(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        """`sync_dist`: over the ranks that hold different data (and sequence shards)."""
+        return self.strategy.reduce(tensor, op, group="loss")
 
     def _train_epoch(
         self,
@@ -442,7 +465,7 @@ class Trainer:
         meter.step_done()
         if log_now:
             self._log_train(loss, num_tokens, self._step_norm, lr, meter)
-        self.metrics.reset()
+        self.metrics.reset_step()
         if self._progress is not None:
             self._progress.update()
         self.step_loss = self._step_norm = None
@@ -464,9 +487,9 @@ class Trainer:
         metrics["train/effective_time"] = self.effective_training_time()["fraction"]
         if self.state.skipped_steps:
             metrics["train/skipped_steps"] = self.state.skipped_steps
-        user = self.metrics.compute(lambda t: strategy.reduce(t, "mean", group="loss"))
+        user = self.metrics.compute_step(self._reduce_logged)
         metrics.update(user)
-        self.log_metrics(metrics)
+        self.log_metrics(metrics, hidden=self.metrics.not_for_loggers())
         if self._progress is not None:  # rank zero's
             shown = {"loss": metrics["train/loss"], "lr": lr}
             if "train/tokens_per_s" in metrics:
@@ -477,8 +500,8 @@ class Trainer:
     # ---- evaluation ------------------------------------------------------------------------------
     def _validation_loop(self, module: TrainModule, loader: Iterable) -> dict[str, float]:
         self._call("on_validation_start")
-        metrics = self._eval_loop(module, loader, "validation_step", "val", self.limit_val_batches)
-        self.log_metrics(metrics)
+        metrics, hidden = self._eval_loop(module, loader, "validation_step", "val", self.limit_val_batches)
+        self.log_metrics(metrics, hidden)
         self._last_val_step = self.global_step
         if self._progress is not None and "val/loss" in metrics:
             self._progress.write(f"step {self.global_step}: val/loss {metrics['val/loss']:.4f}")
@@ -487,12 +510,14 @@ class Trainer:
 
     def _eval_loop(
         self, module: TrainModule, loader: Iterable, method: str, prefix: str, limit: Any
-    ) -> dict[str, float]:
-        """Means over batches (and ranks) of the step's returned loss and of what it logged. It runs
-        with its own RNG so that validating never changes the training trajectory."""
-        was_training = module.training
+    ) -> tuple[dict[str, float], set[str]]:
+        """Means over batches (and ranks) of the step's returned loss and of what it logged, and the
+        names logged with logger=False. It runs with its own RNG so that validating never changes the
+        training trajectory."""
+        was_training, training_metrics = module.training, self.metrics
         module.eval()
-        self.metrics.reset()
+        self.metrics = MetricBuffer()  # a validation inside an epoch leaves the epoch's aggregates alone
+        self.evaluating = True
         losses: list[torch.Tensor] = []
         n_batches = EpochBatches(loader, limit, "limit_val_batches").epoch_length()
         with isolated_rng(), torch.no_grad():
@@ -502,14 +527,15 @@ class Trainer:
                 output = self.strategy.eval_step(module, method, self.strategy.batch_to_device(batch), idx)
                 if output is not None:
                     losses.append(unpack_loss(output, method)[0].float())
-        metrics = self.metrics.compute(lambda t: self.strategy.reduce(t, "mean", group="loss"))
-        self.metrics.reset()
+        metrics = self.metrics.compute_epoch(self._reduce_logged)
+        hidden = self.metrics.not_for_loggers()
+        self.metrics, self.evaluating = training_metrics, False
         if losses:
             metrics[f"{prefix}/loss"] = float(
                 self.strategy.reduce(torch.stack(losses).mean(), "mean", group="loss")
             )
         module.train(was_training)
-        return metrics
+        return metrics, hidden
 
     def _evaluate(
         self, module: TrainModule, loader: Iterable, ckpt_path: Any, stage: str
@@ -529,7 +555,7 @@ class Trainer:
             if path is not None:
                 self.strategy.load_checkpoint(path, module, None)
             method, prefix = ("validation_step", "val") if stage == "validate" else ("test_step", "test")
-            metrics = self._eval_loop(module, loader, method, prefix, self.limit_val_batches)
+            metrics, _ = self._eval_loop(module, loader, method, prefix, self.limit_val_batches)
             if self.is_global_zero and self.enable_progress_bar:
                 print("  ".join(f"{k} {v:.4f}" for k, v in metrics.items()), file=sys.stderr)
             return metrics

@@ -1,0 +1,134 @@
+"""`self.log` as Lightning's docs use it: per step in training and per epoch in validation by default,
+`on_step`/`on_epoch` with Lightning's `_step`/`_epoch` names, epoch means weighted by `batch_size`,
+`reduce_fx`, `logger=False`, `log_dict`, and what reaches `callback_metrics` / `logged_metrics`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import quiet, regression_data
+from torch import nn
+from torch.utils.data import DataLoader
+
+from trainer import Trainer, TrainModule
+
+
+class LitClassifier(TrainModule):
+    """Lightning's docs' shape: the step calls `self(x)` and logs; the batch sizes are uneven (16, 16, 8)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(8, 1)
+        self.step_values: list[tuple[float, int]] = []  # (loss, batch size) of every training batch
+        self.val_values: list[tuple[float, int]] = []
+
+    def forward(self, x):
+        return self.layer(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.step_values.append((loss.item(), len(x)))
+        self.log("train_loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=len(x))
+        self.log("biggest_batch", float(len(x)), on_step=False, on_epoch=True, reduce_fx="max")
+        self.log_dict({"seen": float(len(x))}, on_step=False, on_epoch=True, reduce_fx="sum")
+        self.log("debug_only", 1.0, logger=False)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.val_values.append((loss.item(), len(x)))
+        self.log("val_loss", loss, batch_size=len(x))
+        self.log_dict({"val_first_batch": float(batch_idx == 0)}, reduce_fx="sum")
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def rows(root):
+    return [json.loads(line) for line in (root / "logs" / "metrics.jsonl").read_text().splitlines()]
+
+
+def weighted_mean(values):
+    return sum(v * n for v, n in values) / sum(n for _, n in values)
+
+
+@pytest.fixture
+def run(tmp_path):
+    module = LitClassifier()
+    loader = DataLoader(regression_data(40), batch_size=16)  # 16, 16, 8
+    trainer = Trainer(max_epochs=2, default_root_dir=tmp_path, **quiet())
+    trainer.fit(module, loader, DataLoader(regression_data(24, seed=1), batch_size=16))  # 16, 8
+    return trainer, module, rows(tmp_path)
+
+
+def test_on_step_and_on_epoch_log_lightnings_names_and_a_batch_size_weighted_epoch_mean(run):
+    trainer, module, logged = run
+    steps = [r["train_loss_step"] for r in logged if "train_loss_step" in r]
+    assert steps == pytest.approx([v for v, _ in module.step_values], abs=1e-6)
+    epochs = [r for r in logged if "train_loss_epoch" in r]
+    assert [r["step"] for r in epochs] == [3, 6]  # at the end of each epoch
+    for epoch, row in enumerate(epochs):
+        expected = weighted_mean(module.step_values[3 * epoch : 3 * epoch + 3])
+        assert row["train_loss_epoch"] == pytest.approx(expected, abs=1e-6)
+        assert row["biggest_batch"] == 16.0 and row["seen"] == 40.0  # reduce_fx "max" and "sum"
+    assert not any("train_loss" in r for r in logged)  # both on: only the suffixed names
+
+
+def test_validation_logs_once_per_loop_weighted_by_batch_size(run):
+    trainer, module, logged = run
+    val_rows = [r for r in logged if "val_loss" in r]
+    assert [r["step"] for r in val_rows] == [3, 6]
+    first_loop = module.val_values[:2]
+    assert val_rows[0]["val_loss"] == pytest.approx(weighted_mean(first_loop), abs=1e-6)
+    assert val_rows[0]["val_first_batch"] == 1.0  # summed over the loop's batches
+
+
+def test_callback_metrics_hold_everything_and_logged_metrics_only_what_loggers_got(run):
+    trainer, _, logged = run
+    assert trainer.callback_metrics["debug_only"] == 1.0
+    assert "debug_only" not in trainer.logged_metrics
+    assert not any("debug_only" in r for r in logged)
+    # a name logged both ways is also under its bare name in callback_metrics, as in Lightning
+    assert trainer.callback_metrics["train_loss"] == trainer.callback_metrics["train_loss_epoch"]
+    assert trainer.logged_metrics["val_loss"] == trainer.callback_metrics["val_loss"]
+
+
+class Logs(TrainModule):
+    def __init__(self, **options):
+        super().__init__()
+        self.layer, self.options = nn.Linear(8, 1), options
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.layer(x), y)
+        self.log("x", loss, **self.options)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize(
+    "options, error, match",
+    [
+        ({"reduce_fx": "median"}, ValueError, r"log\('x'\) reduce_fx='median' is unknown; allowed: mean, sum, max, min"),
+        ({"on_step": False, "on_epoch": False}, ValueError, r"on_step=False and on_epoch=False; allowed: at least one"),
+        ({"batch_size": 0}, ValueError, r"batch_size=0 is invalid; allowed: an int >= 1"),
+    ],
+)  # fmt: skip
+def test_bad_log_options_are_named(tmp_path, options, error, match):
+    with pytest.raises(error, match=match):
+        Trainer(max_steps=1, default_root_dir=tmp_path, **quiet()).fit(
+            Logs(**options), DataLoader(regression_data(16), batch_size=16)
+        )
+
+
+def test_torch_reduction_functions_are_accepted_as_lightning_allows(tmp_path):
+    Trainer(max_steps=2, default_root_dir=tmp_path, **quiet()).fit(
+        Logs(reduce_fx=torch.max, on_epoch=True), DataLoader(regression_data(32), batch_size=16)
+    )
+    assert "x_epoch" in rows(tmp_path)[-1]
