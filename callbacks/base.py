@@ -41,6 +41,18 @@ class Callback:
     def on_fit_end(self, trainer: Trainer, module: TrainModule) -> None:
         """After the last step."""
 
+    def on_train_start(self, trainer: Trainer, module: TrainModule) -> None:
+        """Before the first training step (after on_fit_start)."""
+
+    def on_train_end(self, trainer: Trainer, module: TrainModule) -> None:
+        """After the last training step (before on_fit_end)."""
+
+    def on_train_epoch_start(self, trainer: Trainer, module: TrainModule) -> None:
+        """At the start of each training epoch."""
+
+    def on_train_epoch_end(self, trainer: Trainer, module: TrainModule) -> None:
+        """At the end of each training epoch, after its end-of-epoch validation."""
+
     def on_train_batch_start(self, trainer: Trainer, module: TrainModule, batch_idx: int) -> None:
         """Before the micro-batches of an optimizer step; `batch_idx` is the first one's index in the epoch."""
 
@@ -54,6 +66,11 @@ class Callback:
     ) -> None:
         """Gradients are final (clipped); the optimizer is about to step."""
 
+    def on_before_zero_grad(
+        self, trainer: Trainer, module: TrainModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        """The optimizer stepped; its gradients are about to be cleared."""
+
     def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: dict[str, Any]) -> None:
         """After the optimizer step (and validation, when it was due); outputs["loss"] is the step's loss."""
 
@@ -62,6 +79,24 @@ class Callback:
 
     def on_validation_end(self, trainer: Trainer, module: TrainModule) -> None:
         """After a validation loop; its metrics are in `trainer.callback_metrics`."""
+
+    def on_validation_epoch_start(self, trainer: Trainer, module: TrainModule) -> None:
+        """Before the first validation batch."""
+
+    def on_validation_epoch_end(self, trainer: Trainer, module: TrainModule) -> None:
+        """After the last validation batch, before the loop's metrics are computed."""
+
+    def on_test_start(self, trainer: Trainer, module: TrainModule) -> None:
+        """Before a test loop."""
+
+    def on_test_end(self, trainer: Trainer, module: TrainModule) -> None:
+        """After a test loop."""
+
+    def on_test_epoch_start(self, trainer: Trainer, module: TrainModule) -> None:
+        """Before the first test batch."""
+
+    def on_test_epoch_end(self, trainer: Trainer, module: TrainModule) -> None:
+        """After the last test batch, before the loop's metrics are computed."""
 
     def on_save_checkpoint(self, trainer: Trainer, module: TrainModule, checkpoint: dict[str, Any]) -> None:
         """A checkpoint's state is being assembled; add to it if needed."""

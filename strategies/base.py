@@ -144,6 +144,11 @@ class Strategy:
     def world_size(self) -> int:
         return 1
 
+    @property
+    def local_rank(self) -> int:
+        """This process's index on its node (its GPU under `devices=N`)."""
+        return 0
+
     def planned_group_size(self, name: str) -> int:
         """The size the named group will have, known before any process starts (from the configured
         degrees): what a recipe divides its global batch by."""
@@ -192,18 +197,22 @@ class Strategy:
         different data). A strategy that samples differently (DP-SGD's Poisson sampling) overrides this."""
         return shard_loader(loader, self.dp_rank, self.dp_size, seed)
 
-    def train_step(self, module: nn.Module, micro_batches: list[Any], first_batch_idx: int) -> StepOutput:
+    def train_step(
+        self, module: nn.Module, micro_batches: list[Any], first_batch_idx: int
+    ) -> StepOutput | None:
         """Forward and backward of every micro-batch of one optimizer step; returns the step's loss and
         token count. The Trainer then normalises, clips and steps. This default is gradient accumulation:
         one forward+backward per micro-batch, gradient sync only on the last. A pipeline schedule or
-        DP-SGD overrides it and consumes all micro-batches at once."""
+        DP-SGD overrides it and consumes all micro-batches at once. None: a `training_step` returned
+        None (on any rank), so the step is skipped everywhere, as Lightning skips it."""
         outputs = []
         for i, batch in enumerate(micro_batches):
             batch = self.batch_to_device(batch)
             with self.accumulation_context(is_last_micro_batch=i == len(micro_batches) - 1):
-                outputs.append(
-                    self.forward_backward(module, batch, first_batch_idx + i, 1.0 / len(micro_batches))
-                )
+                out = self.forward_backward(module, batch, first_batch_idx + i, 1.0 / len(micro_batches))
+            if out is None:
+                return None
+            outputs.append(out)
         return combine_micro_batches(outputs)
 
     def accumulation_context(self, is_last_micro_batch: bool) -> contextlib.AbstractContextManager:
@@ -212,13 +221,19 @@ class Strategy:
 
     def forward_backward(
         self, module: nn.Module, batch: Any, batch_idx: int, loss_scale: float
-    ) -> StepOutput:
+    ) -> StepOutput | None:
         """`training_step` then backward of its loss. A loss with "num_tokens" is back-propagated as a
-        token *sum* (normalised later by `finish_gradients`); otherwise it is scaled by `loss_scale`."""
+        token *sum* (normalised later by `finish_gradients`); otherwise it is scaled by `loss_scale`.
+        None, with no backward on any rank, when any rank's step returned None."""
         with self.clock.phase("forward"), self.precision.autocast():
             output = self.call_step(module, "training_step", batch, batch_idx)
+        if self.any_rank(output is None):
+            return None
         loss, num_tokens = unpack_loss(output, "training_step")
         weight = num_tokens if num_tokens is not None else loss_scale
+        hook = getattr(module, "on_before_backward", None)
+        if hook is not None:
+            hook(loss)
         with self.clock.phase("backward"):
             self.backward(loss if isinstance(weight, float) and weight == 1.0 else loss * weight)
         return StepOutput(loss.detach(), num_tokens)
@@ -276,6 +291,13 @@ class Strategy:
 
     def after_optimizer_step(self) -> None:
         """Per-step bookkeeping of a strategy (MoE bias update, privacy accountant)."""
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether `flag` is true on any rank (every rank must call it: one all-reduce of a byte when
+        there is more than one process), so that all ranks take the same branch."""
+        if self.world_size == 1:
+            return flag
+        return bool(self.reduce(torch.tensor(float(flag), device=self.root_device), "max", group="world"))
 
     # ---- collectives (trivial in one process) ----------------------------------------------------
     # Each names its group (strategies/parallel_dims.py: "world", "batch", "loss", "tp", ...), so that

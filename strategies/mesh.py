@@ -136,6 +136,10 @@ class MeshStrategy(Strategy):
         return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
 
     @property
+    def local_rank(self) -> int:
+        return self.world.local_rank if self.world is not None else int(os.environ.get("LOCAL_RANK", 0))
+
+    @property
     def world_size(self) -> int:
         return dist.get_world_size() if dist.is_initialized() else self.devices * self.num_nodes
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,8 +25,15 @@ class TrainModule(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self._trainer: Trainer | None = None
+        self._hparams = HyperParameters()
 
     # ---- what the user writes -------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        """Called at the start of fit/validate/test ("fit", "validate", "test"), before configure_model."""
+
+    def teardown(self, stage: str) -> None:
+        """Called at the end of fit/validate/test, also after an exception."""
+
     def configure_model(self) -> None:
         """Build large layers here (it runs under the strategy's init device, e.g. meta for sharding)."""
 
@@ -48,6 +56,64 @@ class TrainModule(nn.Module):
 
     def on_fit_end(self) -> None:
         """Called after the last step."""
+
+    # Lightning's hooks, in its order: on_train_start, then per epoch on_train_epoch_start, per step
+    # on_train_batch_start -> on_before_backward -> on_after_backward -> on_before_optimizer_step ->
+    # on_before_zero_grad -> on_train_batch_end, validation (on_validation_start, _epoch_start,
+    # _epoch_end, _end) where due, on_train_epoch_end; on_train_end.
+    def on_train_start(self) -> None:
+        """Before the first training step."""
+
+    def on_train_end(self) -> None:
+        """After the last training step (before on_fit_end)."""
+
+    def on_train_epoch_start(self) -> None:
+        """At the start of each training epoch."""
+
+    def on_train_epoch_end(self) -> None:
+        """At the end of each training epoch (after its end-of-epoch validation); log here to log per epoch."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Before an optimizer step's micro-batches; `batch` is the first of them."""
+
+    def on_train_batch_end(self, outputs: dict[str, Any], batch: Any, batch_idx: int) -> None:
+        """After the optimizer step; outputs["loss"] is the step's loss."""
+
+    def on_before_backward(self, loss: torch.Tensor) -> None:
+        """Before each micro-batch's backward (not under a pipeline schedule, which owns the backward)."""
+
+    def on_after_backward(self) -> None:
+        """The step's gradients are complete (accumulated, synced, normalised), not yet clipped."""
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The gradients are final (clipped); the optimizer is about to step."""
+
+    def on_before_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """After the optimizer step, before the gradients are cleared."""
+
+    def on_validation_start(self) -> None:
+        """Before a validation loop."""
+
+    def on_validation_end(self) -> None:
+        """After a validation loop."""
+
+    def on_validation_epoch_start(self) -> None:
+        """Before the first validation batch."""
+
+    def on_validation_epoch_end(self) -> None:
+        """After the last validation batch; what you log here is part of the loop's metrics."""
+
+    def on_test_start(self) -> None:
+        """Before a test loop."""
+
+    def on_test_end(self) -> None:
+        """After a test loop."""
+
+    def on_test_epoch_start(self) -> None:
+        """Before the first test batch."""
+
+    def on_test_epoch_end(self) -> None:
+        """After the last test batch; what you log here is part of the loop's metrics."""
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Add your own entries (tensors, numbers, strings, lists, dicts) to the checkpoint."""
@@ -93,6 +159,39 @@ class TrainModule(nn.Module):
         for name, value in dictionary.items():
             self.log(name, value, **kwargs)
 
+    def save_hyperparameters(self, *names: str, ignore: str | list[str] | None = None) -> None:
+        """Keep the arguments of the calling `__init__` (all, or `names`, minus `ignore`) in
+        `self.hparams`; the Trainer writes them to the run's logs and into every checkpoint."""
+        frame = inspect.currentframe().f_back
+        code, values = frame.f_code, frame.f_locals
+        arguments = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+        if code.co_flags & inspect.CO_VARKEYWORDS:
+            arguments += (code.co_varnames[code.co_argcount + code.co_kwonlyargcount],)
+        skipped = {"self", *([ignore] if isinstance(ignore, str) else ignore or [])}
+        unknown = sorted(set(names) - set(arguments))
+        if unknown:
+            raise ValueError(
+                f"save_hyperparameters{tuple(unknown)}: not arguments of {type(self).__name__}.__init__; "
+                f"allowed: {', '.join(a for a in arguments if a != 'self')}"
+            )
+        for name in arguments:
+            if name in skipped or (names and name not in names):
+                continue
+            value = values[name]
+            if (
+                name == code.co_varnames[-1]
+                and isinstance(value, dict)
+                and code.co_flags & inspect.CO_VARKEYWORDS
+            ):
+                self._hparams.update(value)  # **kwargs: their own names
+            else:
+                self._hparams[name] = value
+
+    @property
+    def hparams(self) -> HyperParameters:
+        """What `save_hyperparameters` kept: a dict that also reads as attributes (`self.hparams.lr`)."""
+        return self._hparams
+
     @property
     def trainer(self) -> Trainer:
         if self._trainer is None:
@@ -104,13 +203,87 @@ class TrainModule(nn.Module):
         return self._trainer.state.global_step if self._trainer is not None else 0
 
     @property
+    def current_epoch(self) -> int:
+        return self._trainer.state.epoch if self._trainer is not None else 0
+
+    @property
+    def global_rank(self) -> int:
+        return self._trainer.strategy.global_rank if self._trainer is not None else 0
+
+    @property
+    def local_rank(self) -> int:
+        return self._trainer.strategy.local_rank if self._trainer is not None else 0
+
+    @property
     def device(self) -> torch.device:
         for tensor in self.parameters():
             return tensor.device
         return self._trainer.strategy.root_device if self._trainer is not None else torch.device("cpu")
 
+    def optimizers(self) -> torch.optim.Optimizer:
+        """The optimizer the Trainer steps (what `configure_optimizers` returned, as set up by the strategy)."""
+        return self.trainer.optimizer
+
+    def lr_schedulers(self) -> Any:
+        """The learning-rate scheduler in use: yours from `configure_optimizers`, else the Trainer's."""
+        return self.trainer.lr_scheduler
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """`print` on global rank zero only."""
+        if self.global_rank == 0:
+            print(*args, **kwargs)
+
     def __setattr__(self, name: str, value: Any) -> None:
-        if name == "_trainer":  # a back-reference, never a submodule or part of the state dict
+        if name in ("_trainer", "_hparams"):  # never a submodule or part of the state dict
             object.__setattr__(self, name, value)
         else:
             super().__setattr__(name, value)
+
+
+# Lightning methods this Trainer does not call: a module that defines one is told once, by name
+LIGHTNING_ONLY = (
+    "on_validation_batch_start",
+    "on_validation_batch_end",
+    "on_test_batch_start",
+    "on_test_batch_end",
+    "on_before_batch_transfer",
+    "on_after_batch_transfer",
+    "transfer_batch_to_device",
+    "on_validation_model_eval",
+    "on_validation_model_train",
+    "on_test_model_eval",
+    "on_test_model_train",
+    "configure_gradient_clipping",
+    "optimizer_step",
+    "optimizer_zero_grad",
+    "lr_scheduler_step",
+    "configure_callbacks",
+    "configure_sharded_model",
+    "prepare_data",
+    "train_dataloader",
+    "val_dataloader",
+    "test_dataloader",
+    "predict_dataloader",
+    "predict_step",
+    "on_predict_start",
+    "on_predict_end",
+    "on_predict_epoch_start",
+    "on_predict_epoch_end",
+    "on_predict_batch_start",
+    "on_predict_batch_end",
+)
+
+
+def uncalled_lightning_methods(module: TrainModule) -> list[str]:
+    """The Lightning hooks `module` defines that this Trainer never calls."""
+    return [name for name in LIGHTNING_ONLY if callable(getattr(type(module), name, None))]
+
+
+class HyperParameters(dict):
+    """A dict whose keys also read as attributes, as Lightning's `hparams`."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"hparams has no {name!r}; saved: {', '.join(self) or 'nothing'}") from None

@@ -28,7 +28,7 @@ from trainer.logging import (
     set_rank,
 )
 from trainer.metrics import MetricBuffer
-from trainer.module import TrainModule
+from trainer.module import TrainModule, uncalled_lightning_methods
 from trainer.optim_config import SchedulerConfig, parse_optimizers
 from trainer.precision import Precision
 from trainer.progress import ProgressBar
@@ -130,6 +130,7 @@ class Trainer:
         self.callback_metrics: dict[str, float] = {}  # every metric's latest value, for callbacks
         self.logged_metrics: dict[str, float] = {}  # what was sent to the loggers
         self.evaluating = False  # inside a validation/test loop: `log` defaults to on_epoch
+        self._warned_none_step = False
         self.should_stop = False
         self.module: TrainModule | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -212,6 +213,7 @@ class Trainer:
             "data": self._train_batches.state_dict() if self._train_batches is not None else {},
             "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
             "module": {},
+            "hyper_parameters": _plain(dict(self.module.hparams)),
             "meta": {"pending_validation": True} if pending_validation else {},
         }
         self.module.on_save_checkpoint(state["module"])
@@ -349,11 +351,11 @@ class Trainer:
                     lg.log_hyperparams(self._hyperparams(module))
                 if self.enable_progress_bar:
                     self._progress = ProgressBar(self._total_steps(), self.global_step)
-            self._call("on_fit_start")
-            module.on_fit_start()
+            self._hook("on_fit_start")
+            self._hook("on_train_start")
             self._train_loop(module, val_loader)
-            self._call("on_fit_end")
-            module.on_fit_end()
+            self._hook("on_train_end")
+            self._hook("on_fit_end")
             rank_zero_info(self._effective_time_line())
         except BaseException as exc:
             self._call("on_exception", exc)
@@ -369,17 +371,21 @@ class Trainer:
         if val_loader is not None and self.val_at_start and s.global_step == 0:
             self._validation_loop(module, val_loader)  # the baseline the run's progress is read against
         while not self._done():
+            self._hook("on_train_epoch_start")
             if not self._train_epoch(module, val_loader, epoch_len, val_every, meter):
-                break  # stopped inside the epoch (max_steps or should_stop)
+                if s.batches_in_epoch:  # stopped inside the epoch (max_steps or should_stop): it ends here
+                    self._hook("on_train_epoch_end")
+                break
             if s.batches_in_epoch == 0:
                 raise ValueError(
                     "the train loader yielded no batches in an epoch; it must yield at least one"
                 )
-            self._log_epoch_metrics()
             s.epoch += 1
             s.batches_in_epoch = 0
             if val_loader is not None and not val_every:
                 self._validation_loop(module, val_loader)
+            self._hook("on_train_epoch_end")
+            self._log_epoch_metrics()
             self._step_scheduler("epoch", s.epoch)  # after validation: ReduceLROnPlateau reads its metric
         self._log_epoch_metrics()  # a run that stopped inside an epoch ends that epoch's aggregates here
         if val_loader is not None and self._last_val_step != s.global_step:
@@ -414,10 +420,12 @@ class Trainer:
                 window = _take(iterator, self.accumulate_grad_batches, remaining)
             if not window:
                 return True
+            first_idx = s.batches_in_epoch
             outputs = self._optimizer_step(module, window, meter, started)
             if val_loader is not None and val_every and s.global_step % val_every == 0:
                 self._validation_loop(module, val_loader)
             self._call("on_train_batch_end", outputs)
+            module.on_train_batch_end(outputs, window[0], first_idx)
         return False
 
     def _optimizer_step(
@@ -430,15 +438,18 @@ class Trainer:
         if self.first_train_batch is None:
             self.first_train_batch = window[0]
         self._call("on_train_batch_start", s.batches_in_epoch)
+        module.on_train_batch_start(window[0], s.batches_in_epoch)
         for batch in window:
             samples, tokens = meter.count(batch)
             s.samples_seen += samples
             s.tokens_seen += tokens or 0
         out = strategy.train_step(module, window, s.batches_in_epoch)  # forward+backward of the window
+        if out is None:  # a training_step returned None (on some rank): no update, as in Lightning
+            return self._skip_returned_none(window)
         loss, num_tokens = out.loss, out.num_tokens
         self.step_loss, self._step_norm, self._skip_reason = loss, None, None
         strategy.finish_gradients(module, self.optimizer, num_tokens)
-        self._call("on_after_backward")
+        self._hook("on_after_backward")
         log_now = (s.global_step + 1) % self.log_every_n_steps == 0 or s.global_step + 1 == self.max_steps
         if self.gradient_clip_val is not None:
             self._step_norm = strategy.clip_gradients(
@@ -446,7 +457,7 @@ class Trainer:
             )
         elif log_now:
             self.step_grad_norm()
-        self._call("on_before_optimizer_step", self.optimizer)
+        self._hook("on_before_optimizer_step", self.optimizer)
         lr = self.optimizer.param_groups[0]["lr"]
         skipped = self._skip_reason is not None
         with self.clock.phase("optimizer"):
@@ -455,6 +466,7 @@ class Trainer:
             else:  # False: fp16's loss scaler dropped the update for inf/nan gradients
                 skipped = not strategy.optimizer_step(self.optimizer)
             s.skipped_steps += skipped
+            self._hook("on_before_zero_grad", self.optimizer)
             self.optimizer.zero_grad(set_to_none=True)
             self._step_scheduler("step", s.global_step + 1)
         strategy.after_optimizer_step()
@@ -499,13 +511,13 @@ class Trainer:
 
     # ---- evaluation ------------------------------------------------------------------------------
     def _validation_loop(self, module: TrainModule, loader: Iterable) -> dict[str, float]:
-        self._call("on_validation_start")
+        self._hook("on_validation_start")
         metrics, hidden = self._eval_loop(module, loader, "validation_step", "val", self.limit_val_batches)
         self.log_metrics(metrics, hidden)
         self._last_val_step = self.global_step
         if self._progress is not None and "val/loss" in metrics:
             self._progress.write(f"step {self.global_step}: val/loss {metrics['val/loss']:.4f}")
-        self._call("on_validation_end")
+        self._hook("on_validation_end")
         return metrics
 
     def _eval_loop(
@@ -520,6 +532,8 @@ class Trainer:
         self.evaluating = True
         losses: list[torch.Tensor] = []
         n_batches = EpochBatches(loader, limit, "limit_val_batches").epoch_length()
+        stage = "validation" if method == "validation_step" else "test"
+        self._hook(f"on_{stage}_epoch_start")
         with isolated_rng(), torch.no_grad():
             for idx, batch in enumerate(loader):
                 if n_batches is not None and idx >= n_batches:
@@ -527,6 +541,7 @@ class Trainer:
                 output = self.strategy.eval_step(module, method, self.strategy.batch_to_device(batch), idx)
                 if output is not None:
                     losses.append(unpack_loss(output, method)[0].float())
+            self._hook(f"on_{stage}_epoch_end")  # what it logs belongs to this loop
         metrics = self.metrics.compute_epoch(self._reduce_logged)
         hidden = self.metrics.not_for_loggers()
         self.metrics, self.evaluating = training_metrics, False
@@ -555,7 +570,10 @@ class Trainer:
             if path is not None:
                 self.strategy.load_checkpoint(path, module, None)
             method, prefix = ("validation_step", "val") if stage == "validate" else ("test_step", "test")
+            hook = "on_validation" if stage == "validate" else "on_test"
+            self._hook(f"{hook}_start")
             metrics, _ = self._eval_loop(module, loader, method, prefix, self.limit_val_batches)
+            self._hook(f"{hook}_end")
             if self.is_global_zero and self.enable_progress_bar:
                 print("  ".join(f"{k} {v:.4f}" for k, v in metrics.items()), file=sys.stderr)
             return metrics
@@ -575,6 +593,14 @@ class Trainer:
         module._trainer = self
         self.module = module
         self._module_name = type(module).__name__  # before wrapping (FSDP2 renames the class)
+        uncalled = uncalled_lightning_methods(module)
+        if uncalled and type(module) not in _WARNED_UNCALLED:
+            _WARNED_UNCALLED.add(type(module))
+            rank_zero_info(
+                f"warning: {type(module).__name__} defines Lightning hook(s) this Trainer never calls: "
+                f"{', '.join(uncalled)} (see README, 'Coming from Lightning')"
+            )
+        module.setup(stage)
         with strategy.module_init_context():
             module.configure_model()
         if not any(True for _ in module.parameters()):
@@ -602,6 +628,26 @@ class Trainer:
             )
         self._schedule = LRSchedule(self.lr_schedule, self.warmup_steps, total or 1, self.min_lr_ratio)
         self.lr_scheduler = build_scheduler(self.optimizer, self._schedule)
+
+    def _skip_returned_none(self, window: list[Any]) -> dict[str, Any]:
+        """training_step returned None: the step counts (as in Lightning, where the optimizer is still
+        called with no gradients) but updates nothing; what the window accumulated is dropped."""
+        s = self.state
+        if not self._warned_none_step:
+            self._warned_none_step = True
+            rank_zero_info(
+                f"training_step returned None at step {s.global_step + 1}: that optimizer step is skipped on "
+                "every rank (said once per run)"
+            )
+        self.optimizer.zero_grad(set_to_none=True)
+        s.global_step += 1
+        s.skipped_steps += 1
+        s.batches_in_epoch += len(window)
+        self._step_scheduler("step", s.global_step)
+        self.metrics.reset_step()
+        if self._progress is not None:
+            self._progress.update()
+        return {"loss": None, "skipped": True}
 
     def _step_scheduler(self, interval: str, count: int) -> None:
         """The Trainer's own schedule steps every optimizer step; a module's scheduler at its interval."""
@@ -647,6 +693,7 @@ class Trainer:
             self._progress = None
         self.strategy.teardown()  # first: it completes checkpoints still being written
         self._call("teardown", stage)
+        self.module.teardown(stage)
         if self.is_global_zero and stage == "fit":  # last: callbacks may still log in teardown
             for lg in self.loggers:
                 lg.finalize()
@@ -754,6 +801,11 @@ class Trainer:
         for cb in self.callbacks:
             getattr(cb, hook)(self, self.module, *args)
 
+    def _hook(self, hook: str, *args: Any) -> None:
+        """Lightning's order: the callbacks' hook, then the module's."""
+        self._call(hook, *args)
+        getattr(self.module, hook)(*args)
+
     def _hyperparams(self, module: TrainModule) -> dict[str, Any]:
         keys = (
             "max_steps",
@@ -774,6 +826,8 @@ class Trainer:
             module=self._module_name,
             parameters=sum(p.numel() for p in module.parameters()),
         )
+        if module.hparams:
+            params["hparams"] = _plain(dict(module.hparams))
         return params
 
 
@@ -862,6 +916,18 @@ def _check_not_empty(name: str, loader: Any) -> None:
 
 def _overrides(module: TrainModule, method: str) -> bool:
     return getattr(type(module), method) is not getattr(TrainModule, method)
+
+
+_WARNED_UNCALLED: set[type] = set()  # module classes told about their uncalled Lightning hooks
+
+
+def _plain(value: Any) -> Any:
+    """`value` in types a checkpoint loads with weights_only and a JSON log can hold; others as repr."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value if value is None or isinstance(value, (bool, int, float, str)) else repr(value)
 
 
 def _check_module(module: Any) -> None:

@@ -1,0 +1,63 @@
+"""A Lightning-style module under DDP on 2 self-spawned CPU processes (`python lightning_script.py OUT`):
+rank 1's training_step returns None at batch 1, and every step logs its rank with and without
+sync_dist. Rank 0 writes OUT/result.json; the metrics are in OUT/logs."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from trainer import Trainer, TrainModule
+
+
+class LitModel(TrainModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.layer(x)
+
+    def training_step(self, batch, batch_idx):
+        self.log("rank_synced", float(self.global_rank), sync_dist=True)
+        self.log("rank_local", float(self.global_rank))
+        if batch_idx == 1 and self.global_rank == 1:
+            return None
+        x, y = batch
+        return nn.functional.mse_loss(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(96, 8, generator=g), torch.randn(96, 1, generator=g))
+    trainer = Trainer(
+        strategy="ddp", devices=2, max_steps=3, seed=0, default_root_dir=out,
+        enable_progress_bar=False, log_every_n_steps=1,
+    )  # fmt: skip
+    module = LitModel()
+    trainer.fit(module, DataLoader(data, batch_size=16))
+    weights = torch.cat([p.detach().flatten() for p in module.parameters()])
+    gathered = [torch.zeros_like(weights) for _ in range(2)]
+    dist.all_gather(gathered, weights)
+    if trainer.is_global_zero:
+        result = {
+            "skipped_steps": trainer.state.skipped_steps,
+            "global_step": trainer.global_step,
+            "weights_equal_across_ranks": bool(torch.equal(gathered[0], gathered[1])),
+        }
+        (out / "result.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
