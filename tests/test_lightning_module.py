@@ -241,3 +241,18 @@ def test_under_ddp_a_none_on_one_rank_skips_the_step_on_both_and_sync_dist_avera
     synced = [r["rank_synced"] for r in rows if "rank_synced" in r]
     assert synced and all(v == 0.5 for v in synced)  # mean of ranks 0 and 1
     assert all(r["rank_local"] == 0.0 for r in rows if "rank_local" in r)  # rank zero's own value
+
+
+@pytest.mark.parametrize("clip", [0, None])
+def test_gradient_clip_val_zero_means_no_clipping_as_in_lightning(tmp_path, clip):
+    def run(root, value):
+        torch.manual_seed(0)
+        model = LitModel(lr=0.5)
+        Trainer(max_steps=3, seed=0, gradient_clip_val=value, default_root_dir=root, **quiet()).fit(
+            model, DataLoader(regression_data(48), batch_size=16)
+        )
+        return [p.detach() for p in model.parameters()]
+
+    unclipped, tiny_clip = run(tmp_path / "a", clip), run(tmp_path / "b", 1e-4)
+    assert all(torch.equal(a, b) for a, b in zip(unclipped, run(tmp_path / "c", None), strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(unclipped, tiny_clip, strict=True))

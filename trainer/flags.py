@@ -122,8 +122,9 @@ def device_for(accelerator: str, device_ids: list[int] | None, local_rank: int) 
 
 
 def check_clip(value: Any) -> float | None:
+    """The clipping threshold; None or 0 (Lightning's "no clipping") mean none."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ValueError(f"gradient_clip_val={value!r} is invalid; allowed: a number > 0 or None")
-    return float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ValueError(f"gradient_clip_val={value!r} is invalid; allowed: a number > 0, or 0/None for no clipping")
+    return float(value) or None
