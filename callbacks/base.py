@@ -98,6 +98,18 @@ class Callback:
     def on_test_epoch_end(self, trainer: Trainer, module: TrainModule) -> None:
         """After the last test batch, before the loop's metrics are computed."""
 
+    def on_predict_start(self, trainer: Trainer, module: TrainModule) -> None:
+        """Before a predict loop."""
+
+    def on_predict_end(self, trainer: Trainer, module: TrainModule) -> None:
+        """After a predict loop."""
+
+    def on_predict_epoch_start(self, trainer: Trainer, module: TrainModule) -> None:
+        """Before the first predict batch."""
+
+    def on_predict_epoch_end(self, trainer: Trainer, module: TrainModule) -> None:
+        """After the last predict batch."""
+
     def on_save_checkpoint(self, trainer: Trainer, module: TrainModule, checkpoint: dict[str, Any]) -> None:
         """A checkpoint's state is being assembled; add to it if needed."""
 

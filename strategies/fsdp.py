@@ -37,7 +37,7 @@ from trainer import checkpoint as ckpt
 from trainer.export import DCP_DIR
 
 # the methods the Trainer calls on the module: each runs FSDP's root pre/post-forward like `forward`
-STEP_METHODS = ("training_step", "validation_step", "test_step")
+STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
 class FSDPStrategy(DDPStrategy):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 from typing import Any
 
 import torch
@@ -126,5 +127,28 @@ def check_clip(value: Any) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ValueError(f"gradient_clip_val={value!r} is invalid; allowed: a number > 0, or 0/None for no clipping")
+        raise ValueError(
+            f"gradient_clip_val={value!r} is invalid; allowed: a number > 0, or 0/None for no clipping"
+        )
     return float(value) or None
+
+
+def check_max_time(value: Any) -> float | None:
+    """Lightning's `max_time` in seconds: "DD:HH:MM:SS", a dict of timedelta fields, or a timedelta."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        parts = value.split(":")
+        if len(parts) == 4 and all(p.isdigit() for p in parts):
+            days, hours, minutes, seconds = map(int, parts)
+            value = datetime.timedelta(days=days, hours=hours, minutes=minutes, seconds=seconds)
+    elif isinstance(value, dict):
+        try:
+            value = datetime.timedelta(**value)
+        except TypeError:
+            pass
+    if not isinstance(value, datetime.timedelta) or value.total_seconds() <= 0:
+        raise ValueError(
+            f"max_time={value!r} is invalid; allowed: 'DD:HH:MM:SS', a dict like {{'hours': 2}}, or a timedelta > 0"
+        )
+    return value.total_seconds()

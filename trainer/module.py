@@ -46,6 +46,10 @@ class TrainModule(nn.Module):
     def test_step(self, batch: Any, batch_idx: int) -> torch.Tensor | dict[str, Any] | None:
         raise NotImplementedError(f"{type(self).__name__} has no test_step; define it to test")
 
+    def predict_step(self, batch: Any, batch_idx: int) -> Any:
+        """What `Trainer.predict` collects for `batch` (default: `self(batch)`, as Lightning's)."""
+        return self(batch)
+
     def configure_optimizers(self) -> torch.optim.Optimizer | dict[str, Any]:
         """An optimizer, or {"optimizer": opt, "lr_scheduler": sched} to use your own scheduler."""
         raise NotImplementedError(f"{type(self).__name__} must define configure_optimizers()")
@@ -114,6 +118,18 @@ class TrainModule(nn.Module):
 
     def on_test_epoch_end(self) -> None:
         """After the last test batch; what you log here is part of the loop's metrics."""
+
+    def on_predict_start(self) -> None:
+        """Before a predict loop."""
+
+    def on_predict_end(self) -> None:
+        """After a predict loop."""
+
+    def on_predict_epoch_start(self) -> None:
+        """Before the first predict batch."""
+
+    def on_predict_epoch_end(self) -> None:
+        """After the last predict batch."""
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Add your own entries (tensors, numbers, strings, lists, dicts) to the checkpoint."""
@@ -260,15 +276,6 @@ LIGHTNING_ONLY = (
     "configure_callbacks",
     "configure_sharded_model",
     "prepare_data",
-    "train_dataloader",
-    "val_dataloader",
-    "test_dataloader",
-    "predict_dataloader",
-    "predict_step",
-    "on_predict_start",
-    "on_predict_end",
-    "on_predict_epoch_start",
-    "on_predict_epoch_end",
     "on_predict_batch_start",
     "on_predict_batch_end",
 )

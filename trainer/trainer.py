@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import math
 import sys
 import time
@@ -18,6 +19,7 @@ from strategies.registry import build_strategy
 from trainer import checkpoint as ckpt
 from trainer import flags
 from trainer.checkpoint import CheckpointError, step_dir_name
+from trainer.datamodule import has_loader, loaders_from
 from trainer.epochs import EpochBatches
 from trainer.logging import (
     JSONLLogger,
@@ -60,6 +62,8 @@ class Trainer:
         val_at_start: bool = False,
         limit_train_batches: int | float | None = None,
         limit_val_batches: int | float | None = None,
+        limit_test_batches: int | float | None = None,
+        limit_predict_batches: int | float | None = None,
         accumulate_grad_batches: int = 1,
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str = "norm",
@@ -73,10 +77,25 @@ class Trainer:
         default_root_dir: str | Path = "runs",
         callbacks: list[Callback] | None = None,
         loggers: list[Logger | str] | None = None,
+        logger: bool | Logger | str | list[Logger | str] | None = None,
         enable_progress_bar: bool = True,
         enable_checkpointing: bool = True,
+        check_val_every_n_epoch: int = 1,
+        max_time: str | dict | datetime.timedelta | None = None,
+        fast_dev_run: bool | int = False,
     ) -> None:
         configure_console_logging()
+        if fast_dev_run:  # Lightning's smoke run: n batches of each loop (True: 1), no checkpoints
+            n = flags.check_int("fast_dev_run", 1 if fast_dev_run is True else fast_dev_run, 1)
+            max_steps, max_epochs, val_check_interval, enable_checkpointing = n, 1, None, False
+            limit_train_batches = limit_val_batches = limit_test_batches = limit_predict_batches = n
+            log_every_n_steps = 1
+        if logger is not None:  # Lightning's name; False: no logger but the always-on JSONL file
+            if loggers is not None:
+                raise ValueError("Trainer got both logger= and loggers=; allowed: one of the two")
+            loggers = (
+                [] if logger is False or logger is True else logger if isinstance(logger, list) else [logger]
+            )
         accelerator = flags.resolve_accelerator(accelerator)
         self.max_steps = flags.check_int("max_steps", max_steps, 1, allow_none=True)
         self.max_epochs = flags.check_int("max_epochs", max_epochs, 1, allow_none=True)
@@ -84,8 +103,12 @@ class Trainer:
             self.max_epochs = 1
         self.val_check_interval = flags.check_val_interval(val_check_interval)
         self.val_at_start = bool(val_at_start)
+        self.check_val_every_n_epoch = flags.check_int("check_val_every_n_epoch", check_val_every_n_epoch, 1)
+        self.max_time = flags.check_max_time(max_time)
         self.limit_train_batches = flags.check_limit("limit_train_batches", limit_train_batches)
         self.limit_val_batches = flags.check_limit("limit_val_batches", limit_val_batches)
+        self.limit_test_batches = flags.check_limit("limit_test_batches", limit_test_batches)
+        self.limit_predict_batches = flags.check_limit("limit_predict_batches", limit_predict_batches)
         self.accumulate_grad_batches = flags.check_int("accumulate_grad_batches", accumulate_grad_batches, 1)
         self.gradient_clip_val = flags.check_clip(gradient_clip_val)
         self.gradient_clip_algorithm = flags.check_choice(
@@ -171,14 +194,22 @@ class Trainer:
     def fit(
         self,
         module: TrainModule,
-        train_dataloaders: Iterable,
+        train_dataloaders: Iterable | None = None,
         val_dataloaders: Iterable | None = None,
         ckpt_path: str | Path | None = None,
+        *,
+        datamodule: Any = None,
     ) -> None:
         """Train `module`; `ckpt_path` "last" resumes from the newest good checkpoint (damaged or never
         validated ones are skipped with a warning; none at all: a fresh start), a path resumes from that
-        checkpoint after its checksums are verified."""
+        checkpoint after its checksums are verified. `datamodule` (Lightning's) supplies the loaders."""
         _check_module(module)
+        if datamodule is not None:
+            given = train_dataloaders if val_dataloaders is None else val_dataloaders
+            train_dataloaders, val_dataloaders = loaders_from(datamodule, "fit", given)
+        elif train_dataloaders is None and has_loader(module, "fit"):  # the module's own loaders
+            train_dataloaders, own_val = loaders_from(module, "fit", None, call_setup=False)
+            val_dataloaders = own_val if val_dataloaders is None else val_dataloaders
         if train_dataloaders is None:
             raise ValueError("fit needs train_dataloaders; got None")
         _check_not_empty("train_dataloaders", train_dataloaders)
@@ -189,16 +220,38 @@ class Trainer:
         return self.strategy.launch(self._run_fit, module, train_dataloaders, val_dataloaders, ckpt_path)
 
     def validate(
-        self, module: TrainModule, dataloaders: Iterable, ckpt_path: str | Path | None = None
+        self,
+        module: TrainModule,
+        dataloaders: Iterable | None = None,
+        ckpt_path: str | Path | None = None,
+        *,
+        datamodule: Any = None,
     ) -> dict[str, float]:
         """Run `validation_step` over `dataloaders`; returns the metrics (means over batches and ranks)."""
-        return self._evaluate(module, dataloaders, ckpt_path, "validate")
+        return self._evaluate(module, dataloaders, ckpt_path, "validate", datamodule)
 
     def test(
-        self, module: TrainModule, dataloaders: Iterable, ckpt_path: str | Path | None = None
+        self,
+        module: TrainModule,
+        dataloaders: Iterable | None = None,
+        ckpt_path: str | Path | None = None,
+        *,
+        datamodule: Any = None,
     ) -> dict[str, float]:
         """Run `test_step` over `dataloaders`; returns the metrics (means over batches and ranks)."""
-        return self._evaluate(module, dataloaders, ckpt_path, "test")
+        return self._evaluate(module, dataloaders, ckpt_path, "test", datamodule)
+
+    def predict(
+        self,
+        module: TrainModule,
+        dataloaders: Iterable | None = None,
+        ckpt_path: str | Path | None = None,
+        *,
+        datamodule: Any = None,
+    ) -> list[Any]:
+        """`predict_step` of every batch of this rank's share of `dataloaders`, in order (rank zero's
+        list is returned to a self-spawning script, as Lightning returns each process its own)."""
+        return self._evaluate(module, dataloaders, ckpt_path, "predict", datamodule)
 
     def save_checkpoint(self, path: str | Path | None = None, *, pending_validation: bool = False) -> Path:
         """Write the whole training state (model, optimizer, schedule, loop, RNG, data position,
@@ -365,6 +418,7 @@ class Trainer:
 
     def _train_loop(self, module: TrainModule, val_loader: Iterable | None) -> None:
         s = self.state
+        self._fit_started = time.time()  # max_time counts this fit (a resumed run starts afresh)
         epoch_len = self._train_batches.epoch_length()
         val_every = self._val_every_n_steps(epoch_len)
         meter = _Throughput()
@@ -382,7 +436,7 @@ class Trainer:
                 )
             s.epoch += 1
             s.batches_in_epoch = 0
-            if val_loader is not None and not val_every:
+            if val_loader is not None and not val_every and s.epoch % self.check_val_every_n_epoch == 0:
                 self._validation_loop(module, val_loader)
             self._hook("on_train_epoch_end")
             self._log_epoch_metrics()
@@ -553,9 +607,16 @@ class Trainer:
         return metrics, hidden
 
     def _evaluate(
-        self, module: TrainModule, loader: Iterable, ckpt_path: Any, stage: str
-    ) -> dict[str, float]:
+        self, module: TrainModule, loader: Iterable | None, ckpt_path: Any, stage: str, datamodule: Any
+    ) -> Any:
         _check_module(module)
+        if datamodule is not None:
+            loader, _ = loaders_from(datamodule, stage, loader)
+        elif loader is None and has_loader(module, stage):
+            loader, _ = loaders_from(module, stage, None, call_setup=False)
+        if loader is None:
+            raise ValueError(f"{stage} needs dataloaders or a datamodule; got neither")
+        _check_not_empty("dataloaders", loader)
         _check_ckpt_path(ckpt_path)
         self.strategy.check_module(module)
         return self.strategy.launch(self._run_evaluate, module, loader, ckpt_path, stage)
@@ -569,16 +630,38 @@ class Trainer:
             path = self._resolve_checkpoint(ckpt_path)
             if path is not None:
                 self.strategy.load_checkpoint(path, module, None)
+            if stage == "predict":
+                return self._predict_loop(module, loader)
             method, prefix = ("validation_step", "val") if stage == "validate" else ("test_step", "test")
             hook = "on_validation" if stage == "validate" else "on_test"
+            limit = self.limit_val_batches if stage == "validate" else self.limit_test_batches
             self._hook(f"{hook}_start")
-            metrics, _ = self._eval_loop(module, loader, method, prefix, self.limit_val_batches)
+            metrics, _ = self._eval_loop(module, loader, method, prefix, limit)
             self._hook(f"{hook}_end")
             if self.is_global_zero and self.enable_progress_bar:
                 print("  ".join(f"{k} {v:.4f}" for k, v in metrics.items()), file=sys.stderr)
             return metrics
         finally:
             self._finish(stage)
+
+    def _predict_loop(self, module: TrainModule, loader: Iterable) -> list[Any]:
+        was_training = module.training
+        module.eval()
+        n_batches = EpochBatches(loader, self.limit_predict_batches, "limit_predict_batches").epoch_length()
+        predictions = []
+        self._hook("on_predict_start")
+        self._hook("on_predict_epoch_start")
+        with isolated_rng(), torch.no_grad():
+            for idx, batch in enumerate(loader):
+                if n_batches is not None and idx >= n_batches:
+                    break
+                predictions.append(
+                    self.strategy.eval_step(module, "predict_step", self.strategy.batch_to_device(batch), idx)
+                )
+        self._hook("on_predict_epoch_end")
+        self._hook("on_predict_end")
+        module.train(was_training)
+        return predictions
 
     # ---- set-up and tear-down --------------------------------------------------------------------
     def _setup(self, module: TrainModule, stage: str) -> None:
@@ -681,6 +764,11 @@ class Trainer:
 
     def _done(self) -> bool:
         s = self.state
+        if self.max_time is not None and not self.should_stop:
+            # every rank must stop at the same step: one agreed flag (a collective only with processes)
+            if self.strategy.any_rank(time.time() - self._fit_started >= self.max_time):
+                self.should_stop = True
+                rank_zero_info(f"stopping at step {s.global_step}: max_time of {self.max_time:.0f} s reached")
         return (
             self.should_stop
             or (self.max_steps is not None and s.global_step >= self.max_steps)
