@@ -280,6 +280,11 @@ class Parallel3DStrategy(FSDPStrategy):
     def eval_step(self, module: nn.Module, method: str, batch: Any, batch_idx: int) -> Any:
         if self.pipeline is None:
             return super().eval_step(module, method, batch, batch_idx)
+        if method == "predict_step":
+            raise ValueError(
+                "predict under pp>1: the pipeline runs the model's loss on its last stage, not predict_step; "
+                "allowed: predict with a layout without pipeline stages (pp=1)"
+            )
         inputs, target = module.pipeline_batch(batch)
         with self._loss_parallel():
             out = self.pipeline.evaluate(inputs, target)

@@ -309,3 +309,10 @@ def test_trainer_memory_refuses_a_strategy_that_does_not_shard(capsys):
 
     assert main(["memory", str(RECIPES / "llama_tiny.yaml"), "trainer.devices=2", "strategy.name=ddp"]) == 2
     assert "trainer memory plans sharded layouts; strategy 'ddp' is not one" in capsys.readouterr().err
+
+
+def test_predict_under_a_pipeline_is_refused_in_one_line():
+    strategy = Parallel3DStrategy(pp=2)
+    strategy.pipeline = object()  # as after setup: the pipeline runs the loss, not predict_step
+    with pytest.raises(ValueError, match=r"predict under pp>1: .* allowed: predict with a layout without"):
+        strategy.eval_step(CausalLM(MODEL), "predict_step", {"input_ids": torch.zeros(2, 16)}, 0)
