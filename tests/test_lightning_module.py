@@ -256,3 +256,12 @@ def test_gradient_clip_val_zero_means_no_clipping_as_in_lightning(tmp_path, clip
     unclipped, tiny_clip = run(tmp_path / "a", clip), run(tmp_path / "b", 1e-4)
     assert all(torch.equal(a, b) for a, b in zip(unclipped, run(tmp_path / "c", None), strict=True))
     assert not all(torch.equal(a, b) for a, b in zip(unclipped, tiny_clip, strict=True))
+
+
+def test_save_hyperparameters_takes_keyword_only_and_extra_keyword_arguments():
+    class Flexible(TrainModule):
+        def __init__(self, width, *layers, depth=2, **extra):
+            super().__init__()
+            self.save_hyperparameters(ignore=["layers"])
+
+    assert dict(Flexible(8, "a", depth=3, dropout=0.1).hparams) == {"width": 8, "depth": 3, "dropout": 0.1}

@@ -180,9 +180,11 @@ class TrainModule(nn.Module):
         `self.hparams`; the Trainer writes them to the run's logs and into every checkpoint."""
         frame = inspect.currentframe().f_back
         code, values = frame.f_code, frame.f_locals
-        arguments = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
-        if code.co_flags & inspect.CO_VARKEYWORDS:
-            arguments += (code.co_varnames[code.co_argcount + code.co_kwonlyargcount],)
+        count = code.co_argcount + code.co_kwonlyargcount
+        arguments = list(code.co_varnames[:count])
+        varkw = None
+        if code.co_flags & inspect.CO_VARKEYWORDS:  # after *args, when there is one
+            varkw = code.co_varnames[count + bool(code.co_flags & inspect.CO_VARARGS)]
         skipped = {"self", *([ignore] if isinstance(ignore, str) else ignore or [])}
         unknown = sorted(set(names) - set(arguments))
         if unknown:
@@ -191,17 +193,10 @@ class TrainModule(nn.Module):
                 f"allowed: {', '.join(a for a in arguments if a != 'self')}"
             )
         for name in arguments:
-            if name in skipped or (names and name not in names):
-                continue
-            value = values[name]
-            if (
-                name == code.co_varnames[-1]
-                and isinstance(value, dict)
-                and code.co_flags & inspect.CO_VARKEYWORDS
-            ):
-                self._hparams.update(value)  # **kwargs: their own names
-            else:
-                self._hparams[name] = value
+            if name not in skipped and (not names or name in names):
+                self._hparams[name] = values[name]
+        if varkw is not None and not names:  # **kwargs: under their own names
+            self._hparams.update({k: v for k, v in values[varkw].items() if k not in skipped})
 
     @property
     def hparams(self) -> HyperParameters:
