@@ -581,29 +581,33 @@ class Trainer:
         names logged with logger=False. It runs with its own RNG so that validating never changes the
         training trajectory."""
         was_training, training_metrics = module.training, self.metrics
+        stage = "validation" if method == "validation_step" else "test"
+        limit_name = f"limit_{'val' if stage == 'validation' else 'test'}_batches"
+        n_batches = EpochBatches(loader, limit, limit_name).epoch_length()
         module.eval()
         self.metrics = MetricBuffer()  # a validation inside an epoch leaves the epoch's aggregates alone
         self.evaluating = True
         losses: list[torch.Tensor] = []
-        n_batches = EpochBatches(loader, limit, "limit_val_batches").epoch_length()
-        stage = "validation" if method == "validation_step" else "test"
-        self._hook(f"on_{stage}_epoch_start")
-        with isolated_rng(), torch.no_grad():
-            for idx, batch in enumerate(loader):
-                if n_batches is not None and idx >= n_batches:
-                    break
-                output = self.strategy.eval_step(module, method, self.strategy.batch_to_device(batch), idx)
-                if output is not None:
-                    losses.append(unpack_loss(output, method)[0].float())
-            self._hook(f"on_{stage}_epoch_end")  # what it logs belongs to this loop
-        metrics = self.metrics.compute_epoch(self._reduce_logged)
-        hidden = self.metrics.not_for_loggers()
-        self.metrics, self.evaluating = training_metrics, False
+        try:
+            self._hook(f"on_{stage}_epoch_start")
+            with isolated_rng(), torch.no_grad():
+                for idx, batch in enumerate(loader):
+                    if n_batches is not None and idx >= n_batches:
+                        break
+                    batch = self.strategy.batch_to_device(batch)
+                    output = self.strategy.eval_step(module, method, batch, idx)
+                    if output is not None:
+                        losses.append(unpack_loss(output, method)[0].float())
+                self._hook(f"on_{stage}_epoch_end")  # what it logs belongs to this loop
+            metrics = self.metrics.compute_epoch(self._reduce_logged)
+            hidden = self.metrics.not_for_loggers()
+        finally:
+            self.metrics, self.evaluating = training_metrics, False
+            module.train(was_training)
         if losses:
             metrics[f"{prefix}/loss"] = float(
                 self.strategy.reduce(torch.stack(losses).mean(), "mean", group="loss")
             )
-        module.train(was_training)
         return metrics, hidden
 
     def _evaluate(
