@@ -30,7 +30,8 @@ class Callback:
         return type(self).__qualname__
 
     def setup(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
-        """Start of fit/validate/test ("fit", "validate", "test"), after the strategy set up the module."""
+        """Start of fit/validate/test/predict, once the process group and device exist, before the
+        module's `setup` and `configure_model` (Lightning's order)."""
 
     def teardown(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
         """End of fit/validate/test, also after an exception."""
@@ -85,6 +86,40 @@ class Callback:
 
     def on_validation_epoch_end(self, trainer: Trainer, module: TrainModule) -> None:
         """After the last validation batch, before the loop's metrics are computed."""
+
+    def on_sanity_check_start(self, trainer: Trainer, module: TrainModule) -> None:
+        """Before the few validation batches that run ahead of training (`num_sanity_val_steps`)."""
+
+    def on_sanity_check_end(self, trainer: Trainer, module: TrainModule) -> None:
+        """After the sanity check; nothing it logged was kept."""
+
+    def on_validation_batch_start(
+        self, trainer: Trainer, module: TrainModule, batch: Any, batch_idx: int
+    ) -> None:
+        """Before `validation_step` of each batch."""
+
+    def on_validation_batch_end(
+        self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """After `validation_step`; `outputs` is what it returned."""
+
+    def on_test_batch_start(self, trainer: Trainer, module: TrainModule, batch: Any, batch_idx: int) -> None:
+        """Before `test_step` of each batch."""
+
+    def on_test_batch_end(
+        self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """After `test_step`; `outputs` is what it returned."""
+
+    def on_predict_batch_start(
+        self, trainer: Trainer, module: TrainModule, batch: Any, batch_idx: int
+    ) -> None:
+        """Before `predict_step` of each batch."""
+
+    def on_predict_batch_end(
+        self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """After `predict_step`; `outputs` is its prediction."""
 
     def on_test_start(self, trainer: Trainer, module: TrainModule) -> None:
         """Before a test loop."""

@@ -38,6 +38,8 @@ class EarlyStopping(Callback):
         self.stopped_at: int | None = None
 
     def on_validation_end(self, trainer: Trainer, module: TrainModule) -> None:
+        if trainer.sanity_checking:  # a few batches: not a measurement to stop on
+            return
         if self.monitor not in trainer.callback_metrics:
             raise KeyError(
                 f"EarlyStopping(monitor={self.monitor!r}) found no such metric; logged: "

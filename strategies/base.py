@@ -292,6 +292,22 @@ class Strategy:
     def after_optimizer_step(self) -> None:
         """Per-step bookkeeping of a strategy (MoE bias update, privacy accountant)."""
 
+    def step_metrics(self) -> dict[str, float]:
+        """Metrics of the strategy's own, logged with each logged step (DP-SGD: epsilon spent)."""
+        return {}
+
+    def stop_reason(self) -> str | None:
+        """Why the fit must end now (DP-SGD: the privacy budget), or None; the same on every rank. The
+        Trainer then saves a checkpoint and stops."""
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The strategy's own state, saved in checkpoints (DP-SGD: the privacy accountant)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned (an empty dict from a checkpoint without it)."""
+
     def any_rank(self, flag: bool) -> bool:
         """Whether `flag` is true on any rank (every rank must call it: one all-reduce of a byte when
         there is more than one process), so that all ranks take the same branch."""

@@ -6,6 +6,7 @@ from typing import Any
 
 from strategies.base import Strategy
 from strategies.ddp import DDPStrategy
+from strategies.dp_sgd import DPSGDStrategy
 from strategies.fsdp import FSDPStrategy
 from strategies.parallel3d import Parallel3DStrategy
 from strategies.single import SingleDeviceStrategy
@@ -15,6 +16,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "ddp": DDPStrategy,
     "fsdp": FSDPStrategy,
     "parallel3d": Parallel3DStrategy,
+    "dp_sgd": DPSGDStrategy,
 }
 NAMES = ("auto", *STRATEGIES)
 

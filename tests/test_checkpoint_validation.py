@@ -111,7 +111,8 @@ def test_validation_runs_validation_step_on_a_validation_batch_and_never_trainin
     )
     assert module.training_calls == 6  # one per optimizer step, none for 3 saves x (live + reloaded)
     assert set(module.validation_batch_sizes) == {8}  # only validation batches (training ones hold 16)
-    assert len(module.validation_batch_sizes) == 32 + 3 * 2  # the end-of-fit val loop, then live + reloaded
+    # the sanity check's 2 batches, the end-of-fit val loop, then live + reloaded
+    assert len(module.validation_batch_sizes) == 2 + 32 + 3 * 2
     for name in listing(tmp_path):
         report = json.loads((tmp_path / "checkpoints" / name / "validated.json").read_text())
         assert report["checked"] == ["checksums", "reload", "loss"] and report["loss"] > 0

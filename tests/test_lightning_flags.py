@@ -95,3 +95,61 @@ def test_gradient_clip_val_zero_is_accepted_and_negative_is_not():
         ValueError, match=r"gradient_clip_val=-1 is invalid; allowed: a number > 0, or 0/None"
     ):
         Trainer(gradient_clip_val=-1)
+
+
+class Shuffled(Regression):
+    """Dropout and a shuffled loader: the run reads the RNG; validation records what it saw."""
+
+    def __init__(self):
+        super().__init__(dropout=0.3)
+        self.validated: list[tuple[bool, int]] = []  # (sanity check?, batch_idx)
+
+    def validation_step(self, batch, batch_idx):
+        self.validated.append((self.trainer.sanity_checking, batch_idx))
+        self.log("val_seen", float(batch_idx))
+        return super().validation_step(batch, batch_idx)
+
+
+def sanity_run(tmp_path, steps, expected):
+    """Fit one epoch with `num_sanity_val_steps=steps`; returns the final weights."""
+    torch.manual_seed(0)
+    module = Shuffled()
+    trainer = Trainer(
+        max_epochs=1,
+        num_sanity_val_steps=steps,
+        default_root_dir=tmp_path,
+        seed=3,
+        enable_checkpointing=False,
+        **quiet(),
+    )
+    trainer.fit(module, DataLoader(regression_data(64), batch_size=16, shuffle=True), loader())
+    assert [i for sanity, i in module.validated if sanity] == expected
+    assert [i for sanity, i in module.validated if not sanity] == [0, 1, 2, 3]  # the epoch's validation
+    assert sorted(read_metrics(tmp_path, "val_seen")) == [4]  # nothing kept from the check
+    return torch.cat([p.detach().flatten() for p in module.parameters()])
+
+
+@pytest.mark.parametrize("steps, expected", [(2, [0, 1]), (-1, [0, 1, 2, 3])])
+def test_num_sanity_val_steps_validates_that_many_batches_first_and_changes_nothing(
+    tmp_path, steps, expected
+):
+    assert torch.equal(
+        sanity_run(tmp_path / "with", steps, expected), sanity_run(tmp_path / "without", 0, [])
+    )
+
+
+def test_a_broken_validation_step_fails_before_the_first_training_step(tmp_path):
+    class Broken(Regression):
+        def validation_step(self, batch, batch_idx):
+            raise RuntimeError("typo in validation_step")
+
+    module = Broken()
+    trainer = Trainer(max_epochs=1, default_root_dir=tmp_path, **quiet())
+    with pytest.raises(RuntimeError, match="typo in validation_step"):
+        trainer.fit(module, loader(), loader())
+    assert trainer.global_step == 0
+
+
+def test_num_sanity_val_steps_below_minus_one_is_named():
+    with pytest.raises(ValueError, match="num_sanity_val_steps"):
+        Trainer(num_sanity_val_steps=-2)

@@ -82,7 +82,7 @@ def test_validation_logs_once_per_loop_weighted_by_batch_size(run):
     trainer, module, logged = run
     val_rows = [r for r in logged if "val_loss" in r]
     assert [r["step"] for r in val_rows] == [3, 6]
-    first_loop = module.val_values[:2]
+    first_loop = module.val_values[2:4]  # after the sanity check's two batches (not logged)
     assert val_rows[0]["val_loss"] == pytest.approx(weighted_mean(first_loop), abs=1e-6)
     assert val_rows[0]["val_first_batch"] == 1.0  # summed over the loop's batches
 
@@ -132,3 +132,21 @@ def test_torch_reduction_functions_are_accepted_as_lightning_allows(tmp_path):
         Logs(reduce_fx=torch.max, on_epoch=True), DataLoader(regression_data(32), batch_size=16)
     )
     assert "x_epoch" in rows(tmp_path)[-1]
+
+
+def test_what_on_train_batch_end_and_on_train_epoch_end_log_lands_where_lightning_puts_it(tmp_path):
+    class EndHooks(LitClassifier):
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            self.log("batch_end_loss", outputs["loss"])  # per step by default, at the step that ended
+
+        def on_train_epoch_end(self):
+            self.log("epoch_seen", float(self.current_epoch))  # per epoch by default
+
+    module = EndHooks()
+    Trainer(max_epochs=2, default_root_dir=tmp_path, **quiet()).fit(
+        module, DataLoader(regression_data(40), batch_size=16)
+    )
+    logged = rows(tmp_path)
+    at_batch_end = {r["step"]: r["batch_end_loss"] for r in logged if "batch_end_loss" in r}
+    assert at_batch_end == pytest.approx({i + 1: v for i, (v, _) in enumerate(module.step_values)}, abs=1e-6)
+    assert {r["step"]: r["epoch_seen"] for r in logged if "epoch_seen" in r} == {3: 0.0, 6: 1.0}

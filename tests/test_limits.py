@@ -108,15 +108,17 @@ def test_with_max_steps_the_limit_sets_the_epoch_length_and_the_end_of_epoch_val
     assert epochs == {s: (s - 1) // 5 for s in range(1, 13)}
     # validation after each (limited) epoch, and once at the end of the run
     assert sorted(read_metrics(tmp_path, "val/loss")) == [5, 10, 12]
-    assert sorted(module.per_validation()) == [5, 10, 12]
+    assert sorted(module.per_validation()) == [0, 5, 10, 12]  # 0: the sanity check before training
 
 
 @pytest.mark.parametrize("limit, batches", [(3, 3), (0.5, 4), (0.3, 2), (50, 8)])
 def test_limit_val_batches_bounds_each_validation_and_its_mean(tmp_path, limit, batches):
     module = Counting()
     fit(tmp_path, module, val=val_loader(), max_epochs=2, limit_train_batches=4, limit_val_batches=limit)
-    # one validation after each epoch (steps 4 and 8), each over the first `batches` batches
-    assert module.per_validation() == {4: list(range(batches)), 8: list(range(batches))}
+    # the sanity check (2 batches, within the limit), then one validation after each epoch (steps 4 and
+    # 8), each over the first `batches` batches
+    first = list(range(batches))
+    assert module.per_validation() == {0: first[:2], 4: first, 8: first}
     logged = read_metrics(tmp_path, "val/loss")
     assert sorted(logged) == [4, 8]
     # the last validation ran on the final parameters: its loss is the mean over exactly those batches

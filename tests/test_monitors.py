@@ -28,7 +28,7 @@ class Plateau(Regression):
 
 class CountValidations(EarlyStopping):
     def on_validation_end(self, trainer, module):
-        module.calls += 1
+        module.calls += not trainer.sanity_checking  # as a Lightning callback skips the sanity check
         super().on_validation_end(trainer, module)
 
 

@@ -136,3 +136,27 @@ def test_a_datamodule_mixed_with_loaders_or_missing_a_loader_is_refused(tmp_path
     trainer = Trainer(max_steps=1, default_root_dir=tmp_path, **quiet())
     with pytest.raises((ValueError, TypeError), match=match):
         call(trainer, LitRegressor(), RegressionData())
+
+
+def test_prepare_data_runs_before_setup_and_teardown_after_each_stage(tmp_path):
+    from trainer import DataModule
+
+    calls = []
+
+    class Files(DataModule):
+        def prepare_data(self):
+            calls.append("prepare_data")
+            torch.save(regression_data(32).tensors, tmp_path / "data.pt")  # as a download would
+
+        def setup(self, stage):
+            calls.append(f"setup:{stage}")
+            self.data = torch.utils.data.TensorDataset(*torch.load(tmp_path / "data.pt"))
+
+        def train_dataloader(self):
+            return DataLoader(self.data, batch_size=16)
+
+        def teardown(self, stage):
+            calls.append(f"teardown:{stage}")
+
+    Trainer(max_steps=2, default_root_dir=tmp_path, **quiet()).fit(LitRegressor(), datamodule=Files())
+    assert calls == ["prepare_data", "setup:fit", "teardown:fit"]

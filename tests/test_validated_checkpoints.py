@@ -192,9 +192,10 @@ def test_the_held_out_batch_is_the_first_validation_batch_or_validate_batch(tmp_
     Trainer(max_steps=2, default_root_dir=tmp_path / "a", callbacks=[ModelCheckpoint()], **quiet()).fit(
         module, regression_loader(), val_loader
     )
-    # the end-of-fit validation loop (32 batches), then the final save's live and reloaded losses
-    assert len(module.validation_batches) == 34
-    assert all(torch.equal(x, first) for x in module.validation_batches[32:])
+    # the sanity check (2 batches), the end-of-fit validation loop (32), then the final save's live and
+    # reloaded losses
+    assert len(module.validation_batches) == 36
+    assert all(torch.equal(x, first) for x in module.validation_batches[34:])
 
     given = (torch.ones(3, 8), torch.zeros(3, 1))
     module = Seen()

@@ -2,10 +2,11 @@
 
 from typing import Any
 
+from trainer.datamodule import DataModule
 from trainer.module import TrainModule
 from trainer.rng import seed_everything
 
-__all__ = ["TrainModule", "Trainer", "seed_everything"]
+__all__ = ["DataModule", "TrainModule", "Trainer", "seed_everything"]
 
 
 def __getattr__(name: str) -> Any:

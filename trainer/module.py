@@ -28,6 +28,10 @@ class TrainModule(nn.Module):
         self._hparams = HyperParameters()
 
     # ---- what the user writes -------------------------------------------------------------------
+    def prepare_data(self) -> None:
+        """Once per node, before `setup`, while the other processes wait: download or write files
+        (set no state here: the other processes do not run it). `prepare_data_per_node = False`: once."""
+
     def setup(self, stage: str) -> None:
         """Called at the start of fit/validate/test ("fit", "validate", "test"), before configure_model."""
 
@@ -107,6 +111,44 @@ class TrainModule(nn.Module):
     def on_validation_epoch_end(self) -> None:
         """After the last validation batch; what you log here is part of the loop's metrics."""
 
+    def on_validation_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Before `validation_step` of each batch (already on the device)."""
+
+    def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """After `validation_step`; `outputs` is what it returned."""
+
+    def on_validation_model_eval(self) -> None:
+        """Puts the model in eval mode as a validation loop starts; override to keep e.g. dropout on."""
+        self.eval()
+
+    def on_validation_model_train(self) -> None:
+        """Puts the model back in training mode when a validation inside training ends."""
+        self.train()
+
+    def on_test_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Before `test_step` of each batch."""
+
+    def on_test_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """After `test_step`; `outputs` is what it returned."""
+
+    def on_test_model_eval(self) -> None:
+        """Puts the model in eval mode as a test loop starts."""
+        self.eval()
+
+    def on_test_model_train(self) -> None:
+        """Puts the model back in training mode after a test loop that began in training mode."""
+        self.train()
+
+    def on_predict_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Before `predict_step` of each batch."""
+
+    def on_predict_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """After `predict_step`; `outputs` is its prediction."""
+
+    def on_predict_model_eval(self) -> None:
+        """Puts the model in eval mode as a predict loop starts."""
+        self.eval()
+
     def on_test_start(self) -> None:
         """Before a test loop."""
 
@@ -150,19 +192,20 @@ class TrainModule(nn.Module):
         sync_dist: bool = False,
         batch_size: int | None = None,
     ) -> None:
-        """Record a metric, as Lightning's `log` does: in training steps by default per step (the mean
-        over its micro-batches), in validation/test steps over the whole loop; `on_step`/`on_epoch`
+        """Record a metric, as Lightning's `log` does: in training steps and their batch hooks by default
+        per step (the mean over its micro-batches), elsewhere (validation/test, epoch hooks) over the
+        epoch or loop; `on_step`/`on_epoch`
         choose (both: `name_step` and `name_epoch`), `reduce_fx` aggregates ("mean" weighted by
         `batch_size`, "sum", "max", "min"), `sync_dist` reduces over the data-parallel ranks,
         `logger=False` keeps it to `trainer.callback_metrics`, `prog_bar` shows it."""
         if self._trainer is None:
             raise RuntimeError(f"{type(self).__name__}.log({name!r}) called outside of a Trainer run")
-        evaluating = self._trainer.evaluating
+        per_step = self._trainer.in_training_step
         self._trainer.metrics.add(
             name,
             value,
-            on_step=(not evaluating) if on_step is None else on_step,
-            on_epoch=evaluating if on_epoch is None else on_epoch,
+            on_step=per_step if on_step is None else on_step,
+            on_epoch=(not per_step) if on_epoch is None else on_epoch,
             reduce_fx=reduce_fx,
             batch_size=batch_size,
             sync_dist=sync_dist,
@@ -215,7 +258,7 @@ class TrainModule(nn.Module):
 
     @property
     def current_epoch(self) -> int:
-        return self._trainer.state.epoch if self._trainer is not None else 0
+        return self._trainer.current_epoch if self._trainer is not None else 0
 
     @property
     def global_rank(self) -> int:
@@ -253,26 +296,15 @@ class TrainModule(nn.Module):
 
 # Lightning methods this Trainer does not call: a module that defines one is told once, by name
 LIGHTNING_ONLY = (
-    "on_validation_batch_start",
-    "on_validation_batch_end",
-    "on_test_batch_start",
-    "on_test_batch_end",
     "on_before_batch_transfer",
     "on_after_batch_transfer",
     "transfer_batch_to_device",
-    "on_validation_model_eval",
-    "on_validation_model_train",
-    "on_test_model_eval",
-    "on_test_model_train",
     "configure_gradient_clipping",
     "optimizer_step",
     "optimizer_zero_grad",
     "lr_scheduler_step",
     "configure_callbacks",
     "configure_sharded_model",
-    "prepare_data",
-    "on_predict_batch_start",
-    "on_predict_batch_end",
 )
 
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ from strategies.registry import build_strategy
 from trainer import checkpoint as ckpt
 from trainer import flags
 from trainer.checkpoint import CheckpointError, step_dir_name
-from trainer.datamodule import has_loader, loaders_from
+from trainer.datamodule import call_if_defined, check_source, has_loader, loaders_from
 from trainer.epochs import EpochBatches
 from trainer.logging import (
     JSONLLogger,
@@ -83,11 +84,14 @@ class Trainer:
         check_val_every_n_epoch: int = 1,
         max_time: str | dict | datetime.timedelta | None = None,
         fast_dev_run: bool | int = False,
+        num_sanity_val_steps: int = 2,
+        enable_model_summary: bool = True,
     ) -> None:
         configure_console_logging()
         if fast_dev_run:  # Lightning's smoke run: n batches of each loop (True: 1), no checkpoints
             n = flags.check_int("fast_dev_run", 1 if fast_dev_run is True else fast_dev_run, 1)
             max_steps, max_epochs, val_check_interval, enable_checkpointing = n, 1, None, False
+            num_sanity_val_steps = 0
             limit_train_batches = limit_val_batches = limit_test_batches = limit_predict_batches = n
             log_every_n_steps = 1
         if logger is not None:  # Lightning's name; False: no logger but the always-on JSONL file
@@ -103,6 +107,8 @@ class Trainer:
             self.max_epochs = 1
         self.val_check_interval = flags.check_val_interval(val_check_interval)
         self.val_at_start = bool(val_at_start)
+        self.num_sanity_val_steps = flags.check_int("num_sanity_val_steps", num_sanity_val_steps, -1)
+        self.enable_model_summary = bool(enable_model_summary)
         self.check_val_every_n_epoch = flags.check_int("check_val_every_n_epoch", check_val_every_n_epoch, 1)
         self.max_time = flags.check_max_time(max_time)
         self.limit_train_batches = flags.check_limit("limit_train_batches", limit_train_batches)
@@ -152,10 +158,13 @@ class Trainer:
         self.metrics = MetricBuffer()
         self.callback_metrics: dict[str, float] = {}  # every metric's latest value, for callbacks
         self.logged_metrics: dict[str, float] = {}  # what was sent to the loggers
-        self.evaluating = False  # inside a validation/test loop: `log` defaults to on_epoch
+        self.evaluating = False  # inside a validation/test loop
+        self._step_hooks = False  # from on_train_batch_start to on_train_batch_end of a step
+        self.sanity_checking = False  # inside the few validation batches before training (nothing logged)
         self._warned_none_step = False
         self.should_stop = False
         self.module: TrainModule | None = None
+        self.datamodule: Any = None  # the datamodule of the running fit/validate/test/predict
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: Any = None
         self._scheduler_config: SchedulerConfig | None = None  # a scheduler from configure_optimizers
@@ -171,6 +180,9 @@ class Trainer:
         self.step_loss: torch.Tensor | None = None  # this rank's loss of the step in progress
         self._step_norm: torch.Tensor | None = None
         self._skip_reason: str | None = None
+        self._epoch_ending = False
+        self._fit_start_step = 0
+        self._step_logged = False  # the step that just ran was logged: so is what on_train_batch_end logs
 
     # ---- public read-only views ------------------------------------------------------------------
     @property
@@ -179,7 +191,18 @@ class Trainer:
 
     @property
     def current_epoch(self) -> int:
-        return self.state.epoch
+        """The epoch in progress (at its end, through validation and on_train_epoch_end, still that one)."""
+        return self.state.epoch - self._epoch_ending
+
+    @property
+    def in_training_step(self) -> bool:
+        """Whether a training step or its batch hooks are running (not a validation inside it): where
+        Lightning's `log` defaults to on_step=True, on_epoch=False (elsewhere the reverse)."""
+        return self._step_hooks and not self.evaluating
+
+    @property
+    def global_rank(self) -> int:
+        return self.strategy.global_rank
 
     @property
     def is_global_zero(self) -> bool:
@@ -204,20 +227,19 @@ class Trainer:
         validated ones are skipped with a warning; none at all: a fresh start), a path resumes from that
         checkpoint after its checksums are verified. `datamodule` (Lightning's) supplies the loaders."""
         _check_module(module)
-        if datamodule is not None:
-            given = train_dataloaders if val_dataloaders is None else val_dataloaders
-            train_dataloaders, val_dataloaders = loaders_from(datamodule, "fit", given)
-        elif train_dataloaders is None and has_loader(module, "fit"):  # the module's own loaders
-            train_dataloaders, own_val = loaders_from(module, "fit", None, call_setup=False)
-            val_dataloaders = own_val if val_dataloaders is None else val_dataloaders
-        if train_dataloaders is None:
-            raise ValueError("fit needs train_dataloaders; got None")
-        _check_not_empty("train_dataloaders", train_dataloaders)
-        if val_dataloaders is not None:
-            _check_not_empty("val_dataloaders", val_dataloaders)
+        given = train_dataloaders if val_dataloaders is None else val_dataloaders
+        source = _loader_source(module, "fit", datamodule, given, own=train_dataloaders is None)
+        if source is None:
+            if train_dataloaders is None:
+                raise ValueError("fit needs train_dataloaders; got None")
+            _check_not_empty("train_dataloaders", train_dataloaders)
+            if val_dataloaders is not None:
+                _check_not_empty("val_dataloaders", val_dataloaders)
         _check_ckpt_path(ckpt_path)
         self.strategy.check_module(module)
-        return self.strategy.launch(self._run_fit, module, train_dataloaders, val_dataloaders, ckpt_path)
+        return self.strategy.launch(
+            self._run_fit, module, train_dataloaders, val_dataloaders, ckpt_path, datamodule
+        )
 
     def validate(
         self,
@@ -265,6 +287,7 @@ class Trainer:
             "precision": self.strategy.precision.state_dict(),
             "data": self._train_batches.state_dict() if self._train_batches is not None else {},
             "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
+            "strategy": self.strategy.state_dict(),
             "module": {},
             "hyper_parameters": _plain(dict(self.module.hparams)),
             "meta": {"pending_validation": True} if pending_validation else {},
@@ -377,10 +400,21 @@ class Trainer:
 
     # ---- fit -------------------------------------------------------------------------------------
     def _run_fit(
-        self, module: TrainModule, train_loader: Iterable, val_loader: Iterable | None, ckpt_path: Any
+        self,
+        module: TrainModule,
+        train_loader: Iterable | None,
+        val_loader: Iterable | None,
+        ckpt_path: Any,
+        datamodule: Any,
     ) -> None:
-        self._setup(module, "fit")
+        self._setup(module, "fit", datamodule)
         try:
+            if train_loader is None:  # the datamodule's, or the module's own, read after their setup
+                train_loader, own_val = loaders_from(datamodule or module, "fit")
+                val_loader = own_val if val_loader is None else val_loader
+                _check_not_empty("train_dataloader()", train_loader)
+                if val_loader is not None:
+                    _check_not_empty("val_dataloader()", val_loader)
             train_loader = self._loader(train_loader, train=True)
             val_loader = self._loader(val_loader, train=False) if val_loader is not None else None
             self.val_dataloaders = val_loader
@@ -397,7 +431,8 @@ class Trainer:
                 self.state.restarts += 1
             else:
                 self.state.started_at = time.time()
-            self._announce(module)
+            if self.enable_model_summary:
+                self._announce(module)
             if self.is_global_zero:
                 for lg in self.loggers:
                     lg.setup(self.default_root_dir, self.global_step if resume_from is not None else None)
@@ -405,6 +440,8 @@ class Trainer:
                 if self.enable_progress_bar:
                     self._progress = ProgressBar(self._total_steps(), self.global_step)
             self._hook("on_fit_start")
+            if val_loader is not None and self.num_sanity_val_steps and not self._val_at_start_due():
+                self._sanity_check(module, val_loader)
             self._hook("on_train_start")
             self._train_loop(module, val_loader)
             self._hook("on_train_end")
@@ -419,10 +456,11 @@ class Trainer:
     def _train_loop(self, module: TrainModule, val_loader: Iterable | None) -> None:
         s = self.state
         self._fit_started = time.time()  # max_time counts this fit (a resumed run starts afresh)
+        self._fit_start_step = s.global_step
         epoch_len = self._train_batches.epoch_length()
         val_every = self._val_every_n_steps(epoch_len)
         meter = _Throughput()
-        if val_loader is not None and self.val_at_start and s.global_step == 0:
+        if val_loader is not None and self._val_at_start_due():
             self._validation_loop(module, val_loader)  # the baseline the run's progress is read against
         while not self._done():
             self._hook("on_train_epoch_start")
@@ -434,16 +472,43 @@ class Trainer:
                 raise ValueError(
                     "the train loader yielded no batches in an epoch; it must yield at least one"
                 )
-            s.epoch += 1
+            s.epoch += 1  # counted now, so a checkpoint written in what follows resumes at the next epoch
             s.batches_in_epoch = 0
-            if val_loader is not None and not val_every and s.epoch % self.check_val_every_n_epoch == 0:
-                self._validation_loop(module, val_loader)
-            self._hook("on_train_epoch_end")
-            self._log_epoch_metrics()
+            self._epoch_ending = True  # ...while current_epoch still names the one ending, as in Lightning
+            try:
+                if val_loader is not None and not val_every and s.epoch % self.check_val_every_n_epoch == 0:
+                    self._validation_loop(module, val_loader)
+                self._hook("on_train_epoch_end")
+                self._log_epoch_metrics()
+            finally:
+                self._epoch_ending = False
             self._step_scheduler("epoch", s.epoch)  # after validation: ReduceLROnPlateau reads its metric
         self._log_epoch_metrics()  # a run that stopped inside an epoch ends that epoch's aggregates here
         if val_loader is not None and self._last_val_step != s.global_step:
             self._validation_loop(module, val_loader)
+
+    def _val_at_start_due(self) -> bool:
+        return self.val_at_start and self.state.global_step == 0
+
+    def _sanity_check(self, module: TrainModule, loader: Iterable) -> None:
+        """Lightning's sanity check: the first `num_sanity_val_steps` validation batches (-1: all) run
+        before training so that a broken `validation_step` fails now, not after an epoch; nothing it
+        logs is kept, and it draws no random numbers from the run's generators."""
+        n = self.num_sanity_val_steps
+        limit = self.limit_val_batches
+        if n != -1:
+            full = EpochBatches(loader, limit, "limit_val_batches").epoch_length()
+            limit = n if full is None else min(n, full)
+        self.sanity_checking = True
+        try:
+            self._call("on_sanity_check_start")
+            with self._eval_mode(module, "validation"):
+                self._hook("on_validation_start")
+                self._eval_loop(module, loader, "validation_step", "val", limit)
+                self._hook("on_validation_end")
+            self._call("on_sanity_check_end")
+        finally:
+            self.sanity_checking = False
 
     def _log_epoch_metrics(self) -> None:
         """What training steps logged with on_epoch=True, aggregated over the epoch, then reset."""
@@ -475,11 +540,16 @@ class Trainer:
             if not window:
                 return True
             first_idx = s.batches_in_epoch
-            outputs = self._optimizer_step(module, window, meter, started)
-            if val_loader is not None and val_every and s.global_step % val_every == 0:
-                self._validation_loop(module, val_loader)
-            self._call("on_train_batch_end", outputs)
-            module.on_train_batch_end(outputs, window[0], first_idx)
+            self._step_hooks = True
+            try:
+                outputs = self._optimizer_step(module, window, meter, started)
+                if val_loader is not None and val_every and s.global_step % val_every == 0:
+                    self._validation_loop(module, val_loader)
+                self._call("on_train_batch_end", outputs)
+                module.on_train_batch_end(outputs, window[0], first_idx)
+            finally:
+                self._step_hooks = False
+            self._end_step()
         return False
 
     def _optimizer_step(
@@ -529,17 +599,28 @@ class Trainer:
         s.global_step += 1
         s.batches_in_epoch += len(window)
         meter.step_done()
-        if log_now:
-            self._log_train(loss, num_tokens, self._step_norm, lr, meter)
+        if log_now:  # written now, before batch-end callbacks (a checkpoint, a stop) can interrupt
+            self._log_train(loss, num_tokens, lr, self._step_norm, meter)
+        self.metrics.reset_step()
+        self._step_logged = log_now
+        return {"loss": loss, "skipped": skipped}
+
+    def _end_step(self) -> None:
+        """After on_train_batch_end: what it logged per step belongs to the step that just ended (as in
+        Lightning), so it is logged at that step when the step was; then the step's metrics clear."""
+        extra = self.metrics.compute_step(self._reduce_logged) if self._step_logged else {}
+        if extra:
+            self.log_metrics(extra, hidden=self.metrics.not_for_loggers())
+        self._step_logged = False
         self.metrics.reset_step()
         if self._progress is not None:
             self._progress.update()
         self.step_loss = self._step_norm = None
-        return {"loss": loss, "skipped": skipped}
 
     def _log_train(
-        self, loss: torch.Tensor, num_tokens: torch.Tensor | None, norm: Any, lr: float, meter: _Throughput
+        self, loss: torch.Tensor, num_tokens: torch.Tensor | None, lr: float, norm: Any, meter: _Throughput
     ) -> None:
+        """The step's row: loss, learning rate, grad norm, rates, and what the step logged per step."""
         strategy = self.strategy
         if num_tokens is not None:  # token-weighted mean over ranks
             total = strategy.reduce(torch.stack([loss * num_tokens, num_tokens]), "sum", group="loss")
@@ -550,6 +631,7 @@ class Trainer:
         if norm is not None:
             metrics["train/grad_norm"] = float(norm)
         metrics.update(meter.rates(strategy.dp_size))
+        metrics.update(strategy.step_metrics())
         metrics["train/effective_time"] = self.effective_training_time()["fraction"]
         if self.state.skipped_steps:
             metrics["train/skipped_steps"] = self.state.skipped_steps
@@ -565,14 +647,29 @@ class Trainer:
 
     # ---- evaluation ------------------------------------------------------------------------------
     def _validation_loop(self, module: TrainModule, loader: Iterable) -> dict[str, float]:
-        self._hook("on_validation_start")
-        metrics, hidden = self._eval_loop(module, loader, "validation_step", "val", self.limit_val_batches)
-        self.log_metrics(metrics, hidden)
-        self._last_val_step = self.global_step
-        if self._progress is not None and "val/loss" in metrics:
-            self._progress.write(f"step {self.global_step}: val/loss {metrics['val/loss']:.4f}")
-        self._hook("on_validation_end")
+        with self._eval_mode(module, "validation"):
+            self._hook("on_validation_start")
+            metrics, hidden = self._eval_loop(
+                module, loader, "validation_step", "val", self.limit_val_batches
+            )
+            self.log_metrics(metrics, hidden)
+            self._last_val_step = self.global_step
+            if self._progress is not None and "val/loss" in metrics:
+                self._progress.write(f"step {self.global_step}: val/loss {metrics['val/loss']:.4f}")
+            self._hook("on_validation_end")
         return metrics
+
+    @contextlib.contextmanager
+    def _eval_mode(self, module: TrainModule, stage: str) -> Iterator[None]:
+        """Lightning's `on_<stage>_model_eval` around a whole loop (its start and end hooks included),
+        then `on_<stage>_model_train` if the module was training."""
+        was_training = module.training
+        getattr(module, f"on_{stage}_model_eval")()
+        try:
+            yield
+        finally:
+            if was_training:
+                getattr(module, f"on_{stage}_model_train")()
 
     def _eval_loop(
         self, module: TrainModule, loader: Iterable, method: str, prefix: str, limit: Any
@@ -580,11 +677,10 @@ class Trainer:
         """Means over batches (and ranks) of the step's returned loss and of what it logged, and the
         names logged with logger=False. It runs with its own RNG so that validating never changes the
         training trajectory."""
-        was_training, training_metrics = module.training, self.metrics
+        training_metrics = self.metrics
         stage = "validation" if method == "validation_step" else "test"
         limit_name = f"limit_{'val' if stage == 'validation' else 'test'}_batches"
         n_batches = EpochBatches(loader, limit, limit_name).epoch_length()
-        module.eval()
         self.metrics = MetricBuffer()  # a validation inside an epoch leaves the epoch's aggregates alone
         self.evaluating = True
         losses: list[torch.Tensor] = []
@@ -595,7 +691,9 @@ class Trainer:
                     if n_batches is not None and idx >= n_batches:
                         break
                     batch = self.strategy.batch_to_device(batch)
+                    self._hook(f"on_{stage}_batch_start", batch, idx)
                     output = self.strategy.eval_step(module, method, batch, idx)
+                    self._hook(f"on_{stage}_batch_end", output, batch, idx)
                     if output is not None:
                         losses.append(unpack_loss(output, method)[0].float())
                 self._hook(f"on_{stage}_epoch_end")  # what it logs belongs to this loop
@@ -603,7 +701,6 @@ class Trainer:
             hidden = self.metrics.not_for_loggers()
         finally:
             self.metrics, self.evaluating = training_metrics, False
-            module.train(was_training)
         if losses:
             metrics[f"{prefix}/loss"] = float(
                 self.strategy.reduce(torch.stack(losses).mean(), "mean", group="loss")
@@ -614,22 +711,23 @@ class Trainer:
         self, module: TrainModule, loader: Iterable | None, ckpt_path: Any, stage: str, datamodule: Any
     ) -> Any:
         _check_module(module)
-        if datamodule is not None:
-            loader, _ = loaders_from(datamodule, stage, loader)
-        elif loader is None and has_loader(module, stage):
-            loader, _ = loaders_from(module, stage, None, call_setup=False)
-        if loader is None:
-            raise ValueError(f"{stage} needs dataloaders or a datamodule; got neither")
-        _check_not_empty("dataloaders", loader)
+        source = _loader_source(module, stage, datamodule, loader, own=loader is None)
+        if source is None:
+            if loader is None:
+                raise ValueError(f"{stage} needs dataloaders or a datamodule; got neither")
+            _check_not_empty("dataloaders", loader)
         _check_ckpt_path(ckpt_path)
         self.strategy.check_module(module)
-        return self.strategy.launch(self._run_evaluate, module, loader, ckpt_path, stage)
+        return self.strategy.launch(self._run_evaluate, module, loader, ckpt_path, stage, datamodule)
 
     def _run_evaluate(
-        self, module: TrainModule, loader: Iterable, ckpt_path: Any, stage: str
+        self, module: TrainModule, loader: Iterable | None, ckpt_path: Any, stage: str, datamodule: Any
     ) -> dict[str, float]:
-        self._setup(module, stage)
+        self._setup(module, stage, datamodule)
         try:
+            if loader is None:
+                loader, _ = loaders_from(datamodule or module, stage)
+                _check_not_empty(f"{stage} dataloader", loader)
             loader = self._loader(loader, train=False)
             path = self._resolve_checkpoint(ckpt_path)
             if path is not None:
@@ -637,11 +735,12 @@ class Trainer:
             if stage == "predict":
                 return self._predict_loop(module, loader)
             method, prefix = ("validation_step", "val") if stage == "validate" else ("test_step", "test")
-            hook = "on_validation" if stage == "validate" else "on_test"
+            loop = "validation" if stage == "validate" else "test"
             limit = self.limit_val_batches if stage == "validate" else self.limit_test_batches
-            self._hook(f"{hook}_start")
-            metrics, _ = self._eval_loop(module, loader, method, prefix, limit)
-            self._hook(f"{hook}_end")
+            with self._eval_mode(module, loop):
+                self._hook(f"on_{loop}_start")
+                metrics, _ = self._eval_loop(module, loader, method, prefix, limit)
+                self._hook(f"on_{loop}_end")
             if self.is_global_zero and self.enable_progress_bar:
                 print("  ".join(f"{k} {v:.4f}" for k, v in metrics.items()), file=sys.stderr)
             return metrics
@@ -650,7 +749,7 @@ class Trainer:
 
     def _predict_loop(self, module: TrainModule, loader: Iterable) -> list[Any]:
         was_training = module.training
-        module.eval()
+        module.on_predict_model_eval()  # Lightning has no on_predict_model_train: the mode is restored
         n_batches = EpochBatches(loader, self.limit_predict_batches, "limit_predict_batches").epoch_length()
         predictions = []
         self._hook("on_predict_start")
@@ -659,19 +758,23 @@ class Trainer:
             for idx, batch in enumerate(loader):
                 if n_batches is not None and idx >= n_batches:
                     break
-                predictions.append(
-                    self.strategy.eval_step(module, "predict_step", self.strategy.batch_to_device(batch), idx)
-                )
+                batch = self.strategy.batch_to_device(batch)
+                self._hook("on_predict_batch_start", batch, idx)
+                predictions.append(self.strategy.eval_step(module, "predict_step", batch, idx))
+                self._hook("on_predict_batch_end", predictions[-1], batch, idx)
         self._hook("on_predict_epoch_end")
         self._hook("on_predict_end")
         module.train(was_training)
         return predictions
 
     # ---- set-up and tear-down --------------------------------------------------------------------
-    def _setup(self, module: TrainModule, stage: str) -> None:
+    def _setup(self, module: TrainModule, stage: str, datamodule: Any) -> None:
         strategy = self.strategy
         strategy.setup_environment()
         set_rank(strategy.global_rank)
+        self.datamodule = datamodule
+        self._prepare_data(module, datamodule)
+        call_if_defined(datamodule, "setup", stage)
         if self.seed is not None:
             seed_everything(self.seed)
         self._was_deterministic = torch.are_deterministic_algorithms_enabled()
@@ -687,6 +790,7 @@ class Trainer:
                 f"warning: {type(module).__name__} defines Lightning hook(s) this Trainer never calls: "
                 f"{', '.join(uncalled)} (see README, 'Coming from Lightning')"
             )
+        self._call("setup", stage)
         module.setup(stage)
         with strategy.module_init_context():
             module.configure_model()
@@ -695,7 +799,17 @@ class Trainer:
                 f"{type(module).__name__} has no parameters; build layers in __init__ or configure_model()"
             )
         strategy.setup_module(module)
-        self._call("setup", stage)
+
+    def _prepare_data(self, module: TrainModule, datamodule: Any) -> None:
+        """Lightning's `prepare_data`: once per node (local rank 0; global rank 0 when the owner sets
+        `prepare_data_per_node = False`) while the other processes wait, so none reads a half-written file."""
+        for owner in (datamodule, module):
+            if owner is None or not callable(getattr(owner, "prepare_data", None)):
+                continue
+            per_node = getattr(owner, "prepare_data_per_node", True)
+            if (self.strategy.local_rank if per_node else self.strategy.global_rank) == 0:
+                owner.prepare_data()
+        self.strategy.barrier()
 
     def _setup_optimizer(self, module: TrainModule) -> None:
         optimizer, self._scheduler_config = parse_optimizers(module.configure_optimizers())
@@ -732,8 +846,6 @@ class Trainer:
         s.batches_in_epoch += len(window)
         self._step_scheduler("step", s.global_step)
         self.metrics.reset_step()
-        if self._progress is not None:
-            self._progress.update()
         return {"loss": None, "skipped": True}
 
     def _step_scheduler(self, interval: str, count: int) -> None:
@@ -773,6 +885,13 @@ class Trainer:
             if self.strategy.any_rank(time.time() - self._fit_started >= self.max_time):
                 self.should_stop = True
                 rank_zero_info(f"stopping at step {s.global_step}: max_time of {self.max_time:.0f} s reached")
+        reason = None if self.should_stop else self.strategy.stop_reason()
+        if reason is not None:
+            if s.global_step > self._fit_start_step:  # this fit trained: keep where it stopped
+                self.save_and_stop(reason)
+            else:
+                self.should_stop = True
+                rank_zero_info(f"stopping at step {s.global_step} before training: {reason}")
         return (
             self.should_stop
             or (self.max_steps is not None and s.global_step >= self.max_steps)
@@ -786,6 +905,7 @@ class Trainer:
         self.strategy.teardown()  # first: it completes checkpoints still being written
         self._call("teardown", stage)
         self.module.teardown(stage)
+        call_if_defined(self.datamodule, "teardown", stage)
         if self.is_global_zero and stage == "fit":  # last: callbacks may still log in teardown
             for lg in self.loggers:
                 lg.finalize()
@@ -844,6 +964,7 @@ class Trainer:
         self._restore_rng(state)
         self._restore_schedule(state)
         self._train_batches.load_state_dict(state["data"])
+        self.strategy.load_state_dict(state.get("strategy", {}))
         for cb in self.callbacks:
             if cb.state_key in state["callbacks"]:
                 cb.load_state_dict(state["callbacks"][cb.state_key])
@@ -985,6 +1106,15 @@ def _take(iterator: Any, k: int, remaining: int | None) -> list[Any]:
         except StopIteration:
             break
     return window
+
+
+def _loader_source(module: TrainModule, stage: str, datamodule: Any, given: Any, own: bool) -> Any:
+    """What supplies `stage`'s loaders inside each process: the datamodule (checked now, before any
+    process starts), the module's own `*_dataloader()` when none were `given`, or None (passed loaders)."""
+    if datamodule is not None:
+        check_source(datamodule, stage, given)
+        return datamodule
+    return module if own and has_loader(module, stage) else None
 
 
 def _check_ckpt_path(ckpt_path: Any) -> None:
