@@ -241,9 +241,9 @@ def _survival_and_cdf(t: np.ndarray, sigma: float, q: float, remove: bool) -> tu
     return np.where(valid, survival / 2, 0.0), np.where(valid, cdf / 2, 1.0)
 
 
-def _truncated_mean(sigma: float, q: float, remove: bool, lo: float, hi: float) -> float:
+def _truncated_mean(sigma: float, q: float, remove: bool, lo: float, hi: float) -> float | None:
     """E[Y | lo < Y <= hi], integrated over the noisy output x (composite Gauss-Legendre): the mean the
-    discretisation is shifted to match (Gopi et al. 2021, Section 5)."""
+    discretisation is shifted to match (Gopi et al. 2021, Section 5); None where the range holds no mass."""
 
     def x_at(t: float) -> float:
         x, valid = _x_of_loss(np.array([t]), sigma, q)
@@ -257,7 +257,7 @@ def _truncated_mean(sigma: float, q: float, remove: bool, lo: float, hi: float) 
             x_hi = math.inf
     x_lo, x_hi = max(x_lo, -14 * sigma), min(x_hi, 1 + 14 * sigma)  # beyond: density below e^-98
     if x_hi <= x_lo:
-        return (lo + hi) / 2
+        return None
     width = min(sigma, sigma**2) / 2
     panels = int(min(max(math.ceil((x_hi - x_lo) / width), 1), 200_000))
     nodes, weights = np.polynomial.legendre.leggauss(16)
@@ -273,7 +273,7 @@ def _truncated_mean(sigma: float, q: float, remove: bool, lo: float, hi: float) 
     else:
         g = -g
     mass = float(np.sum(w * density))
-    return float(np.sum(w * density * g)) / mass if mass > 0 else (lo + hi) / 2
+    return float(np.sum(w * density * g)) / mass if mass > 0 else None
 
 
 def _discretise(sigma: float, q: float, remove: bool, n: int, h: float) -> tuple[np.ndarray, float]:
@@ -285,12 +285,12 @@ def _discretise(sigma: float, q: float, remove: bool, n: int, h: float) -> tuple
     pmf = np.where(survival[1:] >= 0.5, cdf[1:] - cdf[:-1], survival[:-1] - survival[1:])
     pmf = np.clip(pmf, 0.0, None)
     total = float(pmf.sum())
-    if total <= 0:
-        raise ValueError(f"the privacy loss grid (half-width {n * h / 2:.3g}) holds no mass")
+    if total <= 0:  # cannot happen: the grid holds the loss's bulk by construction (see _tail_bound)
+        raise RuntimeError(f"the privacy loss grid (half-width {n * h / 2:.3g}) holds no mass")
     pmf /= total
-    points = (np.arange(-n // 2, n // 2)) * h
-    shift = _truncated_mean(sigma, q, remove, float(edges[0]), float(edges[-1])) - float(points @ pmf)
-    return pmf, shift
+    points = np.arange(-n // 2, n // 2) * h
+    mean = _truncated_mean(sigma, q, remove, float(edges[0]), float(edges[-1]))
+    return pmf, 0.0 if mean is None else mean - float(points @ pmf)
 
 
 def _epsilon_of_pmf(pmf: np.ndarray, z: np.ndarray, delta: float) -> float:
@@ -305,8 +305,8 @@ def _epsilon_of_pmf(pmf: np.ndarray, z: np.ndarray, delta: float) -> float:
     if first >= len(z) or delta_at(0.0, first) <= delta:
         return 0.0
     lo, hi = first, len(z) - 1  # delta(z[lo]) > delta ... find the first grid point where it is <= delta
-    if delta_at(float(z[hi]), hi) > delta:
-        return float(z[hi])
+    if delta_at(float(z[hi]), hi) > delta:  # beyond the grid: no bound from here
+        return math.inf
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if delta_at(float(z[mid]), mid) > delta:

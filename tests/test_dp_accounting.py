@@ -97,6 +97,13 @@ def test_prv_bounds_the_exact_epsilon_of_the_gaussian_mechanism(sigma, steps, de
     assert exact <= ours <= exact + 2 * dp_accounting.PRV_EPS_ERROR
 
 
+def test_prv_stays_an_upper_bound_where_fft_rounding_reaches_delta():
+    # at delta = 1e-14 the FFT's rounding is larger than delta_error: the composed estimate alone falls
+    # below the exact epsilon, so the accountant must not report it
+    exact = gaussian_epsilon(math.sqrt(100) / 1.0, 1e-14)
+    assert compute_epsilon(1.0, 1.0, 100, 1e-14, accountant="prv") >= exact
+
+
 @pytest.mark.parametrize(
     "target,q,steps,delta", [(1.0, 0.01, 1000, 1e-5), (3.0, 0.004, 2000, 1e-5), (0.5, 0.001, 10000, 1e-6)]
 )
