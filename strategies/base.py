@@ -297,8 +297,8 @@ class Strategy:
         return {}
 
     def stop_reason(self) -> str | None:
-        """Why the fit must end now (DP-SGD: the privacy budget), or None; the same on every rank. The
-        Trainer then saves a checkpoint and stops."""
+        """Why the fit must end now, for good (DP-SGD: the privacy budget is spent), or None; the same on
+        every rank. The Trainer then saves a checkpoint and stops."""
         return None
 
     def state_dict(self) -> dict[str, Any]:

@@ -55,9 +55,10 @@ class _EmptyAware:
         return apply_to_tensors(self.collate([self.dataset[0]]), lambda t: t[:0])
 
 
-def poisson_loader(loader: DataLoader, world: int, rank: int, seed: int) -> tuple[DataLoader, float, int]:
-    """`loader` re-cut into Poisson-sampled logical batches whose expected global size is the loader's
-    batch size x `world`; returns (loader, sample rate q, expected global batch size)."""
+def poisson_loader(loader: Any, world: int, rank: int, seed: int) -> tuple[DataLoader, float, int]:
+    """`loader` (a DataLoader, or any loader with a map-style `dataset` and an int `batch_size`, such as
+    the recipes' TokenLoader) re-cut into Poisson-sampled logical batches whose expected global size is
+    its batch size x `world`; returns (loader, sample rate q, expected global batch size)."""
     n = len(loader.dataset)
     expected = loader.batch_size * world
     if expected > n:
@@ -68,14 +69,15 @@ def poisson_loader(loader: DataLoader, world: int, rank: int, seed: int) -> tupl
     rate = expected / n
     steps = max(1, round(1 / rate))  # one epoch sees every example once in expectation
     sampler = PoissonBatchSampler(n, rate, steps, rank, world, seed)
+    workers = getattr(loader, "num_workers", 0)
     wrapped = DataLoader(
         loader.dataset,
         batch_sampler=sampler,
-        collate_fn=_EmptyAware(loader.dataset, loader.collate_fn),
-        num_workers=loader.num_workers,
-        pin_memory=loader.pin_memory,
-        worker_init_fn=loader.worker_init_fn,
-        persistent_workers=loader.persistent_workers if loader.num_workers else False,
+        collate_fn=_EmptyAware(loader.dataset, getattr(loader, "collate_fn", None)),
+        num_workers=workers,
+        pin_memory=getattr(loader, "pin_memory", False),
+        worker_init_fn=getattr(loader, "worker_init_fn", None),
+        persistent_workers=getattr(loader, "persistent_workers", False) if workers else False,
     )
     return wrapped, rate, expected
 

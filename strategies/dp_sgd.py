@@ -47,6 +47,8 @@ class DPSGDStrategy(MeshStrategy):
     gradient by `max_grad_norm`, "per_layer" each layer's by max_grad_norm/sqrt(layers). `grad_sample_mode`
     "ghost" computes Linear/Embedding/Conv norms without per-sample gradients (large batches).
     `loss_reduction` says what `training_step` returns: the "mean" or the "sum" of its samples' losses.
+    A step that returns {"loss", "num_tokens"} (a token mean, as CausalLM's) is back-propagated as its
+    token sum, so each sample's gradient is that of its own tokens' loss, independent of the others.
     """
 
     name = "dp_sgd"
@@ -125,7 +127,7 @@ class DPSGDStrategy(MeshStrategy):
 
     def check_module(self, module: nn.Module) -> None:
         """BatchNorm and layers whose per-sample gradients cannot be computed are named before training."""
-        PerSampleGradients(module, self.loss_reduction, self.grad_sample_mode, self.clipping)
+        PerSampleGradients(module, "sum", self.grad_sample_mode, self.clipping)
 
     # ---- set-up ----------------------------------------------------------------------------------
     def setup_environment(self) -> None:
@@ -138,7 +140,7 @@ class DPSGDStrategy(MeshStrategy):
         if self.world_size > 1:  # every replica starts from rank 0's weights (no DDP wrapper does it here)
             for tensor in [*module.parameters(), *module.buffers()]:
                 dist.broadcast(tensor.data, src=0, group=self.mesh.group("world"))
-        self._engine = PerSampleGradients(module, self.loss_reduction, self.grad_sample_mode, self.clipping)
+        self._engine = PerSampleGradients(module, "sum", self.grad_sample_mode, self.clipping)
         self._params = list(self._engine.params)
         self._affordable = None
         return module
@@ -148,17 +150,22 @@ class DPSGDStrategy(MeshStrategy):
         the sample rate q = batch_size x processes / dataset size; evaluation: the usual shards."""
         if not train:
             return super().process_dataloader(loader, seed, train)
-        if not isinstance(loader, torch.utils.data.DataLoader) or loader.batch_size is None:
+        dataset, batch_size = getattr(loader, "dataset", None), getattr(loader, "batch_size", None)
+        if (
+            not isinstance(batch_size, int)
+            or not hasattr(dataset, "__len__")
+            or not hasattr(dataset, "__getitem__")
+        ):
             raise ValueError(
-                "DPSGDStrategy needs a torch DataLoader with a batch_size over a dataset with len() to sample from; "
-                f"got {type(loader).__name__}"
+                "DPSGDStrategy samples from a map-style dataset: allowed: a DataLoader (or TokenLoader) with an int "
+                f"batch_size over a dataset with len() and [i]; got {type(loader).__name__}"
             )
-        n = len(loader.dataset)
+        n = len(dataset)
         if self.poisson_sampling:
             loader, q, expected = poisson_loader(loader, self.dp_size, self.dp_rank, self.noise_seed)
             self._sampler = loader.batch_sampler
         else:
-            q, expected = min(1.0, loader.batch_size * self.dp_size / n), loader.batch_size * self.dp_size
+            q, expected = min(1.0, batch_size * self.dp_size / n), batch_size * self.dp_size
             loader = shard_loader(loader, self.dp_rank, self.dp_size, seed)
         self.sample_rate, self.expected_batch_size = q, expected
         if self.noise_multiplier is None:
@@ -185,7 +192,7 @@ class DPSGDStrategy(MeshStrategy):
         batch = self.batch_to_device(micro_batches[0])
         n = batch_length(batch)
         self._sums = [torch.zeros_like(p, dtype=torch.float32) for p in self._params]
-        loss_sum, norms = torch.zeros((), device=self.root_device), []
+        loss_sum, weight, norms = torch.zeros((), device=self.root_device), 0.0, []
         chunks = split_batch(batch, self.max_physical_batch_size or n) if n else []
         for chunk in chunks:
             with self._engine.capture():
@@ -196,25 +203,35 @@ class DPSGDStrategy(MeshStrategy):
                         "training_step returned None under DPSGDStrategy; allowed: a loss (skipping a sampled "
                         "batch would change the privacy analysis)"
                     )
-                loss, _ = unpack_loss(output, "training_step")
+                loss, num_tokens = unpack_loss(output, "training_step")
+                size = batch_length(chunk)
+                # the backward is of a sum over samples, so that each sample's gradient is its own alone
+                # (a token mean would tie it to the others' token counts): a token loss as its token sum
+                w = (
+                    float(num_tokens)
+                    if num_tokens is not None
+                    else size
+                    if self.loss_reduction == "mean"
+                    else 1.0
+                )
                 hook = getattr(module, "on_before_backward", None)
                 if hook is not None:
                     hook(loss)
                 with self.clock.phase("backward"):
-                    loss.backward()
+                    (loss * w).backward()
             clipped = self._engine.clip_and_accumulate(self.max_grad_norm)
             for total, p in zip(self._sums, self._params, strict=True):
                 total += clipped.grads[p].to(total.dtype)
             norms.append(clipped.norms.detach())
-            size = batch_length(chunk)
-            loss_sum += loss.detach().float() * (size if self.loss_reduction == "mean" else 1.0)
+            loss_sum += loss.detach().float() * w
+            weight += w if num_tokens is not None or self.loss_reduction == "mean" else size
         norms_all = torch.cat(norms) if norms else torch.zeros(0, device=self.root_device)
         self._step_stats = {
             "samples": float(n),
             "clipped": float((norms_all > self.max_grad_norm).sum()),
         }
-        mean_loss = loss_sum / n if n else loss_sum
-        return StepOutput(mean_loss, torch.tensor(float(n), device=self.root_device))
+        mean_loss = loss_sum / weight if weight else loss_sum
+        return StepOutput(mean_loss, torch.tensor(weight, device=self.root_device))
 
     def finish_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer, num_tokens: Any) -> None:
         """`.grad` = (sum over ranks of the clipped sums + N(0, (sigma*C)^2)) / expected batch size."""

@@ -71,17 +71,19 @@ def data(n: int = 96) -> TensorDataset:
 
 
 def fit(
-    root: Path, devices: int, module: TrainModule, callbacks=(), max_steps: int = 6, batch_size: int = 8, **dp
-):
+    root: Path, devices: int, module: TrainModule, callbacks=(), max_steps: int = 6, batch_size: int = 8,
+    checkpoints: bool = False, ckpt_path: str | None = None, **dp,
+):  # fmt: skip
+    """`batch_size` per process; `checkpoints` saves the end of the fit, `ckpt_path` resumes."""
     torch.manual_seed(0)
     strategy = DPSGDStrategy(**{"noise_multiplier": 1.0, "max_grad_norm": 1.0, "noise_seed": 11, **dp})
     trainer = Trainer(
         strategy=strategy, devices=devices, max_steps=max_steps, default_root_dir=root,
-        enable_progress_bar=False, log_every_n_steps=1, callbacks=list(callbacks), enable_checkpointing=False,
+        enable_progress_bar=False, log_every_n_steps=1, callbacks=list(callbacks),
+        enable_checkpointing=checkpoints or ckpt_path is not None,
     )  # fmt: skip
-    trainer.fit(
-        module, DataLoader(data() if not isinstance(module, Silent) else noise_data(), batch_size=batch_size)
-    )
+    dataset = noise_data() if isinstance(module, Silent) else data()
+    trainer.fit(module, DataLoader(dataset, batch_size=batch_size), ckpt_path=ckpt_path)
     return trainer
 
 
@@ -106,6 +108,8 @@ def runs(root: Path, devices: int) -> dict[str, dict]:
         "std": [float(g.std()) for g in grads.grads],
         "mean": [float(g.mean()) for g in grads.grads],
     }
+    if devices > 1:  # 4 steps here, for tests/test_dp_sgd.py to resume on one process
+        fit(root / "resume", devices, Classifier(), max_steps=4, batch_size=4, checkpoints=True)
     return out
 
 

@@ -78,6 +78,17 @@ def test_two_processes_train_as_one_and_carry_the_same_noise(tmp_path):
     for run in (one, two):
         assert run["noise"]["std"] == pytest.approx([expected] * 3, rel=0.03)
 
+    # the 2-process run's 4 steps (q = 4 x 2 / 96) resumed on 1 process (q = 4 / 96) keep counting
+    resumed = fit(tmp_path / "two" / "resume", 1, Classifier(), max_steps=7, batch_size=4, ckpt_path="last")
+    assert resumed.global_step == 7
+    assert resumed.strategy.accountant.history == [(1.0, 8 / 96, 4), (1.0, 4 / 96, 3)]
+    both = PrivacyAccountant()
+    both.step(1.0, 8 / 96, 4)
+    both.step(1.0, 4 / 96, 3)
+    spent = read_metrics(tmp_path / "two" / "resume", "privacy/epsilon")[7]
+    assert spent == pytest.approx(both.epsilon(1e-5), rel=1e-9)
+    assert spent > PrivacyAccountant().epsilon_after(7, 1.0, 4 / 96, 1e-5)  # the first 4 steps cost more
+
 
 def seeded_classifier():
     torch.manual_seed(1)
@@ -174,3 +185,28 @@ def test_target_epsilon_alone_calibrates_the_noise_to_spend_it_over_the_run(tmp_
     assert trainer.global_step == 12  # 1 / q steps in an epoch
     spent = read_metrics(tmp_path, "privacy/epsilon")[12]
     assert spent == pytest.approx(2.0, rel=0.01) and spent <= 2.0
+
+
+@pytest.mark.slow
+def test_the_dpsgd_recipe_trains_and_stops_at_its_budget(tmp_path):
+    root = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "trainer.cli", "fit", str(TESTS.parent / "recipes" / "dpsgd_tiny.yaml"),
+         "trainer.max_steps=60", "trainer.val_check_interval=30", "trainer.limit_val_batches=2",
+         "data.batch_size=16", "strategy.target_epsilon=1.245", "strategy.noise_seed=0", "trainer.log_every_n_steps=1",
+         f"trainer.default_root_dir={root}"],
+        env=launch_env(WANDB_MODE="offline", HF_HUB_OFFLINE="1"), capture_output=True, text=True, cwd=tmp_path,
+        timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (root / "logs" / "metrics.jsonl").read_text().splitlines()]
+    q = next(r["privacy/sample_rate"] for r in rows if "privacy/sample_rate" in r)
+    accountant, allowed = PrivacyAccountant(), 0
+    while accountant.epsilon_after(1, 0.8, q, 1e-5) <= 1.245:
+        accountant.step(0.8, q)
+        allowed += 1
+    assert 0 < allowed < 60
+    assert f"stopping at step {allowed} (privacy budget" in done.stderr + done.stdout
+    assert (root / "checkpoints" / f"step-{allowed:08d}").is_dir()
+    losses = [r["train/loss"] for r in rows if "train/loss" in r]
+    assert losses[-1] < losses[0] - 0.7, losses  # it learns under the noise

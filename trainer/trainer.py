@@ -332,16 +332,17 @@ class Trainer:
         self._call("on_load_checkpoint", state)
         return path
 
-    def save_and_stop(self, why: str) -> Path:
+    def save_and_stop(self, why: str, *, resumable: bool = True) -> Path:
         """Save a checkpoint of this step (through the run's ModelCheckpoint, validated, when there is one)
-        and end the fit after it; `fit(..., ckpt_path="last")` continues from there. Call on every rank."""
+        and end the fit after it; `fit(..., ckpt_path="last")` continues from there (unless `resumable` is
+        False: a limit that a resume would meet again, such as a spent privacy budget). Call on every rank."""
         saver = self.checkpoint_callback
         path = saver.save(self) if saver is not None else self.save_checkpoint()
         self.should_stop = True
-        rank_zero_info(
-            f"stopping at step {self.global_step} ({why}); checkpoint {path}; "
-            "run the same command with ckpt_path='last' to continue"
+        after = (
+            "run the same command with ckpt_path='last' to continue" if resumable else "this run is complete"
         )
+        rank_zero_info(f"stopping at step {self.global_step} ({why}); checkpoint {path}; {after}")
         return path
 
     def log_metrics(self, metrics: dict[str, float], hidden: set[str] = frozenset()) -> None:
@@ -888,7 +889,7 @@ class Trainer:
         reason = None if self.should_stop else self.strategy.stop_reason()
         if reason is not None:
             if s.global_step > self._fit_start_step:  # this fit trained: keep where it stopped
-                self.save_and_stop(reason)
+                self.save_and_stop(reason, resumable=False)
             else:
                 self.should_stop = True
                 rank_zero_info(f"stopping at step {s.global_step} before training: {reason}")
