@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from strategies.dp_accounting import PrivacyAccountant
-from strategies.dp_sgd import DPSGDStrategy
+from strategies.dp_sgd import DPSGDStrategy, compute_epsilon
 from trainer import Trainer
 
 
@@ -210,3 +210,19 @@ def test_the_dpsgd_recipe_trains_and_stops_at_its_budget(tmp_path):
     assert (root / "checkpoints" / f"step-{allowed:08d}").is_dir()
     losses = [r["train/loss"] for r in rows if "train/loss" in r]
     assert losses[-1] < losses[0] - 0.7, losses  # it learns under the noise
+
+
+def test_per_layer_clipping_and_the_prv_accountant_run_as_configured(tmp_path):
+    grads = Grads()
+    trainer = fit(tmp_path / "a", 1, Classifier(), [grads], noise_multiplier=0.0, max_grad_norm=0.01,
+                  clipping="per_layer", max_steps=3)  # fmt: skip
+    sizes = read_metrics(tmp_path / "a", "privacy/batch_size")
+    for step, g in enumerate(grads.grads, start=1):  # each layer within C/sqrt(layers): the whole within C
+        assert 0.0 < float(g.norm()) <= 0.01 * sizes[step] / 8 + 1e-7
+    assert trainer.strategy.clipping == "per_layer"
+
+    rdp = fit(tmp_path / "rdp", 1, Classifier(), max_steps=5)
+    prv = fit(tmp_path / "prv", 1, Classifier(), max_steps=5, accountant="prv")
+    eps_rdp, eps_prv = rdp.callback_metrics["privacy/epsilon"], prv.callback_metrics["privacy/epsilon"]
+    assert eps_prv == pytest.approx(compute_epsilon(1.0, 8 / 96, 5, 1e-5, accountant="prv"), rel=1e-9)
+    assert eps_prv < eps_rdp
