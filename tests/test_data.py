@@ -89,7 +89,7 @@ def test_two_ranks_see_disjoint_samples_that_together_cover_the_epoch():
     assert sum(len(sample_ids(b)) for b in batches) == 21  # padded by one repeated sample
 
     with pytest.raises(ValueError, match=r"rank=2 is invalid.*world_size=2"):
-        ranks[0].shard(2, 2)
+        ranks[0].shard_for_rank(2, 2)
 
 
 def test_shuffle_differs_between_epochs_and_repeats_for_the_same_seed():

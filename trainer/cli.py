@@ -12,6 +12,7 @@ from trainer.checkpoint import CheckpointError, find_last
 from trainer.config import SECTIONS, ConfigError, build_run, load_recipe, memory_lines
 from trainer.export import export_checkpoint, export_llama
 from trainer.logging import configure_console_logging
+from trainer.models.hf import HFModule
 from trainer.models.llama import Llama
 
 EPILOG = f"""recipe sections: {", ".join(SECTIONS)}
@@ -95,7 +96,11 @@ def main(argv: list[str] | None = None) -> int:
         ckpt = None if args.ckpt_path in (None, "none", "None") else args.ckpt_path
         if args.command == "fit":
             trainer.fit(module, train_loader, val_loader, ckpt_path=ckpt)
-            if trainer.is_global_zero:
+            if isinstance(module, HFModule):  # every rank: sharded weights are gathered to rank 0
+                exported = module.save_pretrained(Path(trainer.default_root_dir) / "export")
+                if trainer.is_global_zero:
+                    _report(trainer, _weights_file(exported))
+            elif trainer.is_global_zero:
                 _report(trainer, _export(trainer, module))
         else:
             metrics = getattr(trainer, args.command)(module, val_loader, ckpt_path=ckpt)
@@ -122,6 +127,12 @@ def _export(trainer, module) -> Path | None:
     return None
 
 
+def _weights_file(out: Path) -> Path:
+    """The weights `save_pretrained` wrote to `out`: one file, or the index of its shards."""
+    index = out / "model.safetensors.index.json"
+    return index if index.exists() else out / "model.safetensors"
+
+
 def _report(trainer, exported: Path | None) -> None:
     """Where the run's outputs are, and how it ended."""
     metrics = trainer.callback_metrics
@@ -134,7 +145,7 @@ def _report(trainer, exported: Path | None) -> None:
         lines.append(f"  checkpoint   {last}  (weights, optimizer, loop state; resume with --ckpt-path last)")
     if exported is not None and (exported.parent / "config.json").exists():
         lines.append(
-            f"  weights      {exported}  (Hugging Face layout: LlamaForCausalLM.from_pretrained('{exported.parent}'))"
+            f"  weights      {exported}  (Hugging Face layout: from_pretrained('{exported.parent}'))"
         )
     elif exported is not None:
         lines.append(f"  weights      {exported}")

@@ -34,13 +34,23 @@ ModelSection = make_dataclass(
         ("preset", str, field(default="tiny")),
         ("class_path", str | None, field(default=None)),
         ("init_args", dict, field(default_factory=dict)),
+        ("hf", str | None, field(default=None)),
+        ("task", str, field(default="causal-lm")),
+        ("num_labels", int | None, field(default=None)),
+        ("freeze", list, field(default_factory=list)),
+        ("lora", dict | None, field(default=None)),
+        ("hf_config", dict | None, field(default=None)),
     ]
     + [(name, tp | None, field(default=None)) for name, tp in typing.get_type_hints(LlamaConfig).items()],
 )
 ModelSection.__doc__ = (
     "A Llama `preset` with any LlamaConfig field overridden, or `class_path` (a TrainModule, or an nn.Module "
-    "mapping tokens to logits) built with `init_args`."
+    "mapping tokens to logits) built with `init_args`, or `hf`: a local Hugging Face model directory (or "
+    "'py:package.function' returning one) fine-tuned for `task` (trainer.models.hf.HFModule, with `num_labels`, "
+    "`freeze` patterns and `lora` options); with `hf_config` (a transformers LlamaConfig's fields) a missing `hf` "
+    "directory is first created with a new model of that config and a byte-level tokenizer."
 )
+_NOT_LLAMA = ("preset", "class_path", "init_args", "hf", "task", "num_labels", "freeze", "lora", "hf_config")
 
 
 @dataclass
@@ -49,6 +59,7 @@ class DataSection:
     (samples per optimizer step over all processes) replaces `batch_size` when set."""
 
     path: str | None = None
+    val_path: str | None = None  # Hugging Face models: a separate validation file (else val_fraction of path)
     tokenizer: str = "byte"
     seq_len: int = 256
     batch_size: int = 8  # per process and micro-batch
@@ -56,6 +67,11 @@ class DataSection:
     val_fraction: float = 0.05
     text_field: str = "text"
     cache_dir: str | None = None
+    prompt_field: str | None = None  # Hugging Face SFT: loss on the response tokens only
+    response_field: str | None = None
+    messages_field: str | None = None  # chat records, formatted with the tokenizer's chat template
+    label_field: str = "label"  # classification
+    packing: bool = True  # causal-lm plain text: packed windows (else padded per batch)
 
 
 @dataclass
@@ -139,15 +155,22 @@ def resolve(raw: dict[str, Any]) -> dict[str, Any]:
     resolved["loggers"] = [
         _check_component(c, f"loggers[{i}]", "loggers") for i, c in enumerate(raw.get("loggers") or [])
     ]
-    if resolved["model"]["class_path"] is None:
-        build_llama_config(resolved["model"])  # shape errors now, not after start-up
+    model = resolved["model"]
+    if model["class_path"] is not None and model["hf"] is not None:
+        raise ConfigError("model.class_path and model.hf are both set; allowed: one of the two")
+    if model["class_path"] is None and model["hf"] is None:
+        build_llama_config(model)  # shape errors now, not after start-up
+    hf = model["hf"]
+    if hf is not None and not hf.startswith("py:") and model["hf_config"] is None and not Path(hf).is_dir():
+        raise ConfigError(
+            f"model.hf={hf!r} is not a directory; allowed: a local Hugging Face model folder (save_pretrained), "
+            "'py:package.function' returning one, or model.hf_config to create it"
+        )
     return resolved
 
 
 def build_llama_config(model: dict[str, Any]) -> LlamaConfig:
-    overrides = {
-        k: v for k, v in model.items() if k not in ("preset", "class_path", "init_args") and v is not None
-    }
+    overrides = {k: v for k, v in model.items() if k not in _NOT_LLAMA and v is not None}
     try:
         return LlamaConfig.preset(model["preset"], **overrides)
     except ValueError as err:
@@ -328,6 +351,11 @@ def build_run(config: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
     except ValueError as err:
         raise ConfigError(f"strategy: {err}") from err
     optim_args = {**optim, "betas": tuple(optim["betas"])}
+    if model["hf"] is not None:
+        module, train_loader, val_loader = _build_hf(
+            model, data, optim, batch_size, trainer_args.get("seed") or 0
+        )
+        return trainer, module, train_loader, val_loader
     llama = build_llama_config(model) if model["class_path"] is None else None
     if llama is not None and data["seq_len"] > llama.max_seq_len:
         raise ConfigError(f"data.seq_len={data['seq_len']} exceeds model.max_seq_len={llama.max_seq_len}")
@@ -358,6 +386,53 @@ def build_run(config: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
             )
         module = built if isinstance(built, TrainModule) else CausalLM(built, **optim_args)
     return trainer, module, train_loader, val_loader
+
+
+def _build_hf(
+    model: dict[str, Any], data: dict[str, Any], optim: dict[str, Any], batch_size: int, seed: int
+) -> tuple[Any, Any, Any]:
+    """An HFModule and its loaders (trainer.data.hf_data) for a recipe whose model is `hf`."""
+    from trainer.data.hf_data import hf_dataloaders, load_hf_dataset
+    from trainer.models.hf import HFModule
+    from trainer.models.hf_create import create_hf_llama
+
+    path = model["hf"]
+    if path.startswith("py:"):
+        path = str(import_path(path[3:], "model.hf")())
+    if model["hf_config"] is not None and not Path(path).exists():
+        create_hf_llama(path, model["hf_config"])
+    if not Path(path).is_dir():
+        raise ConfigError(
+            f"model.hf={path!r} is not a directory; allowed: a local Hugging Face model directory"
+        )
+    try:
+        module = HFModule(
+            path, task=model["task"], num_labels=model["num_labels"], lr=optim["lr"],
+            weight_decay=optim["weight_decay"], betas=tuple(optim["betas"]), freeze=model["freeze"],
+            lora=model["lora"],
+        )  # fmt: skip
+        source = data["path"]
+        if source is None:
+            raise ConfigError(
+                "data.path is required with model.hf; allowed: a local data file or save_to_disk folder"
+            )
+        if data["val_path"] is not None:
+            import datasets
+
+            source = datasets.DatasetDict(
+                train=load_hf_dataset(data["path"], split="train"),
+                validation=load_hf_dataset(data["val_path"], split="train"),
+            )
+        train_loader, val_loader = hf_dataloaders(
+            source, module.tokenizer, model["task"], seq_len=data["seq_len"], batch_size=batch_size,
+            val_fraction=data["val_fraction"], seed=seed, text_field=data["text_field"],
+            prompt_field=data["prompt_field"], response_field=data["response_field"],
+            messages_field=data["messages_field"], label_field=data["label_field"], packing=data["packing"],
+            cache_dir=data["cache_dir"],
+        )  # fmt: skip
+    except (ValueError, FileNotFoundError, ImportError) as err:
+        raise ConfigError(f"model.hf: {err}") from err
+    return module, train_loader, val_loader
 
 
 def memory_lines(config: dict[str, Any]) -> str:

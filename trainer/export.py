@@ -29,7 +29,10 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path) -> Path:
         if meta.get("format") == "dcp"
         else ckpt.load_model_file(ckpt_dir / ckpt.MODEL_FILE)
     )
-    llama = ckpt.load_torch_file(ckpt_dir / ckpt.STATE_FILE).get("module", {}).get("llama_config")
+    module_state = ckpt.load_torch_file(ckpt_dir / ckpt.STATE_FILE).get("module", {})
+    if "hf" in module_state:  # an HFModule's run: the Hugging Face layout, tokenizer included
+        return _write_hf_module(weights, module_state["hf"], out_dir)
+    llama = module_state.get("llama_config")
     if llama is None:
         out_dir.mkdir(parents=True, exist_ok=True)
         ckpt.save_model_file(weights, out_dir / "model.safetensors")
@@ -50,6 +53,28 @@ def _write_hf(state: dict[str, torch.Tensor], config: LlamaConfig, out_dir: Path
     ckpt.save_model_file(state, out_dir / "model.safetensors")
     to_hf_config(config).save_pretrained(out_dir)
     return out_dir / "model.safetensors"
+
+
+def _write_hf_module(weights: dict[str, torch.Tensor], hf: dict, out_dir: Path) -> Path:
+    """Rebuild the HFModule a checkpoint was saved from (config, task, LoRA; its tokenizer when the
+    folder it came from still exists), load the weights and `save_pretrained` it to `out_dir`."""
+    from transformers import AutoConfig
+
+    from trainer.models.hf import HFModule
+
+    fields = dict(hf["config"])
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    tokenizer = hf.get("tokenizer")
+    module = HFModule(
+        config,
+        task=hf["task"],
+        tokenizer=tokenizer if tokenizer and Path(tokenizer).is_dir() else None,
+        lora=hf.get("lora"),
+    )
+    module.load_state_dict(weights)
+    module.save_pretrained(out_dir)
+    index = out_dir / "model.safetensors.index.json"
+    return index if index.exists() else out_dir / "model.safetensors"
 
 
 def _dcp_model_state(dcp_dir: Path) -> dict[str, torch.Tensor]:

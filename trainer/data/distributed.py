@@ -8,6 +8,7 @@ items, rank r keeping the r-th of each round; an incomplete last round is droppe
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -47,9 +48,11 @@ class RoundRobinShard(IterableDataset):
 
 
 def shard_loader(loader: Any, rank: int, size: int, seed: int) -> Any:
-    """`loader` for data-parallel rank `rank` of `size`; loaders that shard themselves get `shard()`."""
-    if callable(getattr(loader, "shard", None)):
-        loader.shard(rank, size)
+    """`loader` for data-parallel rank `rank` of `size`; loaders that shard themselves (a
+    `shard_for_rank(rank, world_size)` method, as TokenLoader has) are told their rank instead."""
+    _refuse_hf_dataset(loader)
+    if callable(getattr(loader, "shard_for_rank", None)):
+        loader.shard_for_rank(rank, size)
         return loader
     if size == 1 or not isinstance(loader, DataLoader):
         return loader
@@ -69,10 +72,24 @@ def shard_loader(loader: Any, rank: int, size: int, seed: int) -> Any:
         raise ValueError(
             f"cannot shard a DataLoader with a custom sampler or batch_sampler ({type(sampler).__name__}) over "
             f"{size} data-parallel ranks; allowed: shuffle=True/False loaders, a DistributedSampler of your own, "
-            "or a loader with a shard(rank, world_size) method"
+            "or a loader with a shard_for_rank(rank, world_size) method"
         )
     shuffle = isinstance(sampler, RandomSampler)
     sampler = DistributedSampler(
         loader.dataset, size, rank, shuffle=shuffle, seed=seed, drop_last=loader.drop_last
     )
     return DataLoader(loader.dataset, sampler=sampler, **kwargs)
+
+
+def _refuse_hf_dataset(loader: Any) -> None:
+    """A Hugging Face dataset yields rows of Python lists, not batches: say what to pass instead."""
+    hf = sys.modules.get("datasets")  # not imported: `loader` cannot be one of its datasets
+    if hf is None or not isinstance(
+        loader, (hf.Dataset, hf.IterableDataset, hf.DatasetDict, hf.IterableDatasetDict)
+    ):
+        return
+    raise TypeError(
+        f"got a datasets.{type(loader).__name__}, which yields single rows, not batches; allowed: a loader over "
+        "it, e.g. DataLoader(ds.with_format('torch'), batch_size=8), or the (train, val) loaders of "
+        "trainer.data.hf_data.hf_dataloaders(ds, tokenizer, ...)"
+    )

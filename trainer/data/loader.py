@@ -46,9 +46,9 @@ class TokenLoader:
         self.epoch = 0
         self.position = 0  # batches already yielded in the current epoch
         self._resume_from: dict[str, int] | None = None
-        self.shard(rank, world_size)
+        self.shard_for_rank(rank, world_size)
 
-    def shard(self, rank: int, world_size: int) -> None:
+    def shard_for_rank(self, rank: int, world_size: int) -> None:
         """Make this loader rank `rank`'s share of `world_size` data-parallel ranks (call before iterating)."""
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size={world_size!r} is invalid; allowed: an int >= 1")
@@ -119,7 +119,7 @@ class TokenLoader:
                 f"TokenLoader state lacks {missing}; allowed: a dict from TokenLoader.state_dict()"
             )
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
-        # Checked at iter(), not here: the framework may call shard() after restoring.
+        # Checked at iter(), not here: the framework may call shard_for_rank() after restoring.
         self._resume_from = {key: int(state[key]) for key in self._settings()}
 
     def _settings(self) -> dict[str, int]:

@@ -1,0 +1,487 @@
+"""Hugging Face datasets -> (train, validation) torch DataLoaders for causal LM (plain text or SFT) and
+classification, in the batch convention of `trainer.data`.
+
+Loaders are plain DataLoaders over map-style datasets, so the framework's data-parallel sharding and
+DP-SGD's Poisson sampling apply to them as to any user loader. Tokenisation runs once through
+`Dataset.map` and is cached (see `hf_dataloaders`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from trainer.data.packing import PackedDataset
+
+if TYPE_CHECKING:
+    from datasets import Dataset, DatasetDict
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+TASKS = ("causal-lm", "seq-classification", "token-classification")
+IGNORE_INDEX = -100  # a label no loss counts (cross_entropy's default ignore_index)
+# data-file suffix -> the datasets builder that reads it
+DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+VALIDATION_SPLITS = ("validation", "test")  # a DatasetDict's split used for validation, first found
+_CACHE_VERSION = 1  # bump when the tokenised columns change, so old cache files are not reused
+_WARNED_PAD: set[str] = set()  # tokenizers already warned about padding with EOS
+
+
+def load_hf_dataset(path: str | os.PathLike[str], split: str | None = None) -> Dataset | DatasetDict:
+    """A dataset from a local `path`: a `save_to_disk` folder (as saved), a data file (one Dataset, its
+    "train" split unless `split`), or a folder of data files (splits named by the files, as datasets infers)."""
+    import datasets
+
+    location = Path(path)
+    if not location.exists():
+        raise FileNotFoundError(
+            f"dataset path {str(location)!r} does not exist; allowed: a folder saved with save_to_disk, or a "
+            f"{'/'.join(DATA_FILE_BUILDERS)} file or a folder of them"
+        )
+    if location.is_file():
+        builder = DATA_FILE_BUILDERS.get(location.suffix.lower())
+        if builder is None:
+            raise ValueError(
+                f"{str(location)!r} is not a known data file; allowed: a file ending in {', '.join(DATA_FILE_BUILDERS)}"
+            )
+        return datasets.load_dataset(builder, data_files=str(location), split=split or "train")
+    if (location / "dataset_dict.json").is_file() or (location / "state.json").is_file():
+        return _select_split(datasets.load_from_disk(str(location)), split, location)
+    if not any(file.suffix.lower() in DATA_FILE_BUILDERS for file in location.rglob("*")):
+        raise ValueError(
+            f"{str(location)!r} holds neither a save_to_disk dataset nor data files; allowed: a folder saved "
+            f"with save_to_disk, or one with {'/'.join(DATA_FILE_BUILDERS)} files"
+        )
+    return datasets.load_dataset(str(location), split=split)
+
+
+def _select_split(loaded: Dataset | DatasetDict, split: str | None, location: Path) -> Dataset | DatasetDict:
+    """`split` of a dataset read with load_from_disk (all of it when None)."""
+    from datasets import DatasetDict
+
+    if split is None:
+        return loaded
+    if not isinstance(loaded, DatasetDict):
+        raise ValueError(f"{str(location)!r} holds one Dataset without splits; allowed: split=None")
+    if split not in loaded:
+        raise ValueError(f"{str(location)!r} has no split {split!r}; allowed: one of {list(loaded)}")
+    return loaded[split]
+
+
+def hf_dataloaders(
+    data: str | os.PathLike[str] | Dataset | DatasetDict,
+    tokenizer: str | os.PathLike[str] | PreTrainedTokenizerBase,
+    task: str = "causal-lm",
+    *,
+    seq_len: int = 512,
+    batch_size: int = 8,
+    val_fraction: float = 0.05,
+    seed: int = 0,
+    text_field: str = "text",
+    prompt_field: str | None = None,
+    response_field: str | None = None,
+    messages_field: str | None = None,
+    label_field: str = "label",
+    packing: bool = True,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> tuple[DataLoader, DataLoader | None]:
+    """(train, validation or None) DataLoaders of `data` (a path for `load_hf_dataset`, a Dataset or a
+    DatasetDict) tokenised by `tokenizer` (an object, or a local save_pretrained folder).
+
+    task="causal-lm" yields {"input_ids", "labels"[, "attention_mask"]} LongTensor[B, T], labels already
+    shifted (labels[b, t] is the target of position t, -100 ignored):
+    - plain text (`text_field`): each text's tokens then EOS (no BOS); packing=True cuts the stream of all
+      texts into windows of seq_len + 1 tokens (no padding), packing=False truncates each text to
+      seq_len + 1 tokens and pads per batch;
+    - SFT (`prompt_field` + `response_field`, or `messages_field` holding [{"role", "content"}] lists):
+      only response tokens are targets, all others -100. Messages need the tokenizer's chat template;
+      a prompt/response pair goes through it as one user/assistant exchange when the tokenizer has one,
+      else as prompt tokens, response tokens, EOS. Never packed; examples are truncated to seq_len + 1
+      tokens and dropped when no response token is left.
+    task="seq-classification": `text_field` with int labels `label_field`, labels LongTensor[B];
+    task="token-classification": `text_field` holds word lists and `label_field` one int per word, the
+    label on each word's first token, -100 on special and continuation tokens (needs a fast tokenizer).
+
+    Padding is to the longest example of the batch: pad id, label -100, attention_mask 0. A tokenizer
+    without a pad token pads with its EOS id (warned once; the tokenizer is not changed).
+    Splits: a DatasetDict's "train" and its "validation" (else "test") split; otherwise `val_fraction`
+    of the examples, chosen with `seed`, is validation (0: no validation loader). The train loader
+    shuffles with a generator seeded by `seed` and drops its last incomplete batch.
+    Tokenised data is cached by the source's fingerprint, the tokenizer and these settings: under
+    `cache_dir` when given, else beside a file-backed dataset's own cache (in-memory data: not cached).
+    """
+    _check_settings(task, seq_len, batch_size, val_fraction, prompt_field, response_field, messages_field)
+    tok = _load_tokenizer(tokenizer)
+    source = load_hf_dataset(data) if isinstance(data, (str, os.PathLike)) else data
+    train_raw, val_raw = _splits(source, val_fraction, seed)
+    mode = _mode(task, prompt_field, response_field, messages_field)
+    fields = {
+        "text": [text_field],
+        "sft": [messages_field] if messages_field is not None else [prompt_field, response_field],
+        "seq-classification": [text_field, label_field],
+        "token-classification": [text_field, label_field],
+    }[mode]
+    for raw in (train_raw, val_raw):
+        if raw is not None:
+            _check_columns(raw, fields, mode, label_field)
+    has_template = getattr(tok, "chat_template", None) is not None
+    if messages_field is not None and not has_template:
+        raise ValueError(
+            f"messages_field={messages_field!r} needs the tokenizer's chat template, and it has none; allowed: "
+            "a tokenizer with chat_template set, or prompt_field/response_field"
+        )
+    chat = mode == "sft" and has_template
+    if mode in ("text", "sft") and not chat and tok.eos_token_id is None:
+        raise ValueError(
+            "the tokenizer has no EOS token, which ends every causal-LM text; allowed: a tokenizer with eos_token set"
+        )
+    if (chat or mode == "token-classification") and not getattr(tok, "is_fast", False):
+        raise ValueError(
+            f"{mode} with this data needs token offsets, which only fast tokenizers give; allowed: a fast "
+            "tokenizer (one with a tokenizer.json)"
+        )
+    pack = mode == "text" and packing
+    encoder = _Encoder(tok, mode, fields, seq_len, pack, chat)
+    collate = None if pack else PadCollator(_pad_id(tok))
+    train = _loader("train", train_raw, encoder, cache_dir, batch_size, collate, seed)
+    val = (
+        None
+        if val_raw is None
+        else _loader("validation", val_raw, encoder, cache_dir, batch_size, collate, seed)
+    )
+    return train, val
+
+
+def _loader(
+    split: str,
+    raw: Dataset,
+    encoder: _Encoder,
+    cache_dir: str | os.PathLike[str] | None,
+    batch_size: int,
+    collate: PadCollator | None,
+    seed: int,
+) -> DataLoader:
+    """`raw` tokenised (and packed) in a DataLoader: training shuffles (seeded) and drops a short last batch."""
+    tokenised = _tokenise(raw, encoder, split, cache_dir)
+    dataset: Dataset | PackedDataset = _pack(tokenised, encoder.seq_len) if encoder.pack else tokenised
+    _check_size(split, dataset, len(raw), batch_size, encoder.pack)
+    if len(tokenised) < len(raw):
+        logger.warning(
+            "%s: dropped %d of %d examples with no target token within seq_len",
+            split,
+            len(raw) - len(tokenised),
+            len(raw),
+        )
+    logger.info(
+        "%s: %d %s from %d examples (%s)",
+        split,
+        len(dataset),
+        "blocks" if encoder.pack else "examples",
+        len(raw),
+        encoder.mode,
+    )
+    train = split == "train"
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=train,
+        generator=torch.Generator().manual_seed(seed) if train else None,
+        drop_last=train,
+        collate_fn=collate,
+    )
+
+
+class PadCollator:
+    """Examples {"input_ids": list, "labels": list | int} -> one batch padded to its longest example
+    (pad id, label -100, attention_mask 0), all LongTensor; a class so DataLoader workers can pickle it."""
+
+    def __init__(self, pad_id: int) -> None:
+        self.pad_id = pad_id
+
+    def __call__(self, examples: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        width = max(len(example["input_ids"]) for example in examples)
+        ids = torch.full((len(examples), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(examples), width), dtype=torch.long)
+        per_token = not isinstance(examples[0]["labels"], int)
+        labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long) if per_token else None
+        for row, example in enumerate(examples):
+            n = len(example["input_ids"])
+            ids[row, :n] = torch.tensor(example["input_ids"], dtype=torch.long)
+            mask[row, :n] = 1
+            if labels is not None:
+                labels[row, :n] = torch.tensor(example["labels"], dtype=torch.long)
+        if labels is None:
+            labels = torch.tensor([example["labels"] for example in examples], dtype=torch.long)
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+class _Encoder:
+    """The batched `Dataset.map` function: raw columns -> "input_ids" (and "labels" unless packing)."""
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        mode: str,
+        fields: list[str],
+        seq_len: int,
+        pack: bool,
+        chat: bool,
+    ) -> None:
+        self.tokenizer, self.mode, self.fields = tokenizer, mode, fields
+        self.seq_len, self.pack, self.chat = seq_len, pack, chat
+
+    def settings(self) -> list[Any]:
+        """What the tokenised columns depend on besides the source data and the tokenizer (the cache key)."""
+        return [_CACHE_VERSION, self.mode, self.fields, self.seq_len, self.pack, self.chat]
+
+    def __call__(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        if self.mode == "seq-classification":
+            encoded = self.tokenizer(batch[self.fields[0]], truncation=True, max_length=self.seq_len)
+            return {
+                "input_ids": encoded["input_ids"],
+                "labels": [int(label) for label in batch[self.fields[1]]],
+            }
+        if self.mode == "token-classification":
+            return self._word_labels(batch[self.fields[0]], batch[self.fields[1]])
+        if self.mode == "text":
+            eos = [self.tokenizer.eos_token_id]
+            ids = self.tokenizer(batch[self.fields[0]], add_special_tokens=False)["input_ids"]
+            examples = [(doc + eos, [True] * (len(doc) + 1)) for doc in ids]
+            if self.pack:
+                return {"input_ids": [doc for doc, _ in examples]}
+        elif self.chat:
+            examples = [self._chat(conversation) for conversation in self._conversations(batch)]
+        else:
+            examples = [
+                self._prompt_response(p, r)
+                for p, r in zip(batch[self.fields[0]], batch[self.fields[1]], strict=True)
+            ]
+        out: dict[str, list[Any]] = {"input_ids": [], "labels": []}
+        for ids, is_target in examples:
+            ids, is_target = ids[: self.seq_len + 1], is_target[: self.seq_len + 1]
+            labels = [t if target else IGNORE_INDEX for t, target in zip(ids[1:], is_target[1:], strict=True)]
+            if any(label != IGNORE_INDEX for label in labels):
+                out["input_ids"].append(ids[:-1])
+                out["labels"].append(labels)
+        return out
+
+    def _conversations(self, batch: dict[str, list[Any]]) -> list[list[dict[str, str]]]:
+        if len(self.fields) == 1:
+            return batch[self.fields[0]]
+        return [
+            [{"role": "user", "content": p}, {"role": "assistant", "content": r}]
+            for p, r in zip(batch[self.fields[0]], batch[self.fields[1]], strict=True)
+        ]
+
+    def _prompt_response(self, prompt: str, response: str) -> tuple[list[int], list[bool]]:
+        """Prompt tokens, response tokens, EOS; the response and EOS are targets."""
+        tok = self.tokenizer
+        p = tok(prompt, add_special_tokens=False)["input_ids"]
+        r = tok(response, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        return p + r, [False] * len(p) + [True] * len(r)
+
+    def _chat(self, messages: list[dict[str, str]]) -> tuple[list[int], list[bool]]:
+        """The conversation through the chat template; targets: the tokens starting inside an assistant
+        turn's text, i.e. after the template's generation prompt up to the end of that turn."""
+        tok = self.tokenizer
+        text = tok.apply_chat_template(messages, tokenize=False)
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before = tok.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+            through = tok.apply_chat_template(messages[: i + 1], tokenize=False)
+            if not (text.startswith(before) and text.startswith(through)):
+                raise ValueError(
+                    "the chat template does not render a conversation's first turns as a prefix of the whole, "
+                    "so its response tokens cannot be found; allowed: a prefix-stable template, or "
+                    "prompt_field/response_field with a tokenizer without one"
+                )
+            spans.append((len(before), len(through)))
+        encoded = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        is_target = [any(a <= start < b for a, b in spans) for start, _ in encoded["offset_mapping"]]
+        return encoded["input_ids"], is_target
+
+    def _word_labels(self, words: list[list[str]], word_labels: list[list[int]]) -> dict[str, list[Any]]:
+        """Tokens of each word list, each word's label on its first token, -100 on the others."""
+        encoded = self.tokenizer(words, is_split_into_words=True, truncation=True, max_length=self.seq_len)
+        labels = []
+        for row, tags in enumerate(word_labels):
+            previous, aligned = None, []
+            for word in encoded.word_ids(row):
+                aligned.append(IGNORE_INDEX if word is None or word == previous else int(tags[word]))
+                previous = word
+            labels.append(aligned)
+        return {"input_ids": encoded["input_ids"], "labels": labels}
+
+
+def _check_settings(
+    task: str,
+    seq_len: int,
+    batch_size: int,
+    val_fraction: float,
+    prompt_field: str | None,
+    response_field: str | None,
+    messages_field: str | None,
+) -> None:
+    if task not in TASKS:
+        raise ValueError(f"task={task!r} is unknown; allowed: {', '.join(TASKS)}")
+    for name, value in (("seq_len", seq_len), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} is invalid; allowed: an int >= 1")
+    if isinstance(val_fraction, bool) or not (
+        isinstance(val_fraction, (int, float)) and 0 <= val_fraction < 1
+    ):
+        raise ValueError(
+            f"val_fraction={val_fraction!r} is invalid; allowed: a number with 0 <= val_fraction < 1"
+        )
+    if (prompt_field is None) != (response_field is None):
+        raise ValueError(
+            f"prompt_field={prompt_field!r} and response_field={response_field!r}; allowed: both set or neither"
+        )
+    if messages_field is not None and prompt_field is not None:
+        raise ValueError("messages_field and prompt_field/response_field are both set; allowed: one of them")
+    if task != "causal-lm" and (messages_field is not None or prompt_field is not None):
+        raise ValueError(
+            f"prompt/response/messages fields are for SFT; allowed: them with task='causal-lm', not {task!r}"
+        )
+
+
+def _mode(task: str, prompt_field: str | None, response_field: str | None, messages_field: str | None) -> str:
+    """ "text", "sft", or the classification task."""
+    if task != "causal-lm":
+        return task
+    return "sft" if messages_field is not None or prompt_field is not None else "text"
+
+
+def _load_tokenizer(tokenizer: str | os.PathLike[str] | PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    """A tokenizer object as given, or read from a local folder (no download)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+    if isinstance(tokenizer, PreTrainedTokenizerBase):
+        return tokenizer
+    if not isinstance(tokenizer, (str, os.PathLike)):
+        raise TypeError(
+            f"tokenizer is a {type(tokenizer).__name__}; allowed: a transformers tokenizer or a local folder path"
+        )
+    if not Path(tokenizer).exists():
+        raise FileNotFoundError(
+            f"tokenizer path {str(tokenizer)!r} does not exist; allowed: a folder saved with save_pretrained"
+        )
+    return AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
+
+
+def _splits(data: Any, val_fraction: float, seed: int) -> tuple[Dataset, Dataset | None]:
+    """(train, validation or None): a DatasetDict's own splits, else `val_fraction` split off with `seed`."""
+    from datasets import Dataset, DatasetDict
+
+    if isinstance(data, DatasetDict):
+        if "train" not in data:
+            raise ValueError(f"the DatasetDict has splits {list(data)}; allowed: one with a 'train' split")
+        val_name = next((name for name in VALIDATION_SPLITS if name in data), None)
+        if val_name is not None:
+            return data["train"], data[val_name]
+        data = data["train"]
+    if not isinstance(data, Dataset):
+        raise TypeError(
+            f"data is a {type(data).__name__}; allowed: a path, a datasets.Dataset or a DatasetDict (map-style)"
+        )
+    if val_fraction == 0:
+        return data, None
+    if len(data) - math.ceil(len(data) * val_fraction) < 1:
+        raise ValueError(
+            f"{len(data)} examples leave none for training after val_fraction={val_fraction}; allowed: more "
+            "examples, val_fraction=0, or a DatasetDict with a 'validation' split"
+        )
+    parts = data.train_test_split(test_size=val_fraction, seed=seed)
+    return parts["train"], parts["test"]
+
+
+def _check_columns(data: Dataset, fields: list[str], mode: str, label_field: str) -> None:
+    """Every field named is a column; classification labels are ints (one per word for token labels)."""
+    from datasets import ClassLabel, Value
+
+    for field in fields:
+        if field not in data.column_names:
+            raise ValueError(f"field {field!r} is not in the dataset; available columns: {data.column_names}")
+    if mode not in ("seq-classification", "token-classification"):
+        return
+    feature = data.features[label_field]
+    if mode == "token-classification":
+        feature = getattr(feature, "feature", None)
+    if not (isinstance(feature, ClassLabel) or (isinstance(feature, Value) and "int" in feature.dtype)):
+        raise ValueError(
+            f"labels {label_field!r} are {data.features[label_field]}; allowed: ints"
+            f"{' (one list per example)' if mode == 'token-classification' else ''}, e.g. from "
+            f"dataset.class_encode_column({label_field!r}) for strings"
+        )
+
+
+def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The id batches are padded with: the pad token, else EOS (its value is masked out either way)."""
+    if tokenizer.pad_token_id is not None:
+        return tokenizer.pad_token_id
+    if tokenizer.eos_token_id is None:
+        raise ValueError(
+            "the tokenizer has neither a pad nor an EOS token, so batches cannot be padded; allowed: a tokenizer "
+            "with pad_token (or eos_token) set"
+        )
+    name = tokenizer.name_or_path or type(tokenizer).__name__
+    if name not in _WARNED_PAD:
+        _WARNED_PAD.add(name)
+        logger.warning(
+            "tokenizer %s has no pad token: padding with its EOS id %d (attention_mask 0, label -100 there)",
+            name,
+            tokenizer.eos_token_id,
+        )
+    return tokenizer.eos_token_id
+
+
+def _tokenise(
+    raw: Dataset, encoder: _Encoder, split: str, cache_dir: str | os.PathLike[str] | None
+) -> Dataset:
+    """`raw` through `encoder`, read from the cache when the same source, tokenizer and settings were seen."""
+    from datasets.fingerprint import Hasher
+
+    fingerprint = Hasher.hash([raw._fingerprint, encoder.tokenizer, encoder.settings()])
+    cache_file = None
+    if cache_dir is not None:
+        Path(cache_dir).mkdir(parents=True, exist_ok=True)
+        cache_file = str(Path(cache_dir) / f"hf-{fingerprint}.arrow")
+    return raw.map(
+        encoder,
+        batched=True,
+        remove_columns=raw.column_names,
+        new_fingerprint=fingerprint,
+        cache_file_name=cache_file,
+        desc=f"tokenising {split}",
+    )
+
+
+def _pack(tokenised: Dataset, seq_len: int) -> PackedDataset:
+    """All texts' tokens (each ending in EOS) as one stream, cut into next-token windows of seq_len + 1."""
+    column = tokenised.with_format("arrow")[:]["input_ids"]
+    stream = np.concatenate([np.zeros(0, np.int64), *(chunk.flatten().to_numpy() for chunk in column.chunks)])
+    return PackedDataset(torch.from_numpy(stream.astype(np.int32)), seq_len)
+
+
+def _check_size(
+    split: str, dataset: Dataset | PackedDataset, examples: int, batch_size: int, pack: bool
+) -> None:
+    """Refuse a split with too little data: training needs one full batch, validation one sample."""
+    needed = batch_size if split == "train" else 1
+    if len(dataset) < needed:
+        unit = "blocks of seq_len + 1 tokens" if pack else "examples with a target token"
+        raise ValueError(
+            f"{split} split too small: {examples} examples give {len(dataset)} {unit}; allowed: at least "
+            f"{needed} (more data, or a smaller seq_len, batch_size or val_fraction)"
+        )
