@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from strategies.base import StepOutput, unpack_loss
-from strategies.dp_accounting import PrivacyAccountant, find_noise_multiplier
+from strategies.dp_accounting import PrivacyAccountant, compute_epsilon, find_noise_multiplier
 from strategies.dp_data import batch_length, poisson_loader, split_batch
 from strategies.mesh import MeshStrategy
 from strategies.per_sample import CLIPPINGS, MODES, PerSampleGradients
@@ -34,9 +34,7 @@ from trainer import flags
 from trainer.data.distributed import shard_loader
 from trainer.logging import rank_zero_info
 
-__all__ = ["DPSGDStrategy", "compute_epsilon", "find_noise_multiplier"]
-
-from strategies.dp_accounting import compute_epsilon  # noqa: E402  (public here, as the issue names it)
+__all__ = ["DPSGDStrategy", "compute_epsilon", "find_noise_multiplier"]  # the accountants, public here too
 
 
 class DPSGDStrategy(MeshStrategy):
