@@ -71,7 +71,23 @@ class CausalLM(TrainModule):
         return self.model
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
-        return self._loss(batch)
+        out = self._loss(batch)
+        extra = getattr(self.model, "extra_loss", None)
+        extra = extra() if callable(extra) else None
+        if extra is not None:  # a MoE model's load-balancing and router z-losses join the training loss
+            out["loss"] = out["loss"] + extra
+            trainer = self._trainer
+            if trainer is not None and (self.global_step + 1) % trainer.log_every_n_steps == 0:
+                self.log_dict({f"moe/{k}": v for k, v in self.model.moe_stats().items()})
+        return out
+
+    def on_before_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        """After each optimizer step: a MoE model's auxiliary-loss-free balancing moves its expert biases
+        by the loads its experts saw, summed over the ranks that hold different tokens."""
+        update = getattr(self.model, "update_moe_biases", None)
+        if callable(update) and self._trainer is not None:
+            strategy = self._trainer.strategy
+            update(lambda counts: counts.copy_(strategy.reduce(counts, "sum", group="loss")))
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
         return self._loss(batch)

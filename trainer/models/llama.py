@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer.models.moe import MoE, MoEConfig, moe_layers, moe_stats
+
 
 @dataclass
 class LlamaConfig:
@@ -32,8 +34,11 @@ class LlamaConfig:
     max_seq_len: int = 256
     tie_embeddings: bool = False
     init_std: float = 0.02
+    moe: MoEConfig | None = None  # None: every block dense (a dict is turned into a MoEConfig)
 
     def __post_init__(self) -> None:
+        if isinstance(self.moe, dict):  # from a preset, a YAML config or dataclasses.asdict of a checkpoint
+            self.moe = MoEConfig(**self.moe)
         if self.dim % self.n_heads:
             raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}; allowed: multiples")
         if self.n_heads % self.n_kv_heads:
@@ -62,7 +67,8 @@ class LlamaConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides: object) -> LlamaConfig:
-        """A named size ("tiny", "1b", "8b", "70b") with any field overridden."""
+        """A named size ("tiny", "1b", "8b", "70b"; MoE: "moe-tiny", "mixtral-8x7b", "deepseek-v3-like")
+        with any field overridden."""
         if name not in PRESETS:
             raise ValueError(f"Llama preset {name!r} is unknown; allowed: {', '.join(PRESETS)}")
         return cls(**{**PRESETS[name], **overrides})
@@ -81,6 +87,20 @@ PRESETS: dict[str, dict[str, object]] = {
                multiple_of=1024, ffn_dim_multiplier=1.3, max_seq_len=8192),
     "70b": dict(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
                 multiple_of=4096, ffn_dim_multiplier=1.3, max_seq_len=8192),
+    # Mixture of experts (trainer.models.moe). mixtral-8x7b is Mixtral's exact shape (46.70B total, 12.88B
+    # active). deepseek-v3-like has DeepSeek-V3's MoE shape but our multi-head attention (128 heads of 56)
+    # instead of MLA, and no multi-token-prediction module; its counts are in tests/test_moe.py.
+    "moe-tiny": dict(vocab_size=512, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=128,
+                     rope_theta=10000.0, max_seq_len=64,
+                     moe=dict(n_experts=8, top_k=2, moe_ffn_dim=32, n_shared_experts=1, n_dense_layers=1,
+                              aux_loss_coef=0.01, z_loss_coef=0.001)),
+    "mixtral-8x7b": dict(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336,
+                         norm_eps=1e-5, rope_theta=1e6, max_seq_len=32768,
+                         moe=dict(n_experts=8, top_k=2, moe_ffn_dim=14336)),
+    "deepseek-v3-like": dict(vocab_size=129280, dim=7168, n_layers=61, n_heads=128, n_kv_heads=128,
+                             ffn_hidden=18432, norm_eps=1e-6, rope_theta=10000.0, max_seq_len=4096,
+                             moe=dict(n_experts=256, top_k=8, moe_ffn_dim=2048, n_shared_experts=1,
+                                      n_dense_layers=3, score_func="sigmoid", bias_update_rate=1e-3)),
 }
 # fmt: on
 
@@ -194,14 +214,20 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm residual block: x + attention(norm(x)), then x + feed_forward(norm(x))."""
+    """Pre-norm residual block: x + attention(norm(x)), then x + feed_forward(norm(x)); the feed-forward
+    is a MoE layer when `moe` is true (its config from config.moe)."""
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, moe: bool = False) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.attention = Attention(config)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.feed_forward = FeedForward(config)
+        self.feed_forward: nn.Module
+        if moe:
+            assert config.moe is not None
+            self.feed_forward = MoE(config.dim, config.moe)
+        else:
+            self.feed_forward = FeedForward(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin)
@@ -226,7 +252,9 @@ class Llama(nn.Module):
         with torch.device("meta"):
             self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
             self.rope = RotaryEmbedding(config.head_dim, config.max_seq_len, config.rope_theta)
-            self.layers = nn.ModuleDict({str(i): TransformerBlock(config) for i in range(config.n_layers)})
+            self.layers = nn.ModuleDict(
+                {str(i): TransformerBlock(config, self.is_moe_layer(i)) for i in range(config.n_layers)}
+            )
             self.norm = RMSNorm(config.dim, config.norm_eps)
             self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.positions_fn: Any = None  # context parallelism: the positions of this rank's tokens
@@ -244,7 +272,8 @@ class Llama(nn.Module):
 
         Each matrix draws from its own generator, seeded by one draw from the global RNG plus the
         matrix's place in the full model: a pipeline stage holding only some layers gets exactly the
-        values those layers have in the whole model, and the seed still decides everything.
+        values those layers have in the whole model, and the seed still decides everything. A MoE block's
+        router, experts and shared experts take indices after the output's (dense seeds are unchanged).
         """
         c = self.config
         std, residual_std = c.init_std, c.init_std / math.sqrt(2 * c.n_layers)
@@ -265,6 +294,15 @@ class Llama(nn.Module):
             for name, block in self.layers.items():
                 attention, ffn = block.attention, block.feed_forward
                 first = 1 + 7 * int(name)
+                if isinstance(ffn, MoE):
+                    for k, linear in enumerate((attention.wq, attention.wk, attention.wv)):
+                        normal(linear.weight, std, first + k)
+                    normal(attention.wo.weight, residual_std, first + 5)
+                    moe_first = 2 + 7 * c.n_layers + 7 * int(name)
+                    ffn.init_weights(normal, std, residual_std, [moe_first + k for k in range(7)])
+                    nn.init.ones_(block.attention_norm.weight)
+                    nn.init.ones_(block.ffn_norm.weight)
+                    continue
                 for k, linear in enumerate((attention.wq, attention.wk, attention.wv, ffn.w1, ffn.w3)):
                     normal(linear.weight, std, first + k)
                 normal(attention.wo.weight, residual_std, first + 5)
@@ -292,6 +330,36 @@ class Llama(nn.Module):
             return h
         return self.output(self.norm(h)).float()  # (B, T, vocab_size)
 
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether block `index` has a MoE feed-forward."""
+        return self.config.moe is not None and self.config.moe.is_moe_layer(index)
+
+    def extra_loss(self) -> torch.Tensor | None:
+        """The weighted MoE auxiliary losses (load balancing + router z-loss) of the last forward, summed
+        over this model's MoE layers, for the training loss to add; None for a dense model."""
+        losses = [loss for m in moe_layers(self) if (loss := m.extra_loss()) is not None]
+        return torch.stack(losses).sum() if losses else None
+
+    def moe_stats(self) -> dict[str, float]:
+        """Router statistics of the last forward as floats (see trainer.models.moe.moe_stats); {} if dense."""
+        return moe_stats(self)
+
+    def update_moe_biases(self, all_reduce: Any = None) -> None:
+        """Auxiliary-loss-free balancing: call after each optimizer step (no-op when bias_update_rate is 0)."""
+        for m in moe_layers(self):
+            m.router.update_expert_bias(all_reduce)
+
+    def num_active_params(self) -> int:
+        """Parameters one token uses: all but the (n_experts - top_k) unchosen routed experts of each
+        MoE block; equals num_params() for a dense model."""
+        n = self.num_params()
+        for m in moe_layers(self):
+            per_expert = (
+                m.experts.w1.numel() + m.experts.w2.numel() + m.experts.w3.numel()
+            ) // m.config.n_experts
+            n -= (m.config.n_experts - m.config.top_k) * per_expert
+        return n
+
     def transformer_blocks(self) -> list[nn.Module]:
         """The repeated blocks: units for FSDP wrapping, activation checkpointing and pipeline splits."""
         return list(self.layers.values())
@@ -315,6 +383,8 @@ class Llama(nn.Module):
         (activations between blocks are split over the tp ranks) and the reductions become
         reduce-scatters; with `loss_parallel` the logits stay sharded over the vocabulary for a
         vocabulary-parallel cross-entropy."""
+        if self.config.moe is not None:
+            raise NotImplementedError("tensor parallelism of MoE blocks is not implemented yet")
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import (
             ColwiseParallel,
@@ -371,9 +441,16 @@ class Llama(nn.Module):
         N counts the weights of every matmul: the block linears and the output projection, even when it is
         tied to the embedding (the lookup is free, the projection is not); norms are left out. The second term
         is QK^T and attention-times-V over the full T x T score matrix (no discount for the causal mask).
+        A MoE block counts its active weights: the router, top_k routed experts and the shared experts.
         """
         c = self.config
         attention = c.dim * c.head_dim * (2 * c.n_heads + 2 * c.n_kv_heads)  # wq, wo; wk, wv
         # from the config, not the modules: a pipeline stage or tensor-parallel shard holds part of them
         n_matmul = c.n_layers * (attention + 3 * c.dim * c.ffn_dim) + c.dim * c.vocab_size
+        if c.moe is not None:
+            m = c.moe
+            moe_ffn = c.dim * m.n_experts + 3 * c.dim * m.moe_ffn_dim * (m.top_k + m.n_shared_experts)
+            n_matmul += sum(
+                moe_ffn - 3 * c.dim * c.ffn_dim for i in range(c.n_layers) if self.is_moe_layer(i)
+            )
         return 6 * n_matmul + 12 * c.n_layers * c.n_heads * c.head_dim * seq_len

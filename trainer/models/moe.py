@@ -1,0 +1,394 @@
+"""Mixture-of-Experts feed-forward for the Llama decoder: a top-k router, routed SwiGLU experts held as 3-D
+weights and computed with one grouped matmul, optional always-on shared experts.
+
+The forward is four separable stages, so expert parallelism can later put an all-to-all between them:
+
+    route    (Router)          scores, top-k expert ids, gates, capacity mask, aux statistics
+    dispatch (TokenDispatcher) permute the kept (token, choice) pairs by expert -> tokens, counts per expert
+    compute  (GroupedExperts)  SwiGLU of every expert on its contiguous slice of the permuted tokens
+    combine  (TokenDispatcher) un-permute, weight by the gates, sum the k choices of each token
+
+`MoE.dispatcher` is the seam: `LocalDispatcher` keeps every token on this rank; an expert-parallel strategy
+replaces it with one whose `dispatch` also exchanges the permuted tokens (and counts) with an all-to-all so
+each rank receives the tokens of its own experts (the experts' weights sharded on dim 0), and whose
+`combine` sends the results back before un-permuting.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SCORE_FUNCS = ("softmax", "sigmoid")
+
+
+@dataclass
+class MoEConfig:
+    """The MoE part of a Llama: which blocks are MoE and how they route.
+
+    Block i is a MoE block iff i >= n_dense_layers and (i - n_dense_layers) % moe_every == 0
+    ("all": the defaults; DeepSeek-V3: n_dense_layers=3; every other block: moe_every=2).
+
+    route_norm None renormalises the top-k gates to sum 1 when top_k > 1 (Mixtral, whose softmax-then-top-k
+    renormalised equals a softmax over the k logits, and DeepSeek-V3's sigmoid gates) and keeps the raw score
+    for top_k == 1 (Switch Transformer: the gate must not be constant 1, or the router gets no gradient).
+
+    capacity_factor None is dropless; else each expert takes at most ceil(tokens * top_k / n_experts *
+    capacity_factor) (token, choice) pairs of a forward, keeping those with the highest router score.
+
+    bias_update_rate > 0 is DeepSeek-V3's auxiliary-loss-free balancing: experts are chosen by top-k of
+    score + bias, gates are the raw scores, and `update_expert_bias()` (after each optimizer step) moves the
+    bias by rate * sign(mean load - load), mean-centred.
+    """
+
+    n_experts: int = 8
+    top_k: int = 2
+    moe_ffn_dim: int = 256
+    n_shared_experts: int = 0
+    score_func: str = "softmax"
+    route_norm: bool | None = None
+    n_dense_layers: int = 0
+    moe_every: int = 1
+    capacity_factor: float | None = None
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+    bias_update_rate: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.score_func not in SCORE_FUNCS:
+            raise ValueError(f"score_func={self.score_func!r}; allowed: {', '.join(SCORE_FUNCS)}")
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top_k={self.top_k} with n_experts={self.n_experts}; allowed: 1..n_experts")
+        if self.moe_every < 1 or self.n_dense_layers < 0 or self.n_shared_experts < 0:
+            raise ValueError("moe_every >= 1, n_dense_layers >= 0 and n_shared_experts >= 0 are required")
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            raise ValueError(f"capacity_factor={self.capacity_factor}; allowed: > 0 or None (dropless)")
+
+    @property
+    def normalise_gates(self) -> bool:
+        return self.top_k > 1 if self.route_norm is None else self.route_norm
+
+    def is_moe_layer(self, index: int) -> bool:
+        return index >= self.n_dense_layers and (index - self.n_dense_layers) % self.moe_every == 0
+
+    def capacity(self, n_tokens: int) -> int | None:
+        """Most (token, choice) pairs one expert takes from `n_tokens` tokens; None when dropless."""
+        if self.capacity_factor is None:
+            return None
+        return math.ceil(n_tokens * self.top_k / self.n_experts * self.capacity_factor)
+
+
+@dataclass
+class Routing:
+    """What the router decided for N tokens: expert ids and gates (N, k), `keep` (N, k) False for pairs
+    dropped by capacity, the fp32 scores (N, E), and detached statistics for logging."""
+
+    indices: torch.Tensor
+    gates: torch.Tensor
+    keep: torch.Tensor | None
+    scores: torch.Tensor
+    aux_loss: torch.Tensor
+    z_loss: torch.Tensor
+
+
+def counting_forward() -> bool:
+    """True in a forward that should count expert load: grad enabled and not an activation-checkpoint
+    recomputation (which runs inside the backward pass, where the autograd graph task id is set).
+    With reentrant checkpointing the first forward runs without grad, so nothing is counted: use
+    use_reentrant=False."""
+    in_backward = getattr(torch._C, "_current_graph_task_id", lambda: -1)() != -1
+    return torch.is_grad_enabled() and not in_backward
+
+
+class Router(nn.Module):
+    """Linear scores in float32, top-k of score + expert_bias, gates from the raw score."""
+
+    def __init__(self, dim: int, config: MoEConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.gate = nn.Linear(dim, config.n_experts, bias=False)
+        # persistent: the balancing bias is training state; tokens_per_expert is the load since the last
+        # bias update (not saved: an update consumes it).
+        self.register_buffer("expert_bias", torch.zeros(config.n_experts, dtype=torch.float32))
+        self.register_buffer(
+            "tokens_per_expert", torch.zeros(config.n_experts, dtype=torch.float32), persistent=False
+        )
+
+    def reset_buffers(self) -> None:
+        self.expert_bias.zero_()
+        self.tokens_per_expert.zero_()
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        """Route x (N, dim)."""
+        c = self.config
+        logits = F.linear(x.float(), self.gate.weight.float())  # (N, E), fp32
+        if c.score_func == "softmax":
+            scores = torch.softmax(logits, dim=-1)
+            probs = scores
+        else:
+            scores = torch.sigmoid(logits)
+            probs = scores / scores.sum(-1, keepdim=True)
+        choose = scores + self.expert_bias if c.bias_update_rate > 0 else scores
+        indices = torch.topk(choose.detach(), c.top_k, dim=-1).indices  # (N, k)
+        gates = scores.gather(-1, indices)
+        if c.normalise_gates:
+            gates = gates / gates.sum(-1, keepdim=True)
+
+        n_tokens = x.shape[0]
+        counts = torch.bincount(indices.flatten(), minlength=c.n_experts).float()
+        # Switch load balancing: E * sum_e f_e P_e, f_e the fraction of the N*k choices that picked e
+        # (before capacity), P_e the mean router probability; 1 when perfectly balanced.
+        aux_loss = c.n_experts * (counts / (n_tokens * c.top_k) * probs.mean(0)).sum()
+        z_loss = torch.logsumexp(logits, dim=-1).pow(2).mean()
+        capacity = c.capacity(n_tokens)
+        keep = None if capacity is None else capacity_mask(indices, scores.detach(), capacity, c.n_experts)
+        if self.training and counting_forward():
+            kept = indices.flatten() if keep is None else indices.flatten()[keep.flatten()]
+            self.tokens_per_expert += torch.bincount(kept, minlength=c.n_experts).float()
+        return Routing(indices, gates, keep, scores, aux_loss, z_loss)
+
+    @torch.no_grad()
+    def update_expert_bias(self, all_reduce: Any = None) -> None:
+        """bias += rate * sign(mean load - load), mean-centred, from the load counted since the last call
+        (`all_reduce(tensor)`, if given, sums it over data-parallel ranks first); then resets the count."""
+        rate = self.config.bias_update_rate
+        load = self.tokens_per_expert
+        if rate > 0 and all_reduce is not None:  # no collective when nothing is balanced this way
+            all_reduce(load)
+        if rate > 0 and load.sum() > 0:
+            delta = rate * torch.sign(load.mean() - load)
+            self.expert_bias += delta - delta.mean()
+        load.zero_()
+
+
+def capacity_mask(indices: torch.Tensor, scores: torch.Tensor, capacity: int, n_experts: int) -> torch.Tensor:
+    """keep (N, k): each expert keeps the `capacity` (token, choice) pairs with the highest score for it."""
+    flat = indices.flatten()
+    score = scores.gather(-1, indices).flatten()
+    by_score = torch.argsort(score, descending=True, stable=True)
+    order = by_score[torch.argsort(flat[by_score], stable=True)]  # by expert, then by score descending
+    counts = torch.bincount(flat, minlength=n_experts)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
+    keep = torch.empty_like(flat, dtype=torch.bool)
+    keep[order] = rank < capacity
+    return keep.view_as(indices)
+
+
+class LocalDispatcher:
+    """Permute the kept (token, choice) pairs so each expert's tokens are contiguous, and back.
+
+    dispatch -> (tokens (M, dim) sorted by expert, counts (E,) int, ctx); combine(out (M, dim), ctx) ->
+    (N, dim): each pair's output times its gate, summed over the token's k choices (dropped pairs add 0).
+    """
+
+    def dispatch(
+        self, x: torch.Tensor, routing: Routing, n_experts: int
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        n_tokens, k = routing.indices.shape
+        flat = routing.indices.flatten()
+        order = torch.argsort(flat, stable=True)  # pair ids sorted by expert (token order within an expert)
+        if routing.keep is not None:
+            order = order[routing.keep.flatten()[order]]
+        counts = torch.bincount(flat[order], minlength=n_experts)
+        tokens = x[order // k]
+        return tokens, counts, (order, n_tokens, k)
+
+    def combine(self, out: torch.Tensor, routing: Routing, ctx: Any) -> torch.Tensor:
+        order, n_tokens, k = ctx
+        weighted = out * routing.gates.flatten()[order].unsqueeze(-1).to(out.dtype)
+        pairs = out.new_zeros(n_tokens * k, out.shape[-1])
+        pairs = pairs.index_copy(0, order, weighted)  # each pair written once: deterministic
+        return pairs.view(n_tokens, k, -1).sum(1)
+
+
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm takes x (M, K) @ w (E, K, N): same float32/bfloat16/float16 dtype, at
+    least one row, every non-unit stride a multiple of 16 bytes, and 16-byte aligned storage (on the CPU in
+    torch 2.13 it raises otherwise; it also rejects float64 and int64 offsets)."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype or x.dtype not in GROUPED_MM_DTYPES:
+        return False
+    if x.dim() != 2 or w.dim() != 3 or x.shape[0] == 0 or x.device.type not in ("cpu", "cuda"):
+        return False
+    for t in (x, w):
+        if 1 not in t.stride() or t.data_ptr() % 16:
+            return False
+        if any(s != 1 and (s * t.element_size()) % 16 for s in t.stride()):
+            return False
+    return True
+
+
+def _contiguous_grad(grad: torch.Tensor) -> torch.Tensor:
+    return grad.contiguous()
+
+
+def grouped_mm(
+    x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, use_grouped: bool = True
+) -> torch.Tensor:
+    """Rows of x in consecutive groups of `counts` rows, group e times w[e]: (M, K) @ (E, K, N) -> (M, N).
+
+    One torch._grouped_mm where it applies (`grouped_mm_supported`), else a loop over the experts."""
+    if use_grouped and grouped_mm_supported(x, w):
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        y = torch._grouped_mm(x, w, offs=offsets)
+        if y.requires_grad:  # its backward rejects an expanded (stride 0) gradient, e.g. of a .sum()
+            y.register_hook(_contiguous_grad)
+        return y
+    return grouped_mm_loop(x, w, counts)
+
+
+def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The reference of `grouped_mm`: one matmul per expert (an expert with no rows contributes none)."""
+    parts = [xe @ w[e] for e, xe in enumerate(torch.split(x, counts.tolist())) if xe.shape[0] > 0]
+    return torch.cat(parts) if parts else x.new_zeros(0, w.shape[-1])
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts: w1, w3 (E, dim, ffn), w2 (E, ffn, dim); expert parallelism shards dim 0."""
+
+    def __init__(self, dim: int, ffn_dim: int, n_experts: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))
+        self.w3 = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
+        self.use_grouped_mm = True
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x (M, dim): rows sorted by expert, counts[e] of them for local expert e."""
+        g = self.use_grouped_mm
+        w1, w2, w3 = self.w1, self.w2, self.w3
+        device = x.device.type
+        if torch.is_autocast_enabled(
+            device
+        ):  # torch._grouped_mm has no autocast rule: cast as a matmul would
+            dtype = torch.get_autocast_dtype(device)
+            x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
+        h = F.silu(grouped_mm(x, w1, counts, g)) * grouped_mm(x, w3, counts, g)
+        return grouped_mm(h, w2, counts, g)
+
+
+class SharedExperts(nn.Module):
+    """n_shared SwiGLU experts applied to every token, as one SwiGLU of width n_shared * ffn (the same sum)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoE(nn.Module):
+    """The MoE feed-forward: route -> dispatch -> experts -> combine, plus the shared experts.
+
+    After each forward `aux_loss` and `z_loss` hold this layer's losses (tensors in the graph) and `stats`
+    detached tensors for logging; `extra_loss()` is aux_loss_coef * aux + z_loss_coef * z.
+    """
+
+    def __init__(self, dim: int, config: MoEConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.router = Router(dim, config)
+        self.experts = GroupedExperts(dim, config.moe_ffn_dim, config.n_experts)
+        hidden = config.n_shared_experts * config.moe_ffn_dim
+        self.shared_experts = SharedExperts(dim, hidden) if hidden else None
+        self.dispatcher: Any = LocalDispatcher()
+        self.aux_loss: torch.Tensor | None = None
+        self.z_loss: torch.Tensor | None = None
+        self.stats: dict[str, torch.Tensor] = {}
+
+    def route(self, x: torch.Tensor) -> Routing:
+        return self.router(x)
+
+    def dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        return self.dispatcher.dispatch(x, routing, self.config.n_experts)
+
+    def compute(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return self.experts(tokens, counts)
+
+    def combine(self, out: torch.Tensor, routing: Routing, ctx: Any) -> torch.Tensor:
+        return self.dispatcher.combine(out, routing, ctx)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        routing = self.route(x)
+        tokens, counts, ctx = self.dispatch(x, routing)
+        y = self.combine(self.compute(tokens, counts), routing, ctx)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        self.aux_loss, self.z_loss = routing.aux_loss, routing.z_loss
+        self._record(routing, counts)
+        return y.view(shape)
+
+    def extra_loss(self) -> torch.Tensor | None:
+        """This layer's weighted auxiliary losses of the last forward (None before any forward)."""
+        if self.aux_loss is None or self.z_loss is None:
+            return None
+        return self.config.aux_loss_coef * self.aux_loss + self.config.z_loss_coef * self.z_loss
+
+    @torch.no_grad()
+    def _record(self, routing: Routing, counts: torch.Tensor) -> None:
+        load = counts.float()  # kept (token, choice) pairs per expert
+        pairs = routing.indices.numel()
+        mean = load.mean()
+        bias = self.router.expert_bias
+        self.stats = {
+            "aux_loss": routing.aux_loss.detach(),
+            "z_loss": routing.z_loss.detach(),
+            "load": load,
+            "load_min": load.min(),
+            "load_max": load.max(),
+            "load_cv": load.std(unbiased=False) / mean.clamp_min(1e-9),
+            "imbalance": load.max() / mean.clamp_min(1e-9),
+            "dropped_frac": 1.0 - load.sum() / pairs,
+            "bias_min": bias.min(),
+            "bias_max": bias.max(),
+        }
+
+    def init_weights(self, normal: Any, std: float, residual_std: float, seeds: list[int]) -> None:
+        """Fill every weight with `normal(weight, std, seed)`; seeds: 7 distinct ints (router, w1, w3, w2,
+        shared w1, w3, w2). The projections into the residual stream (w2) use residual_std."""
+        normal(self.router.gate.weight, std, seeds[0])
+        normal(self.experts.w1, std, seeds[1])
+        normal(self.experts.w3, std, seeds[2])
+        normal(self.experts.w2, residual_std, seeds[3])
+        if self.shared_experts is not None:
+            normal(self.shared_experts.w1.weight, std, seeds[4])
+            normal(self.shared_experts.w3.weight, std, seeds[5])
+            normal(self.shared_experts.w2.weight, residual_std, seeds[6])
+        self.router.reset_buffers()
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def moe_stats(model: nn.Module) -> dict[str, float]:
+    """Floats for logging from the last forward of every MoE layer of `model`: aux_loss and z_loss summed
+    over layers (unweighted); load_min/max/cv, imbalance (max/mean load), dropped_frac averaged over layers;
+    bias_min/max over all layers; load_e{i} the kept pairs of expert i summed over layers."""
+    layers = [m for m in moe_layers(model) if m.stats]
+    if not layers:
+        return {}
+    out: dict[str, float] = {}
+    stacked = {key: torch.stack([m.stats[key] for m in layers]) for key in layers[0].stats}
+    out["aux_loss"] = stacked["aux_loss"].sum().item()
+    out["z_loss"] = stacked["z_loss"].sum().item()
+    for key in ("load_min", "load_max", "load_cv", "imbalance", "dropped_frac"):
+        out[key] = stacked[key].float().mean().item()
+    out["bias_min"] = stacked["bias_min"].min().item()
+    out["bias_max"] = stacked["bias_max"].max().item()
+    for i, value in enumerate(stacked["load"].sum(0).tolist()):
+        out[f"load_e{i}"] = value
+    return out
