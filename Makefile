@@ -24,7 +24,7 @@ lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 
 bench: setup
-	$(BIN)/python bench/overhead.py && $(BIN)/python bench/throughput.py && $(BIN)/python bench/scaling.py && $(BIN)/python bench/checkpoint.py && $(BIN)/python bench/guards.py && $(BIN)/python bench/pipeline.py && $(BIN)/python bench/dpsgd.py
+	$(BIN)/python bench/overhead.py && $(BIN)/python bench/throughput.py && $(BIN)/python bench/scaling.py && $(BIN)/python bench/checkpoint.py && $(BIN)/python bench/guards.py && $(BIN)/python bench/pipeline.py && $(BIN)/python bench/dpsgd.py && $(BIN)/python bench/moe.py
 
 mutate: setup  ## mutation testing of the core files (hours; SAMPLE=N: N mutants per file; GLOO=N: strategies vs gloo tests)
 	$(BIN)/pip install -q -e '.[dev,mutate]'

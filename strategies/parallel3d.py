@@ -16,12 +16,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 from strategies.activation_checkpointing import checkpoint_blocks, transformer_blocks
 from strategies.base import StepOutput, combine_micro_batches
 from strategies.context_parallel import ContextParallel, check_sequence
+from strategies.expert_parallel import apply_expert_parallel
 from strategies.fsdp import FSDPStrategy
 from strategies.memory import MemoryReport, measure
 from strategies.parallel_dims import ParallelDims
@@ -67,6 +69,9 @@ class Parallel3DStrategy(FSDPStrategy):
     - `cp`: the sequence sharded over cp ranks (load-balanced chunks), attention over gathered K/V.
     - `dp_shard` (FSDP, ZeRO `zero_stage` 2 or 3) and `dp_replicate` (HSDP's replicas; with
       dp_shard=1 plain replication, i.e. DDP) over what is left: dp_shard=-1 takes the rest.
+    - `ep`: expert parallelism of MoE layers over ep of the dp_shard x cp ranks: each holds E/ep experts
+      (DTensor Shard(0) on the "ep" mesh, FSDP-sharded over the "expert" mesh) and exchanges tokens with
+      all-to-alls (strategies/expert_parallel.py). Not yet composed with tp or pp.
     """
 
     name = "parallel3d"
@@ -78,6 +83,7 @@ class Parallel3DStrategy(FSDPStrategy):
         tp: int = 1,
         pp: int = 1,
         cp: int = 1,
+        ep: int = 1,
         sequence_parallel: bool = True,
         loss_parallel: bool = True,
         pp_schedule: str = "1F1B",
@@ -101,6 +107,12 @@ class Parallel3DStrategy(FSDPStrategy):
         )
         self.dp_shard = _degree("dp_shard", dp_shard, allow_rest=True)
         self.tp, self.pp, self.cp = _degree("tp", tp), _degree("pp", pp), _degree("cp", cp)
+        self.ep = _degree("ep", ep)
+        if self.ep > 1 and (self.tp > 1 or self.pp > 1):
+            raise ValueError(
+                f"ep={ep} with tp={tp}, pp={pp}: expert parallelism is not composed with tensor or pipeline "
+                "parallelism yet; allowed: ep > 1 with tp=1 and pp=1"
+            )
         self.sequence_parallel, self.loss_parallel = bool(sequence_parallel), bool(loss_parallel)
         self.pp_schedule = check_schedule(pp_schedule)
         if microbatches is not None:
@@ -115,7 +127,12 @@ class Parallel3DStrategy(FSDPStrategy):
 
     def parallel_dims(self) -> ParallelDims:
         return ParallelDims(
-            dp_replicate=self.replicate, dp_shard=self.dp_shard, cp=self.cp, tp=self.tp, pp=self.pp
+            dp_replicate=self.replicate,
+            dp_shard=self.dp_shard,
+            cp=self.cp,
+            tp=self.tp,
+            pp=self.pp,
+            ep=self.ep,
         )
 
     # ---- checks before any process starts ----------------------------------------------------------
@@ -130,6 +147,8 @@ class Parallel3DStrategy(FSDPStrategy):
                     f"{type(module).__name__} does not declare {hook}(), which {self} needs; "
                     "allowed: a module that declares it (see trainer.models.causal_lm.CausalLM)"
                 )
+        if self.ep > 1:
+            self._check_experts(module)
         shape = getattr(module, "parallel_shape", None)
         shape = shape() if callable(shape) else None
         if shape is None:
@@ -152,6 +171,21 @@ class Parallel3DStrategy(FSDPStrategy):
             )
         if self.pp_layers_per_stage is not None:
             check_layers_per_stage(self.pp_layers_per_stage, self.n_stages, shape["blocks"])
+
+    def _check_experts(self, module: nn.Module) -> None:
+        """One-line errors for ep > 1 on a model without MoE layers, or whose experts ep does not divide."""
+        config = getattr(module, "config", None) or getattr(getattr(module, "model", None), "config", None)
+        moe = getattr(config, "moe", None)
+        if moe is None:
+            raise ValueError(
+                f"ep={self.ep} needs a MoE model (LlamaConfig.moe), but {type(module).__name__} has none; "
+                "allowed: ep=1, or a MoE model"
+            )
+        if moe.n_experts % self.ep:
+            raise ValueError(
+                f"ep={self.ep}: the model's E={moe.n_experts} experts are not divisible by ep; allowed: an ep "
+                f"that divides {moe.n_experts}"
+            )
 
     def check_batch(self, batch_size: int, seq_len: int | None) -> None:
         """One-line errors for a per-rank batch the micro-batches do not divide, or a sequence that
@@ -205,10 +239,15 @@ class Parallel3DStrategy(FSDPStrategy):
         if self.tp > 1:
             plan = module.tensor_parallel_plan(self.sequence_parallel, self.loss_parallel)
             parallelize_module(module, self.mesh.mesh("tp"), plan)
+        experts = []
+        if self.ep > 1:
+            layers = apply_expert_parallel(module, self.mesh.mesh("ep"), self.mesh.group("ep"))
+            experts = [layer.experts for layer in layers]
         blocks = transformer_blocks(module)
         if self.activation_checkpointing:
             blocks = checkpoint_blocks(module, blocks, self.activation_checkpointing)
         if model is None:
+            self._shard_experts(experts)
             self.fully_shard_units(blocks, module)
             return module
         views = [stage_view(model, stage_blocks[i], i == 0, i == self.n_stages - 1) for i in ids]
@@ -217,6 +256,31 @@ class Parallel3DStrategy(FSDPStrategy):
                 self.fully_shard_units(transformer_blocks(view), view)
         self._views, self._ids = views, ids
         return module
+
+    def _shard_experts(self, experts: list[nn.Module]) -> None:
+        """FSDP units of their own over the "expert" mesh (before their blocks take the rest, over
+        "dense"). An expert's gradient already sums the tokens of every ep rank, so FSDP divides it by
+        the data-parallel degree of the dense parameters (dp_replicate*dp_shard*cp), not by the size of
+        the "expert" mesh: both then hold the gradient of the global mean loss (TorchTitan does the same)."""
+        if not experts:
+            return
+        kwargs: dict[str, Any] = {
+            "mesh": self.mesh.mesh("expert"),
+            "reshard_after_forward": self.zero_stage == 3,
+        }
+        if self.precision.name == "bf16-mixed":
+            kwargs["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=self.reduce_dtype
+            )
+        dims = self.mesh.dims
+        factor = float(dims.dp_replicate * dims.dp_shard * dims.cp)
+        for unit in experts:
+            fully_shard(unit, **kwargs)
+            unit.set_gradient_divide_factor(factor)
+            # gloo has no PREMUL_SUM: reduce by SUM, then divide. Not on a 1-rank "expert" mesh, where
+            # FSDP (torch 2.13) skips the reduce-scatter, divides in its copy and would divide again.
+            if self.root_device.type == "cpu" and self.mesh.size("expert") > 1:
+                unit.set_force_sum_reduction_for_comms(True)
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         module = super().setup_module(module)

@@ -122,7 +122,8 @@ def _export(trainer, module) -> Path | None:
     from torch.distributed.tensor import DTensor
 
     model = getattr(module, "model", None)
-    if isinstance(model, Llama) and not any(isinstance(p, DTensor) for p in model.parameters()):
+    dense = isinstance(model, Llama) and model.config.moe is None  # a MoE Llama has no transformers class
+    if dense and not any(isinstance(p, DTensor) for p in model.parameters()):
         return export_llama(model, out)
     return None
 

@@ -1,6 +1,7 @@
 """Export trained weights as one `model.safetensors`: from a live Llama, or from any checkpoint (sharded
-DCP ones included, read without a process group, so the original world size is not needed). A Llama
-is written in Hugging Face's layout with its `config.json`: `LlamaForCausalLM.from_pretrained(dir)`."""
+DCP ones included, read without a process group, so the original world size is not needed). A dense
+Llama is written in Hugging Face's layout with its `config.json`: `LlamaForCausalLM.from_pretrained(dir)`;
+an HFModule's run as `save_pretrained` writes it; a MoE Llama or any other module under its own names."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path) -> Path:
     if "hf" in module_state:  # an HFModule's run: the Hugging Face layout, tokenizer included
         return _write_hf_module(weights, module_state["hf"], out_dir)
     llama = module_state.get("llama_config")
-    if llama is None:
+    if llama is None or llama.get("moe") is not None:  # not a Llama transformers knows: our key names
         out_dir.mkdir(parents=True, exist_ok=True)
         ckpt.save_model_file(weights, out_dir / "model.safetensors")
         return out_dir / "model.safetensors"

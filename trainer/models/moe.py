@@ -206,6 +206,10 @@ class LocalDispatcher:
         pairs = pairs.index_copy(0, order, weighted)  # each pair written once: deterministic
         return pairs.view(n_tokens, k, -1).sum(1)
 
+    def load(self, counts: torch.Tensor, ctx: Any) -> torch.Tensor:
+        """This rank's kept (token, choice) pairs per expert (E,), for the layer's statistics."""
+        return counts
+
 
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -248,7 +252,11 @@ def grouped_mm(
 def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """The reference of `grouped_mm`: one matmul per expert (an expert with no rows contributes none)."""
     parts = [xe @ w[e] for e, xe in enumerate(torch.split(x, counts.tolist())) if xe.shape[0] > 0]
-    return torch.cat(parts) if parts else x.new_zeros(0, w.shape[-1])
+    if parts:
+        return torch.cat(parts)
+    # no rows (an expert-parallel rank that received none): an empty product that still gives every
+    # weight (and x) a zero gradient, so every rank's FSDP reduces the same gradients
+    return x @ w.sum(0)
 
 
 class GroupedExperts(nn.Module):
@@ -264,7 +272,8 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (M, dim): rows sorted by expert, counts[e] of them for local expert e."""
         g = self.use_grouped_mm
-        w1, w2, w3 = self.w1, self.w2, self.w3
+        # expert parallelism shards the weights as DTensors on dim 0: compute with this rank's experts
+        w1, w2, w3 = (w.to_local() if hasattr(w, "to_local") else w for w in (self.w1, self.w2, self.w3))
         device = x.device.type
         if torch.is_autocast_enabled(
             device
@@ -328,7 +337,8 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         self.aux_loss, self.z_loss = routing.aux_loss, routing.z_loss
-        self._record(routing, counts)
+        load = getattr(self.dispatcher, "load", None)
+        self._record(routing, load(counts, ctx) if callable(load) else counts)
         return y.view(shape)
 
     def extra_loss(self) -> torch.Tensor | None:
