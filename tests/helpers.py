@@ -223,3 +223,21 @@ def launch_env(**extra: str) -> dict[str, str]:
     """This process's environment without any launcher's variables, one thread per process, plus `extra`."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_KEYS}
     return {**env, "OMP_NUM_THREADS": "1", **extra}
+
+
+def launch_layouts(
+    script: Path, tmp: Path, nproc: int, layouts: list[dict], steps: int, timeout: float = 400
+) -> dict:
+    """Run `script`'s layouts (Parallel3DStrategy kwargs with a "tag") one after another in one torchrun
+    world of `nproc` processes; returns what its rank 0 wrote to --out (runs' logs are under tmp/runs)."""
+    import subprocess
+    import sys
+
+    out = tmp / f"out-{nproc}.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script),
+         "--layouts", json.dumps(layouts), "--out", str(out), "--root", str(tmp / "runs"), "--steps", str(steps)],
+        capture_output=True, text=True, timeout=timeout, env=launch_env(),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(out.read_text())

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 from helpers import token_loader  # noqa: E402
+from parallel3d_script import full_parameters  # noqa: E402
 
 from strategies import Parallel3DStrategy  # noqa: E402
 from strategies.expert_parallel import AllToAllDispatcher  # noqa: E402
@@ -104,16 +105,6 @@ def check_dispatcher() -> float:
             dist.all_reduce(a)
             worst = max(worst, (a[rank * n_local : (rank + 1) * n_local] - b).abs().max().item())
     return worst
-
-
-def full_parameters(module: torch.nn.Module) -> dict[str, list]:
-    out = {}
-    for name, p in module.named_parameters():
-        t = p.detach()
-        out[name.replace("._checkpoint_wrapped_module", "")] = (
-            t.full_tensor() if hasattr(t, "full_tensor") else t
-        ).tolist()
-    return out
 
 
 def main() -> None:

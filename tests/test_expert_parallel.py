@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import launch_env, read_metrics
+from helpers import launch_env, launch_layouts, read_metrics
 from moe_script import GLOBAL_BATCH, MODEL, make_run
 
 from strategies import Parallel3DStrategy
@@ -38,14 +38,7 @@ def reference(tmp_path_factory):
 
 
 def launch(tmp: Path, nproc: int, layouts: list[dict], timeout: float = 400) -> dict:
-    out = tmp / f"out-{nproc}.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(SCRIPT),
-         "--layouts", json.dumps(layouts), "--out", str(out), "--root", str(tmp / "runs"), "--steps", str(STEPS)],
-        capture_output=True, text=True, timeout=timeout, env=launch_env(),
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(out.read_text())
+    return launch_layouts(SCRIPT, tmp, nproc, layouts, STEPS, timeout)
 
 
 def assert_trains_like_one_process(

@@ -5,14 +5,11 @@ activation memory, and bad layouts fail in one line before any process starts.""
 from __future__ import annotations
 
 import dataclasses
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import Regression, launch_env, read_metrics
+from helpers import Regression, launch_layouts, read_metrics
 from parallel3d_script import MODEL, make_run
 
 from strategies import Parallel3DStrategy
@@ -41,15 +38,7 @@ def reference(tmp_path_factory):
 
 
 def launch(tmp: Path, nproc: int, layouts: list[dict], timeout: float = 400) -> dict:
-    """Run the layouts one after another in one torchrun world of `nproc` processes; their results."""
-    out = tmp / f"out-{nproc}.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(SCRIPT),
-         "--layouts", json.dumps(layouts), "--out", str(out), "--root", str(tmp / "runs"), "--steps", str(STEPS)],
-        capture_output=True, text=True, timeout=timeout, env=launch_env(),
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(out.read_text())
+    return launch_layouts(SCRIPT, tmp, nproc, layouts, STEPS, timeout)
 
 
 def assert_trains_like_one_process(
