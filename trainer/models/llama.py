@@ -337,6 +337,8 @@ class Llama(nn.Module):
     def extra_loss(self) -> torch.Tensor | None:
         """The weighted MoE auxiliary losses (load balancing + router z-loss) of the last forward, summed
         over this model's MoE layers, for the training loss to add; None for a dense model."""
+        if self.config.moe is None:  # every training step asks: a dense model answers without a module walk
+            return None
         losses = [loss for m in moe_layers(self) if (loss := m.extra_loss()) is not None]
         return torch.stack(losses).sum() if losses else None
 
@@ -346,6 +348,8 @@ class Llama(nn.Module):
 
     def update_moe_biases(self, all_reduce: Any = None) -> None:
         """Auxiliary-loss-free balancing: call after each optimizer step (no-op when bias_update_rate is 0)."""
+        if self.config.moe is None or not self.config.moe.bias_update_rate:
+            return
         for m in moe_layers(self):
             m.router.update_expert_bias(all_reduce)
 

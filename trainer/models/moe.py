@@ -147,7 +147,7 @@ class Router(nn.Module):
         z_loss = torch.logsumexp(logits, dim=-1).pow(2).mean()
         capacity = c.capacity(n_tokens)
         keep = None if capacity is None else capacity_mask(indices, scores.detach(), capacity, c.n_experts)
-        if self.training and counting_forward():
+        if c.bias_update_rate > 0 and self.training and counting_forward():  # the bias update's only input
             kept = indices.flatten() if keep is None else indices.flatten()[keep.flatten()]
             self.tokens_per_expert += torch.bincount(kept, minlength=c.n_experts).float()
         return Routing(indices, gates, keep, scores, aux_loss, z_loss)
