@@ -241,3 +241,12 @@ def launch_layouts(
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(out.read_text())
+
+
+def reference_run(make_run, root: Path, steps: int, batch: int) -> tuple[dict, dict, dict, dict]:
+    """The one-process run a multi-process layout is compared with: step losses, gradient norms, val
+    losses and final weights of `make_run(root, steps, batch)`."""
+    trainer, module, train, val = make_run(root, steps, batch)
+    trainer.fit(module, train, val)
+    weights = {n: p.detach() for n, p in module.named_parameters()}
+    return read_metrics(root), read_metrics(root, "train/grad_norm"), read_metrics(root, "val/loss"), weights

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import launch_env, launch_layouts, read_metrics
+from helpers import launch_env, launch_layouts, read_metrics, reference_run
 from moe_script import GLOBAL_BATCH, MODEL, make_run
 
 from strategies import Parallel3DStrategy
@@ -31,10 +31,7 @@ LOSS_TOL, PARAM_TOL = 1e-5, 1e-4
 def reference(tmp_path_factory):
     """One process, the same model, data, global batch and seed: step losses, gradient norms, weights."""
     root = tmp_path_factory.mktemp("reference")
-    trainer, module, train, val = make_run(root, STEPS, GLOBAL_BATCH)
-    trainer.fit(module, train, val)
-    weights = {n: p.detach() for n, p in module.named_parameters()}
-    return read_metrics(root), read_metrics(root, "train/grad_norm"), read_metrics(root, "val/loss"), weights
+    return reference_run(make_run, root, STEPS, GLOBAL_BATCH)
 
 
 def launch(tmp: Path, nproc: int, layouts: list[dict], timeout: float = 400) -> dict:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import Regression, launch_layouts, read_metrics
+from helpers import Regression, launch_layouts, read_metrics, reference_run
 from parallel3d_script import MODEL, make_run
 
 from strategies import Parallel3DStrategy
@@ -31,10 +31,7 @@ def reference(tmp_path_factory):
     """One process, the same model, data, global batch (8) and seed: step losses, gradient norms (the
     global norm that clipping divides by), val loss, weights."""
     root = tmp_path_factory.mktemp("reference")
-    trainer, module, train, val = make_run(root, STEPS, 8)
-    trainer.fit(module, train, val)
-    weights = {n: p.detach() for n, p in module.named_parameters()}
-    return read_metrics(root), read_metrics(root, "train/grad_norm"), read_metrics(root, "val/loss"), weights
+    return reference_run(make_run, root, STEPS, 8)
 
 
 def launch(tmp: Path, nproc: int, layouts: list[dict], timeout: float = 400) -> dict:
