@@ -21,13 +21,16 @@ if TYPE_CHECKING:
     from trainer.trainer import Trainer
 
 
+FREE_VALIDATION_S = 1.0  # validation time a fit may always spend: small models validate every checkpoint
+
+
 class ModelCheckpoint(Callback):
     """Save `<dirpath>/step-XXXXXXXX/` every `every_n_steps` optimizer steps and/or `every_n_minutes`, and
     (with `save_last`) at the end of fit. Each file's SHA-256 goes into the checkpoint's manifest.
 
-    With `validate`, a checkpoint is *good* only after it was proven loadable: rank zero verifies the
-    checksums, then every rank loads the checkpoint into the live module (same processes, sharded the same
-    way; the live values are stashed on the CPU and put back after). When the module overrides
+    With `validate`, a checkpoint is *good* only after it was proven loadable: the ranks verify its
+    hashes (each its share), then every rank loads the checkpoint into the live module (same processes,
+    sharded the same way; the live values are stashed on the CPU and put back after). When the module overrides
     `validation_step` and there is a validation batch (`validate_batch`, else the first batch of this
     rank's validation loader), the reloaded model's `validation_step` loss on it must also equal the live
     model's at save time within `validate_atol` (0.0: bitwise). Otherwise (no validation data, an empty
@@ -37,6 +40,13 @@ class ModelCheckpoint(Callback):
     checkpoint fails at once. A checkpoint that fails is renamed `bad-step-...` and the older good ones
     stay; `ckpt_path="last"` only ever resumes from good ones. With an async-saving strategy, validation
     happens once the background write finished (at the next save or the end of fit).
+
+    Validation costs a read of the checkpoint and two forwards. `validate_budget` bounds it: the first
+    checkpoint of a fit is always validated, a later one only while validation's total time stays within
+    that share of the fit's time plus one free second (0.02: a large run is slowed by 2% at most, a small
+    model validates every checkpoint); the others are checked by their hashes when resumed. None
+    validates every checkpoint. Each save reports its cost: seconds, and % of the time since the previous
+    checkpoint.
 
     A fresh run (nothing resumed) whose `dirpath` already holds checkpoints warns once at its start:
     `ckpt_path="last"` would pick the newest of them, whichever run wrote it. Nothing is deleted.
@@ -58,6 +68,7 @@ class ModelCheckpoint(Callback):
         validate: bool = True,
         validate_atol: float = 0.0,
         validate_batch: Any = None,
+        validate_budget: float | None = 0.02,
     ) -> None:
         flags.check_int("every_n_steps", every_n_steps, 1, allow_none=True)
         flags.check_number("every_n_minutes", every_n_minutes, 0, strict=True, allow_none=True)
@@ -71,6 +82,7 @@ class ModelCheckpoint(Callback):
         if mode not in ("min", "max"):
             raise ValueError(f"mode={mode!r} is invalid; allowed: 'min' or 'max'")
         flags.check_number("validate_atol", validate_atol, 0)
+        flags.check_number("validate_budget", validate_budget, 0, strict=True, allow_none=True)
         self.dirpath = Path(dirpath) if dirpath is not None else None
         self.every_n_steps, self.every_n_minutes = every_n_steps, every_n_minutes
         self.save_last, self.save_top_k = save_last, save_top_k
@@ -80,17 +92,22 @@ class ModelCheckpoint(Callback):
             float(validate_atol),
             validate_batch,
         )
-        # {"path", "step", "score", "good"} of the checkpoints kept; until validated also "reference" (the
-        # live loss, None without one) and "not_finite" (why the live model was not finite, or None)
+        self.validate_budget = validate_budget
+        # {"path", "step", "score", "good", "pending" (awaits a reload check), "interval_s" (since the
+        # previous save), "write_s"} of the checkpoints kept; until validated also "reference" (the live
+        # loss, None without one) and "not_finite" (why the live model was not finite, or None)
         self.saved: list[dict[str, Any]] = []
-        self._last_save_time = time.monotonic()
+        self._last_save_time = self._fit_started = time.monotonic()
+        self._validation_s: float = 0.0  # seconds spent validating in this fit
+        self._last_validation_s: float | None = None  # what the latest validation cost
         self._held_out: tuple[Any] | None = None  # (batch or None), decided at a fit's first save
         self._attempted_step: int | None = None  # the step last saved, good or bad: never saved twice
 
     def setup(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
         if self.dirpath is None:
             self.dirpath = Path(trainer.default_root_dir) / "checkpoints"
-        self._last_save_time = time.monotonic()
+        self._last_save_time = self._fit_started = time.monotonic()
+        self._validation_s, self._last_validation_s = 0.0, None
         self._held_out = self._attempted_step = None
 
     def on_fit_start(self, trainer: Trainer, module: TrainModule) -> None:
@@ -133,15 +150,45 @@ class ModelCheckpoint(Callback):
         self._attempted_step = trainer.global_step
         trainer.strategy.finish_checkpoint()  # a background write still running completes first
         self._validate_written(trainer)
-        entry = {"path": str(path), "step": trainer.global_step, "score": score, "good": not self.validate}
-        if self.validate:
+        reload = self._validation_due(trainer)
+        entry = {"path": str(path), "step": trainer.global_step, "score": score, "good": not reload}
+        entry.update(pending=reload, interval_s=time.monotonic() - self._last_save_time)
+        if reload:
+            start = time.monotonic()
             entry["reference"], entry["not_finite"] = self._live_reference(trainer)
+            entry["reference_s"] = time.monotonic() - start  # part of what validation costs
         # listed before writing, so the checkpoint's own copy of this state already knows about itself
         self.saved = [c for c in self.saved if c["path"] != str(path)] + [entry]
-        trainer.save_checkpoint(path, pending_validation=self.validate)
+        start = time.monotonic()
+        trainer.save_checkpoint(path, pending_validation=reload)
+        entry["write_s"] = time.monotonic() - start
         self._last_save_time = time.monotonic()
+        if self.validate and not reload:
+            self._report(
+                entry,
+                f"reload check skipped: validation has cost {self._validation_s:.2f} s of this fit and the "
+                f"last one {self._last_validation_s:.2f} s, over validate_budget={self.validate_budget:g} "
+                "of its time (the hashes are checked on resume)",
+            )
         self._validate_written(trainer)
         return path
+
+    def _validation_due(self, trainer: Trainer) -> bool:
+        """Whether this checkpoint gets the reload check (rank zero's clock decides): always the first of a
+        fit; later ones while validation's time, this one's estimated by the last, stays in the budget."""
+        if not self.validate or self.validate_budget is None or self._last_validation_s is None:
+            return self.validate
+        allowed = FREE_VALIDATION_S + self.validate_budget * (time.monotonic() - self._fit_started)
+        due = self._validation_s + self._last_validation_s <= allowed
+        return bool(
+            trainer.strategy.reduce(torch.tensor(float(due and trainer.is_global_zero)), "max", group="world")
+        )
+
+    def _report(self, entry: dict[str, Any], what: str) -> None:
+        rank_zero_info(
+            f"checkpoint {Path(entry['path']).name}: written in {entry.get('write_s', 0.0):.2f} s "
+            f"({_share(entry.get('write_s', 0.0), entry)}); {what}"
+        )
 
     def _saved_already(self, step: int) -> bool:
         """A checkpoint of `step` is kept, or was tried in this fit and failed (it is not written twice)."""
@@ -156,21 +203,28 @@ class ModelCheckpoint(Callback):
         self._prune(trainer)
 
     def _validate(self, trainer: Trainer, entry: dict[str, Any]) -> None:
-        path = Path(entry["path"])
+        path, start = Path(entry["path"]), time.monotonic()
         # a restored entry of a checkpoint that was never validated has neither key: checksums and reload
         not_finite = entry.get("not_finite")
         if not_finite is None:
             problem, loss = self._reload_problem(trainer, path, entry.get("reference"))
         else:  # not reloaded: the live model it was saved from was not finite
             problem, loss = f"is bad: {not_finite}", None
+        seconds = time.monotonic() - start + entry.pop("reference_s", 0.0)
+        self._validation_s += seconds
+        self._last_validation_s = seconds
         if problem is None:
+            checked = ["checksums", "reload"] + (["loss"] if loss is not None else [])
             if trainer.is_global_zero:
-                checked = ["checksums", "reload"] + (["loss"] if loss is not None else [])
                 report = {"step": entry["step"], "checked": checked, "loss": loss, "atol": self.validate_atol}
+                report.update(seconds=seconds, interval_s=entry.get("interval_s"))
                 ckpt.mark_validated(path, report)
-            entry["good"] = True
+            entry["good"], entry["pending"] = True, False
             entry.pop("reference", None)
             entry.pop("not_finite", None)
+            self._report(
+                entry, f"validated ({', '.join(checked)}) in {seconds:.2f} s ({_share(seconds, entry)})"
+            )
         else:
             self.saved.remove(entry)
             if trainer.is_global_zero:
@@ -185,15 +239,11 @@ class ModelCheckpoint(Callback):
     ) -> tuple[str | None, float | None]:
         """("failed validation (why)", agreed over ranks, or None when good; the reloaded model's loss, None
         when `reference` is None and only the checksums and the reload are checked)."""
-        strategy, problem = trainer.strategy, None
-        if trainer.is_global_zero:
-            try:
-                ckpt.verify(path)
-            except (ckpt.CheckpointError, FileNotFoundError) as err:
-                problem = f"failed validation ({err})"
-        problem = strategy.broadcast_object(problem, group="world")
+        strategy = trainer.strategy
+        strategy.begin_io(ckpt.manifest_bytes(path) // strategy.world_size)
+        problem = strategy.agree(ckpt.problem(path, strategy.io_part, validated=False))
         if problem is not None:
-            return problem, None
+            return f"failed validation ({problem})", None
         loss = None
         stash = _stash(trainer.module)
         try:
@@ -314,7 +364,7 @@ class ModelCheckpoint(Callback):
         return [c for c in entries if c not in keep]
 
     def state_dict(self) -> dict[str, Any]:
-        pending = ("reference", "not_finite")
+        pending = ("reference", "not_finite", "reference_s")
         return {"saved": [{k: v for k, v in c.items() if k not in pending} for c in self.saved]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -322,8 +372,8 @@ class ModelCheckpoint(Callback):
         for c in state["saved"]:  # what `state_dict` returned: always has "saved"
             path = Path(c["path"])
             if path.exists():  # a checkpoint's own entry was written before it was validated
-                good = (path / ckpt.VALIDATED_FILE).exists() or not self.validate
-                self.saved.append({**c, "good": good})
+                good = (path / ckpt.VALIDATED_FILE).exists() or not c.get("pending", self.validate)
+                self.saved.append({**c, "good": good, "pending": not good})
 
 
 def _stash(module: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -340,3 +390,10 @@ def _unstash(stash: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _share(seconds: float, entry: dict[str, Any]) -> str:
+    """'1.7% of the 300 s since the previous checkpoint' (or since the fit began)."""
+    interval = entry.get("interval_s") or 0.0
+    pct = 100.0 * seconds / interval if interval > 0 else float("inf")
+    return f"{pct:.1f}% of the {interval:.1f} s since the previous checkpoint"

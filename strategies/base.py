@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from strategies.parallel_dims import check_group_name
+from strategies.sharded_checkpoint import local_bytes
 from trainer import checkpoint as ckpt
 from trainer.data.distributed import shard_loader
 from trainer.precision import Precision
@@ -352,19 +353,48 @@ class Strategy:
     def save_checkpoint(
         self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]
     ) -> None:
-        """Write model, optimizer and `state` (rank zero's) as one atomic checkpoint directory."""
+        """Write model, optimizer and `state` (rank zero's) as one atomic checkpoint directory. Every rank
+        holds the same replicated state here, so rank zero writes it (no gather); sharding strategies write
+        each rank's own shards (strategies/sharded_checkpoint.py)."""
         model_sd = module.state_dict()
         optim_sd = optimizer.state_dict() if optimizer is not None else None
+        self.begin_io(local_bytes((model_sd, optim_sd)) if self.is_global_zero else 0)
         if self.is_global_zero:
 
-            def write(tmp: Path) -> None:
-                ckpt.save_model_file(model_sd, tmp / ckpt.MODEL_FILE)
+            def write(tmp: Path) -> ckpt.Entries:
+                entries = ckpt.save_model_file(model_sd, tmp / ckpt.MODEL_FILE)
                 if optim_sd is not None:
-                    ckpt.save_torch_file(optim_sd, tmp / ckpt.OPTIMIZER_FILE)
-                ckpt.save_torch_file(state, tmp / ckpt.STATE_FILE)
+                    entries |= ckpt.save_torch_file(optim_sd, tmp / ckpt.OPTIMIZER_FILE)
+                return entries | ckpt.save_torch_file(state, tmp / ckpt.STATE_FILE)
 
             ckpt.write_atomically(Path(path), write, ckpt.meta_for(state))
-        self.barrier(group="world")
+        self.io_barrier()
+
+    # ---- waits on checkpoint I/O: sized to the work, not to a fixed timeout ------------------------
+    def begin_io(self, nbytes: int) -> None:
+        """Call on every rank before checkpoint I/O of `nbytes` on this rank: the waits that follow
+        (`io_barrier`, `io_gather`, DCP's own) may last as long as the slowest rank's I/O needs."""
+
+    def io_barrier(self) -> None:
+        """Wait until every rank finished its checkpoint I/O."""
+
+    def io_gather(self, obj: Any) -> list[Any]:
+        """Every rank's `obj` after its checkpoint I/O, by global rank."""
+        return [obj]
+
+    @property
+    def io_group(self) -> Any:
+        """The process group of the waits on checkpoint I/O (None in one process)."""
+        return None
+
+    @property
+    def io_part(self) -> tuple[int, int]:
+        """(this rank, of how many): its share of verifying a checkpoint's hashes."""
+        return self.global_rank, self.world_size
+
+    def agree(self, problem: str | None) -> str | None:
+        """The first rank's problem with a checkpoint (each verified its share), on every rank."""
+        return next((p for p in self.io_gather(problem) if p is not None), None)
 
     def reshard(self, module: nn.Module) -> None:
         """Drop parameter copies gathered for a forward, so the next forward reads the parameters as they
@@ -383,7 +413,11 @@ class Strategy:
     ) -> dict[str, Any]:
         """Load model (and optimizer) in place from `path`; returns the rest of the saved state."""
         path = Path(path)
-        ckpt.read_meta(path)
+        if ckpt.read_meta(path).get("format") == "dcp":
+            raise ckpt.CheckpointError(
+                f"checkpoint '{path}' is sharded (written by fsdp or parallel3d); resume it with the strategy "
+                "that wrote it (any world size), or `trainer export` its weights"
+            )
         model_sd = ckpt.load_model_file(path / ckpt.MODEL_FILE)
         load_module_state(module, model_sd, path)
         if optimizer is not None:

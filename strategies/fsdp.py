@@ -1,7 +1,8 @@
 """FSDPStrategy: ZeRO stages 1-3. Stages 2 and 3 shard with PyTorch's FSDP2 (`fully_shard`) per
 transformer block; stage 1 keeps DDP's replicated parameters and gradients and shards only the
-optimizer state (strategies/zero1.py). Checkpoints of stages 2/3 are torch.distributed.checkpoint
-(DCP) directories: every rank writes its shards and any world size can load them.
+optimizer state (strategies/zero1.py). Checkpoints of every stage are torch.distributed.checkpoint
+(DCP) directories (strategies/sharded_checkpoint.py): every rank writes only its own shards, nothing is
+gathered, and any world size can load them.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -27,14 +27,15 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor
 
+from strategies import sharded_checkpoint
 from strategies.activation_checkpointing import MODES, checkpoint_blocks, transformer_blocks
 from strategies.ddp import DDPStrategy
 from strategies.memory import MemoryReport, measure
 from strategies.meta_init import materialize
 from strategies.parallel_dims import ParallelDims
+from strategies.sharded_checkpoint import HashingWriter, local_bytes
 from strategies.zero1 import SlicedParameters
 from trainer import checkpoint as ckpt
-from trainer.export import DCP_DIR
 
 # the methods the Trainer calls on the module: each runs FSDP's root pre/post-forward like `forward`
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
@@ -209,39 +210,48 @@ class FSDPStrategy(DDPStrategy):
     def save_checkpoint(
         self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict
     ) -> None:
-        if self.zero_stage == 1:
-            return self._save_stage1(path, module, state)
+        """Every rank writes its own shards into `dcp/` (stage 1: its optimizer slices and its share of the
+        replicated weights), hashed as written; rank zero adds the trainer state and the manifest."""
         self.finish_checkpoint()
         path = Path(path)
         tmp = path.parent / f".tmp-{path.name}"
         if self.is_global_zero:
             path.parent.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
-        self.barrier(group="world")
-        model_sd, optim_sd = get_state_dict(module, optimizer or [])
-        payload = {"model": model_sd, "optim": optim_sd}
-        finish = functools.partial(self._finish_save, tmp, path, state)
+        if self.zero_stage == 1:
+            optim = self._sliced.sharded_state_dict(self.mesh.mesh("dense")) if optimizer else None
+            payload = {"model": module.state_dict(), **({"optim": optim} if optim else {})}
+        else:
+            model_sd, optim_sd = get_state_dict(module, optimizer or [])
+            payload = {"model": model_sd, "optim": optim_sd}
+        self.begin_io(local_bytes(payload))
+        self.io_barrier()  # the directory is clean before anyone writes
+        writer = HashingWriter(tmp)
+        finish = functools.partial(self._finish_save, tmp, path, state, writer)
         if not self.async_save:
-            dcp.save(payload, checkpoint_id=str(tmp / DCP_DIR))
+            dcp.save(payload, storage_writer=writer, process_group=self.io_group)
             return finish()
         if (
             self._save_group is None
         ):  # its own group: the writer's collectives must not interleave with training's
             self._save_group = dist.new_group(backend="gloo")
-        future = dcp.async_save(payload, checkpoint_id=str(tmp / DCP_DIR), process_group=self._save_group)
+        future = dcp.async_save(payload, storage_writer=writer, process_group=self._save_group)
         self._pending_save = (future, finish)
 
-    def _finish_save(self, tmp: Path, path: Path, state: dict) -> None:
-        """After every rank wrote its shards: rank zero adds the trainer state and renames atomically."""
-        self.barrier(group="world")
+    def _finish_save(self, tmp: Path, path: Path, state: dict, writer: HashingWriter) -> None:
+        """After every rank wrote its shards: rank zero adds the trainer state, the manifest of every rank's
+        files, and renames atomically."""
+        written = {k: v for entries in self.io_gather(writer.entries) for k, v in entries.items()}
         if self.is_global_zero:
+            layout = "zero1" if self.zero_stage == 1 else "fsdp"
             ckpt.write_atomically(
                 path,
                 lambda d: ckpt.save_torch_file(state, d / ckpt.STATE_FILE),
-                ckpt.meta_for(state, format="dcp"),
+                ckpt.meta_for(state, format="dcp", layout=layout),
                 staged=tmp,
+                written=written,
             )
-        self.barrier(group="world")
+        self.io_barrier()
 
     def reshard(self, module: nn.Module) -> None:
         # stage 2 keeps parameters gathered after a forward without backward (an eval step)
@@ -260,46 +270,36 @@ class FSDPStrategy(DDPStrategy):
             future.result()
             finish()
 
-    def _save_stage1(self, path: Path, module: nn.Module, state: dict) -> None:
-        optim_sd = self._sliced.full_state_dict()  # collective: every rank takes part
-        if self.is_global_zero:
-
-            def write(tmp: Path) -> None:
-                ckpt.save_model_file(module.state_dict(), tmp / ckpt.MODEL_FILE)
-                ckpt.save_torch_file(optim_sd, tmp / ckpt.OPTIMIZER_FILE)
-                ckpt.save_torch_file(state, tmp / ckpt.STATE_FILE)
-
-            ckpt.write_atomically(Path(path), write, ckpt.meta_for(state))
-        self.barrier(group="world")
-
     def load_checkpoint(
         self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None
     ) -> dict[str, Any]:
         path = Path(path)
         meta = ckpt.read_meta(path)
-        if self.zero_stage == 1:
-            if meta.get("format") == "dcp":
-                raise ckpt.CheckpointError(
-                    f"checkpoint '{path}' is a sharded (zero_stage 2/3) checkpoint; "
-                    "this run uses zero_stage=1: resume with the stage that wrote it"
-                )
+        if self.zero_stage == 1 and meta.get("format") != "dcp":  # a format-1 ZeRO-1 checkpoint: whole files
             state = super().load_checkpoint(path, module, None)
             if optimizer is not None:
                 self._sliced.load_full_state_dict(ckpt.load_torch_file(path / ckpt.OPTIMIZER_FILE))
             return state
-        if meta.get("format") != "dcp":
+        layout = meta.get("layout", "fsdp") if meta.get("format") == "dcp" else "full"
+        if (layout == "zero1") != (self.zero_stage == 1) or layout == "full":
+            wrote = {"zero1": "a zero_stage 1", "fsdp": "a sharded (zero_stage 2/3)", "full": "not a sharded"}
             raise ckpt.CheckpointError(
-                f"checkpoint '{path}' is not a sharded checkpoint; a zero_stage "
-                f"{self.zero_stage} run resumes from checkpoints it wrote"
+                f"checkpoint '{path}' is {wrote[layout]} checkpoint; this run uses zero_stage={self.zero_stage}: "
+                "resume with the stage that wrote it"
             )
         self.reshard(module)  # gathered copies from an earlier forward would hide what is loaded
+        self.begin_io(ckpt.manifest_bytes(path) // self.world_size)
+        load = functools.partial(sharded_checkpoint.load, path=path, group=self.io_group)
+        if self.zero_stage == 1:
+            load({"model": module.state_dict()})
+            if optimizer is not None:
+                self._sliced.load_sharded(
+                    sharded_checkpoint.saved_entries(path), load, self.mesh.mesh("dense")
+                )
+            return ckpt.load_torch_file(path / ckpt.STATE_FILE)
         model_sd, optim_sd = get_state_dict(module, optimizer or [])
         payload = {"model": model_sd, "optim": optim_sd} if optimizer is not None else {"model": model_sd}
-        try:
-            dcp.load(payload, checkpoint_id=str(path / DCP_DIR))
-        except CheckpointException as err:  # a BaseException carrying each rank's planner error
-            first = next(iter(err.failures.values()))[0]
-            raise ckpt.CheckpointError(f"checkpoint '{path}' does not fit this model: {first}") from err
+        load(payload)
         set_state_dict(
             module,
             optimizer or [],

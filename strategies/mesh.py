@@ -40,6 +40,7 @@ _REDUCE_OPS = {
     "max": dist.ReduceOp.MAX,
     "min": dist.ReduceOp.MIN,
 }
+IO_FLOOR_BYTES_PER_S = 20e6  # a disk slower than 20 MB/s per rank is broken, not slow
 _TIMEOUT = re.compile(r"timed? ?out|timeout", re.IGNORECASE)
 
 
@@ -55,6 +56,7 @@ class MeshStrategy(Strategy):
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s!r} is invalid; allowed: a number of seconds > 0")
         self.timeout_s = float(timeout_s)
+        self._io: tuple[Any, float] | None = None  # (the gloo group of checkpoint I/O waits, its timeout)
         self.world: World | None = None
         self.mesh: ParallelMesh | None = None  # the named groups, built in setup_environment
         self._store: dist.Store | None = None
@@ -187,6 +189,34 @@ class MeshStrategy(Strategy):
     def barrier(self, *, group: str = "world") -> None:
         if self.group_size(group) > 1:
             dist.barrier(group=self.mesh.group(group))
+
+    # ---- waits on checkpoint I/O ------------------------------------------------------------------
+    def begin_io(self, nbytes: int) -> None:
+        """Size the waits on this checkpoint's I/O to its slowest rank: `timeout_s` plus that rank's bytes
+        at IO_FLOOR_BYTES_PER_S, over a gloo group of their own (re-created only when a larger state needs
+        longer). So a large save is never cut off by the fixed timeout meant for a hung collective."""
+        most = int(self.reduce(torch.tensor(float(nbytes), device=self.root_device), "max", group="world"))
+        seconds = self.timeout_s + most / IO_FLOOR_BYTES_PER_S
+        if self._io is None or self._io[1] < seconds:
+            group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=seconds))
+            self._io = (group, seconds)
+
+    def io_barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.io_group)
+
+    def io_gather(self, obj: Any) -> list[Any]:
+        if self.world_size == 1:
+            return [obj]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj, group=self.io_group)
+        return gathered
+
+    @property
+    def io_group(self) -> Any:
+        if self._io is None:
+            self.begin_io(0)
+        return self._io[0]
 
     # ---- failures --------------------------------------------------------------------------------
     def _run_and_report(self, function: Callable[..., Any], *args: Any) -> Any:

@@ -3,7 +3,7 @@ the data-parallel ranks, element by element, so each rank holds 1/N of it (to wi
 
 Each rank's optimizer steps a *view* of its slice of every parameter (the view shares the parameter's
 storage, so the update lands in place); then the slices are all-gathered so every replica is whole
-again. Gradients stay full and identical on every rank (DDP's all-reduce), so clipping and logging
+again. A checkpoint holds each rank's slices as they are (sharded_state_dict: no gather). Gradients stay full and identical on every rank (DDP's all-reduce), so clipping and logging
 need nothing special. Chosen over torch's ZeroRedundancyOptimizer, which assigns whole parameters to
 ranks: one large embedding then lands on one rank and the split is far from 1/N.
 """
@@ -16,6 +16,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from trainer.checkpoint import CheckpointError
 
 
 class SlicedParameters:
@@ -60,24 +64,64 @@ class SlicedParameters:
         dist.all_gather_into_tensor(out, mine, group=self.group)
         return out[:numel]
 
-    def full_state_dict(self) -> dict[str, Any]:
-        """The optimizer's state as if it were not sharded (full-size tensors): any world size can load it."""
+    def sharded_state_dict(self, mesh: DeviceMesh) -> dict[str, Any]:
+        """The optimizer's state with each rank's slices as DTensor shards of the flat full-size tensor
+        (Shard(0) chunks are exactly these slices): DCP writes each rank's own, and reshards on load."""
         sd = self.optimizer.state_dict()
-        for index, (p, view, lo, hi) in enumerate(self.entries):
-            if index not in sd["state"]:
+        state = {}
+        for index, values in sd["state"].items():
+            p, view, _, _ = self.entries[index]
+            state[str(index)] = {
+                k: self._as_shard(v, p, mesh) if self._is_slice(v, view) else v for k, v in values.items()
+            }
+        # a tuple: DCP stores it as one object (a list of dicts would be flattened key by key)
+        return {"state": state, "param_groups": tuple(sd["param_groups"])}
+
+    def load_sharded(self, saved: dict[str, Any], load: Any, mesh: DeviceMesh) -> None:
+        """Fill this rank's slices from a checkpoint whose `saved` keys ({"optim.state.<i>.<name>":
+        metadata}) say what is there; `load(payload)` reads it (DCP). Any world size can have written it."""
+        state: dict[str, dict[str, Any]] = {}
+        for key, meta in saved.items():
+            parts = key.split(".")
+            if parts[:2] != ["optim", "state"] or not hasattr(meta, "size"):
                 continue
-            # a copy: state_dict() hands out the optimizer's own per-parameter dicts, and a full-size tensor
-            # written into them would replace the slice the next step updates
-            state = sd["state"][index] = dict(sd["state"][index])
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and value.shape == view.shape and value.dim() == 1:
-                    padded = torch.zeros(p.numel(), dtype=value.dtype, device=value.device)
-                    padded[lo:hi] = value
-                    state[key] = self._gather(padded, p.numel()).view_as(p)
-        return sd
+            index, name = parts[2], ".".join(parts[3:])
+            if int(index) >= len(self.entries):
+                raise CheckpointError(
+                    f"the checkpoint holds optimizer state of parameter {index}; this optimizer has "
+                    f"{len(self.entries)} parameters (another model?)"
+                )
+            p, view, _, _ = self.entries[int(index)]
+            dtype = meta.properties.dtype
+            if tuple(meta.size) == (p.numel(),):
+                target = self._as_shard(torch.empty(view.shape, dtype=dtype, device=view.device), p, mesh)
+            else:
+                target = torch.empty(tuple(meta.size), dtype=dtype)
+            state.setdefault(index, {})[name] = target
+        payload = {"optim": {"state": state, "param_groups": None}}
+        load(payload)
+        loaded = payload["optim"]
+        self.optimizer.load_state_dict(
+            {
+                "state": {
+                    int(i): {k: v.to_local() if isinstance(v, DTensor) else v for k, v in values.items()}
+                    for i, values in loaded["state"].items()
+                },
+                "param_groups": list(loaded["param_groups"]),
+            }
+        )
+
+    @staticmethod
+    def _is_slice(value: Any, view: torch.Tensor) -> bool:
+        return isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape == view.shape
+
+    @staticmethod
+    def _as_shard(local: torch.Tensor, p: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+        return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(p.numel(),), stride=(1,))
 
     def load_full_state_dict(self, sd: dict[str, Any]) -> None:
-        """Keep this rank's slice of each full-size state tensor."""
+        """Keep this rank's slice of each full-size state tensor (the format-1 checkpoints of ZeRO-1, which
+        held the whole optimizer state in optimizer.pt)."""
         sliced = {"param_groups": sd["param_groups"], "state": {}}
         for index, state in sd["state"].items():
             p, view, lo, hi = self.entries[int(index)]

@@ -99,7 +99,7 @@ class SlowDisk:
 
         def async_save_released_on_wait(*args, **kwargs):
             # the save's files stay held until the trainer waits for this save (or the test releases them)
-            name = checkpoint_of(kwargs["checkpoint_id"])
+            name = checkpoint_of(kwargs["storage_writer"].path)
             self.gates[name]  # the gate exists (closed) from the save on
             return _ReleasedOnWait(async_save(*args, **kwargs), self, name)
 
@@ -231,7 +231,7 @@ def test_released_the_checkpoint_completes_and_holds_the_state_of_its_step(async
     _, probe, _, ckpt_dir = async_run
     assert probe.seen["released step-2, written"]
     assert STEP2 in probe.seen["step 4 saved"], "step-2 was not completed by the next save"
-    meta = ckpt.verify(ckpt_dir / STEP2)  # every file of the manifest, its size and SHA-256
+    meta = ckpt.check_good(ckpt_dir / STEP2)  # every file of the manifest, its size and hashes
     assert meta["step"] == 2 and meta["format"] == "dcp"
     assert (ckpt_dir / STEP2 / ckpt.VALIDATED_FILE).exists(), "ModelCheckpoint did not validate (reload) it"
     # read back with DCP's own converter (no process group, nothing of the trainer's loading code)
@@ -276,6 +276,6 @@ def test_the_end_of_fit_waits_for_the_pending_save(async_run):
     _, _, after_fit, ckpt_dir = async_run
     assert after_fit["pending gates"] == [], "fit returned with a save still held on the disk"
     assert after_fit["complete"] == {STEP2, STEP4, STEP6} and not after_fit["in progress"]
-    assert ckpt.verify(ckpt_dir / STEP6)["step"] == 6
+    assert ckpt.check_good(ckpt_dir / STEP6)["step"] == 6
     assert (ckpt_dir / STEP6 / ckpt.VALIDATED_FILE).exists()
     assert not [p.name for p in ckpt_dir.iterdir() if p.name.startswith(".")], "temporary directories left"

@@ -309,7 +309,7 @@ def test_a_fatal_gpu_error_mid_run_saves_a_checkpoint_and_stops(tmp_path, traine
     )
     trainer.fit(Regression(), regression_loader())
     assert trainer.global_step == 15  # the first check after the failure
-    assert find_last_good(tmp_path / "checkpoints") == tmp_path / "checkpoints" / "step-00000015"
+    assert find_last_good(tmp_path / "checkpoints") == (tmp_path / "checkpoints" / "step-00000015", [])
     assert messages(trainer_log, logging.ERROR) == [
         "GPUHealthMonitor: GPU failure at step 15: rank 0: 2 uncorrected ECC error(s) in GPU memory since "
         "monitoring started; saving a checkpoint and stopping"
@@ -541,4 +541,4 @@ def test_a_failing_gpu_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
         "GPUHealthMonitor: GPU failure at step 10: rank 1: memory rows are pending remapping: this GPU needs a "
         "reset; saving a checkpoint and stopping"
     ) in done.stderr
-    assert find_last_good(tmp_path / "checkpoints") == tmp_path / "checkpoints" / "step-00000010"
+    assert find_last_good(tmp_path / "checkpoints") == (tmp_path / "checkpoints" / "step-00000010", [])

@@ -13,6 +13,7 @@ from helpers import FakeClock, Regression, fake_time, fit, quiet, regression_loa
 from callbacks import Callback, ModelCheckpoint
 from strategies import SingleDeviceStrategy
 from trainer import Trainer
+from trainer.integrity import hash_file
 
 
 def run(root, steps, callbacks=(), ckpt_path=None, strategy="auto", val_loader=None):
@@ -53,8 +54,8 @@ def test_each_checkpoint_is_validated_with_a_manifest_of_checksums(tmp_path):
         meta = json.loads((ckpt / "meta.json").read_text())
         assert meta["pending_validation"] is True
         assert sorted(meta["manifest"]) == ["model.safetensors", "optimizer.pt", "state.pt"]
-        size, digest = meta["manifest"]["model.safetensors"]
-        assert size == (ckpt / "model.safetensors").stat().st_size and len(digest) == 64
+        entry = meta["manifest"]["model.safetensors"]  # taken while writing: equal to a fresh read-back
+        assert entry == hash_file(ckpt / "model.safetensors") and len(entry["xxh3_128"][0]) == 32
         report = json.loads((ckpt / "validated.json").read_text())
         assert report["step"] == int(name.split("-")[1]) and report["atol"] == 0.0
 
@@ -76,12 +77,18 @@ def test_last_skips_a_damaged_newest_checkpoint_and_resumes_exactly_from_the_one
     victim.write_bytes(bytes(data))
     with caplog.at_level(logging.INFO, logger="trainer"):
         resumed, _ = run(root, 8, [ModelCheckpoint(every_n_steps=2, save_top_k=2)], ckpt_path="last")
-    why = "does not match its SHA-256" if damage == "flip" else "were written (truncated or altered)"
-    assert any("skipping a bad checkpoint" in r.message and why in r.message for r in caplog.records)
-    resumed_line = next(r.message for r in caplog.records if "resuming from" in r.message)
-    assert re.search(r"step-00000004: step 4, saved \d{4}-\d\d-\d\d \d\d:\d\d:\d\d$", resumed_line), (
-        resumed_line
+    why = (
+        r"model.safetensors checksum mismatch at bytes 0-\d+ \(corrupted or altered\)"
+        if damage == "flip"
+        else r"model.safetensors has \d+ bytes, \d+ were written \(truncated or altered\)"
     )
+    # one warning: what was skipped and why, then what it resumes from
+    said = next(r.message for r in caplog.records if "ckpt_path='last': skipped" in r.message)
+    assert re.fullmatch(
+        rf"ckpt_path='last': skipped step-00000006: {why}\n"
+        rf"resuming from {re.escape(str(root))}/checkpoints/step-00000004: step 4, saved \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d",
+        said,
+    ), said
     assert_same_params(resumed, straight)
     assert "discarded-step-00000006" in listing(root)  # kept for inspection, never picked by "last"
 
@@ -140,7 +147,7 @@ def test_a_checkpoint_that_was_never_validated_is_not_resumed_from(tmp_path, cap
     (root / "checkpoints" / "step-00000004" / "validated.json").unlink()  # as if killed while validating
     with caplog.at_level(logging.INFO, logger="trainer"):
         resumed, _ = run(root, 6, [ModelCheckpoint(every_n_steps=2)], ckpt_path="last")
-    assert any("was never validated" in r.message for r in caplog.records)
+    assert any("skipped step-00000004: never validated" in r.message for r in caplog.records)
     assert any("resuming from" in r.message and "step-00000002" in r.message for r in caplog.records)
     assert_same_params(resumed, straight)
 
@@ -249,11 +256,10 @@ def test_a_file_damaged_right_after_the_save_fails_validation_by_its_checksum(tm
             strategy=RottingDisk(bad_step=4),
             val_loader=regression_loader(batch_size=8),
         )
-    ckpt = tmp_path / "checkpoints" / "step-00000004"
+    size = (tmp_path / "checkpoints" / "bad-step-00000004" / "optimizer.pt").stat().st_size
     assert [r.message for r in caplog.records if "failed validation" in r.message] == [
-        f"checkpoint step-00000004 failed validation (checkpoint '{ckpt}': optimizer.pt does not match its "
-        "SHA-256 from the save (corrupted or altered)); moved to bad-step-00000004, the older good "
-        "checkpoints are kept"
+        f"checkpoint step-00000004 failed validation (optimizer.pt checksum mismatch at bytes 0-{size} "
+        "(corrupted or altered)); moved to bad-step-00000004, the older good checkpoints are kept"
     ]
     assert listing(tmp_path) == ["bad-step-00000004", "step-00000002"]
     assert not (tmp_path / "checkpoints" / "bad-step-00000004" / "validated.json").exists()

@@ -13,8 +13,6 @@ from trainer import checkpoint as ckpt
 from trainer.models.hf_llama import to_hf_config, to_hf_state_dict
 from trainer.models.llama import Llama, LlamaConfig
 
-DCP_DIR = "dcp"
-
 
 def export_llama(model: Llama, out_dir: str | Path) -> Path:
     """Write `model.safetensors` (HF key names) and `config.json` to `out_dir`; returns the weights file."""
@@ -26,7 +24,7 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path) -> Path:
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     meta = ckpt.read_meta(ckpt_dir)
     weights = (
-        _dcp_model_state(ckpt_dir / DCP_DIR)
+        _dcp_model_state(ckpt_dir / ckpt.DCP_DIR)
         if meta.get("format") == "dcp"
         else ckpt.load_model_file(ckpt_dir / ckpt.MODEL_FILE)
     )

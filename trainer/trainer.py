@@ -27,6 +27,7 @@ from trainer.logging import (
     Logger,
     build_logger,
     configure_console_logging,
+    log,
     rank_zero_info,
     set_rank,
 )
@@ -314,8 +315,11 @@ class Trainer:
         """Put model, optimizer, RNG streams, LR schedule and step counter back to the newest good checkpoint
         (of a step < `before_step`). The data stream goes on from where it is, so the batches since that
         checkpoint are not replayed (as PaLM does after a loss spike). Call on every rank between steps."""
-        path = ckpt.find_last_good(self.checkpoint_dir, before_step) if self.is_global_zero else None
-        path = self.strategy.broadcast_object(path, group="world")
+        path, skipped = ckpt.find_last_good(
+            self.checkpoint_dir, before_step, self.strategy.io_part, self._agree_on(self.checkpoint_dir)
+        )
+        if skipped and self.is_global_zero:
+            log.warning("".join(f"rollback: skipped {line}\n" for line in skipped).rstrip())
         if path is None:
             raise CheckpointError(
                 f"rollback needs a good checkpoint{'' if before_step is None else f' before step {before_step}'}; "
@@ -927,32 +931,42 @@ class Trainer:
         return self.default_root_dir / "checkpoints"
 
     def _resolve_checkpoint(self, ckpt_path: Any) -> Path | None:
+        """The checkpoint to resume from, verified (every rank hashes its share of it), or None."""
         if ckpt_path is None:
             return None
-        if ckpt_path != "last":
-            problem = None
-            if self.is_global_zero:  # fail early, on every rank, with what is wrong with the files
-                try:
-                    ckpt.check_good(ckpt_path)
-                except ckpt.CheckpointError as err:
-                    problem = str(err)
-            problem = self.strategy.broadcast_object(problem, group="world")
-            if problem is not None:
-                raise ckpt.CheckpointError(problem)
+        strategy = self.strategy
+        if ckpt_path != "last":  # fail early, on every rank, with what is wrong with the files
+            ckpt.check_good(ckpt_path, strategy.io_part, self._agree_on(Path(ckpt_path)))
             return Path(ckpt_path)
-        found = ckpt.find_last_good(self.checkpoint_dir) if self.is_global_zero else None
-        found = self.strategy.broadcast_object(found, group="world")
+        found, skipped = ckpt.find_last_good(
+            self.checkpoint_dir,
+            part=strategy.io_part,
+            agree=self._agree_on(ckpt.find_last(self.checkpoint_dir)),
+        )
         if found is None:
-            rank_zero_info(
-                f"ckpt_path='last': no checkpoint in {self.checkpoint_dir} yet, starting from scratch"
+            why = (
+                f"no checkpoint in {self.checkpoint_dir} is good"
+                if skipped
+                else f"no checkpoint in {self.checkpoint_dir} yet"
             )
-        elif self.is_global_zero:  # the line is rank zero's, read from its files (every meta has a step)
+            line = f"ckpt_path='last': {why}, starting from scratch"
+        else:  # the line is rank zero's, read from its files (every meta has a step)
             meta = ckpt.read_meta(found)
             saved = (
                 time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(meta["time"])) if "time" in meta else "?"
             )
-            rank_zero_info(f"resuming from {found}: step {meta['step']}, saved {saved}")
+            line = f"resuming from {found}: step {meta['step']}, saved {saved}"
+        if not skipped:
+            rank_zero_info(line)
+        elif self.is_global_zero:  # what was refused, and why, is worth a warning
+            log.warning("".join(f"ckpt_path='last': skipped {s}\n" for s in skipped) + line)
         return found
+
+    def _agree_on(self, ckpt_dir: Path | None) -> ckpt.Agree:
+        """How the ranks combine their verdicts on a checkpoint, each having hashed its share; the waits
+        are sized to that share of `ckpt_dir`'s bytes (the newest candidate)."""
+        self.strategy.begin_io(ckpt.manifest_bytes(ckpt_dir) // self.strategy.world_size)
+        return self.strategy.agree
 
     def _restore_rng(self, state: dict[str, Any]) -> None:
         """This rank's RNG streams as saved (rank 0's when the world size changed)."""

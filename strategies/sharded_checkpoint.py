@@ -1,0 +1,88 @@
+"""Sharded checkpoints through torch.distributed.checkpoint (DCP): each rank writes only what it holds
+(FSDP shards, ZeRO-1 optimizer slices, its share of replicated tensors) into its own files under `dcp/`,
+hashed while written, and reads back what its new shards need, whatever world size wrote them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+from trainer import checkpoint as ckpt
+from trainer.integrity import HashingFile
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's file system with every file opened for writing hashed as it is written."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__()
+        self.root, self.entries = Path(root), {}
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        stream = HashingFile(Path(path))
+        try:
+            yield stream
+        finally:
+            stream.close()
+            self.entries[self._key(path)] = stream.entry()
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        super().rename(path, new_path)  # DCP writes .metadata under a temporary name first
+        self.entries[self._key(new_path)] = self.entries.pop(self._key(path))
+
+    def _key(self, path: str | os.PathLike) -> str:
+        return Path(path).relative_to(self.root).as_posix()
+
+
+class HashingWriter(dcp.FileSystemWriter):
+    """A DCP writer into `<checkpoint>/dcp` whose `entries` are the manifest entries of the files this
+    rank wrote (paths relative to the checkpoint directory)."""
+
+    def __init__(self, ckpt_dir: Path) -> None:
+        super().__init__(str(Path(ckpt_dir) / ckpt.DCP_DIR))
+        self.fs = _HashingFileSystem(Path(ckpt_dir))
+
+    @property
+    def entries(self) -> ckpt.Entries:
+        return self.fs.entries
+
+
+def local_bytes(state: Any) -> int:
+    """Bytes of the tensors (this rank's local shards) in a nested state dict: what this rank may write."""
+    if isinstance(state, dict):
+        return sum(local_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(local_bytes(v) for v in state)
+    if isinstance(state, torch.Tensor):
+        t = state.to_local() if hasattr(state, "to_local") else state
+        return t.numel() * t.element_size()
+    return 0
+
+
+def load(payload: dict[str, Any], path: Path, group: Any) -> None:
+    """Fill `payload` (this rank's tensors, sharded as they are now) from the checkpoint at `path`; a
+    checkpoint that does not fit becomes a one-line CheckpointError."""
+    try:
+        dcp.load(payload, checkpoint_id=str(Path(path) / ckpt.DCP_DIR), process_group=group)
+    except CheckpointException as err:  # a BaseException carrying each rank's planner error
+        first = next(iter(err.failures.values()))[0]
+        raise ckpt.CheckpointError(f"checkpoint '{path}' does not fit this model: {first}") from err
+
+
+def saved_entries(path: Path) -> dict[str, Any]:
+    """{flattened key: DCP storage metadata} of a sharded checkpoint (what was saved, with global shapes)."""
+    return dcp.FileSystemReader(str(Path(path) / ckpt.DCP_DIR)).read_metadata().state_dict_metadata
