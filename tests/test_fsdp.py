@@ -71,7 +71,9 @@ def test_each_zero_stage_matches_one_process_and_holds_the_formula_memory(tmp_pa
         )
 
 
-@pytest.mark.parametrize("stage, saved_on, resumed_on", [(3, 4, 2), (3, 2, 4)])  # ZeRO-1: test_zero1_checkpoint
+@pytest.mark.parametrize(
+    "stage, saved_on, resumed_on", [(3, 4, 2), (3, 2, 4)]
+)  # ZeRO-1: test_zero1_checkpoint
 def test_a_sharded_checkpoint_resumes_on_another_world_size(tmp_path, stage, saved_on, resumed_on):
     common = ["--stage", str(stage), "--steps", "12", "--ckpt-every", "4"]
     straight, root = fsdp(tmp_path, "straight", *common, devices=saved_on)

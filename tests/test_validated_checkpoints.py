@@ -13,6 +13,7 @@ from helpers import FakeClock, Regression, fake_time, fit, quiet, regression_loa
 from callbacks import Callback, ModelCheckpoint
 from strategies import SingleDeviceStrategy
 from trainer import Trainer
+from trainer import checkpoint as ckpt
 from trainer.integrity import hash_file
 
 
@@ -315,3 +316,67 @@ def test_a_checkpoint_a_killed_run_left_unvalidated_is_validated_by_checksums_an
     assert listing(root) == ["step-00000002", "step-00000004"]
     report = json.loads((step2 / "validated.json").read_text())
     assert report["checked"] == ["checksums", "reload"] and report["loss"] is None
+
+
+class SlowValidation(Regression):
+    """Each validation forward takes 3 s of a fake clock (a large model's reload-and-compare); each
+    training step 10 s."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__()
+        self.clock = clock
+
+    def training_step(self, batch, batch_idx):
+        self.clock.advance(10.0)
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch, batch_idx):
+        self.clock.advance(3.0)
+        return super().validation_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("budget", [0.1, None])
+def test_validation_stays_within_its_time_budget_and_reports_its_cost(tmp_path, monkeypatch, caplog, budget):
+    clock = FakeClock()
+    fake_time(monkeypatch, "callbacks.checkpoint", clock, "monotonic")
+    saver = ModelCheckpoint(every_n_steps=2, save_top_k=-1, validate_budget=budget)
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        fit(SlowValidation(clock), regression_loader(), tmp_path, 12, val_loader=regression_loader(8),
+            callbacks=[saver], num_sanity_val_steps=0)  # fmt: skip
+    steps = [2, 4, 6, 8, 10, 12]
+    validated = [s for s in steps if (tmp_path / "checkpoints" / f"step-{s:08d}" / "validated.json").exists()]
+    if budget is None:
+        assert validated == steps
+        return
+    # the first always; later ones once 1 s + 10% of the fit's time covers what validation has cost
+    # (two forwards: 6 s each) plus the next one: at step 12 (126 s in, 12 s <= 13.6 s), not before
+    assert validated == [2, 12]
+    report = json.loads((tmp_path / "checkpoints" / "step-00000012" / "validated.json").read_text())
+    assert report["seconds"] == 6.0 and report["interval_s"] == 20.0
+    lines = [r.message for r in caplog.records if r.message.startswith("checkpoint step-")]
+    assert (
+        "validated (checksums, reload, loss) in 6.00 s (30.0% of the 20.0 s since the previous checkpoint)"
+        in lines[0]
+    )
+    assert "reload check skipped: validation has cost 6.00 s of this fit and the last one 6.00 s" in lines[1]
+    # a checkpoint not reloaded is still good: its hashes were taken as it was written
+    assert ckpt.find_last_good(tmp_path / "checkpoints", before_step=12)[0].name == "step-00000010"
+
+
+def test_resume_says_which_checkpoints_it_skipped_and_that_it_starts_fresh_when_none_is_good(
+    tmp_path, caplog
+):
+    run(tmp_path, 4, [ModelCheckpoint(every_n_steps=2, save_top_k=2)])
+    for step in (2, 4):
+        (tmp_path / "checkpoints" / f"step-{step:08d}" / "optimizer.pt").write_bytes(b"not an optimizer")
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        _, trainer = run(tmp_path, 2, [ModelCheckpoint(every_n_steps=2)], ckpt_path="last")
+    said = next(r.message for r in caplog.records if "ckpt_path='last': skipped" in r.message)
+    size = r"\d+ bytes, \d+ were written \(truncated or altered\)"
+    assert re.fullmatch(
+        rf"ckpt_path='last': skipped step-00000004: optimizer.pt has {size}\n"
+        rf"ckpt_path='last': skipped step-00000002: optimizer.pt has {size}\n"
+        rf"ckpt_path='last': no checkpoint in {re.escape(str(tmp_path / 'checkpoints'))} is good, starting from scratch",
+        said,
+    ), said
+    assert trainer.global_step == 2 and trainer.state.restarts == 0  # trained from step 0

@@ -277,7 +277,9 @@ def read_meta(ckpt_dir: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint '{ckpt_dir}' has {why}", reason=why) from err
     except json.JSONDecodeError as err:
         why = f"{META_FILE} corrupted ({err})"
-        raise CheckpointError(f"checkpoint '{ckpt_dir}' has a corrupted {META_FILE} ({err})", reason=why) from err
+        raise CheckpointError(
+            f"checkpoint '{ckpt_dir}' has a corrupted {META_FILE} ({err})", reason=why
+        ) from err
     missing = [name for name in meta.get("files", []) if not (ckpt_dir / name).exists()]
     if missing:
         why = f"incomplete: missing {', '.join(missing)}"

@@ -31,6 +31,7 @@ examples:
   trainer config recipes/llama_tiny.yaml data.seq_len=128   # print the resolved recipe
   trainer export runs/llama_tiny/checkpoints/step-00000300 out/  # weights for transformers
   trainer memory recipes/llama_70b.yaml                     # weights+grads+AdamW per GPU of the layout
+  trainer memory recipes/moe_deepseek_v3_like.yaml          # MoE: experts split over ep and the expert mesh
 """
 
 
