@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from strategies import sharded_checkpoint
 from strategies.parallel_dims import check_group_name
-from strategies.sharded_checkpoint import local_bytes
 from trainer import checkpoint as ckpt
 from trainer.data.distributed import shard_loader
 from trainer.precision import Precision
@@ -353,22 +353,18 @@ class Strategy:
     def save_checkpoint(
         self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]
     ) -> None:
-        """Write model, optimizer and `state` (rank zero's) as one atomic checkpoint directory. Every rank
-        holds the same replicated state here, so rank zero writes it (no gather); sharding strategies write
-        each rank's own shards (strategies/sharded_checkpoint.py)."""
+        """Write model, optimizer and `state` as one atomic checkpoint directory of whole files (one
+        process; strategies of several processes write each rank's own part: MeshStrategy)."""
         model_sd = module.state_dict()
         optim_sd = optimizer.state_dict() if optimizer is not None else None
-        self.begin_io(local_bytes((model_sd, optim_sd)) if self.is_global_zero else 0)
-        if self.is_global_zero:
 
-            def write(tmp: Path) -> ckpt.Entries:
-                entries = ckpt.save_model_file(model_sd, tmp / ckpt.MODEL_FILE)
-                if optim_sd is not None:
-                    entries |= ckpt.save_torch_file(optim_sd, tmp / ckpt.OPTIMIZER_FILE)
-                return entries | ckpt.save_torch_file(state, tmp / ckpt.STATE_FILE)
+        def write(tmp: Path) -> ckpt.Entries:
+            entries = ckpt.save_model_file(model_sd, tmp / ckpt.MODEL_FILE)
+            if optim_sd is not None:
+                entries |= ckpt.save_torch_file(optim_sd, tmp / ckpt.OPTIMIZER_FILE)
+            return entries | ckpt.save_torch_file(state, tmp / ckpt.STATE_FILE)
 
-            ckpt.write_atomically(Path(path), write, ckpt.meta_for(state))
-        self.io_barrier()
+        ckpt.write_atomically(Path(path), write, ckpt.meta_for(state))
 
     # ---- waits on checkpoint I/O: sized to the work, not to a fixed timeout ------------------------
     def begin_io(self, nbytes: int) -> None:
@@ -408,21 +404,37 @@ class Strategy:
     def finish_checkpoint(self) -> None:
         """Block until a checkpoint written in the background is complete (call on every rank)."""
 
+    checkpoint_layout = "state_dict"  # of sharded checkpoints: torch's get_state_dict form (ZeRO-1: "zero1")
+
     def load_checkpoint(
         self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None
     ) -> dict[str, Any]:
-        """Load model (and optimizer) in place from `path`; returns the rest of the saved state."""
+        """Load model (and optimizer) in place from `path`; returns the rest of the saved state. A sharded
+        checkpoint of this strategy's layout loads at any world size; whole files load everywhere."""
         path = Path(path)
-        if ckpt.read_meta(path).get("format") == "dcp":
-            raise ckpt.CheckpointError(
-                f"checkpoint '{path}' is sharded (written by fsdp or parallel3d); resume it with the strategy "
-                "that wrote it (any world size), or `trainer export` its weights"
-            )
+        meta = ckpt.read_meta(path)
+        if meta.get("format") == "dcp":
+            layout = meta.get("layout", "state_dict")  # sharded checkpoints before layouts were fsdp's
+            if layout != self.checkpoint_layout:
+                raise ckpt.CheckpointError(
+                    f"checkpoint '{path}' was {LAYOUTS[layout]}; this {type(self).__name__} reads checkpoints "
+                    f"{LAYOUTS[self.checkpoint_layout]}: resume with one of those (any world size), or "
+                    "`trainer export` its weights"
+                )
+            self.load_sharded(path, module, optimizer)
+            return ckpt.load_torch_file(path / ckpt.STATE_FILE)
         model_sd = ckpt.load_model_file(path / ckpt.MODEL_FILE)
         load_module_state(module, model_sd, path)
         if optimizer is not None:
             optimizer.load_state_dict(ckpt.load_torch_file(path / ckpt.OPTIMIZER_FILE))
         return ckpt.load_torch_file(path / ckpt.STATE_FILE)
+
+    def load_sharded(self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        """Fill `module` and `optimizer`, sharded as they are now, from a sharded checkpoint of this
+        strategy's layout, each rank reading what its shards need."""
+        self.reshard(module)  # gathered copies from an earlier forward would hide what is loaded
+        self.begin_io(ckpt.manifest_bytes(path) // self.world_size)
+        sharded_checkpoint.load_state_dict_layout(path, module, optimizer, self.io_group)
 
     def teardown(self) -> None:
         """Release processes groups and devices."""
@@ -464,6 +476,10 @@ def load_module_state(module: nn.Module, state_dict: dict[str, torch.Tensor], so
     module.load_state_dict(state_dict)
 
 
+LAYOUTS = {  # the layouts of sharded checkpoints, by who writes them
+    "state_dict": "written by ddp, dp_sgd, fsdp with zero_stage 2/3 or parallel3d",
+    "zero1": "written by fsdp with zero_stage=1",
+}
 REDUCE_OPS = ("mean", "sum", "max", "min")
 
 

@@ -9,15 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -33,7 +29,6 @@ from strategies.ddp import DDPStrategy
 from strategies.memory import MemoryReport, measure
 from strategies.meta_init import materialize
 from strategies.parallel_dims import ParallelDims
-from strategies.sharded_checkpoint import HashingWriter, local_bytes
 from strategies.zero1 import SlicedParameters
 from trainer import checkpoint as ckpt
 
@@ -97,8 +92,6 @@ class FSDPStrategy(DDPStrategy):
             async_save,
         )
         self._sliced: SlicedParameters | None = None
-        self._pending_save: Any = None
-        self._save_group: Any = None
         self._root: nn.Module | None = None  # the fully_shard-ed module (stages 2/3)
         self._step_methods: list[str] = []  # registered as FSDP forward methods on it
 
@@ -206,52 +199,19 @@ class FSDPStrategy(DDPStrategy):
     def startup_report(self, module: nn.Module) -> str:
         return self.memory_report(module, None).lines()
 
-    # ---- checkpoints -----------------------------------------------------------------------------
-    def save_checkpoint(
-        self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict
-    ) -> None:
-        """Every rank writes its own shards into `dcp/` (stage 1: its optimizer slices and its share of the
-        replicated weights), hashed as written; rank zero adds the trainer state and the manifest."""
-        self.finish_checkpoint()
-        path = Path(path)
-        tmp = path.parent / f".tmp-{path.name}"
-        if self.is_global_zero:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-        if self.zero_stage == 1:
-            optim = self._sliced.sharded_state_dict(self.mesh.mesh("dense")) if optimizer else None
-            payload = {"model": module.state_dict(), **({"optim": optim} if optim else {})}
-        else:
-            model_sd, optim_sd = get_state_dict(module, optimizer or [])
-            payload = {"model": model_sd, "optim": optim_sd}
-        self.begin_io(local_bytes(payload))
-        self.io_barrier()  # the directory is clean before anyone writes
-        writer = HashingWriter(tmp)
-        finish = functools.partial(self._finish_save, tmp, path, state, writer)
-        if not self.async_save:
-            dcp.save(payload, storage_writer=writer, process_group=self.io_group)
-            return finish()
-        if (
-            self._save_group is None
-        ):  # its own group: the writer's collectives must not interleave with training's
-            self._save_group = dist.new_group(backend="gloo")
-        future = dcp.async_save(payload, storage_writer=writer, process_group=self._save_group)
-        self._pending_save = (future, finish)
+    # ---- checkpoints: every rank writes its own shards (MeshStrategy.save_checkpoint) ----------------
+    @property
+    def checkpoint_layout(self) -> str:
+        return "zero1" if self.zero_stage == 1 else "state_dict"
 
-    def _finish_save(self, tmp: Path, path: Path, state: dict, writer: HashingWriter) -> None:
-        """After every rank wrote its shards: rank zero adds the trainer state, the manifest of every rank's
-        files, and renames atomically."""
-        written = {k: v for entries in self.io_gather(writer.entries) for k, v in entries.items()}
-        if self.is_global_zero:
-            layout = "zero1" if self.zero_stage == 1 else "fsdp"
-            ckpt.write_atomically(
-                path,
-                lambda d: ckpt.save_torch_file(state, d / ckpt.STATE_FILE),
-                ckpt.meta_for(state, format="dcp", layout=layout),
-                staged=tmp,
-                written=written,
-            )
-        self.io_barrier()
+    def checkpoint_payload(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer | None
+    ) -> dict[str, Any]:
+        if self.zero_stage > 1:
+            return super().checkpoint_payload(module, optimizer)
+        # stage 1: each rank's optimizer slices as they are (no gather), the replicated weights spread
+        optim = self._sliced.sharded_state_dict(self.mesh.mesh("dense")) if optimizer is not None else None
+        return {"model": module.state_dict(), **({"optim": optim} if optim is not None else {})}
 
     def reshard(self, module: nn.Module) -> None:
         # stage 2 keeps parameters gathered after a forward without backward (an eval step)
@@ -259,55 +219,30 @@ class FSDPStrategy(DDPStrategy):
             if isinstance(m, FSDPModule):
                 m.reshard()
 
-    @property
-    def checkpoint_in_progress(self) -> bool:
-        return self._pending_save is not None
-
-    def finish_checkpoint(self) -> None:
-        if self._pending_save is not None:
-            future, finish = self._pending_save
-            self._pending_save = None
-            future.result()
-            finish()
-
     def load_checkpoint(
         self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None
     ) -> dict[str, Any]:
         path = Path(path)
-        meta = ckpt.read_meta(path)
-        if self.zero_stage == 1 and meta.get("format") != "dcp":  # a format-1 ZeRO-1 checkpoint: whole files
+        if ckpt.read_meta(path).get("format") != "dcp":  # whole files (ZeRO-1's, before sharded saves)
+            if self.zero_stage > 1:
+                raise ckpt.CheckpointError(
+                    f"checkpoint '{path}' is not a sharded checkpoint; a zero_stage {self.zero_stage} run "
+                    "resumes from sharded ones (ddp, fsdp zero_stage 2/3, parallel3d)"
+                )
             state = super().load_checkpoint(path, module, None)
             if optimizer is not None:
                 self._sliced.load_full_state_dict(ckpt.load_torch_file(path / ckpt.OPTIMIZER_FILE))
             return state
-        layout = meta.get("layout", "fsdp") if meta.get("format") == "dcp" else "full"
-        if (layout == "zero1") != (self.zero_stage == 1) or layout == "full":
-            wrote = {"zero1": "a zero_stage 1", "fsdp": "a sharded (zero_stage 2/3)", "full": "not a sharded"}
-            raise ckpt.CheckpointError(
-                f"checkpoint '{path}' is {wrote[layout]} checkpoint; this run uses zero_stage={self.zero_stage}: "
-                "resume with the stage that wrote it"
-            )
-        self.reshard(module)  # gathered copies from an earlier forward would hide what is loaded
+        return super().load_checkpoint(path, module, optimizer)
+
+    def load_sharded(self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        if self.zero_stage > 1:
+            return super().load_sharded(path, module, optimizer)
         self.begin_io(ckpt.manifest_bytes(path) // self.world_size)
         load = functools.partial(sharded_checkpoint.load, path=path, group=self.io_group)
-        if self.zero_stage == 1:
-            load({"model": module.state_dict()})
-            if optimizer is not None:
-                self._sliced.load_sharded(
-                    sharded_checkpoint.saved_entries(path), load, self.mesh.mesh("dense")
-                )
-            return ckpt.load_torch_file(path / ckpt.STATE_FILE)
-        model_sd, optim_sd = get_state_dict(module, optimizer or [])
-        payload = {"model": model_sd, "optim": optim_sd} if optimizer is not None else {"model": model_sd}
-        load(payload)
-        set_state_dict(
-            module,
-            optimizer or [],
-            model_state_dict=payload["model"],
-            optim_state_dict=payload.get("optim", {}),
-            options=StateDictOptions(strict=True),
-        )
-        return ckpt.load_torch_file(path / ckpt.STATE_FILE)
+        load({"model": module.state_dict()})
+        if optimizer is not None:
+            self._sliced.load_sharded(sharded_checkpoint.saved_entries(path), load, self.mesh.mesh("dense"))
 
     def teardown(self) -> None:
         self.finish_checkpoint()

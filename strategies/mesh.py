@@ -10,18 +10,26 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import functools
 import os
 import re
+import shutil
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from strategies.base import Strategy, check_reduce_op
 from strategies.parallel_dims import ParallelDims, ParallelMesh
+from strategies.sharded_checkpoint import HashingWriter, local_bytes
+from trainer import checkpoint as ckpt
 from trainer import flags
 from trainer.launch import (
     World,
@@ -57,6 +65,9 @@ class MeshStrategy(Strategy):
             raise ValueError(f"timeout_s={timeout_s!r} is invalid; allowed: a number of seconds > 0")
         self.timeout_s = float(timeout_s)
         self._io: tuple[Any, float] | None = None  # (the gloo group of checkpoint I/O waits, its timeout)
+        self.async_save = False  # strategies that offer it set it from their argument
+        self._pending_save: Any = None  # (future, finish) of a checkpoint written in the background
+        self._save_group: Any = None
         self.world: World | None = None
         self.mesh: ParallelMesh | None = None  # the named groups, built in setup_environment
         self._store: dist.Store | None = None
@@ -189,6 +200,64 @@ class MeshStrategy(Strategy):
     def barrier(self, *, group: str = "world") -> None:
         if self.group_size(group) > 1:
             dist.barrier(group=self.mesh.group(group))
+
+    # ---- checkpoints: each rank writes its own part (strategies/sharded_checkpoint.py) ---------------
+    def checkpoint_payload(
+        self, module: nn.Module, optimizer: torch.optim.Optimizer | None
+    ) -> dict[str, Any]:
+        """What the ranks write: model and optimizer state as torch's `get_state_dict` gives them (keyed by
+        parameter name; DTensor shards under sharding). Replicated tensors are written once, spread over
+        the ranks by DCP."""
+        model_sd, optim_sd = get_state_dict(module, optimizer or [])
+        return {"model": model_sd, **({"optim": optim_sd} if optimizer is not None else {})}
+
+    def save_checkpoint(
+        self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]
+    ) -> None:
+        """Every rank writes its part into `dcp/`, hashed as written; rank zero then adds the trainer state
+        and the manifest of every rank's files, and renames the directory into place. With `async_save`
+        the files are written in the background and the checkpoint completes at `finish_checkpoint`."""
+        self.finish_checkpoint()
+        path = Path(path)
+        tmp = path.parent / f".tmp-{path.name}"
+        if self.is_global_zero:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+        payload = self.checkpoint_payload(module, optimizer)
+        self.begin_io(local_bytes(payload))
+        self.io_barrier()  # the directory is clean before anyone writes
+        writer = HashingWriter(tmp)
+        finish = functools.partial(self._finish_save, tmp, path, state, writer)
+        if not self.async_save:
+            dcp.save(payload, storage_writer=writer, process_group=self.io_group)
+            return finish()
+        if self._save_group is None:  # its own: the writer's collectives must not interleave with training's
+            self._save_group = dist.new_group(backend="gloo")
+        future = dcp.async_save(payload, storage_writer=writer, process_group=self._save_group)
+        self._pending_save = (future, finish)
+
+    def _finish_save(self, tmp: Path, path: Path, state: dict, writer: HashingWriter) -> None:
+        written = {k: v for entries in self.io_gather(writer.entries) for k, v in entries.items()}
+        if self.is_global_zero:
+            ckpt.write_atomically(
+                path,
+                lambda d: ckpt.save_torch_file(state, d / ckpt.STATE_FILE),
+                ckpt.meta_for(state, format="dcp", layout=self.checkpoint_layout),
+                staged=tmp,
+                written=written,
+            )
+        self.io_barrier()
+
+    @property
+    def checkpoint_in_progress(self) -> bool:
+        return self._pending_save is not None
+
+    def finish_checkpoint(self) -> None:
+        if self._pending_save is not None:
+            future, finish = self._pending_save
+            self._pending_save = None
+            future.result()
+            finish()
 
     # ---- waits on checkpoint I/O ------------------------------------------------------------------
     def begin_io(self, nbytes: int) -> None:

@@ -13,8 +13,10 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from trainer import checkpoint as ckpt
 from trainer.integrity import HashingFile
@@ -81,6 +83,23 @@ def load(payload: dict[str, Any], path: Path, group: Any) -> None:
     except CheckpointException as err:  # a BaseException carrying each rank's planner error
         first = next(iter(err.failures.values()))[0]
         raise ckpt.CheckpointError(f"checkpoint '{path}' does not fit this model: {first}") from err
+
+
+def load_state_dict_layout(
+    path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None, group: Any
+) -> None:
+    """Load a checkpoint of the "state_dict" layout (DDP, FSDP stages 2/3, 3D) into `module` and
+    `optimizer` as they are sharded now, by any strategy and world size (`group` None: one process)."""
+    model_sd, optim_sd = get_state_dict(module, optimizer or [])
+    payload = {"model": model_sd, "optim": optim_sd} if optimizer is not None else {"model": model_sd}
+    load(payload, path, group)
+    set_state_dict(
+        module,
+        optimizer or [],
+        model_state_dict=payload["model"],
+        optim_state_dict=payload.get("optim", {}),
+        options=StateDictOptions(strict=True),
+    )
 
 
 def saved_entries(path: Path) -> dict[str, Any]:
