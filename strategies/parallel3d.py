@@ -39,6 +39,7 @@ from strategies.pipeline import (
     stage_ids,
     stage_view,
 )
+from trainer.models.moe import moe_layers
 from trainer.tree import apply_to_tensors
 
 
@@ -51,6 +52,12 @@ def _degree(name: str, value: Any, allow_rest: bool = False) -> int:
         rest = ", or -1 for the rest of the world" if allow_rest else ""
         raise ValueError(f"{name}={value!r} is invalid; allowed: an int >= 1{rest}")
     return value
+
+
+def _moe_config(module: nn.Module) -> Any:
+    """The MoE config of a CausalLM's Llama (its config or its built model's), or None."""
+    config = getattr(module, "config", None) or getattr(getattr(module, "model", None), "config", None)
+    return getattr(config, "moe", None)
 
 
 def _not_the_norms_reduction(record: logging.LogRecord) -> bool:
@@ -69,9 +76,11 @@ class Parallel3DStrategy(FSDPStrategy):
     - `cp`: the sequence sharded over cp ranks (load-balanced chunks), attention over gathered K/V.
     - `dp_shard` (FSDP, ZeRO `zero_stage` 2 or 3) and `dp_replicate` (HSDP's replicas; with
       dp_shard=1 plain replication, i.e. DDP) over what is left: dp_shard=-1 takes the rest.
-    - `ep`: expert parallelism of MoE layers over ep of the dp_shard x cp ranks: each holds E/ep experts
-      (DTensor Shard(0) on the "ep" mesh, FSDP-sharded over the "expert" mesh) and exchanges tokens with
-      all-to-alls (strategies/expert_parallel.py). Not yet composed with tp or pp.
+    - `ep`: expert parallelism of MoE layers over ep of the dp_shard x cp x tp ranks: each holds E/ep
+      experts (DTensor Shard(0) on the "ep" mesh, FSDP-sharded over the "expert" mesh) and exchanges
+      tokens with all-to-alls (strategies/expert_parallel.py). With tp, each tp rank routes its own
+      sequence shard (the model's plan) and the ep ranks are the tp ranks first; with pp, each stage's
+      MoE layers exchange tokens with the ep ranks of that stage. Not with tp and pp at once.
     """
 
     name = "parallel3d"
@@ -108,10 +117,10 @@ class Parallel3DStrategy(FSDPStrategy):
         self.dp_shard = _degree("dp_shard", dp_shard, allow_rest=True)
         self.tp, self.pp, self.cp = _degree("tp", tp), _degree("pp", pp), _degree("cp", cp)
         self.ep = _degree("ep", ep)
-        if self.ep > 1 and (self.tp > 1 or self.pp > 1):
+        if self.ep > 1 and self.tp > 1 and self.pp > 1:
             raise ValueError(
-                f"ep={ep} with tp={tp}, pp={pp}: expert parallelism is not composed with tensor or pipeline "
-                "parallelism yet; allowed: ep > 1 with tp=1 and pp=1"
+                f"ep={ep} with tp={tp} and pp={pp}: expert parallelism is composed with tensor or with pipeline "
+                "parallelism, not with both at once; allowed: ep > 1 with tp=1 or pp=1"
             )
         self.sequence_parallel, self.loss_parallel = bool(sequence_parallel), bool(loss_parallel)
         self.pp_schedule = check_schedule(pp_schedule)
@@ -149,6 +158,11 @@ class Parallel3DStrategy(FSDPStrategy):
                 )
         if self.ep > 1:
             self._check_experts(module)
+        if self.tp > 1 and self.pp > 1 and _moe_config(module) is not None:
+            raise ValueError(
+                f"tp={self.tp} with pp={self.pp} on a MoE model: MoE layers run tensor parallel or pipelined, not "
+                "both at once; allowed: tp=1 or pp=1 with a MoE model"
+            )
         shape = getattr(module, "parallel_shape", None)
         shape = shape() if callable(shape) else None
         if shape is None:
@@ -174,8 +188,7 @@ class Parallel3DStrategy(FSDPStrategy):
 
     def _check_experts(self, module: nn.Module) -> None:
         """One-line errors for ep > 1 on a model without MoE layers, or whose experts ep does not divide."""
-        config = getattr(module, "config", None) or getattr(getattr(module, "model", None), "config", None)
-        moe = getattr(config, "moe", None)
+        moe = _moe_config(module)
         if moe is None:
             raise ValueError(
                 f"ep={self.ep} needs a MoE model (LlamaConfig.moe), but {type(module).__name__} has none; "
@@ -239,30 +252,32 @@ class Parallel3DStrategy(FSDPStrategy):
         if self.tp > 1:
             plan = module.tensor_parallel_plan(self.sequence_parallel, self.loss_parallel)
             parallelize_module(module, self.mesh.mesh("tp"), plan)
-        experts = []
         if self.ep > 1:
-            layers = apply_expert_parallel(module, self.mesh.mesh("ep"), self.mesh.group("ep"))
-            experts = [layer.experts for layer in layers]
+            apply_expert_parallel(module, self.mesh.mesh("ep"), self.mesh.group("ep"))
         blocks = transformer_blocks(module)
         if self.activation_checkpointing:
             blocks = checkpoint_blocks(module, blocks, self.activation_checkpointing)
         if model is None:
-            self._shard_experts(experts)
+            self._shard_experts(module)
             self.fully_shard_units(blocks, module)
             return module
         views = [stage_view(model, stage_blocks[i], i == 0, i == self.n_stages - 1) for i in ids]
         for view in views:
             if not self._zero_bubble:
+                self._shard_experts(view)
                 self.fully_shard_units(transformer_blocks(view), view)
         self._views, self._ids = views, ids
         return module
 
-    def _shard_experts(self, experts: list[nn.Module]) -> None:
-        """FSDP units of their own over the "expert" mesh (before their blocks take the rest, over
-        "dense"). An expert's gradient already sums the tokens of every ep rank, so FSDP divides it by
-        the data-parallel degree of the dense parameters (dp_replicate*dp_shard*cp), not by the size of
-        the "expert" mesh: both then hold the gradient of the global mean loss (TorchTitan does the same)."""
-        if not experts:
+    def _shard_experts(self, module: nn.Module) -> None:
+        """The experts of `module`'s MoE layers as FSDP units of their own over the "expert" mesh (before
+        their blocks take the rest, over "dense"), under ep > 1 or tp > 1. An expert's gradient sums the
+        tokens of every ep rank, and the "expert" mesh holds the tp ranks that ep does not (their sequence
+        shards, routed through replicated experts); so FSDP divides it by the data-parallel degree of the
+        dense parameters (dp_replicate*dp_shard*cp), not by the size of the "expert" mesh: both then hold
+        the gradient of the global mean loss (TorchTitan does the same)."""
+        experts = [layer.experts for layer in moe_layers(module)]
+        if not experts or (self.ep == 1 and self.tp == 1):
             return
         kwargs: dict[str, Any] = {
             "mesh": self.mesh.mesh("expert"),

@@ -111,6 +111,23 @@ def stage_view(model: nn.Module, block_names: list[str], first: bool, last: bool
     return view
 
 
+class _Stage(PipelineStage):
+    """A PipelineStage whose metadata inference leaves the model's buffers as they were: the schedule runs
+    it (on its first step, and again after switching between training and evaluation) as a forward of
+    the stage on placeholder inputs, uninitialised past the first stage, whose effect on buffers (a MoE
+    router's load count, running statistics) would otherwise join the next real step's."""
+
+    def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        saved = [(b, b.detach().clone()) for b in self.submod.buffers()]
+        try:
+            return super()._forward_metadata_inference(*args, **kwargs)
+        finally:
+            with torch.no_grad():  # only what changed: a buffer the backward inference reads (RoPE) stays
+                for buffer, value in saved:
+                    if not torch.equal(buffer, value):
+                        buffer.copy_(value)
+
+
 class Pipeline:
     """This rank's stages and the schedule that runs them; `step` does one batch's forward+backward."""
 
@@ -126,7 +143,7 @@ class Pipeline:
         loss: Callable[[Any, Any], Any],
     ) -> None:
         self.stages = [
-            PipelineStage(view, i, n_stages, device, group=group) for view, i in zip(views, ids, strict=True)
+            _Stage(view, i, n_stages, device, group=group) for view, i in zip(views, ids, strict=True)
         ]
         self.group, self.microbatches, self.loss = group, microbatches, loss
         self.is_first, self.is_last = 0 in ids, n_stages - 1 in ids

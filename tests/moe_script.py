@@ -43,11 +43,12 @@ MODEL = LlamaConfig.preset(
 GLOBAL_BATCH = 4  # sequences of 16 tokens: 4 ranks get 32 (token, choice) pairs each for 8 experts
 
 
-def make_run(root: Path, steps: int, batch: int, strategy="auto"):
+def make_run(root: Path, steps: int, batch: int, strategy="auto", precision="32"):
     """(trainer, module, train loader, val loader) of one run; the single-process reference uses it too."""
     trainer = Trainer(
         strategy=strategy,
         devices="auto",
+        precision=precision,
         max_steps=steps,
         seed=0,
         gradient_clip_val=0.5,  # below these steps' norms: clipping acts, with the norm over both meshes
@@ -118,14 +119,20 @@ def main() -> None:
     results: dict = {}
     for layout in json.loads(args.layouts):
         tag = layout.pop("tag")
-        steps, save, resume = (
+        steps, save, resume, precision = (
             layout.pop("steps", args.steps),
             layout.pop("save", None),
             layout.pop("resume", None),
+            layout.pop("precision", "32"),
         )
-        dp = int(os.environ["WORLD_SIZE"])  # every rank reads its own data (no tp/pp with ep)
+        # the loader's batch is per data-parallel rank: tp and pp ranks read the same data
+        dp = int(os.environ["WORLD_SIZE"]) // (layout.get("tp", 1) * layout.get("pp", 1))
         trainer, module, train, val = make_run(
-            Path(args.root) / tag, steps, GLOBAL_BATCH // dp, Parallel3DStrategy(timeout_s=120, **layout)
+            Path(args.root) / tag,
+            steps,
+            GLOBAL_BATCH // dp,
+            Parallel3DStrategy(timeout_s=120, **layout),
+            precision,
         )
         trainer.fit(module, train, val, ckpt_path=resume)
         if save:

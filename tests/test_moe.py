@@ -21,6 +21,7 @@ from trainer.models.moe import (
     grouped_mm,
     grouped_mm_loop,
     grouped_mm_supported,
+    moe_stats,
 )
 
 
@@ -86,7 +87,7 @@ def test_moe_layer_equals_naive_token_loop(overrides: dict) -> None:
 def test_enough_capacity_drops_nothing() -> None:
     moe = make_moe(capacity_factor=4.0)  # capacity = all N*k pairs: nothing can overflow
     moe(torch.randn(32, 16))
-    assert moe.stats["dropped_frac"].item() == 0.0
+    assert moe_stats([moe], moe.config, torch.device("cpu"))["dropped_frac"] == 0.0
     assert moe.stats["load"].sum().item() == 64
 
 
@@ -101,7 +102,7 @@ def test_capacity_caps_each_expert_and_drops_the_lowest_scores() -> None:
     assert torch.equal(kept, raw.clamp(max=capacity))
     moe(x)
     hand_dropped = sum(max(0, int(r) - capacity) for r in raw) / 64
-    assert moe.stats["dropped_frac"].item() == pytest.approx(hand_dropped, abs=1e-7)
+    assert moe_stats([moe], moe.config, x.device)["dropped_frac"] == pytest.approx(hand_dropped, abs=1e-7)
     for e in range(4):  # "probs" policy: every kept pair of e scores above every dropped one
         chosen = routing.indices == e
         score = routing.scores[:, e : e + 1].expand_as(chosen)
@@ -174,6 +175,21 @@ def test_top_k_uses_score_plus_bias_but_gates_use_raw_scores() -> None:
     assert torch.allclose(moe(x), naive_moe(moe, x), atol=1e-6)
     assert "router.expert_bias" in moe.state_dict()
     assert "router.tokens_per_expert" not in moe.state_dict()
+
+
+def test_router_stats_summed_over_ranks_equal_one_process_over_their_tokens() -> None:
+    whole, half = make_moe(), make_moe()  # the same weights
+    x = torch.randn(32, 16)
+    whole(x)
+    rows: list[torch.Tensor] = []
+    half(x[16:])
+    moe_stats([half], half.config, x.device, all_reduce=rows.append)  # what "rank 1" contributes
+    half(x[:16])
+    got = moe_stats([half], half.config, x.device, all_reduce=lambda t: t.add_(rows[0]))
+    expected = moe_stats([whole], whole.config, x.device)
+    assert got.keys() == expected.keys() and expected["load_cv"] > 0
+    for key in expected.keys() - {"aux_loss"}:  # the load-balancing loss is a product of per-rank means
+        assert got[key] == pytest.approx(expected[key], abs=1e-5), key
 
 
 def test_load_is_counted_once_under_activation_checkpointing_and_not_without_grad() -> None:

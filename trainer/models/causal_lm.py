@@ -56,10 +56,18 @@ class CausalLM(TrainModule):
     def _loss(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return self.pipeline_loss(self.model(batch["input_ids"]), batch["labels"])
 
-    def pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    def pipeline_loss(
+        self, logits: torch.Tensor | tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
         """Mean cross-entropy of logits [B, T, V] over the labels that are not -100, and their count;
-        also what a pipeline's last stage computes on its output."""
+        also what a pipeline's last stage computes on its output, which for a MoE model is (logits, the
+        auxiliary losses of every stage): in training they join the loss, as `training_step` adds them."""
+        aux = None
+        if isinstance(logits, tuple):
+            logits, aux = logits
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+        if aux is not None and self.training:
+            loss = _add(loss, aux)
         return {"loss": loss, "num_tokens": (labels != -100).sum()}
 
     def pipeline_batch(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,18 +83,29 @@ class CausalLM(TrainModule):
         extra = getattr(self.model, "extra_loss", None)
         extra = extra() if callable(extra) else None
         if extra is not None:  # a MoE model's load-balancing and router z-losses join the training loss
-            out["loss"] = out["loss"] + extra
-            trainer = self._trainer
-            if trainer is not None and (self.global_step + 1) % trainer.log_every_n_steps == 0:
-                self.log_dict({f"moe/{k}": v for k, v in self.model.moe_stats().items()})
+            out["loss"] = _add(out["loss"], extra)
         return out
 
     def on_before_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
-        """After each optimizer step: a MoE model's auxiliary-loss-free balancing moves its expert biases
-        by the loads its experts saw, summed over the ranks that hold different tokens."""
+        """After each optimizer step (on every rank, also under a pipeline schedule): a MoE model logs its
+        router statistics on logged steps, summed over all ranks (one all-reduce), then its
+        auxiliary-loss-free balancing moves its expert biases by the loads its experts saw, summed over
+        the ranks that hold different tokens."""
+        trainer = self._trainer
+        if trainer is None:
+            return
+        strategy = trainer.strategy
+        stats = getattr(self.model, "moe_stats", None)
+        step = self.global_step + 1
+        if callable(stats) and (step % trainer.log_every_n_steps == 0 or step == trainer.max_steps):
+            world_sum = (
+                (lambda t: t.copy_(strategy.reduce(t, "sum", group="world")))
+                if strategy.world_size > 1
+                else None
+            )
+            self.log_dict({f"moe/{k}": v for k, v in stats(world_sum).items()})
         update = getattr(self.model, "update_moe_biases", None)
-        if callable(update) and self._trainer is not None:
-            strategy = self._trainer.strategy
+        if callable(update):
             update(lambda counts: counts.copy_(strategy.reduce(counts, "sum", group="loss")))
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
@@ -131,6 +150,16 @@ class CausalLM(TrainModule):
 
     def enable_context_parallel(self, attention_fn: Any, positions_fn: Any) -> None:
         _hook(self.model, "enable_context_parallel")(attention_fn, positions_fn)
+
+
+def _add(loss: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+    """loss + extra, where under loss parallelism the loss is a DTensor replicated over the tp ranks and
+    `extra` the same value on each (trainer.models.moe.summed_extra_loss)."""
+    if hasattr(loss, "device_mesh"):
+        from torch.distributed.tensor import DTensor, Replicate
+
+        extra = DTensor.from_local(extra, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim)
+    return loss + extra
 
 
 def _hook(model: Any, name: str) -> Any:

@@ -14,7 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.models.moe import MoE, MoEConfig, moe_layers, moe_stats
+from trainer.models.moe import (
+    MoE,
+    MoEConfig,
+    moe_layers,
+    moe_stats,
+    summed_extra_loss,
+    update_expert_biases,
+)
 
 
 @dataclass
@@ -315,9 +322,14 @@ class Llama(nn.Module):
                     normal(self.output.weight, std, 1 + 7 * c.n_layers)
         self.rope.reset_parameters()
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, aux: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits (B, T, vocab_size) in float32 for token ids (B, T); position t sees tokens 0..t.
-        A pipeline stage without the embedding takes, and one without the output returns, hidden states."""
+        A pipeline stage without the embedding takes, and one without the output returns, hidden states.
+        A pipeline stage of a MoE model also takes (after the first) and returns the weighted auxiliary
+        losses `aux` of the stages so far plus its own, so that the last stage's loss holds every
+        stage's and their gradients flow back through the schedule like the activations'."""
         if tokens.shape[1] > self.config.max_seq_len:
             raise ValueError(
                 f"sequence length {tokens.shape[1]} exceeds max_seq_len={self.config.max_seq_len}"
@@ -326,9 +338,13 @@ class Llama(nn.Module):
         cos, sin = self.rope(h.dtype, self.positions_fn() if self.positions_fn is not None else None)
         for block in self.layers.values():
             h = block(h, cos, sin)
-        if self.output is None:
-            return h
-        return self.output(self.norm(h)).float()  # (B, T, vocab_size)
+        out = h if self.output is None else self.output(self.norm(h)).float()  # (B, T, vocab_size)
+        if self.config.moe is None or (self.tok_embeddings is not None and self.output is not None):
+            return out
+        own = summed_extra_loss(moe_layers(self.layers))
+        if own is None:  # a stage of dense blocks only
+            own = torch.zeros((), device=h.device)
+        return out, own if aux is None else aux + own
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether block `index` has a MoE feed-forward."""
@@ -336,22 +352,27 @@ class Llama(nn.Module):
 
     def extra_loss(self) -> torch.Tensor | None:
         """The weighted MoE auxiliary losses (load balancing + router z-loss) of the last forward, summed
-        over this model's MoE layers, for the training loss to add; None for a dense model."""
+        over this model's MoE layers, for the training loss to add; None for a dense model. Under tensor
+        parallelism the value covers every tp rank's tokens (see trainer.models.moe.summed_extra_loss)."""
         if self.config.moe is None:  # every training step asks: a dense model answers without a module walk
             return None
-        losses = [loss for m in moe_layers(self) if (loss := m.extra_loss()) is not None]
-        return torch.stack(losses).sum() if losses else None
+        return summed_extra_loss(moe_layers(self))
 
-    def moe_stats(self) -> dict[str, float]:
-        """Router statistics of the last forward as floats (see trainer.models.moe.moe_stats); {} if dense."""
-        return moe_stats(self)
+    def moe_stats(self, all_reduce: Any = None) -> dict[str, float]:
+        """Router statistics of the last forward as floats, {} if dense; `all_reduce(tensor)` sums over
+        the ranks that route other tokens or hold other blocks (see trainer.models.moe.moe_stats)."""
+        if self.config.moe is None:
+            return {}
+        held = {int(name): block.feed_forward for name, block in self.layers.items()}  # a stage holds some
+        slots = [held.get(i) for i in range(self.config.n_layers) if self.is_moe_layer(i)]
+        return moe_stats(slots, self.config.moe, self.rope.cos.device, all_reduce)
 
     def update_moe_biases(self, all_reduce: Any = None) -> None:
-        """Auxiliary-loss-free balancing: call after each optimizer step (no-op when bias_update_rate is 0)."""
+        """Auxiliary-loss-free balancing: call after each optimizer step (no-op when bias_update_rate is 0);
+        `all_reduce(tensor)` sums the loads over the data-parallel ranks."""
         if self.config.moe is None or not self.config.moe.bias_update_rate:
             return
-        for m in moe_layers(self):
-            m.router.update_expert_bias(all_reduce)
+        update_expert_biases(moe_layers(self), all_reduce)
 
     def num_active_params(self) -> int:
         """Parameters one token uses: all but the (n_experts - top_k) unchosen routed experts of each
@@ -386,13 +407,17 @@ class Llama(nn.Module):
         attention and one after the MLP. With `sequence_parallel` the norms run on sequence shards
         (activations between blocks are split over the tp ranks) and the reductions become
         reduce-scatters; with `loss_parallel` the logits stay sharded over the vocabulary for a
-        vocabulary-parallel cross-entropy."""
-        if self.config.moe is not None:
-            raise NotImplementedError("tensor parallelism of MoE blocks is not implemented yet")
+        vocabulary-parallel cross-entropy.
+
+        A MoE feed-forward is not split: it takes this rank's shard of the sequence (sliced from the
+        replicated activations without `sequence_parallel`) and routes those tokens itself (TorchTitan's
+        ETP=1), its router and shared experts replicated over the tp ranks (their gradients partial sums),
+        its experts split by expert parallelism, whose ranks include the tp ranks."""
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.parallel import (
             ColwiseParallel,
             PrepareModuleInput,
+            PrepareModuleInputOutput,
             RowwiseParallel,
             SequenceParallel,
         )
@@ -409,18 +434,31 @@ class Llama(nn.Module):
                 output_layouts=Shard(-1) if loss_parallel else Replicate(),
                 use_local_output=not loss_parallel,  # a DTensor is what loss_parallel() reads
             )
-        for name in self.layers:
+        for name, layer in self.layers.items():
             block = f"layers.{name}."
-            for linear in (
-                "attention.wq",
-                "attention.wk",
-                "attention.wv",
-                "feed_forward.w1",
-                "feed_forward.w3",
-            ):
+            moe = isinstance(layer.feed_forward, MoE)
+            for linear in ("attention.wq", "attention.wk", "attention.wv"):
                 plan[block + linear] = ColwiseParallel()
-            for linear in ("attention.wo", "feed_forward.w2"):
-                plan[block + linear] = RowwiseParallel(output_layouts=between)
+            plan[block + "attention.wo"] = RowwiseParallel(output_layouts=between)
+            if moe:
+                plan[block + "feed_forward"] = PrepareModuleInputOutput(
+                    input_layouts=(between,),
+                    desired_input_layouts=(Shard(1),),
+                    use_local_input=False,  # a DTensor: the MoE learns which ranks hold the other shards
+                    output_layouts=(Shard(1),),
+                    desired_output_layouts=(between,),
+                )
+                # replicated weights applied to token shards (the router reads its gate as a local weight)
+                plan[block + "feed_forward.router.gate"] = SequenceParallel(sequence_dim=0)
+                if layer.feed_forward.shared_experts is not None:
+                    for linear in ("w1", "w2", "w3"):
+                        plan[block + f"feed_forward.shared_experts.{linear}"] = SequenceParallel(
+                            sequence_dim=0, use_local_output=True
+                        )
+            else:
+                plan[block + "feed_forward.w1"] = ColwiseParallel()
+                plan[block + "feed_forward.w3"] = ColwiseParallel()
+                plan[block + "feed_forward.w2"] = RowwiseParallel(output_layouts=between)
             if sequence_parallel:
                 plan[block + "attention_norm"] = SequenceParallel()
                 plan[block + "ffn_norm"] = SequenceParallel()
@@ -428,9 +466,10 @@ class Llama(nn.Module):
                 plan[block + "attention"] = PrepareModuleInput(
                     input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
                 )
-                plan[block + "feed_forward"] = PrepareModuleInput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-                )
+                if not moe:
+                    plan[block + "feed_forward"] = PrepareModuleInput(
+                        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                    )
         return plan
 
     def num_params(self, exclude_embeddings: bool = False) -> int:

@@ -12,6 +12,11 @@ The forward is four separable stages, so expert parallelism can later put an all
 replaces it with one whose `dispatch` also exchanges the permuted tokens (and counts) with an all-to-all so
 each rank receives the tokens of its own experts (the experts' weights sharded on dim 0), and whose
 `combine` sends the results back before un-permuting.
+
+Under tensor parallelism the layer takes a sequence-sharded DTensor (the Llama's plan) and works on this
+rank's tokens only (TorchTitan's ETP=1): the router and shared experts are replicated over the tp ranks,
+so their gradients are partial sums that the DTensor machinery adds up, and the auxiliary losses and
+loads are those of the group's tokens (`token_group`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -126,7 +132,7 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> Routing:
         """Route x (N, dim)."""
         c = self.config
-        logits = F.linear(x.float(), self.gate.weight.float())  # (N, E), fp32
+        logits = F.linear(x.float(), local_weight(self.gate.weight).float())  # (N, E), fp32
         if c.score_func == "softmax":
             scores = torch.softmax(logits, dim=-1)
             probs = scores
@@ -164,6 +170,17 @@ class Router(nn.Module):
             delta = rate * torch.sign(load.mean() - load)
             self.expert_bias += delta - delta.mean()
         load.zero_()
+
+
+def local_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A weight as this rank uses it on its own tokens: a DTensor replicated over the ranks that split the
+    tokens (tensor parallelism) gives its local copy, whose gradient is partial (summed over those ranks
+    when FSDP redistributes it to the replicated layout); a plain tensor is itself."""
+    if not hasattr(weight, "device_mesh"):  # duck-typed: importing DTensor costs a one-process run ~0.5 s
+        return weight
+    from torch.distributed.tensor import Partial
+
+    return weight.to_local(grad_placements=[Partial()] * weight.device_mesh.ndim)
 
 
 def capacity_mask(indices: torch.Tensor, scores: torch.Tensor, capacity: int, n_experts: int) -> torch.Tensor:
@@ -300,8 +317,11 @@ class SharedExperts(nn.Module):
 class MoE(nn.Module):
     """The MoE feed-forward: route -> dispatch -> experts -> combine, plus the shared experts.
 
-    After each forward `aux_loss` and `z_loss` hold this layer's losses (tensors in the graph) and `stats`
-    detached tensors for logging; `extra_loss()` is aux_loss_coef * aux + z_loss_coef * z.
+    After each forward `aux_loss` and `z_loss` hold this layer's losses (tensors in the graph, means over
+    the `n_tokens` tokens it routed) and `stats` detached tensors for logging; `extra_loss()` is
+    aux_loss_coef * aux + z_loss_coef * z. A sequence-sharded DTensor input (tensor parallelism) is
+    routed shard by shard and gives an output of the same layout; `token_group` is then the process group
+    of the ranks that hold the other shards (None otherwise).
     """
 
     def __init__(self, dim: int, config: MoEConfig) -> None:
@@ -314,6 +334,8 @@ class MoE(nn.Module):
         self.dispatcher: Any = LocalDispatcher()
         self.aux_loss: torch.Tensor | None = None
         self.z_loss: torch.Tensor | None = None
+        self.n_tokens = 0
+        self.token_group: Any = None
         self.stats: dict[str, torch.Tensor] = {}
 
     def route(self, x: torch.Tensor) -> Routing:
@@ -329,6 +351,10 @@ class MoE(nn.Module):
         return self.dispatcher.combine(out, routing, ctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        sharded = x if hasattr(x, "device_mesh") else None  # a DTensor
+        if sharded is not None:  # tensor parallel: this rank's shard of the sequence is its tokens
+            x = sharded.to_local()
+            self.token_group = sharded.device_mesh.get_group()
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         routing = self.route(x)
@@ -336,10 +362,20 @@ class MoE(nn.Module):
         y = self.combine(self.compute(tokens, counts), routing, ctx)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
-        self.aux_loss, self.z_loss = routing.aux_loss, routing.z_loss
+        self.aux_loss, self.z_loss, self.n_tokens = routing.aux_loss, routing.z_loss, x.shape[0]
         load = getattr(self.dispatcher, "load", None)
         self._record(routing, load(counts, ctx) if callable(load) else counts)
-        return y.view(shape)
+        y = y.view(shape)
+        if sharded is None:
+            return y
+        return type(sharded).from_local(
+            y,
+            sharded.device_mesh,
+            sharded.placements,
+            run_check=False,
+            shape=sharded.shape,
+            stride=sharded.stride(),
+        )
 
     def extra_loss(self) -> torch.Tensor | None:
         """This layer's weighted auxiliary losses of the last forward (None before any forward)."""
@@ -349,21 +385,11 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def _record(self, routing: Routing, counts: torch.Tensor) -> None:
-        load = counts.float()  # kept (token, choice) pairs per expert
-        pairs = routing.indices.numel()
-        mean = load.mean()
-        bias = self.router.expert_bias
+        """What `moe_stats` needs of this forward, kept raw (it reduces them over ranks when it logs)."""
         self.stats = {
-            "aux_loss": routing.aux_loss.detach(),
-            "z_loss": routing.z_loss.detach(),
-            "load": load,
-            "load_min": load.min(),
-            "load_max": load.max(),
-            "load_cv": load.std(unbiased=False) / mean.clamp_min(1e-9),
-            "imbalance": load.max() / mean.clamp_min(1e-9),
-            "dropped_frac": 1.0 - load.sum() / pairs,
-            "bias_min": bias.min(),
-            "bias_max": bias.max(),
+            "load": counts.float(),  # kept (token, choice) pairs per expert
+            "aux_loss": routing.aux_loss.detach().float(),
+            "z_loss": routing.z_loss.detach().float(),
         }
 
     def init_weights(self, normal: Any, std: float, residual_std: float, seeds: list[int]) -> None:
@@ -384,21 +410,94 @@ def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-def moe_stats(model: nn.Module) -> dict[str, float]:
-    """Floats for logging from the last forward of every MoE layer of `model`: aux_loss and z_loss summed
-    over layers (unweighted); load_min/max/cv, imbalance (max/mean load), dropped_frac averaged over layers;
-    bias_min/max over all layers; load_e{i} the kept pairs of expert i summed over layers."""
-    layers = [m for m in moe_layers(model) if m.stats]
-    if not layers:
+def summed_extra_loss(layers: list[MoE]) -> torch.Tensor | None:
+    """The weighted auxiliary losses of the last forward of `layers`, summed (None if none ran).
+
+    Where tensor parallelism split the tokens (`token_group`), the value is the token-weighted mean of the
+    group's ranks (one all-reduce of two numbers; for the z-loss, a mean over tokens, exactly that of the
+    whole sequence; the load-balancing loss is each shard's, as each data-parallel rank's is), the same on
+    every rank as the loss it joins, while the gradient flows through this rank's share n_rank / n_group
+    only: the replicated router's partial gradients then sum, over the group, to that value's gradient."""
+    losses = [loss for m in layers if (loss := m.extra_loss()) is not None]
+    if not losses:
+        return None
+    extra = torch.stack(losses).sum()
+    group = layers[0].token_group
+    if group is None:
+        return extra
+    mine = extra * layers[0].n_tokens
+    total = torch.stack([mine.detach().float(), mine.new_tensor(float(layers[0].n_tokens))])
+    dist.all_reduce(total, group=group)
+    share = mine / total[1]
+    return share + (total[0] / total[1] - share).detach()
+
+
+def update_expert_biases(layers: list[MoE], all_reduce: Any = None) -> None:
+    """Auxiliary-loss-free balancing of `layers` from the loads counted since the last update, summed first
+    by `all_reduce(tensor)` (in place, over the data-parallel ranks) and over each layer's `token_group`:
+    one collective each for all the layers."""
+    if not layers or not layers[0].config.bias_update_rate:
+        return
+    loads = torch.stack([m.router.tokens_per_expert for m in layers])
+    if all_reduce is not None:
+        all_reduce(loads)
+    if layers[0].token_group is not None:
+        dist.all_reduce(loads, group=layers[0].token_group)
+    for m, load in zip(layers, loads, strict=True):
+        m.router.tokens_per_expert.copy_(load)
+        m.router.update_expert_bias()
+
+
+STAT_NAMES = (
+    "load_min",
+    "load_max",
+    "load_cv",
+    "imbalance",
+    "dropped_frac",
+    "aux_loss",
+    "z_loss",
+    "bias_min",
+    "bias_max",
+)
+
+
+def moe_stats(
+    layers: list[MoE | None], config: MoEConfig, device: torch.device, all_reduce: Any = None
+) -> dict[str, float]:
+    """Floats for logging from the last forward of every MoE layer: aux_loss and z_loss (unweighted, each
+    layer's token-weighted mean over ranks) summed over layers; load_min/max/cv, imbalance (max/mean load),
+    dropped_frac of each layer's global per-expert load, averaged over layers; bias_min/max over all
+    layers; load_e{i} the kept pairs of expert i summed over layers.
+
+    `layers` has one entry per MoE layer of the whole model, None where this rank does not hold it (another
+    pipeline stage's). `all_reduce(tensor)`, if given, sums in place over every rank that routes other
+    tokens or holds other layers: one collective of (2E + 4) numbers per layer, so the loads are global."""
+    E = config.n_experts
+    rows = torch.zeros(len(layers), 2 * E + 4, device=device)
+    for i, m in enumerate(layers):
+        if m is None or not m.stats:
+            continue
+        s, n = m.stats, float(m.n_tokens)
+        rows[i, :E] = s["load"]
+        rows[i, E] = n
+        rows[i, E + 1 : E + 3] = torch.stack([s["aux_loss"], s["z_loss"]]) * n
+        rows[i, E + 3 : 2 * E + 3] = m.router.expert_bias
+        rows[i, 2 * E + 3] = 1.0  # holders: the bias is the same on each
+    if all_reduce is not None:
+        all_reduce(rows)
+    rows = rows[rows[:, 2 * E + 3] > 0]
+    if not len(rows):
         return {}
-    out: dict[str, float] = {}
-    stacked = {key: torch.stack([m.stats[key] for m in layers]) for key in layers[0].stats}
-    out["aux_loss"] = stacked["aux_loss"].sum().item()
-    out["z_loss"] = stacked["z_loss"].sum().item()
-    for key in ("load_min", "load_max", "load_cv", "imbalance", "dropped_frac"):
-        out[key] = stacked[key].float().mean().item()
-    out["bias_min"] = stacked["bias_min"].min().item()
-    out["bias_max"] = stacked["bias_max"].max().item()
-    for i, value in enumerate(stacked["load"].sum(0).tolist()):
-        out[f"load_e{i}"] = value
+    load, tokens = rows[:, :E], rows[:, E]
+    bias = rows[:, E + 3 : 2 * E + 3] / rows[:, 2 * E + 3 :]
+    mean = load.mean(1).clamp_min(1e-9)
+    per_layer = torch.stack([
+        load.min(1).values, load.max(1).values, load.std(1, unbiased=False) / mean, load.max(1).values / mean,
+        1.0 - load.sum(1) / (tokens * config.top_k),
+    ]).mean(1)  # fmt: skip
+    summed = torch.stack(
+        [(rows[:, E + 1] / tokens).sum(), (rows[:, E + 2] / tokens).sum(), bias.min(), bias.max()]
+    )
+    out = dict(zip(STAT_NAMES, torch.cat([per_layer, summed]).tolist(), strict=True))
+    out.update({f"load_e{i}": v for i, v in enumerate(load.sum(0).tolist())})
     return out
