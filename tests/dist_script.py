@@ -20,8 +20,8 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from callbacks import Callback, ModelCheckpoint, NaNGuard, StragglerDetector, Timer  # noqa: E402
-from strategies import DDPStrategy, FSDPStrategy  # noqa: E402
-from trainer import Trainer  # noqa: E402
+from strategies import DDPStrategy, FSDPStrategy, mesh  # noqa: E402
+from trainer import Trainer, integrity  # noqa: E402
 from trainer.models.causal_lm import CausalLM  # noqa: E402
 
 
@@ -233,6 +233,18 @@ class Misbehave(Callback):
                 os.kill(os.getpid(), signal.SIGKILL)
 
 
+def slow_disk(seconds: float) -> None:
+    """Rank 1's disk takes `seconds` to finish each checkpoint file it writes."""
+    close = integrity.HashingFile.close
+
+    def slow_close(self) -> None:
+        if not self.closed and os.environ.get("RANK") == "1":
+            time.sleep(seconds)
+        close(self)
+
+    integrity.HashingFile.close = slow_close
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--devices", default="auto")
@@ -275,10 +287,18 @@ def main() -> None:
     p.add_argument("--report-placement", action="store_true")  # FSDP offload policies and tensor devices
     p.add_argument("--validate", action="store_true")
     p.add_argument("--count-allreduces", action="store_true")  # DDP's gradient all-reduces per step
+    p.add_argument(
+        "--slow-disk", type=float, default=0.0
+    )  # seconds rank 1 takes to close each checkpoint file
+    p.add_argument("--io-floor", type=float, default=None)  # the disk rate (bytes/s) checkpoint waits assume
     p.add_argument("--root", required=True)
     p.add_argument("--out", required=True)
     a = p.parse_args()
     torch.set_num_threads(1)
+    if a.io_floor is not None:
+        mesh.IO_FLOOR_BYTES_PER_S = a.io_floor
+    if a.slow_disk:
+        slow_disk(a.slow_disk)
     devices = a.devices if a.devices == "auto" else int(a.devices)
     processes = (os.cpu_count() if devices == "auto" else devices) * a.num_nodes
     world = int(os.environ.get("WORLD_SIZE", processes if devices != "auto" else 1))

@@ -182,6 +182,15 @@ def test_a_collective_timeout_names_the_rank_that_stopped_answering(tmp_path):
     assert "rank 0: a collective timed out after 4s; rank(s) [1] stopped answering" in done.stderr
 
 
+def test_waits_on_a_slow_checkpoint_write_are_sized_to_its_bytes_not_to_the_collective_timeout(tmp_path):
+    # rank 1's disk needs 9 s per file; collectives time out after 6 s. At an assumed floor of 300 B/s the
+    # ~4 kB state allows 6 s + ~13 s for the waits on its I/O: the save completes, where a fixed 6 s would not
+    common = ["--devices", "2", "--steps", "2", "--ckpt-every", "2", "--timeout", "6", "--slow-disk", "9"]
+    done, root = run([*common, "--io-floor", "300"], tmp_path, "slow-disk", timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (root / "checkpoints" / "step-00000002" / "validated.json").exists()
+
+
 def test_torchrun_restart_after_sigkill_resumes_from_the_checkpoint(tmp_path):
     common = ["--devices", "2", "--steps", "10", "--ckpt-every", "2", "--shuffle", "--global-batch", "64"]
     done, _ = run(common, tmp_path, "straight")
