@@ -15,6 +15,7 @@ from test_ddp import SCRIPT, result, run, single_process
 
 from strategies import FSDPStrategy
 from trainer import Trainer
+from trainer.export import _dcp_model_state
 from trainer.models.causal_lm import CausalLM
 
 pytestmark = pytest.mark.slow
@@ -88,6 +89,33 @@ def test_a_sharded_checkpoint_resumes_on_another_world_size(tmp_path, stage, sav
             f"step {step}: resumed on {resumed_on} {got[step]} vs {expected[step]}"
         )
     assert_params_close(resumed["params"], straight["params"])
+
+
+def test_a_ddp_checkpoint_resumes_sharded_under_fsdp_and_loads_in_one_process(tmp_path):
+    # DDP and FSDP write the same layout (torch's state dict, each rank its part): a run can move between them
+    done, ddp_root = run(
+        ["--model", "llama", "--devices", "2", "--steps", "8", "--ckpt-every", "4"], tmp_path, "ddp"
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    ckpt = ddp_root / "checkpoints" / "step-00000004"
+    root = tmp_path / "fsdp"
+    shutil.copytree(ckpt, root / "checkpoints" / ckpt.name)
+    fsdp(tmp_path, "fsdp", "--stage", "3", "--steps", "8", "--ckpt-every", "4", "--resume")
+    expected, got = read_metrics(ddp_root), read_metrics(root)
+    assert sorted(got) == [5, 6, 7, 8]
+    for step in got:
+        assert abs(got[step] - expected[step]) <= 1e-5, (
+            f"step {step}: fsdp {got[step]} vs ddp {expected[step]}"
+        )
+    torch.manual_seed(0)
+    one = CausalLM(LLAMA, lr=1e-2)
+    Trainer(enable_progress_bar=False, default_root_dir=tmp_path / "one").validate(
+        one, token_loader(8), ckpt_path=ckpt
+    )
+    saved = _dcp_model_state(ckpt / "dcp")  # read back without a process group, as `trainer export` does
+    assert set(saved) == set(one.state_dict())
+    for name, value in one.state_dict().items():
+        assert torch.equal(value, saved[name]), f"{name} was not loaded from the DDP checkpoint"
 
 
 def test_async_save_writes_complete_checkpoints_while_training(tmp_path):
