@@ -56,7 +56,9 @@ class MeshStrategy(Strategy):
     """A strategy over several processes; subclasses give their parallel degrees in `parallel_dims()`.
 
     `timeout_s` bounds every collective: a rank that waits longer raises an error naming the ranks
-    that never arrived, instead of hanging for torch's default 30 minutes.
+    that never arrived, instead of hanging for torch's default 30 minutes. Waits on checkpoint I/O get
+    `timeout_s` plus the slowest rank's bytes at IO_FLOOR_BYTES_PER_S (`begin_io`), so a large save is
+    never taken for a hang.
     """
 
     def __init__(self, timeout_s: float = 600.0) -> None:
