@@ -5,8 +5,8 @@ nothing is allocated). Weights, gradients and AdamW state only: activations depe
 not here.
 
 What a rank stores is read off the storage FSDP2 allocates, not the shard's shape: FSDP pads every
-shard to ceil(dim 0 / ranks) rows, so a rank whose shard is short or empty (8 experts, ep=8, over an
-8-rank "expert" mesh: one expert for 8 ranks) still stores a full chunk of weights and gradients.
+dim-0 shard to ceil(dim 0 / ranks) rows, so a rank whose shard is short or empty still stores a full
+chunk of weights and gradients. (Parallel3DStrategy shards experts that do not split that way on dim 1.)
 """
 
 from __future__ import annotations

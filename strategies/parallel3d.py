@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
 from strategies.activation_checkpointing import checkpoint_blocks, transformer_blocks
@@ -58,6 +58,18 @@ def _moe_config(module: nn.Module) -> Any:
     """The MoE config of a CausalLM's Llama (its config or its built model's), or None."""
     config = getattr(module, "config", None) or getattr(getattr(module, "model", None), "config", None)
     return getattr(config, "moe", None)
+
+
+def _expert_placement(param: torch.Tensor, shards: int) -> Shard:
+    """FSDP's placement of an expert weight (E/ep local experts, in, out) over `shards` ranks: dim 0, whole
+    experts per rank, when the local experts divide; else dim 1 (the model dim or ffn, in practice a multiple
+    of `shards`). FSDP pads an uneven dim 0 to ceil(E/ep / shards) experts on every rank (Mixtral's 8 at ep=8
+    over an 8-rank "expert" mesh: 8 ranks each store a whole expert, 7 of them zeros) but refuses an uneven
+    dim 1, so dim 0 stays where neither divides. Dim 1 costs a copy around each all-gather and reduce-scatter
+    (FSDP regroups the ranks' slices): the exception, not the rule. (TorchTitan's rule, ep * shards > E,
+    keeps dim 0 for E/ep = 3 over 2 ranks, padded to 4.)"""
+    local = param.to_local() if isinstance(param, DTensor) else param
+    return Shard(1) if local.shape[0] % shards and local.shape[1] % shards == 0 else Shard(0)
 
 
 def _not_the_norms_reduction(record: logging.LogRecord) -> bool:
@@ -275,13 +287,18 @@ class Parallel3DStrategy(FSDPStrategy):
         tokens of every ep rank, and the "expert" mesh holds the tp ranks that ep does not (their sequence
         shards, routed through replicated experts); so FSDP divides it by the data-parallel degree of the
         dense parameters (dp_replicate*dp_shard*cp), not by the size of the "expert" mesh: both then hold
-        the gradient of the global mean loss (TorchTitan does the same)."""
+        the gradient of the global mean loss (TorchTitan does the same). Each weight is sharded on the dim
+        `_expert_placement` picks: when the local experts do not split over the "expert" mesh, their inner
+        dim. The gradient's divide factor, the norm (DTensor, over every mesh dim) and DCP (each shard's
+        global offsets from its placements) do not depend on which dim that is."""
         experts = [layer.experts for layer in moe_layers(module)]
         if not experts or (self.ep == 1 and self.tp == 1):
             return
+        shards = self.mesh.size("expert")  # FSDP's shard dim; under HSDP the replicas hold copies
         kwargs: dict[str, Any] = {
             "mesh": self.mesh.mesh("expert"),
             "reshard_after_forward": self.zero_stage == 3,
+            "shard_placement_fn": lambda param: _expert_placement(param, shards),
         }
         if self.precision.name == "bf16-mixed":
             kwargs["mp_policy"] = MixedPrecisionPolicy(
@@ -294,7 +311,7 @@ class Parallel3DStrategy(FSDPStrategy):
             unit.set_gradient_divide_factor(factor)
             # gloo has no PREMUL_SUM: reduce by SUM, then divide. Not on a 1-rank "expert" mesh, where
             # FSDP (torch 2.13) skips the reduce-scatter, divides in its copy and would divide again.
-            if self.root_device.type == "cpu" and self.mesh.size("expert") > 1:
+            if self.root_device.type == "cpu" and shards > 1:
                 unit.set_force_sum_reduction_for_comms(True)
 
     def setup_module(self, module: nn.Module) -> nn.Module:

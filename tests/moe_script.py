@@ -2,10 +2,11 @@
 torchrun would; first checks the all-to-all dispatcher alone against the local one (routings that leave
 whole ranks without tokens).
 
-`--layouts` is a JSON list of {"tag": ..., **Parallel3DStrategy kwargs}; each is one `Trainer.fit` in the
-same world. Rank 0 writes {"dispatcher": max abs differences, tag: {"params": {name: values},
-"empty_chunks": (source rank, expert) pairs that sent no rows, summed over ranks and layers}} to `--out`;
-the losses are in each run's metrics log under `--root`/tag.
+`--layouts` is a JSON list of {"tag": ..., **Parallel3DStrategy kwargs} ("experts": the model's routed
+experts, default 8); each is one `Trainer.fit` in the same world. Rank 0 writes {"dispatcher": max abs
+differences, tag: {"params": {name: values}, "empty_chunks": (source rank, expert) pairs that sent no rows,
+summed over ranks and layers, "expert_placements": the expert weights' placements}} to `--out`; the losses
+are in each run's metrics log under `--root`/tag.
 """
 
 from __future__ import annotations
@@ -30,20 +31,26 @@ from trainer.models.causal_lm import CausalLM  # noqa: E402
 from trainer.models.llama import LlamaConfig  # noqa: E402
 from trainer.models.moe import GroupedExperts, LocalDispatcher, MoE, Routing  # noqa: E402
 
-MODEL = LlamaConfig.preset(
-    "moe-tiny",
-    vocab_size=64,
-    max_seq_len=16,
-    # the preset's MoE with the auxiliary-loss-free bias balancing (its loads summed over the ranks) instead
-    # of the load-balancing loss: that loss is a product of per-batch means, so one process's differs from
-    # the mean of the ranks' (as in every data-parallel MoE), while the z-loss is a mean over tokens
-    moe=dict(n_experts=8, top_k=2, moe_ffn_dim=32, n_shared_experts=1, n_dense_layers=1,
-             aux_loss_coef=0.0, z_loss_coef=0.001, bias_update_rate=1e-3),
-)  # fmt: skip
+
+def tiny_moe(n_experts: int) -> LlamaConfig:
+    """The tiny MoE Llama with `n_experts` routed experts (top-2, one shared expert, blocks 1-3 MoE)."""
+    return LlamaConfig.preset(
+        "moe-tiny",
+        vocab_size=64,
+        max_seq_len=16,
+        # the preset's MoE with the auxiliary-loss-free bias balancing (its loads summed over the ranks)
+        # instead of the load-balancing loss: that loss is a product of per-batch means, so one process's
+        # differs from the mean of the ranks' (as in every data-parallel MoE); the z-loss is a mean over tokens
+        moe=dict(n_experts=n_experts, top_k=2, moe_ffn_dim=32, n_shared_experts=1, n_dense_layers=1,
+                 aux_loss_coef=0.0, z_loss_coef=0.001, bias_update_rate=1e-3),
+    )  # fmt: skip
+
+
+MODEL = tiny_moe(8)
 GLOBAL_BATCH = 4  # sequences of 16 tokens: 4 ranks get 32 (token, choice) pairs each for 8 experts
 
 
-def make_run(root: Path, steps: int, batch: int, strategy="auto", precision="32"):
+def make_run(root: Path, steps: int, batch: int, strategy="auto", precision="32", model: LlamaConfig = MODEL):
     """(trainer, module, train loader, val loader) of one run; the single-process reference uses it too."""
     trainer = Trainer(
         strategy=strategy,
@@ -59,7 +66,7 @@ def make_run(root: Path, steps: int, batch: int, strategy="auto", precision="32"
     )
     train = token_loader(batch, MODEL.vocab_size)
     val = token_loader(batch, MODEL.vocab_size, n_tokens=1000, seed=2)
-    return trainer, CausalLM(MODEL, lr=3e-3), train, val
+    return trainer, CausalLM(model, lr=3e-3), train, val
 
 
 def check_dispatcher() -> float:
@@ -119,11 +126,12 @@ def main() -> None:
     results: dict = {}
     for layout in json.loads(args.layouts):
         tag = layout.pop("tag")
-        steps, save, resume, precision = (
+        steps, save, resume, precision, experts = (
             layout.pop("steps", args.steps),
             layout.pop("save", None),
             layout.pop("resume", None),
             layout.pop("precision", "32"),
+            layout.pop("experts", MODEL.moe.n_experts),
         )
         # the loader's batch is per data-parallel rank: tp and pp ranks read the same data
         dp = int(os.environ["WORLD_SIZE"]) // (layout.get("tp", 1) * layout.get("pp", 1))
@@ -133,6 +141,7 @@ def main() -> None:
             GLOBAL_BATCH // dp,
             Parallel3DStrategy(timeout_s=120, **layout),
             precision,
+            tiny_moe(experts),
         )
         trainer.fit(module, train, val, ckpt_path=resume)
         if save:
@@ -143,7 +152,17 @@ def main() -> None:
             )
         )
         dist.all_reduce(empty)
-        results[tag] = {"params": full_parameters(module), "empty_chunks": empty.item()}
+        placements = {
+            str(p.placements)
+            for m in module.modules()
+            if isinstance(m, GroupedExperts)
+            for p in m.parameters()
+        }
+        results[tag] = {
+            "params": full_parameters(module),
+            "empty_chunks": empty.item(),
+            "expert_placements": sorted(placements),
+        }
     if not dist.is_initialized():  # the fits made the world; without layouts make it here
         dist.init_process_group("gloo")
     results["dispatcher"] = check_dispatcher()

@@ -1,11 +1,13 @@
 """Expert parallelism: the all-to-all dispatcher equals the local one, EP layouts (real gloo worlds of 2
 and 4 torchrun processes, alone and composed with FSDP, HSDP, tensor and pipeline parallelism, activation
 checkpointing and bf16) train the tiny MoE Llama like one process, with uneven routing and gradient
-clipping, log the router statistics of all ranks, an EP checkpoint resumes, and bad degrees fail in one
-line before any process starts."""
+clipping, log the router statistics of all ranks, an EP checkpoint resumes, experts that do not split
+over FSDP's ranks are sharded on their inner dim (and their checkpoint exports whole), and bad degrees fail
+in one line before any process starts."""
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -15,10 +17,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import launch_env, launch_layouts, read_metrics, reference_run
-from moe_script import GLOBAL_BATCH, MODEL, make_run
+from moe_script import GLOBAL_BATCH, MODEL, make_run, tiny_moe
+from safetensors.torch import load_file
 
 from strategies import Parallel3DStrategy
 from strategies.expert_parallel import AllToAllDispatcher
+from trainer.export import export_checkpoint
 from trainer.models.causal_lm import CausalLM
 from trainer.models.llama import LlamaConfig
 from trainer.models.moe import GroupedExperts, LocalDispatcher, MoE, MoEConfig
@@ -42,13 +46,24 @@ MOE_LAYERS = sum(MODEL.moe.is_moe_layer(i) for i in range(MODEL.n_layers))
 def reference(tmp_path_factory):
     """One process, the same model, data, global batch and seed: step losses, gradient norms, val losses,
     weights and router statistics."""
-    root = tmp_path_factory.mktemp("reference")
-    return (*reference_run(make_run, root, STEPS, GLOBAL_BATCH), router_stats(root))
+    return one_process(tmp_path_factory.mktemp("reference"), MODEL)
 
 
-def router_stats(root: Path) -> dict[str, dict[int, float]]:
+@pytest.fixture(scope="module")
+def reference_e6(tmp_path_factory):
+    """The same, for the tiny MoE with 6 routed experts (3 per ep rank of 2: not divisible by FSDP's 2)."""
+    return one_process(tmp_path_factory.mktemp("reference-e6"), tiny_moe(6))
+
+
+def one_process(root: Path, model: LlamaConfig) -> tuple:
+    """`reference_run` of `model` under `root`, with the router statistics it logged."""
+    run = functools.partial(make_run, model=model)
+    return (*reference_run(run, root, STEPS, GLOBAL_BATCH), router_stats(root, model.moe.n_experts))
+
+
+def router_stats(root: Path, n_experts: int) -> dict[str, dict[int, float]]:
     """moe/<statistic> -> step -> value, every statistic and per-expert load the run logged."""
-    names = (*STATS, *(f"load_e{i}" for i in range(MODEL.moe.n_experts)))
+    names = (*STATS, *(f"load_e{i}" for i in range(n_experts)))
     return {name: read_metrics(root, f"moe/{name}") for name in names}
 
 
@@ -83,7 +98,8 @@ def assert_trains_like_one_process(
     # (source rank, expert) pairs that sent no rows: the uneven case happened
     assert result["empty_chunks"] > 0, f"{tag}: every rank sent rows to every expert"
     if not bf16:  # (bf16 rounding may flip a routing choice)
-        assert_logs_router_stats_of_all_ranks(tag, router_stats(runs), stats, steps)
+        got_stats = {name: read_metrics(runs, f"moe/{name}") for name in stats}
+        assert_logs_router_stats_of_all_ranks(tag, got_stats, stats, steps)
 
 
 def assert_logs_router_stats_of_all_ranks(tag: str, got: dict, expected: dict, steps) -> None:
@@ -136,11 +152,26 @@ FOUR_RANKS = [
 
 
 @pytest.mark.slow
-def test_four_ranks_expert_parallel_layouts_train_like_one_process(tmp_path, reference):
-    results = launch(tmp_path, 4, FOUR_RANKS)
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the export reads DCP in one process
+def test_four_ranks_expert_parallel_layouts_train_like_one_process(tmp_path, reference, reference_e6):
+    ckpt = tmp_path / "e6.ckpt"
+    # 6 experts: 3 per ep rank over a 2-rank "expert" mesh; FSDP would pad dim 0 to 2 experts per rank, so
+    # it shards their inner dim (w1, w3: dim 64; w2: ffn 32) instead, 3 experts x half the rows on each rank
+    uneven = {"tag": "dp4-ep2-e6", "ep": 2, "experts": 6, "save": str(ckpt)}
+    results = launch(tmp_path, 4, [*FOUR_RANKS, uneven])
     assert results["dispatcher"] <= 1e-5, f"all-to-all dispatcher differs by {results['dispatcher']}"
     for layout in FOUR_RANKS:
         assert_trains_like_one_process(tmp_path, layout["tag"], results[layout["tag"]], reference)
+    # (FSDP's placement, ep's): whole experts where they divide (dim 0 of ep's shard, a strided shard of
+    # the whole), their inner dim where they do not
+    assert results["dp4-ep2"]["expert_placements"] == ["(_StridedShard(dim=0, sf=2), Shard(dim=0))"]
+    assert results["dp4-ep2-e6"]["expert_placements"] == ["(Shard(dim=1), Shard(dim=0))"]
+    assert_trains_like_one_process(tmp_path, "dp4-ep2-e6", results["dp4-ep2-e6"], reference_e6)
+    # DCP wrote each rank's dim-1 shard at its offsets: the consolidated export is one process's weights
+    exported = load_file(export_checkpoint(ckpt, tmp_path / "export"))
+    for name, expected in reference_e6[3].items():
+        diff = (exported[name] - expected).abs().max().item()
+        assert diff <= PARAM_TOL, f"exported {name} differs by {diff:.2e} from one process"
 
 
 @pytest.fixture

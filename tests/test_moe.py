@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from helpers import fit, read_metrics
 from torch.utils.checkpoint import checkpoint
 
+from trainer.config import ConfigError, build_llama_config, load_recipe
 from trainer.models.causal_lm import CausalLM
 from trainer.models.llama import Llama, LlamaConfig
 from trainer.models.moe import (
@@ -351,3 +352,18 @@ def test_moe_meta_build_materialised_with_init_weights_equals_direct_cpu_build()
     late.init_weights()
     for (name, a), b in zip(direct.state_dict().items(), late.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_a_recipe_sets_router_fields_of_a_moe_preset_and_bad_ones_are_named(tmp_path) -> None:
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model:\n  preset: moe-tiny\n  moe:\n    aux_loss_coef: 0.02\n    top_k: 1\n")
+    config = build_llama_config(load_recipe(recipe)["model"])
+    assert (config.moe.aux_loss_coef, config.moe.top_k, config.moe.n_experts) == (0.02, 1, 8)
+    for moe, match in [
+        ({"aux_los_coef": 0.02}, r"unknown key 'model.moe.aux_los_coef'; did you mean 'aux_loss_coef'\?"),
+        ({"top_k": 9}, r"top_k=9 with n_experts=8; allowed: 1..n_experts"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            build_llama_config({"preset": "moe-tiny", "moe": moe})
+    with pytest.raises(ConfigError, match=r"on a MoE preset \(model.preset 'tiny' is dense\)"):
+        build_llama_config({"preset": "tiny", "moe": {"top_k": 1}})

@@ -41,13 +41,17 @@ ModelSection = make_dataclass(
         ("lora", dict | None, field(default=None)),
         ("hf_config", dict | None, field(default=None)),
     ]
-    + [(name, tp | None, field(default=None)) for name, tp in typing.get_type_hints(LlamaConfig).items()],
+    + [
+        # model.moe: a mapping of MoEConfig fields that override the MoE preset's (build_llama_config)
+        (name, (dict if name == "moe" else tp) | None, field(default=None))
+        for name, tp in typing.get_type_hints(LlamaConfig).items()
+    ],
 )
 ModelSection.__doc__ = (
     "A Llama `preset` with any LlamaConfig field overridden, or `class_path` (a TrainModule, or an nn.Module "
     "mapping tokens to logits) built with `init_args`, or `hf`: a local Hugging Face model directory (or "
     "'py:package.function' returning one) fine-tuned for `task` (trainer.models.hf.HFModule, with `num_labels`, "
-    "`freeze` patterns and `lora` options); with `hf_config` (a transformers LlamaConfig's fields) a missing `hf` "
+    "`freeze` patterns and `lora` options); `moe` overrides fields of a MoE preset's MoEConfig; with `hf_config` (a transformers LlamaConfig's fields) a missing `hf` "
     "directory is first created with a new model of that config and a byte-level tokenizer."
 )
 _NOT_LLAMA = ("preset", "class_path", "init_args", "hf", "task", "num_labels", "freeze", "lora", "hf_config")
@@ -170,10 +174,23 @@ def resolve(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_llama_config(model: dict[str, Any]) -> LlamaConfig:
+    """The preset with the recipe's fields; `moe` (a mapping) overrides fields of a MoE preset's router."""
     overrides = {k: v for k, v in model.items() if k not in _NOT_LLAMA and v is not None}
+    moe = overrides.pop("moe", None)
     try:
-        return LlamaConfig.preset(model["preset"], **overrides)
-    except ValueError as err:
+        config = LlamaConfig.preset(model["preset"], **overrides)
+        if moe is None:
+            return config
+        if not isinstance(moe, dict) or config.moe is None:
+            raise ConfigError(
+                f"model.moe={moe!r}: allowed: a mapping of MoEConfig fields, on a MoE preset "
+                f"(model.preset {model['preset']!r} is {'MoE' if config.moe else 'dense'})"
+            )
+        _reject_unknown(moe, [f.name for f in dataclasses.fields(config.moe)], "model.moe")
+        return dataclasses.replace(config, moe=dataclasses.replace(config.moe, **moe))
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as err:
         raise ConfigError(f"model: {err}") from err
 
 
