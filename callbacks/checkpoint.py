@@ -26,7 +26,7 @@ FREE_VALIDATION_S = 1.0  # validation time a fit may always spend: small models 
 
 class ModelCheckpoint(Callback):
     """Save `<dirpath>/step-XXXXXXXX/` every `every_n_steps` optimizer steps and/or `every_n_minutes`, and
-    (with `save_last`) at the end of fit. Each file's SHA-256 goes into the checkpoint's manifest.
+    (with `save_last`) at the end of fit. Each file's hashes, taken as it is written, go into the manifest.
 
     With `validate`, a checkpoint is *good* only after it was proven loadable: the ranks verify its
     hashes (each its share), then every rank loads the checkpoint into the live module (same processes,
