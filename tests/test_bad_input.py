@@ -195,6 +195,9 @@ def test_bad_model_checkpoint_arguments():
         ModelCheckpoint(every_n_steps=0)
     with pytest.raises(ValueError, match="save_top_k=0 is invalid"):
         ModelCheckpoint(save_top_k=0)
+    for budget in (0, -0.1, "2%"):  # a share of the fit's time: > 0, or None for every checkpoint
+        with pytest.raises(ValueError, match=rf"^validate_budget={budget!r} is invalid; allowed: "):
+            ModelCheckpoint(validate_budget=budget)
 
 
 def test_schedule_needing_a_length_without_one_is_an_error(tmp_path):

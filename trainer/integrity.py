@@ -164,7 +164,8 @@ def _read(path: Path, offset: int, length: int, chunk: int = 8 << 20) -> Iterato
 
 
 def hash_file(path: Path, block_bytes: int = BLOCK_BYTES) -> dict[str, Any]:
-    """The manifest entry of an existing file, read back (tools and benchmarks; a save hashes as it writes)."""
+    """The manifest entry of an existing file, read back: what a tool that rewrote a checkpoint file records
+    (a save hashes as it writes, and never calls this)."""
     size = Path(path).stat().st_size
     blocks = []
     for offset in range(0, max(size, 1), block_bytes):
