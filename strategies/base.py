@@ -17,6 +17,8 @@ import torch
 from torch import nn
 
 from strategies import sharded_checkpoint
+from strategies.activation_checkpointing import MODES, checkpoint_blocks, transformer_blocks
+from strategies.compile_blocks import compile_units
 from strategies.parallel_dims import check_group_name
 from trainer import checkpoint as ckpt
 from trainer.data.distributed import shard_loader
@@ -93,6 +95,8 @@ class Strategy:
         self.device_ids: list[int] | None = None  # Lightning's devices=[i, ...]: the GPU of each local rank
         self._device = torch.device("cpu")
         self.clock = PhaseClock()  # time per phase of the step, read by callbacks
+        self.activation_checkpointing: str | None = None  # None, "full" or "selective"
+        self.compile: str | None = None  # a torch.compile mode, or None: eager
 
     # ---- set-up ----------------------------------------------------------------------------------
     def configure(
@@ -116,6 +120,22 @@ class Strategy:
 
     def check_configuration(self) -> None:
         """Raise a one-line error if the configured flags don't fit this strategy (subclasses extend it)."""
+
+    def set_block_options(self, activation_checkpointing: str | None, compile: str | None) -> None:
+        """The Trainer's `activation_checkpointing` and `compile` (a mode) flags, before `configure`. A
+        strategy built with its own `activation_checkpointing` keeps it; the Trainer's must then agree."""
+        if activation_checkpointing not in MODES:
+            raise ValueError(
+                f"activation_checkpointing={activation_checkpointing!r} is invalid; allowed: None, 'full', 'selective'"
+            )
+        own = self.activation_checkpointing
+        if own and activation_checkpointing and own != activation_checkpointing:
+            raise ValueError(
+                f"Trainer activation_checkpointing={activation_checkpointing!r} but {type(self).__name__} was built "
+                f"with activation_checkpointing={own!r}; allowed: set it in one place, or the same in both"
+            )
+        self.activation_checkpointing = own or activation_checkpointing
+        self.compile = compile
 
     def launch(self, function: Any, *args: Any) -> Any:
         """Run `function(*args)` in every process of the job and return rank zero's result."""
@@ -176,7 +196,30 @@ class Strategy:
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Move, cast and wrap (or shard) the module in place; returns it."""
-        return self.precision.convert_module(module.to(self.root_device))
+        module = self.precision.convert_module(module.to(self.root_device))
+        self.prepare_blocks(module)
+        return module
+
+    def prepare_blocks(self, module: nn.Module) -> list[nn.Module]:
+        """Activation checkpointing, then compile, applied to each of the model's transformer blocks
+        (TorchTitan's order: tensor parallelism before, FSDP after); returns the blocks as they now sit in
+        the model, the units a sharded strategy shards. A model without blocks is compiled whole."""
+        blocks = transformer_blocks(module)
+        if self.activation_checkpointing:
+            if not blocks:
+                raise ValueError(
+                    f"activation_checkpointing={self.activation_checkpointing!r} recomputes the model's "
+                    f"transformer_blocks(); {type(module).__name__} declares none: add the hook, or leave it None"
+                )
+            blocks = checkpoint_blocks(module, blocks, self.activation_checkpointing)
+        if self.compile:
+            if not blocks and type(module).forward is nn.Module.forward:
+                raise ValueError(
+                    f"compile={self.compile!r} compiles the model's transformer_blocks() or its forward(); "
+                    f"{type(module).__name__} has neither: add one, or leave compile off"
+                )
+            compile_units(blocks or [module], self.compile)
+        return blocks
 
     def startup_report(self, module: nn.Module) -> str | None:
         """A line for the start of a run (e.g. per-rank memory of a sharded strategy), or None."""

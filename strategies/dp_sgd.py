@@ -121,6 +121,12 @@ class DPSGDStrategy(MeshStrategy):
                 "precision='16-mixed' scales the loss, so per-sample norms would be scaled too; allowed with "
                 "DPSGDStrategy: '32', 'bf16-mixed', 'bf16-true'"
             )
+        if self.compile or self.activation_checkpointing:
+            raise ValueError(
+                f"compile={self.compile!r}, activation_checkpointing={self.activation_checkpointing!r}: DPSGDStrategy "
+                "reads each layer's inputs and output gradients through hooks; allowed: compile=False, "
+                "activation_checkpointing=None"
+            )
         super().check_configuration()
 
     def check_module(self, module: nn.Module) -> None:

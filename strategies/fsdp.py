@@ -24,7 +24,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 
 from strategies import sharded_checkpoint
-from strategies.activation_checkpointing import MODES, checkpoint_blocks, transformer_blocks
+from strategies.activation_checkpointing import MODES
 from strategies.ddp import DDPStrategy
 from strategies.memory import MemoryReport, measure
 from strategies.meta_init import materialize
@@ -133,13 +133,11 @@ class FSDPStrategy(DDPStrategy):
         return module
 
     def shard(self, module: nn.Module) -> nn.Module:
-        """The order matters (TorchTitan's): checkpoint each block, then shard each block, then the root,
-        so the checkpoint wraps the block's own computation and FSDP sees the checkpointed blocks."""
+        """The order matters (TorchTitan's): checkpoint each block, compile it, then shard each block, then
+        the root, so the checkpoint wraps the block's own computation and FSDP's hooks run around the
+        compiled code."""
         module = self.precision.convert_module(module)
-        blocks = transformer_blocks(module)
-        if self.activation_checkpointing:
-            blocks = checkpoint_blocks(module, blocks, self.activation_checkpointing)
-        self.fully_shard_units(blocks, module)
+        self.fully_shard_units(self.prepare_blocks(module), module)
         return module
 
     def fully_shard_units(self, blocks: list[nn.Module], root: nn.Module) -> None:

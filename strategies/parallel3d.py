@@ -20,7 +20,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
-from strategies.activation_checkpointing import checkpoint_blocks, transformer_blocks
+from strategies.activation_checkpointing import transformer_blocks
 from strategies.base import StepOutput, combine_micro_batches
 from strategies.context_parallel import ContextParallel, check_sequence
 from strategies.expert_parallel import apply_expert_parallel
@@ -266,9 +266,7 @@ class Parallel3DStrategy(FSDPStrategy):
             parallelize_module(module, self.mesh.mesh("tp"), plan)
         if self.ep > 1:
             apply_expert_parallel(module, self.mesh.mesh("ep"), self.mesh.group("ep"))
-        blocks = transformer_blocks(module)
-        if self.activation_checkpointing:
-            blocks = checkpoint_blocks(module, blocks, self.activation_checkpointing)
+        blocks = self.prepare_blocks(module)
         if model is None:
             self._shard_experts(module)
             self.fully_shard_units(blocks, module)

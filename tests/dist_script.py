@@ -276,6 +276,8 @@ def main() -> None:
     p.add_argument("--stage", type=int, default=3)
     p.add_argument("--replicate", type=int, default=1)
     p.add_argument("--ac", default=None)
+    p.add_argument("--trainer-ac", default=None)  # the Trainer's activation_checkpointing flag
+    p.add_argument("--compile", default=None)  # the Trainer's compile flag: a mode ("default", ...)
     p.add_argument("--offload", action="store_true")
     p.add_argument("--async-save", action="store_true")
     p.add_argument("--precision", default="32")
@@ -334,6 +336,8 @@ def main() -> None:
         num_nodes=a.num_nodes,
         max_steps=a.steps,
         precision=a.precision,
+        compile=a.compile or False,
+        activation_checkpointing=a.trainer_ac,
         accumulate_grad_batches=a.accumulate,
         gradient_clip_val=None if a.no_clip else 0.5,
         seed=0,

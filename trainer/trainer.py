@@ -15,13 +15,16 @@ import torch
 
 from callbacks.base import Callback
 from callbacks.checkpoint import ModelCheckpoint
+from callbacks.compile_report import CompileReport
 from strategies.base import Strategy, unpack_loss
+from strategies.compile_blocks import check_compile
 from strategies.registry import build_strategy
 from trainer import checkpoint as ckpt
 from trainer import flags
 from trainer.checkpoint import CheckpointError, step_dir_name
 from trainer.datamodule import call_if_defined, check_source, has_loader, loaders_from
 from trainer.epochs import EpochBatches
+from trainer.fused_optim import prefer_fused
 from trainer.logging import (
     JSONLLogger,
     Logger,
@@ -49,6 +52,11 @@ class Trainer:
     fresh run, as the baseline for the val loss that follows. A "step" is an optimizer step; with
     `accumulate_grad_batches=k` it consumes k micro-batches from the loader. `max_steps` and
     `max_epochs` both stop the run, whichever comes first (neither given: one epoch).
+
+    Speed: `compile` (True or a torch.compile mode) compiles each of the model's `transformer_blocks()`
+    (or its forward) under any strategy but DP-SGD; `activation_checkpointing` ("full", "selective")
+    recomputes each block in the backward; Adam/AdamW/SGD on CUDA use torch's fused kernels unless
+    `configure_optimizers` set `fused` or `foreach`.
     """
 
     def __init__(
@@ -70,6 +78,8 @@ class Trainer:
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str = "norm",
         precision: str | int = "32",
+        compile: bool | str = False,
+        activation_checkpointing: str | None = None,
         lr_schedule: str = "constant",
         warmup_steps: int = 0,
         min_lr_ratio: float = 0.1,
@@ -142,6 +152,7 @@ class Trainer:
         devices = flags.resolve_devices(devices, accelerator)
         num_nodes = flags.check_int("num_nodes", num_nodes, 1)
         self.strategy = build_strategy(strategy, processes=devices * num_nodes)
+        self.strategy.set_block_options(activation_checkpointing, check_compile(compile))
         self.strategy.configure(
             accelerator, devices, num_nodes, Precision(precision, accelerator), device_ids
         )
@@ -149,6 +160,8 @@ class Trainer:
         for cb in self.callbacks:
             if not isinstance(cb, Callback):
                 raise TypeError(f"callbacks must be Callback instances; got {type(cb).__name__}")
+        if self.strategy.compile:
+            self.callbacks.append(CompileReport())
         if enable_checkpointing and not any(isinstance(cb, ModelCheckpoint) for cb in self.callbacks):
             self.callbacks.append(ModelCheckpoint())
         self.loggers = [build_logger(lg) for lg in (loggers or [])]
@@ -818,7 +831,7 @@ class Trainer:
 
     def _setup_optimizer(self, module: TrainModule) -> None:
         optimizer, self._scheduler_config = parse_optimizers(module.configure_optimizers())
-        self.optimizer = self.strategy.setup_optimizer(optimizer)
+        self.optimizer = self.strategy.setup_optimizer(prefer_fused(optimizer))
         if self._scheduler_config is not None:
             if self.lr_schedule != "constant" or self.warmup_steps:
                 raise ValueError(
