@@ -15,6 +15,7 @@ from test_fsdp import single_llama
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from strategies import Parallel3DStrategy
 from strategies.dp_sgd import DPSGDStrategy
 from trainer import Trainer, TrainModule
 from trainer.config import ConfigError, build_run, load_recipe
@@ -226,3 +227,8 @@ def test_recipe_key_trainer_compile_reaches_the_trainer(tmp_path):
     assert trainer.strategy.compile == "max-autotune"
     with pytest.raises(ConfigError, match="compile='sometimes' is invalid"):
         build_run(load_recipe(RECIPE, ["trainer.compile=sometimes"]))
+
+
+def test_model_parallel_compile_is_refused_before_any_process_starts(tmp_path):
+    with pytest.raises(ValueError, match=r"compile='default' with tp=2: compiled blocks are validated"):
+        Trainer(strategy=Parallel3DStrategy(tp=2), devices=2, compile=True, default_root_dir=tmp_path)

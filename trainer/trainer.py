@@ -54,8 +54,8 @@ class Trainer:
     `max_epochs` both stop the run, whichever comes first (neither given: one epoch).
 
     Speed: `compile` (True or a torch.compile mode) compiles each of the model's `transformer_blocks()`
-    (or its forward) under any strategy but DP-SGD; `activation_checkpointing` ("full", "selective")
-    recomputes each block in the backward; Adam/AdamW/SGD on CUDA use torch's fused kernels unless
+    (or its forward) under one process, DDP and FSDP; `activation_checkpointing` ("full", "selective")
+    recomputes each block in the backward (not with DP-SGD); Adam/AdamW/SGD on CUDA use torch's fused kernels unless
     `configure_optimizers` set `fused` or `foreach`.
     """
 
