@@ -81,7 +81,7 @@ class HFModule(TrainModule):
       broadcast rank 0's weights as DDP does).
 
     Under FSDP each layer `_no_split_modules` names is its own shard unit (`transformer_blocks()`), and
-    the strategy's `activation_checkpointing` wraps the same layers; `save_pretrained` must then be
+    the Trainer's `activation_checkpointing` and `compile` take the same layers; `save_pretrained` must then be
     called on every rank (it gathers the full weights to rank 0, which writes).
     """
 
@@ -188,9 +188,9 @@ class HFModule(TrainModule):
         return list(max(lists, key=len)) if lists else []
 
     def enable_activation_checkpointing(self) -> None:
-        """Hugging Face's own activation checkpointing of its layers (non-reentrant), for runs whose
-        strategy does not checkpoint (single process, DDP). FSDP's `activation_checkpointing=` wraps the
-        same layers itself: use one or the other."""
+        """Hugging Face's own activation checkpointing of its layers (non-reentrant). The Trainer's (or
+        FSDP's) `activation_checkpointing=` wraps the same layers itself, under every strategy: use one or
+        the other."""
         model, kwargs = self.hf_model(), {"use_reentrant": False}
         if callable(getattr(model, "activation_checkpointing_enable", None)):  # transformers >= 5.x
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
