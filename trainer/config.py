@@ -40,6 +40,7 @@ ModelSection = make_dataclass(
         ("freeze", list, field(default_factory=list)),
         ("lora", dict | None, field(default=None)),
         ("hf_config", dict | None, field(default=None)),
+        ("loss_chunk_tokens", int | None, field(default=None)),
     ]
     + [
         # model.moe: a mapping of MoEConfig fields that override the MoE preset's (build_llama_config)
@@ -52,9 +53,13 @@ ModelSection.__doc__ = (
     "mapping tokens to logits) built with `init_args`, or `hf`: a local Hugging Face model directory (or "
     "'py:package.function' returning one) fine-tuned for `task` (trainer.models.hf.HFModule, with `num_labels`, "
     "`freeze` patterns and `lora` options); `moe` overrides fields of a MoE preset's MoEConfig; with `hf_config` (a transformers LlamaConfig's fields) a missing `hf` "
-    "directory is first created with a new model of that config and a byte-level tokenizer."
+    "directory is first created with a new model of that config and a byte-level tokenizer. "
+    "`loss_chunk_tokens`: CausalLM's fused output projection and loss over chunks of that many tokens."
 )
-_NOT_LLAMA = ("preset", "class_path", "init_args", "hf", "task", "num_labels", "freeze", "lora", "hf_config")
+_NOT_LLAMA = (
+    "preset", "class_path", "init_args", "hf", "task", "num_labels", "freeze", "lora", "hf_config",
+    "loss_chunk_tokens",
+)  # fmt: skip
 
 
 @dataclass
@@ -164,6 +169,12 @@ def resolve(raw: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError("model.class_path and model.hf are both set; allowed: one of the two")
     if model["class_path"] is None and model["hf"] is None:
         build_llama_config(model)  # shape errors now, not after start-up
+    chunk = model["loss_chunk_tokens"]
+    if chunk is not None and (chunk < 1 or model["hf"] is not None):
+        raise ConfigError(
+            f"model.loss_chunk_tokens={chunk!r}: allowed: an int >= 1 (tokens per chunk of CausalLM's fused "
+            "output projection and loss), with a Llama preset or a class_path model, or null (the plain loss)"
+        )
     hf = model["hf"]
     if hf is not None and not hf.startswith("py:") and model["hf_config"] is None and not Path(hf).is_dir():
         raise ConfigError(
@@ -368,6 +379,7 @@ def build_run(config: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
     except ValueError as err:
         raise ConfigError(f"strategy: {err}") from err
     optim_args = {**optim, "betas": tuple(optim["betas"])}
+    causal_lm_args = {**optim_args, "loss_chunk_tokens": model["loss_chunk_tokens"]}
     if model["hf"] is not None:
         module, train_loader, val_loader = _build_hf(
             model, data, optim, batch_size, trainer_args.get("seed") or 0
@@ -391,7 +403,8 @@ def build_run(config: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
         raise ConfigError(f"data: {err}") from err
     if llama is not None:
         module = CausalLM(
-            dataclasses.replace(llama, vocab_size=max(llama.vocab_size, tokenizer.vocab_size)), **optim_args
+            dataclasses.replace(llama, vocab_size=max(llama.vocab_size, tokenizer.vocab_size)),
+            **causal_lm_args,
         )
     else:
         cls = import_path(model["class_path"], "model.class_path")
@@ -401,7 +414,12 @@ def build_run(config: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
             raise ConfigError(
                 f"model.class_path {model['class_path']} built a {type(built).__name__}; allowed: a TrainModule or nn.Module"
             )
-        module = built if isinstance(built, TrainModule) else CausalLM(built, **optim_args)
+        if isinstance(built, TrainModule) and model["loss_chunk_tokens"] is not None:
+            raise ConfigError(
+                f"model.loss_chunk_tokens is set but model.class_path {model['class_path']} is a TrainModule "
+                "with its own loss; allowed: null, or a class_path nn.Module (trained by CausalLM)"
+            )
+        module = built if isinstance(built, TrainModule) else CausalLM(built, **causal_lm_args)
     return trainer, module, train_loader, val_loader
 
 

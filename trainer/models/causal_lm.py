@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer.models.linear_cross_entropy import linear_cross_entropy
 from trainer.models.llama import Llama, LlamaConfig
 from trainer.module import TrainModule
 
@@ -20,6 +21,10 @@ class CausalLM(TrainModule):
     The loss is the mean over the micro-batch's predicted tokens and reports their count, so the Trainer
     weights micro-batches and ranks by tokens: accumulation equals one big batch. AdamW decays matrices
     and embeddings, not norms or biases (nanoGPT's grouping).
+
+    `loss_chunk_tokens` (a Llama's loss only): the output projection and cross-entropy run fused over
+    chunks of that many tokens, so the B x T x vocab logits are never held at once
+    (trainer.models.linear_cross_entropy).
     """
 
     def __init__(
@@ -29,10 +34,21 @@ class CausalLM(TrainModule):
         betas: tuple[float, float] = (0.9, 0.95),
         weight_decay: float = 0.1,
         eps: float = 1e-8,
+        loss_chunk_tokens: int | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(model, (LlamaConfig, nn.Module)):
             raise TypeError(f"model is a {type(model).__name__}; allowed: a LlamaConfig or an nn.Module")
+        if loss_chunk_tokens is not None and (
+            isinstance(loss_chunk_tokens, bool)
+            or not isinstance(loss_chunk_tokens, int)
+            or loss_chunk_tokens < 1
+        ):
+            raise ValueError(
+                f"loss_chunk_tokens={loss_chunk_tokens!r} is invalid; allowed: None (the plain loss) or an "
+                "int >= 1 (tokens per chunk of the fused output projection and loss)"
+            )
+        self.loss_chunk_tokens = loss_chunk_tokens
         self.config = model if isinstance(model, LlamaConfig) else None
         self.model = model if isinstance(model, nn.Module) else None
         self.lr, self.betas, self.weight_decay, self.eps = lr, tuple(betas), weight_decay, eps
@@ -54,7 +70,29 @@ class CausalLM(TrainModule):
         return self.model(input_ids)
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return self.pipeline_loss(self.model(batch["input_ids"]), batch["labels"])
+        labels = batch["labels"]
+        weight = self._fused_output_weight()
+        if weight is None:
+            return self.pipeline_loss(self.model(batch["input_ids"]), labels)
+        hidden = self.model(batch["input_ids"], hidden_only=True)
+        loss = linear_cross_entropy(hidden, weight, labels, self.loss_chunk_tokens)
+        return {"loss": loss, "num_tokens": (labels != -100).sum()}
+
+    def _fused_output_weight(self) -> torch.Tensor | None:
+        """The output weight when the chunked loss applies: asked for, on a whole Llama whose weight is a
+        plain tensor (tensor parallelism makes it a vocabulary-sharded DTensor: loss parallelism's case),
+        and not under fp16 autocast (the fused loss makes its gradients in the forward, before a
+        GradScaler's scale could keep them from underflowing); else None, for the plain loss."""
+        model = self.model
+        if self.loss_chunk_tokens is None or not isinstance(model, Llama) or model.output is None:
+            return None
+        weight = model.output.weight
+        device = weight.device.type
+        if hasattr(weight, "device_mesh") or (
+            torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) == torch.float16
+        ):
+            return None
+        return weight
 
     def pipeline_loss(
         self, logits: torch.Tensor | tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor

@@ -323,9 +323,11 @@ class Llama(nn.Module):
         self.rope.reset_parameters()
 
     def forward(
-        self, tokens: torch.Tensor, aux: torch.Tensor | None = None
+        self, tokens: torch.Tensor, aux: torch.Tensor | None = None, *, hidden_only: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits (B, T, vocab_size) in float32 for token ids (B, T); position t sees tokens 0..t.
+        With `hidden_only`, the final norm's output (B, T, dim) instead, for a loss that applies `output`
+        itself (trainer.models.linear_cross_entropy).
         A pipeline stage without the embedding takes, and one without the output returns, hidden states.
         A pipeline stage of a MoE model also takes (after the first) and returns the weighted auxiliary
         losses `aux` of the stages so far plus its own, so that the last stage's loss holds every
@@ -338,7 +340,12 @@ class Llama(nn.Module):
         cos, sin = self.rope(h.dtype, self.positions_fn() if self.positions_fn is not None else None)
         for block in self.layers.values():
             h = block(h, cos, sin)
-        out = h if self.output is None else self.output(self.norm(h)).float()  # (B, T, vocab_size)
+        if self.output is None:
+            out = h
+        elif hidden_only:
+            out = self.norm(h)  # (B, T, dim)
+        else:
+            out = self.output(self.norm(h)).float()  # (B, T, vocab_size)
         if self.config.moe is None or (self.tok_embeddings is not None and self.output is not None):
             return out
         own = summed_extra_loss(moe_layers(self.layers))
