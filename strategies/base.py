@@ -257,7 +257,7 @@ class Strategy:
             if out is None:
                 return None
             outputs.append(out)
-        return combine_micro_batches(outputs)
+        return outputs[0] if len(outputs) == 1 else combine_micro_batches(outputs)
 
     def accumulation_context(self, is_last_micro_batch: bool) -> contextlib.AbstractContextManager:
         """Wraps each micro-batch; data-parallel strategies skip gradient sync until the last one."""

@@ -31,7 +31,9 @@ class ProgressBar:
         self._bar.refresh()
 
     def show(self, metrics: dict[str, float]) -> None:
-        self._bar.set_postfix({k: _fmt(v) for k, v in metrics.items()}, refresh=False)
+        """The metrics after the bar, drawn at its next refresh: the text tqdm's `set_postfix` would make,
+        without its per-call work (an OrderedDict, type checks)."""
+        self._bar.postfix = ", ".join(f"{k}={_fmt(v)}" for k, v in metrics.items())
 
     def write(self, line: str) -> None:
         """Print a line above the bar (e.g. a validation result)."""

@@ -8,11 +8,11 @@ is launch time; a watcher that needs device time calls `request_sync` for the st
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
+from time import perf_counter
 from typing import Any
 
-import torch
+from torch.autograd import _profiler_enabled
 from torch.autograd.profiler import record_function
 
 PHASES = ("data", "forward", "backward", "optimizer")
@@ -53,17 +53,19 @@ class _Phase:
         self.clock, self.name, self.label = clock, name, None
 
     def __enter__(self) -> None:
-        if self.clock.synchronize is not None:
-            self.clock.synchronize()
-        if torch.autograd._profiler_enabled():
+        clock = self.clock
+        if clock.synchronize is not None:
+            clock.synchronize()
+        if _profiler_enabled():
             self.label = record_function(f"trainer.{self.name}")
             self.label.__enter__()
-        self.start = time.perf_counter()
+        self.start = perf_counter()
 
     def __exit__(self, *exc: Any) -> None:
-        if self.clock.synchronize is not None:
-            self.clock.synchronize()
-        self.clock.totals[self.name] += time.perf_counter() - self.start
+        clock = self.clock
+        if clock.synchronize is not None:
+            clock.synchronize()
+        clock.totals[self.name] += perf_counter() - self.start
         if self.label is not None:
             self.label.__exit__(*exc)
             self.label = None

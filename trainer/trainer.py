@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import math
 import sys
 import time
@@ -22,6 +23,7 @@ from strategies.registry import build_strategy
 from trainer import checkpoint as ckpt
 from trainer import flags
 from trainer.checkpoint import CheckpointError, step_dir_name
+from trainer.data.loader import pin_for_device
 from trainer.datamodule import call_if_defined, check_source, has_loader, loaders_from
 from trainer.epochs import EpochBatches
 from trainer.fused_optim import prefer_fused
@@ -368,9 +370,8 @@ class Trainer:
         a `name_step`/`name_epoch` pair also under `name` (its latest value), as in Lightning."""
         self.callback_metrics.update(metrics)
         for key, value in metrics.items():
-            for suffix in ("_step", "_epoch"):
-                if key.endswith(suffix):
-                    self.callback_metrics[key[: -len(suffix)]] = value
+            if key.endswith(("_step", "_epoch")):
+                self.callback_metrics[key[: key.rindex("_")]] = value
         logged = {k: v for k, v in metrics.items() if k not in hidden}
         self.logged_metrics.update(logged)
         if self.is_global_zero and logged:
@@ -563,8 +564,7 @@ class Trainer:
                 outputs = self._optimizer_step(module, window, meter, started)
                 if val_loader is not None and val_every and s.global_step % val_every == 0:
                     self._validation_loop(module, val_loader)
-                self._call("on_train_batch_end", outputs)
-                module.on_train_batch_end(outputs, window[0], first_idx)
+                self._step_hook("on_train_batch_end", (outputs,), (outputs, window[0], first_idx))
             finally:
                 self._step_hooks = False
             self._end_step()
@@ -579,8 +579,7 @@ class Trainer:
         s, strategy = self.state, self.strategy
         if self.first_train_batch is None:
             self.first_train_batch = window[0]
-        self._call("on_train_batch_start", s.batches_in_epoch)
-        module.on_train_batch_start(window[0], s.batches_in_epoch)
+        self._step_hook("on_train_batch_start", (s.batches_in_epoch,), (window[0], s.batches_in_epoch))
         for batch in window:
             samples, tokens = meter.count(batch)
             s.samples_seen += samples
@@ -591,7 +590,7 @@ class Trainer:
         loss, num_tokens = out.loss, out.num_tokens
         self.step_loss, self._step_norm, self._skip_reason = loss, None, None
         strategy.finish_gradients(module, self.optimizer, num_tokens)
-        self._hook("on_after_backward")
+        self._step_hook("on_after_backward")
         log_now = (s.global_step + 1) % self.log_every_n_steps == 0 or s.global_step + 1 == self.max_steps
         if self.gradient_clip_val is not None:
             self._step_norm = strategy.clip_gradients(
@@ -599,7 +598,7 @@ class Trainer:
             )
         elif log_now:
             self.step_grad_norm()
-        self._hook("on_before_optimizer_step", self.optimizer)
+        self._step_hook("on_before_optimizer_step", (self.optimizer,))
         lr = self.optimizer.param_groups[0]["lr"]
         skipped = self._skip_reason is not None
         with self.clock.phase("optimizer"):
@@ -608,7 +607,7 @@ class Trainer:
             else:  # False: fp16's loss scaler dropped the update for inf/nan gradients
                 skipped = not strategy.optimizer_step(self.optimizer)
             s.skipped_steps += skipped
-            self._hook("on_before_zero_grad", self.optimizer)
+            self._step_hook("on_before_zero_grad", (self.optimizer,))
             self.optimizer.zero_grad(set_to_none=True)
             self._step_scheduler("step", s.global_step + 1)
         strategy.after_optimizer_step()
@@ -1014,8 +1013,11 @@ class Trainer:
 
     # ---- small helpers ---------------------------------------------------------------------------
     def _loader(self, loader: Iterable, train: bool) -> Iterable:
-        """The loader this rank reads, as the strategy decides (by default: its share of the batch group)."""
-        return self.strategy.process_dataloader(loader, self.seed or 0, train=train)
+        """The loader this rank reads, as the strategy decides (by default: its share of the batch group);
+        ours pins its batches for a GPU, so that their copies there don't wait for the step in flight."""
+        loader = self.strategy.process_dataloader(loader, self.seed or 0, train=train)
+        pin_for_device(loader, self.strategy.root_device)
+        return loader
 
     def _announce(self, module: TrainModule) -> None:
         """One line on what is about to run: size, parallelism, precision and the global batch."""
@@ -1046,6 +1048,32 @@ class Trainer:
         """Lightning's order: the callbacks' hook, then the module's."""
         self._call(hook, *args)
         getattr(self.module, hook)(*args)
+
+    # who implements each per-step hook, for the module and callbacks in `_hook_owners_key`
+    _hook_owners_key: tuple = ()
+    _hook_owners: dict[str, tuple[list[Callback], bool]] | None = None
+
+    def _step_hook(self, hook: str, args: tuple = (), module_args: tuple | None = None) -> None:
+        """A hook that runs every step, in `_hook`'s order (the module gets `module_args` where its
+        signature differs); the callbacks and module that leave it as the base class's no-op are skipped."""
+        key = (self.module, *self.callbacks)
+        owners = self._hook_owners.get(hook) if key == self._hook_owners_key else None
+        callbacks, module_too = owners or self._find_hook_owners(key, hook)
+        for cb in callbacks:
+            getattr(cb, hook)(self, self.module, *args)
+        if module_too:
+            getattr(self.module, hook)(*(args if module_args is None else module_args))
+
+    def _find_hook_owners(self, key: tuple, hook: str) -> tuple[list[Callback], bool]:
+        """The callbacks that implement `hook`, and whether the module does; remembered until the module or
+        the list of callbacks (`key`) changes, so a step pays nothing for the hooks nobody uses."""
+        if key != self._hook_owners_key:
+            self._hook_owners_key, self._hook_owners = key, {}
+        owners = self._hook_owners[hook] = (
+            [cb for cb in self.callbacks if _implements(cb, hook, Callback)],
+            _implements(self.module, hook, TrainModule),
+        )
+        return owners
 
     def _hyperparams(self, module: TrainModule) -> dict[str, Any]:
         keys = (
@@ -1126,14 +1154,7 @@ def _batch_size(batch: Any) -> tuple[int, int | None]:
 
 def _take(iterator: Any, k: int, remaining: int | None) -> list[Any]:
     """Up to k next batches (fewer at the end of the epoch or of `remaining`)."""
-    window: list[Any] = []
-    limit = k if remaining is None else min(k, remaining)
-    for _ in range(limit):
-        try:
-            window.append(next(iterator))
-        except StopIteration:
-            break
-    return window
+    return list(itertools.islice(iterator, k if remaining is None else max(0, min(k, remaining))))
 
 
 def _loader_source(module: TrainModule, stage: str, datamodule: Any, given: Any, own: bool) -> Any:
@@ -1166,6 +1187,12 @@ def _check_not_empty(name: str, loader: Any) -> None:
 
 def _overrides(module: TrainModule, method: str) -> bool:
     return getattr(type(module), method) is not getattr(TrainModule, method)
+
+
+def _implements(obj: Any, hook: str, base: type) -> bool:
+    """Whether `obj`'s `hook` may do something: its class overrides `base`'s no-op, or the instance has
+    its own (a function set on it)."""
+    return getattr(type(obj), hook, None) is not getattr(base, hook) or hook in getattr(obj, "__dict__", ())
 
 
 _WARNED_UNCALLED: set[type] = set()  # module classes told about their uncalled Lightning hooks

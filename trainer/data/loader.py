@@ -24,6 +24,9 @@ class TokenLoader:
 
     `iter()` starts the current epoch at batch 0, except the first `iter()` after `load_state_dict`, which
     resumes at the saved position; exhausting the iterator advances the epoch. Use one iterator at a time.
+
+    `pin_memory=True` builds each batch in pinned (page-locked) memory, from which a `non_blocking` copy
+    to a GPU is asynchronous; the Trainer turns it on when its device is CUDA (`pin_for_device`).
     """
 
     def __init__(
@@ -35,14 +38,21 @@ class TokenLoader:
         drop_last: bool = True,
         rank: int = 0,
         world_size: int = 1,
+        pin_memory: bool = False,
     ) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r} is invalid; allowed: an int >= 1")
+        if pin_memory and not torch.cuda.is_available():
+            raise ValueError(
+                "pin_memory=True needs CUDA, which this machine does not have; allowed: False (the Trainer "
+                "pins the batches itself when it trains on a GPU)"
+            )
         self.dataset = dataset
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.seed = seed
         self.drop_last = drop_last
+        self.pin_memory = bool(pin_memory)
         self.epoch = 0
         self.position = 0  # batches already yielded in the current epoch
         self._resume_from: dict[str, int] | None = None
@@ -82,7 +92,8 @@ class TokenLoader:
         for position in range(start, len(self)):
             # Counted before the yield: a state_dict taken while the consumer holds this batch skips it.
             self.position = position + 1
-            yield self.dataset.batch(indices[position * self.batch_size : (position + 1) * self.batch_size])
+            batch = self.dataset.batch(indices[position * self.batch_size : (position + 1) * self.batch_size])
+            yield {key: value.pin_memory() for key, value in batch.items()} if self.pin_memory else batch
         self.epoch += 1
         self.position = 0
 
@@ -140,3 +151,11 @@ class TokenLoader:
                     f"cannot resume TokenLoader: {key}={saved[key]} in the saved state but {now} now; "
                     "allowed: the same data and loader settings as the run that saved it"
                 )
+
+
+def pin_for_device(loader: Any, device: torch.device) -> None:
+    """A TokenLoader feeding a CUDA device pins its batches, so the strategy's `non_blocking` copy of each
+    is asynchronous: from pageable memory the host would wait, at every copy, for the GPU to finish the
+    work queued before it (the step in flight). A user's own loader keeps the `pin_memory` it was given."""
+    if isinstance(loader, TokenLoader) and device.type == "cuda":
+        loader.pin_memory = True
