@@ -72,7 +72,7 @@ def single_process(tmp: Path, module=None, loader=None, steps: int = 8):
     return [p.detach().flatten().tolist() for p in module.parameters()], read_metrics(tmp / "single")
 
 
-@pytest.mark.parametrize("devices, accumulate", [(2, 1), (2, 2), (4, 1), (4, 2)])
+@pytest.mark.parametrize("devices, accumulate", [(2, 1), (2, 2), (4, 2)])
 def test_ddp_matches_one_process_with_the_same_global_batch(tmp_path, devices, accumulate):
     done, root = run(["--devices", str(devices), "--accumulate", str(accumulate)], tmp_path, "ddp")
     assert done.returncode == 0, done.stderr[-3000:]

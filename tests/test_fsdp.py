@@ -37,8 +37,8 @@ def fsdp(tmp, name: str, *args: str, devices: int = 2, timeout: float = 180):
     return result(tmp, name), root
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-@pytest.mark.parametrize("devices", [2, 4])
+# every stage on 2 ranks, stages 1 and 3 also on 4 (stage 2 is stage 3 without the second gather)
+@pytest.mark.parametrize("stage, devices", [(1, 2), (2, 2), (3, 2), (1, 4), (3, 4)])
 def test_each_zero_stage_matches_one_process_and_holds_the_formula_memory(tmp_path, stage, devices):
     out, root = fsdp(tmp_path, "fsdp", "--stage", str(stage), "--accumulate", "2", devices=devices)
     params, losses = single_llama(tmp_path)
