@@ -24,6 +24,13 @@ _SAVE_OPS = {
 }
 
 
+def check_mode(mode: str | None) -> str | None:
+    """`mode` if it is one of MODES; a one-line error naming the flag and the allowed values otherwise."""
+    if mode not in MODES:
+        raise ValueError(f"activation_checkpointing={mode!r} is invalid; allowed: None, 'full', 'selective'")
+    return mode
+
+
 def transformer_blocks(module: nn.Module) -> list[nn.Module]:
     """The model's declared repeated blocks (`transformer_blocks()`); none declared: an empty list."""
     declared = getattr(module, "transformer_blocks", None)
@@ -38,8 +45,6 @@ def transformer_blocks(module: nn.Module) -> list[nn.Module]:
 def checkpoint_blocks(module: nn.Module, blocks: list[nn.Module], mode: str) -> list[nn.Module]:
     """Replace each of `blocks` inside `module` by its checkpointed wrapper; returns the wrappers, which
     take the blocks' place as FSDP or compile units (TorchTitan's order: checkpoint, then shard)."""
-    if mode not in MODES[1:]:
-        raise ValueError(f"activation_checkpointing={mode!r} is invalid; allowed: None, 'full', 'selective'")
     where = {id(m): name for name, m in module.named_modules()}
     wrapped = []
     for block in blocks:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from strategies import sharded_checkpoint
-from strategies.activation_checkpointing import MODES, checkpoint_blocks, transformer_blocks
+from strategies.activation_checkpointing import check_mode, checkpoint_blocks, transformer_blocks
 from strategies.compile_blocks import compile_units
 from strategies.parallel_dims import check_group_name
 from trainer import checkpoint as ckpt
@@ -124,10 +124,7 @@ class Strategy:
     def set_block_options(self, activation_checkpointing: str | None, compile: str | None) -> None:
         """The Trainer's `activation_checkpointing` and `compile` (a mode) flags, before `configure`. A
         strategy built with its own `activation_checkpointing` keeps it; the Trainer's must then agree."""
-        if activation_checkpointing not in MODES:
-            raise ValueError(
-                f"activation_checkpointing={activation_checkpointing!r} is invalid; allowed: None, 'full', 'selective'"
-            )
+        check_mode(activation_checkpointing)
         own = self.activation_checkpointing
         if own and activation_checkpointing and own != activation_checkpointing:
             raise ValueError(

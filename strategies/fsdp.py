@@ -24,7 +24,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 
 from strategies import sharded_checkpoint
-from strategies.activation_checkpointing import MODES
+from strategies.activation_checkpointing import check_mode
 from strategies.ddp import DDPStrategy
 from strategies.memory import MemoryReport, measure
 from strategies.meta_init import materialize
@@ -72,10 +72,7 @@ class FSDPStrategy(DDPStrategy):
             )
         if reduce_dtype not in ("fp32", "bf16"):
             raise ValueError(f"reduce_dtype={reduce_dtype!r} is invalid; allowed: 'fp32', 'bf16'")
-        if activation_checkpointing not in MODES:
-            raise ValueError(
-                f"activation_checkpointing={activation_checkpointing!r} is invalid; allowed: None, 'full', 'selective'"
-            )
+        check_mode(activation_checkpointing)
         if cpu_offload and zero_stage == 1:
             raise ValueError(
                 "cpu_offload=True needs zero_stage 2 or 3 (FSDP2's CPUOffloadPolicy); stage 1 cannot offload"

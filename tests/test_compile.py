@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import read_metrics, token_loader
+from helpers import fit, read_metrics, token_loader
 from test_ddp import run
 from test_fsdp import single_llama
 from torch import nn
@@ -26,18 +26,10 @@ RECIPE = Path(__file__).parents[1] / "recipes" / "llama_tiny.yaml"
 TINY = LlamaConfig.preset("tiny", vocab_size=64, max_seq_len=32)
 
 
-def llama_losses(tmp_path, name: str, steps: int = 20, **flags) -> dict[int, float]:
+def llama_losses(tmp_path, name: str, **flags) -> dict[int, float]:
     torch.manual_seed(0)
-    Trainer(
-        max_steps=steps,
-        seed=0,
-        gradient_clip_val=1.0,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        log_every_n_steps=1,
-        default_root_dir=tmp_path / name,
-        **flags,
-    ).fit(CausalLM(TINY, lr=3e-3), token_loader(4, vocab_size=64))
+    model, data = CausalLM(TINY, lr=3e-3), token_loader(4, vocab_size=64)
+    fit(model, data, tmp_path / name, 20, gradient_clip_val=1.0, enable_checkpointing=False, **flags)
     return read_metrics(tmp_path / name)
 
 
@@ -128,16 +120,7 @@ def net_data(n: int = 64, width: int = 16) -> TensorDataset:
 
 def net_losses(tmp_path, name: str, **flags) -> dict[int, float]:
     torch.manual_seed(0)
-    module = Net()
-    Trainer(
-        max_steps=8,
-        seed=0,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        log_every_n_steps=1,
-        default_root_dir=tmp_path / name,
-        **flags,
-    ).fit(module, DataLoader(net_data(), batch_size=8))
+    fit(Net(), DataLoader(net_data(), batch_size=8), tmp_path / name, 8, enable_checkpointing=False, **flags)
     return read_metrics(tmp_path / name, "train_loss")
 
 
