@@ -24,6 +24,10 @@ if TYPE_CHECKING:
 FREE_VALIDATION_S = 1.0  # validation time a fit may always spend: small models validate every checkpoint
 
 
+class ModelNotFiniteError(RuntimeError):
+    """The live model became non-finite: the fit ends (its checkpoints are set aside as bad)."""
+
+
 class ModelCheckpoint(Callback):
     """Save `<dirpath>/step-XXXXXXXX/` every `every_n_steps` optimizer steps and/or `every_n_minutes`, and
     (with `save_last`) at the end of fit. Each file's hashes, taken as it is written, go into the manifest.
@@ -48,12 +52,20 @@ class ModelCheckpoint(Callback):
     validates every checkpoint. Each save reports its cost: seconds, and % of the time since the previous
     checkpoint.
 
-    A fresh run (nothing resumed) whose `dirpath` already holds checkpoints warns once at its start:
-    `ckpt_path="last"` would pick the newest of them, whichever run wrote it. Nothing is deleted.
+    A fit owns the folder it writes (trainer/run_folder.py): `dirpath` (default
+    `<default_root_dir>/checkpoints`) while it holds no other run's checkpoints, else a new `dirpath/version_N`,
+    named in one line; `dirpath` is the folder in use during a fit. A second live fit into it is refused.
 
     Keeps `save_top_k` good checkpoints: the newest ones, or with `monitor` the best by that metric
     (`mode` "min"/"max") plus always the newest. -1 keeps all. Nothing is deleted before a newer
-    checkpoint is good.
+    checkpoint is good, and only checkpoints of this run (its run id, in its own folder, as the folder
+    says: never a path carried in loaded state) are ever deleted; a checkpoint a fit started from elsewhere
+    is only read.
+
+    A model that is not finite (a non-finite loss or weight) ends the fit with one line: since which step,
+    and the last good checkpoint. A save that fails (a full disk: one line with the bytes needed and free)
+    stops the fit (`on_save_error="stop"`, the default) or is reported and training goes on without that
+    checkpoint (`"continue"`); the previous checkpoint is intact either way.
     """
 
     def __init__(
@@ -69,6 +81,7 @@ class ModelCheckpoint(Callback):
         validate_atol: float = 0.0,
         validate_batch: Any = None,
         validate_budget: float | None = 0.02,
+        on_save_error: str = "stop",
     ) -> None:
         flags.check_int("every_n_steps", every_n_steps, 1, allow_none=True)
         flags.check_number("every_n_minutes", every_n_minutes, 0, strict=True, allow_none=True)
@@ -83,7 +96,9 @@ class ModelCheckpoint(Callback):
             raise ValueError(f"mode={mode!r} is invalid; allowed: 'min' or 'max'")
         flags.check_number("validate_atol", validate_atol, 0)
         flags.check_number("validate_budget", validate_budget, 0, strict=True, allow_none=True)
-        self.dirpath = Path(dirpath) if dirpath is not None else None
+        self.on_save_error = flags.check_choice("on_save_error", on_save_error, ("stop", "continue"))
+        self._requested = Path(dirpath) if dirpath is not None else None  # the base of each fit's folder
+        self.dirpath = self._requested
         self.every_n_steps, self.every_n_minutes = every_n_steps, every_n_minutes
         self.save_last, self.save_top_k = save_last, save_top_k
         self.monitor, self.mode = monitor, mode
@@ -104,21 +119,33 @@ class ModelCheckpoint(Callback):
         self._attempted_step: int | None = None  # the step last saved, good or bad: never saved twice
 
     def setup(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
-        if self.dirpath is None:
-            self.dirpath = Path(trainer.default_root_dir) / "checkpoints"
+        self.dirpath = self.base_dir(trainer)  # a fit then moves it to the folder it claims (run_folder)
         self._last_save_time = self._fit_started = time.monotonic()
         self._validation_s, self._last_validation_s = 0.0, None
         self._held_out = self._attempted_step = None
 
+    def base_dir(self, trainer: Trainer) -> Path:
+        """The folder asked for (`dirpath`, else `<default_root_dir>/checkpoints`): a run's, or its parent."""
+        return self._requested or Path(trainer.default_root_dir) / "checkpoints"
+
     def on_fit_start(self, trainer: Trainer, module: TrainModule) -> None:
-        fresh = trainer.state.restarts == 0 and trainer.global_step == 0
-        earlier = ckpt.newer_than(self.dirpath, -1) if fresh and trainer.is_global_zero else []
-        if earlier:
-            log.warning(
-                f"{self.dirpath} already holds {len(earlier)} checkpoint(s) of an earlier run, the newest "
-                f"{max(p.name for p in earlier)}; ckpt_path='last' would resume that one, not this run. "
-                "For a fresh run use another default_root_dir or ModelCheckpoint(dirpath=...)"
-            )
+        self.saved = self._own_checkpoints(trainer)
+
+    def _own_checkpoints(self, trainer: Trainer) -> list[dict[str, Any]]:
+        """The kept checkpoints of this run, as its folder holds them: those whose meta.json names this
+        run's id (a resumed run's earlier saves), never ones of another run or from another folder."""
+        own = []
+        for path in reversed(ckpt.completed(self.dirpath)):
+            try:
+                meta = ckpt.read_meta(path)
+            except ckpt.CheckpointError:
+                continue  # incomplete: not this run's to count (or delete)
+            if meta.get("run_id") is None or meta.get("run_id") != trainer.run_id:
+                continue
+            good = (path / ckpt.VALIDATED_FILE).exists() or not meta.get("pending_validation")
+            own.append({"path": str(path), "step": meta["step"], "score": meta.get("score"), "good": good})
+            own[-1]["pending"] = not good
+        return own
 
     def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: dict[str, Any]) -> None:
         due = bool(self.every_n_steps) and trainer.global_step % self.every_n_steps == 0
@@ -157,13 +184,25 @@ class ModelCheckpoint(Callback):
             start = time.monotonic()
             entry["reference"], entry["not_finite"] = self._live_reference(trainer)
             entry["reference_s"] = time.monotonic() - start  # part of what validation costs
+        else:  # not reloaded, but a non-finite model is never kept as good
+            entry["not_finite"] = self._not_finite(trainer, self._state_not_finite(trainer))
+            if entry["not_finite"] is not None:
+                entry.update(good=False, pending=True)
         # listed before writing, so the checkpoint's own copy of this state already knows about itself
         self.saved = [c for c in self.saved if c["path"] != str(path)] + [entry]
         start = time.monotonic()
-        trainer.save_checkpoint(path, pending_validation=reload)
+        try:
+            trainer.save_checkpoint(path, pending_validation=reload, meta={"score": _plain_score(score)})
+        except (ckpt.CheckpointError, OSError) as err:
+            self.saved.remove(entry)
+            if self.on_save_error == "stop":
+                raise
+            if trainer.is_global_zero:
+                log.error(f"{err}; training goes on without it (ModelCheckpoint(on_save_error='continue'))")
+            return path
         entry["write_s"] = time.monotonic() - start
         self._last_save_time = time.monotonic()
-        if self.validate and not reload:
+        if self.validate and not reload and entry["good"]:
             self._report(
                 entry,
                 f"reload check skipped: validation has cost {self._validation_s:.2f} s of this fit and the "
@@ -233,6 +272,15 @@ class ModelCheckpoint(Callback):
                     f"checkpoint {path.name} {problem}; moved to {bad.name}, the older good checkpoints are kept"
                 )
         trainer.strategy.barrier(group="world")
+        if not_finite is not None:  # training on cannot bring it back: end the fit, naming what is left
+            good = [c for c in self.saved if c["good"]]
+            last = (
+                Path(max(good, key=lambda c: c["step"])["path"]).name if good else "none (no good checkpoint)"
+            )
+            since = trainer.not_finite_since() or entry["step"]
+            raise ModelNotFiniteError(
+                f"the model is not finite since step {since}; last good checkpoint: {last}"
+            )
 
     def _reload_problem(
         self, trainer: Trainer, path: Path, reference: float | None
@@ -274,27 +322,37 @@ class ModelCheckpoint(Callback):
         if batch is not None and loss is None:
             self._compare_no_loss(f"{type(trainer.module).__name__}.validation_step returns no loss")
         if loss is None:
-            why = next(
-                (
-                    f"{name} has non-finite values"
-                    for name, t in trainer.module.state_dict().items()
-                    # a module's get_extra_state may put any object in it (saving names it)
-                    if isinstance(t, torch.Tensor)
-                    and t.is_floating_point()
-                    and not bool(torch.isfinite(_local(t)).all())
-                ),
-                None,
-            )
+            why = self._state_not_finite(trainer)
         else:
             loss = float(loss)
             why = None if math.isfinite(loss) else f"live loss {loss}"
+        return loss, self._not_finite(trainer, why)
+
+    @staticmethod
+    def _state_not_finite(trainer: Trainer) -> str | None:
+        """'<name> has non-finite values' of this rank's first such state-dict tensor, or None."""
+        return next(
+            (
+                f"{name} has non-finite values"
+                for name, t in trainer.module.state_dict().items()
+                # a module's get_extra_state may put any object in it (saving names it)
+                if isinstance(t, torch.Tensor)
+                and t.is_floating_point()
+                and not bool(torch.isfinite(_local(t)).all())
+            ),
+            None,
+        )
+
+    @staticmethod
+    def _not_finite(trainer: Trainer, why: str | None) -> str | None:
+        """Why the live model is not finite (this rank's `why`, or another's), agreed over ranks, or None."""
         strategy = trainer.strategy
         if not bool(strategy.reduce(torch.tensor(float(why is not None)), "max", group="world")):
-            return loss, None
+            return None
         whys = strategy.all_gather_object(why, group="world")
         rank, why = next((r, w) for r, w in enumerate(whys) if w)
         where = f" on rank {rank}" if len(whys) > 1 else ""
-        return loss, f"the model is not finite at step {trainer.global_step} ({why}{where})"
+        return f"the model is not finite at step {trainer.global_step} ({why}{where})"
 
     def _held_out_batch(self, trainer: Trainer) -> Any:
         """The batch whose `validation_step` loss a reload must reproduce, or None: check the checksums and
@@ -330,9 +388,9 @@ class ModelCheckpoint(Callback):
         self._attempted_step = None  # the steps after the restored one will be trained (and saved) again
         if trainer.is_global_zero:
             for path in ckpt.newer_than(self.dirpath, trainer.global_step):
-                target = path.with_name(f"discarded-{path.name}")
-                shutil.rmtree(target, ignore_errors=True)
-                path.rename(target)
+                if ckpt.run_of(path) is None or ckpt.run_of(path) != trainer.run_id:
+                    continue  # another run's (or unreadable): not this run's future to discard
+                target = ckpt.move_aside(path, "discarded")
                 log.warning(
                     f"{path.name} is newer than the restored step {trainer.global_step}: moved to {target.name}"
                 )
@@ -348,7 +406,11 @@ class ModelCheckpoint(Callback):
         stale = self._beyond_top_k(good)
         if trainer.is_global_zero:
             for entry in stale:
-                shutil.rmtree(entry["path"], ignore_errors=True)
+                path = Path(entry["path"])
+                # the folder's word, not this list's: only a checkpoint of this run, in this run's folder
+                owner = ckpt.run_of(path)
+                if path.parent == self.dirpath and owner is not None and owner == trainer.run_id:
+                    shutil.rmtree(path, ignore_errors=True)
         self.saved = [c for c in self.saved if c not in stale]
 
     def _beyond_top_k(self, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -357,23 +419,12 @@ class ModelCheckpoint(Callback):
         newest = max(entries, key=lambda c: c["step"])
         if self.monitor:
             sign = 1.0 if self.mode == "min" else -1.0
-            ranked = sorted(entries, key=lambda c: sign * c["score"])
+            # a checkpoint saved without the metric (by another saver of the run) ranks last
+            ranked = sorted(entries, key=lambda c: math.inf if c["score"] is None else sign * c["score"])
         else:
             ranked = sorted(entries, key=lambda c: -c["step"])
         keep = ranked[: self.save_top_k] + [newest]
         return [c for c in entries if c not in keep]
-
-    def state_dict(self) -> dict[str, Any]:
-        pending = ("reference", "not_finite", "reference_s")
-        return {"saved": [{k: v for k, v in c.items() if k not in pending} for c in self.saved]}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.saved = []
-        for c in state["saved"]:  # what `state_dict` returned: always has "saved"
-            path = Path(c["path"])
-            if path.exists():  # a checkpoint's own entry was written before it was validated
-                good = (path / ckpt.VALIDATED_FILE).exists() or not c.get("pending", self.validate)
-                self.saved.append({**c, "good": good, "pending": not good})
 
 
 def _stash(module: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -386,6 +437,11 @@ def _unstash(stash: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     with torch.no_grad():
         for target, saved in stash:
             target.copy_(saved)
+
+
+def _plain_score(score: Any) -> float | None:
+    """The monitored value as meta.json holds it."""
+    return None if score is None else float(score)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

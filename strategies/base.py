@@ -462,12 +462,12 @@ class Strategy:
                     "`trainer export` its weights"
                 )
             self.load_sharded(path, module, optimizer)
-            return ckpt.load_torch_file(path / ckpt.STATE_FILE)
+            return _checked_state(path)
         model_sd = ckpt.load_model_file(path / ckpt.MODEL_FILE)
         load_module_state(module, model_sd, path)
         if optimizer is not None:
             optimizer.load_state_dict(ckpt.load_torch_file(path / ckpt.OPTIMIZER_FILE))
-        return ckpt.load_torch_file(path / ckpt.STATE_FILE)
+        return _checked_state(path)
 
     def load_sharded(self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         """Fill `module` and `optimizer`, sharded as they are now, from a sharded checkpoint of this
@@ -478,6 +478,13 @@ class Strategy:
 
     def teardown(self) -> None:
         """Release processes groups and devices."""
+
+
+def _checked_state(path: Path) -> dict[str, Any]:
+    """A checkpoint's trainer state, whose step must be the one its meta.json announces."""
+    state = ckpt.load_torch_file(path / ckpt.STATE_FILE)
+    ckpt.check_step(path, state)
+    return state
 
 
 def _grads(module: nn.Module) -> list[torch.Tensor]:

@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from strategies.base import Strategy, check_reduce_op
 from strategies.parallel_dims import ParallelDims, ParallelMesh
-from strategies.sharded_checkpoint import HashingWriter, local_bytes
+from strategies.sharded_checkpoint import HashingWriter
 from trainer import checkpoint as ckpt
 from trainer import flags
 from trainer.launch import (
@@ -36,7 +35,7 @@ from trainer.launch import (
     destroy_process_group,
     detect_world,
     exit_quietly_when_done,
-    mark_reported_elsewhere,
+    report_arrival,
     spawn_and_run,
     take_spawned_store,
 )
@@ -221,34 +220,66 @@ class MeshStrategy(Strategy):
         the files are written in the background and the checkpoint completes at `finish_checkpoint`."""
         self.finish_checkpoint()
         path = Path(path)
-        tmp = path.parent / f".tmp-{path.name}"
+        meta = ckpt.meta_for(state, format="dcp", layout=self.checkpoint_layout)
+        tmp = ckpt.staging_dir(path, meta)  # named for its owner: a concurrent or dead writer's is another
+        refused = None
         if self.is_global_zero:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
+            try:
+                ckpt.refuse_foreign(path, meta)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)
+            except (ckpt.CheckpointError, OSError) as err:
+                refused = str(err)
         payload = self.checkpoint_payload(module, optimizer)
-        self.begin_io(local_bytes(payload))
-        self.io_barrier()  # the directory is clean before anyone writes
+        self.begin_io(ckpt.tensor_bytes(payload))
+        refused = self.agree(refused)  # also the barrier: the directory is clean before anyone writes
+        if refused is not None:
+            raise ckpt.CheckpointError(refused)
         writer = HashingWriter(tmp)
-        finish = functools.partial(self._finish_save, tmp, path, state, writer)
+        finish = functools.partial(self._finish_save, tmp, path, state, meta, writer)
         if not self.async_save:
-            dcp.save(payload, storage_writer=writer, process_group=self.io_group)
+            try:
+                dcp.save(payload, storage_writer=writer, process_group=self.io_group)
+            except BaseException as err:
+                self._abandon_save(tmp, path, err)
             return finish()
         if self._save_group is None:  # its own: the writer's collectives must not interleave with training's
             self._save_group = dist.new_group(backend="gloo")
         future = dcp.async_save(payload, storage_writer=writer, process_group=self._save_group)
-        self._pending_save = (future, finish)
+        self._pending_save = (future, finish, tmp, path)
 
-    def _finish_save(self, tmp: Path, path: Path, state: dict, writer: HashingWriter) -> None:
+    def _finish_save(
+        self, tmp: Path, path: Path, state: dict, meta: dict[str, Any], writer: HashingWriter
+    ) -> None:
         written = {k: v for entries in self.io_gather(writer.entries) for k, v in entries.items()}
+        failed = None
         if self.is_global_zero:
-            ckpt.write_atomically(
-                path,
-                lambda d: ckpt.save_torch_file(state, d / ckpt.STATE_FILE),
-                ckpt.meta_for(state, format="dcp", layout=self.checkpoint_layout),
-                staged=tmp,
-                written=written,
-            )
-        self.io_barrier()
+            try:  # it removes the staged directory itself when it fails
+                ckpt.write_atomically(
+                    path,
+                    lambda d: ckpt.save_torch_file(state, d / ckpt.STATE_FILE),
+                    meta,
+                    staged=tmp,
+                    written=written,
+                )
+            except Exception as err:
+                failed = err
+        problem = self.agree(None if failed is None else str(failed))  # every rank fails together
+        if failed is not None:
+            raise failed
+        if problem is not None:
+            raise ckpt.CheckpointError(problem)
+
+    def _abandon_save(self, tmp: Path, path: Path, err: BaseException) -> None:
+        """After DCP's write failed (on every rank at once: it gathers the ranks' results), rank zero
+        removes the staged directory; the error is raised as the user should read it (a full disk: one line)."""
+        reached = ckpt.dir_bytes(tmp)
+        if self.is_global_zero:
+            shutil.rmtree(tmp, ignore_errors=True)
+        said = ckpt.save_error(err, path, reached)
+        if said is err:
+            raise err
+        raise said from err
 
     @property
     def checkpoint_in_progress(self) -> bool:
@@ -256,9 +287,12 @@ class MeshStrategy(Strategy):
 
     def finish_checkpoint(self) -> None:
         if self._pending_save is not None:
-            future, finish = self._pending_save
+            future, finish, tmp, path = self._pending_save
             self._pending_save = None
-            future.result()
+            try:
+                future.result()
+            except BaseException as err:
+                self._abandon_save(tmp, path, err)
             finish()
 
     # ---- waits on checkpoint I/O ------------------------------------------------------------------
@@ -293,41 +327,23 @@ class MeshStrategy(Strategy):
     def _run_and_report(self, function: Callable[..., Any], *args: Any) -> Any:
         """Run the work; a collective timeout becomes an error naming the ranks that never arrived, and
         under torchrun the error is recorded so the agent's summary shows it."""
+        report_arrival()  # a rank that rank 0 started: rank 0 joins the process group once all have come
         try:
             return function(*args)
         except Exception as err:
             if self._store is None or not _TIMEOUT.search(str(err)):
                 _record_for_torchelastic(err)
-                self._mark_if_rank_zero_has_it(err)
                 raise
             report = RuntimeError(self._timeout_report(err))
             _record_for_torchelastic(report)
             raise report from err
 
-    def _mark_if_rank_zero_has_it(self, err: Exception) -> None:
-        """One bug usually fails every rank at once: rank zero prints the traceback, and a rank whose
-        error is the same (type and message) prints one line instead (see trainer.launch)."""
-        if self._store is None:
-            return
-        summary = "".join(traceback.format_exception_only(err)).strip()
-        if self.world.rank == 0:
-            self._store.set("error/0", summary)
-            return
-        try:  # rank zero fails within moments when it is the same bug; a rank-local error waits 2 s at most
-            self._store.wait(["error/0"], datetime.timedelta(seconds=2))
-            same = self._store.get("error/0").decode() == summary
-        except Exception:  # rank zero has not failed (it waits for this rank in a collective), or is gone
-            same = False
-        if same:
-            mark_reported_elsewhere(err, "rank 0")
-
     def _timeout_report(self, err: Exception) -> str:
         """Every rank that timed out says so in the store; the ranks that never do are the ones stuck."""
         world = self.world
         self._store.set(f"timed-out/{world.rank}", "1")
-        time.sleep(min(5.0, self.timeout_s / 2))  # let the other waiting ranks report too
         try:
-            silent = [r for r in range(world.world_size) if not self._store.check([f"timed-out/{r}"])]
+            silent = self._silent_ranks(deadline=time.monotonic() + min(5.0, self.timeout_s / 2))
         except Exception:  # the store lives in rank 0 (or the agent): it is gone
             silent = []
         who = f"rank(s) {silent} stopped answering" if silent else "the other ranks could not be reached"
@@ -335,6 +351,14 @@ class MeshStrategy(Strategy):
             f"rank {world.rank}: a collective timed out after {self.timeout_s:g}s; {who} (hung, crashed, or "
             f"slower than timeout_s). Original error: {str(err).splitlines()[0]}"
         )
+
+    def _silent_ranks(self, deadline: float) -> list[int]:
+        """The ranks that have not said they timed out, once all have or at `deadline`: the other waiting
+        ranks time out moments after this one, a stuck rank never does."""
+        keys = [f"timed-out/{r}" for r in range(self.world.world_size)]
+        while not self._store.check(keys) and time.monotonic() < deadline:
+            time.sleep(0.05)  # a poll: the store's own wait would log a warning each time it expires
+        return [r for r, key in enumerate(keys) if not self._store.check([key])]
 
     def teardown(self) -> None:
         """The process group stays up for the next fit/validate of this process; the OS frees it at exit."""

@@ -157,11 +157,15 @@ class Pipeline:
     def _loss(self, output: Any, target: Any) -> torch.Tensor:
         loss, num_tokens = unpack_loss(self.loss(output, target), "pipeline_loss")
         self._outputs.append(StepOutput(loss.detach(), num_tokens))
-        return loss * num_tokens if num_tokens is not None else loss * self._weight
+        if num_tokens is not None:
+            return loss * num_tokens
+        # the schedule sums the m micro-batches' gradients: each mean loss weighs 1/m of the batch's
+        return loss * (self._weight / self.microbatches)
 
     def step(self, inputs: torch.Tensor, target: torch.Tensor, weight: float) -> StepOutput:
-        """Forward+backward of one batch, split into the micro-batches; `weight` scales a loss without
-        a token count (1 / accumulated batches). The loss is the last stage's, sent to every stage."""
+        """Forward+backward of one batch, split into the micro-batches; a loss without a token count is
+        scaled by `weight` (1 / accumulated batches) / micro-batches. The loss is the last stage's, sent
+        to every stage."""
         return self._run(self.schedule.step, inputs, target, weight)
 
     def evaluate(self, inputs: torch.Tensor, target: torch.Tensor) -> StepOutput:

@@ -1,6 +1,7 @@
 """Sharded checkpoints through torch.distributed.checkpoint (DCP): each rank writes only what it holds
 (FSDP shards, ZeRO-1 optimizer slices, its share of replicated tensors) into its own files under `dcp/`,
 hashed while written, and reads back what its new shards need, whatever world size wrote them.
+Reading goes through trainer/safe_dcp.py, which never runs code from the files.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from trainer import checkpoint as ckpt
 from trainer.integrity import HashingFile
+from trainer.safe_dcp import SafeLoadPlanner, SafeReader
 
 
 class _HashingFileSystem(FileSystem):
@@ -38,9 +40,11 @@ class _HashingFileSystem(FileSystem):
         stream = HashingFile(Path(path))
         try:
             yield stream
+        except Exception as err:  # DCP's torch.save wraps a full disk in its own error: say the real one
+            stream.raise_write_error(err)
         finally:
             stream.close()
-            self.entries[self._key(path)] = stream.entry()
+        self.entries[self._key(path)] = stream.entry()
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         super().rename(path, new_path)  # DCP writes .metadata under a temporary name first
@@ -63,25 +67,16 @@ class HashingWriter(dcp.FileSystemWriter):
         return self.fs.entries
 
 
-def local_bytes(state: Any) -> int:
-    """Bytes of the tensors (this rank's local shards) in a nested state dict: what this rank may write."""
-    if isinstance(state, dict):
-        return sum(local_bytes(v) for v in state.values())
-    if isinstance(state, (list, tuple)):
-        return sum(local_bytes(v) for v in state)
-    if isinstance(state, torch.Tensor):
-        t = state.to_local() if hasattr(state, "to_local") else state
-        return t.numel() * t.element_size()
-    return 0
-
-
 def load(payload: dict[str, Any], path: Path, group: Any) -> None:
     """Fill `payload` (this rank's tensors, sharded as they are now) from the checkpoint at `path`; a
     checkpoint that does not fit becomes a one-line CheckpointError."""
     try:
-        dcp.load(payload, checkpoint_id=str(Path(path) / ckpt.DCP_DIR), process_group=group)
+        dcp.load(payload, storage_reader=SafeReader(path), planner=SafeLoadPlanner(path), process_group=group)
     except CheckpointException as err:  # a BaseException carrying each rank's planner error
-        first = next(iter(err.failures.values()))[0]
+        first = next(iter(err.failures.values()))
+        first = first[0] if isinstance(first, tuple) else first
+        if isinstance(first, ckpt.CheckpointError):
+            raise ckpt.CheckpointError(str(first), first.reason) from err
         raise ckpt.CheckpointError(f"checkpoint '{path}' does not fit this model: {first}") from err
 
 
@@ -104,4 +99,4 @@ def load_state_dict_layout(
 
 def saved_entries(path: Path) -> dict[str, Any]:
     """{flattened key: DCP storage metadata} of a sharded checkpoint (what was saved, with global shapes)."""
-    return dcp.FileSystemReader(str(Path(path) / ckpt.DCP_DIR)).read_metadata().state_dict_metadata
+    return SafeReader(path).read_metadata().state_dict_metadata

@@ -8,20 +8,29 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from helpers import LLAMA, Regression, TokenMeanLM, regression_loader, token_loader, uneven_token_data  # noqa: E402
+from helpers import (  # noqa: E402
+    LLAMA,
+    FakeClock,
+    Regression,
+    TokenMeanLM,
+    regression_loader,
+    token_loader,
+    uneven_token_data,
+)
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from callbacks import Callback, ModelCheckpoint, NaNGuard, StragglerDetector, Timer  # noqa: E402
 from strategies import DDPStrategy, FSDPStrategy, mesh  # noqa: E402
-from trainer import Trainer, integrity  # noqa: E402
+from trainer import Trainer, integrity, timing  # noqa: E402
 from trainer.models.causal_lm import CausalLM  # noqa: E402
 
 
@@ -153,17 +162,25 @@ class MemoryProbe(Callback):
 
 
 class Sleepy(Regression):
-    """Regression whose training step sleeps: `step_sleep` on every rank, plus `slow_sleep` on `slow_rank`."""
+    """Regression whose training step sleeps: `step_sleep` on every rank, plus `slow_sleep` on `slow_rank`;
+    with a `clock`, the step advances that fake clock instead of sleeping."""
 
     def __init__(
-        self, step_sleep: float, slow_rank: int, slow_sleep: float, lr: float = 1e-2, optimizer: str = "adamw"
+        self,
+        step_sleep: float,
+        slow_rank: int,
+        slow_sleep: float,
+        lr: float = 1e-2,
+        optimizer: str = "adamw",
+        clock: FakeClock | None = None,
     ) -> None:
         super().__init__(dropout=0.0, lr=lr, optimizer=optimizer)
         self.step_sleep, self.slow_rank, self.slow_sleep = step_sleep, slow_rank, slow_sleep
+        self.wait = time.sleep if clock is None else clock.advance
 
     def training_step(self, batch, batch_idx):
         rank = self.trainer.strategy.global_rank
-        time.sleep(self.step_sleep + (self.slow_sleep if rank == self.slow_rank else 0.0))
+        self.wait(self.step_sleep + (self.slow_sleep if rank == self.slow_rank else 0.0))
         return super().training_step(batch, batch_idx)
 
 
@@ -212,7 +229,7 @@ class Misbehave(Callback):
                 f"deliberate failure on rank {'every' if a.every_rank else rank} at step {step}"
             )
         if a.hang:
-            time.sleep(600)
+            threading.Event().wait()  # for something that never comes
         if a.sigkill and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -271,6 +288,8 @@ def main() -> None:
     p.add_argument("--slow-rank", type=int, default=-1)
     p.add_argument("--slow-sleep", type=float, default=0.0)
     p.add_argument("--straggler-every", type=int, default=0)
+    p.add_argument("--fake-clock", action="store_true")  # phase times: step sleeps move a fake clock
+    p.add_argument("--start-delay", type=float, default=0.0)  # seconds rank 1 takes to start
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--strategy", default="ddp")
     p.add_argument("--stage", type=int, default=3)
@@ -297,6 +316,11 @@ def main() -> None:
     p.add_argument("--out", required=True)
     a = p.parse_args()
     torch.set_num_threads(1)
+    if os.environ.get("RANK") == "1":
+        time.sleep(a.start_delay)  # a slow start (imports, data): no collective, whatever timeout_s is
+    clock = FakeClock() if a.fake_clock else None
+    if clock is not None:
+        timing.perf_counter = clock
     if a.io_floor is not None:
         mesh.IO_FLOOR_BYTES_PER_S = a.io_floor
     if a.slow_disk:
@@ -362,7 +386,7 @@ def main() -> None:
     elif a.model == "tokens":
         module, loader = TokenMeanLM(**lr), DataLoader(uneven_token_data(by_parity=True), batch_size=micro)
     else:
-        module = Sleepy(a.step_sleep, a.slow_rank, a.slow_sleep, optimizer=a.optimizer, **lr)
+        module = Sleepy(a.step_sleep, a.slow_rank, a.slow_sleep, optimizer=a.optimizer, clock=clock, **lr)
         loader = regression_loader(batch_size=micro, shuffle=a.shuffle)
     val_loader = None
     if a.validate:

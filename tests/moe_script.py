@@ -3,7 +3,7 @@ torchrun would; first checks the all-to-all dispatcher alone against the local o
 whole ranks without tokens).
 
 `--layouts` is a JSON list of {"tag": ..., **Parallel3DStrategy kwargs} ("experts": the model's routed
-experts, default 8); each is one `Trainer.fit` in the same world. Rank 0 writes {"dispatcher": max abs
+experts, default 8; "router": MoEConfig fields to override); each is one `Trainer.fit` in the same world. Rank 0 writes {"dispatcher": max abs
 differences, tag: {"params": {name: values}, "empty_chunks": (source rank, expert) pairs that sent no rows,
 summed over ranks and layers, "expert_placements": the expert weights' placements}} to `--out`; the losses
 are in each run's metrics log under `--root`/tag.
@@ -12,6 +12,7 @@ are in each run's metrics log under `--root`/tag.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -32,9 +33,10 @@ from trainer.models.llama import LlamaConfig  # noqa: E402
 from trainer.models.moe import GroupedExperts, LocalDispatcher, MoE, Routing  # noqa: E402
 
 
-def tiny_moe(n_experts: int) -> LlamaConfig:
-    """The tiny MoE Llama with `n_experts` routed experts (top-2, one shared expert, blocks 1-3 MoE)."""
-    return LlamaConfig.preset(
+def tiny_moe(n_experts: int, **router: object) -> LlamaConfig:
+    """The tiny MoE Llama with `n_experts` routed experts (top-2, one shared expert, blocks 1-3 MoE) and
+    any MoEConfig field of `router` overridden."""
+    config = LlamaConfig.preset(
         "moe-tiny",
         vocab_size=64,
         max_seq_len=16,
@@ -44,16 +46,28 @@ def tiny_moe(n_experts: int) -> LlamaConfig:
         moe=dict(n_experts=n_experts, top_k=2, moe_ffn_dim=32, n_shared_experts=1, n_dense_layers=1,
                  aux_loss_coef=0.0, z_loss_coef=0.001, bias_update_rate=1e-3),
     )  # fmt: skip
+    config.moe = dataclasses.replace(config.moe, **router)
+    return config
 
 
 MODEL = tiny_moe(8)
 GLOBAL_BATCH = 4  # sequences of 16 tokens: 4 ranks get 32 (token, choice) pairs each for 8 experts
 
 
-def make_run(root: Path, steps: int, batch: int, strategy="auto", precision="32", model: LlamaConfig = MODEL):
+def make_run(
+    root: Path,
+    steps: int,
+    batch: int,
+    strategy="auto",
+    precision="32",
+    model: LlamaConfig = MODEL,
+    accumulate: int = 1,
+    val_batches: int = 2,
+):
     """(trainer, module, train loader, val loader) of one run; the single-process reference uses it too."""
     trainer = Trainer(
         strategy=strategy,
+        accumulate_grad_batches=accumulate,
         devices="auto",
         precision=precision,
         max_steps=steps,
@@ -62,7 +76,7 @@ def make_run(root: Path, steps: int, batch: int, strategy="auto", precision="32"
         default_root_dir=root,
         enable_progress_bar=False,
         log_every_n_steps=1,
-        limit_val_batches=2,
+        limit_val_batches=val_batches,
     )
     train = token_loader(batch, MODEL.vocab_size)
     val = token_loader(batch, MODEL.vocab_size, n_tokens=1000, seed=2)
@@ -133,6 +147,7 @@ def main() -> None:
             layout.pop("precision", "32"),
             layout.pop("experts", MODEL.moe.n_experts),
         )
+        router = layout.pop("router", {})
         # the loader's batch is per data-parallel rank: tp and pp ranks read the same data
         dp = int(os.environ["WORLD_SIZE"]) // (layout.get("tp", 1) * layout.get("pp", 1))
         trainer, module, train, val = make_run(
@@ -141,7 +156,7 @@ def main() -> None:
             GLOBAL_BATCH // dp,
             Parallel3DStrategy(timeout_s=120, **layout),
             precision,
-            tiny_moe(experts),
+            tiny_moe(experts, **router),
         )
         trainer.fit(module, train, val, ckpt_path=resume)
         if save:

@@ -1,11 +1,12 @@
 """Trains the tiny Llama under Parallel3DStrategy layouts, as a user's script run under torchrun would.
 
 `--layouts` is a JSON list of {"tag": ..., **Parallel3DStrategy kwargs}, optionally with "steps", "save"
-(a checkpoint path written after the fit), "resume" (the fit's ckpt_path), "validate" (default true)
-and "probe" (measure saved activations); each is one `Trainer.fit`
-in the same world. Rank 0 writes {tag: {"params": {name: values}, "saved_bytes": ...}} to `--out`: the parameters
-gathered whole from every shard and stage, and with "probe" the activation bytes rank 0 saved for
-backward in the first step; the losses are in each run's metrics log under `--root`/tag.
+(a checkpoint path written after the fit), "resume" (the fit's ckpt_path), "validate" (default true),
+"probe" (measure saved activations), "scalar_sgd" (ScalarLossSGD instead of CausalLM), "clip" (the
+gradient_clip_val, default 1.0; null: none) and "accumulate" (accumulate_grad_batches); each is one
+`Trainer.fit` in the same world. Rank 0 writes {tag: {"params": {name: values}, "saved_bytes": ...}} to
+`--out`: the parameters gathered whole from every shard and stage, and with "probe" the activation bytes
+rank 0 saved for backward in the first step; the losses are in each run's metrics log under `--root`/tag.
 """
 
 from __future__ import annotations
@@ -91,23 +92,46 @@ def full_parameters(module: torch.nn.Module) -> dict[str, list]:
     return merged
 
 
-def make_run(root: Path, steps: int, batch: int, strategy="auto", probe=None):
-    """(trainer, module, train loader, val loader) of one run; the single-process reference uses it too."""
+class ScalarLossSGD(CausalLM):
+    """The tiny Llama whose loss is a plain scalar (no token count: micro-batches weigh equally) and whose
+    optimizer is SGD, so that any constant factor on the gradient shows in the update."""
+
+    def pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return super().pipeline_loss(logits, labels)["loss"]  # training_step's loss too, through _loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def make_run(
+    root: Path,
+    steps: int,
+    batch: int,
+    strategy="auto",
+    probe=None,
+    scalar_sgd: bool = False,
+    clip: float | None = 1.0,  # below the norms of these steps (~3): clipping acts on every step
+    accumulate: int = 1,
+):
+    """(trainer, module, train loader, val loader) of one run; the single-process reference uses it too.
+    `batch` is that of one optimizer step: each of the `accumulate` micro-batches holds its share."""
     trainer = Trainer(
         strategy=strategy,
         devices="auto",
         max_steps=steps,
         seed=0,
-        gradient_clip_val=1.0,  # below the norms of these steps (~3): clipping acts on every step
+        gradient_clip_val=clip,
+        accumulate_grad_batches=accumulate,
         default_root_dir=root,
         enable_progress_bar=False,
         log_every_n_steps=1,
         limit_val_batches=2,
         callbacks=[probe] if probe else [],
     )
-    train = token_loader(batch, MODEL.vocab_size)
+    train = token_loader(batch // accumulate, MODEL.vocab_size)
     val = token_loader(batch, MODEL.vocab_size, n_tokens=1000, seed=2)
-    return trainer, CausalLM(MODEL, lr=1e-3), train, val
+    module = ScalarLossSGD(MODEL, lr=0.1) if scalar_sgd else CausalLM(MODEL, lr=1e-3)
+    return trainer, module, train, val
 
 
 def main() -> None:
@@ -129,6 +153,7 @@ def main() -> None:
         )
         probe = SavedActivations() if layout.pop("probe", False) else None
         validate = layout.pop("validate", True)
+        run_kwargs = {k: layout.pop(k) for k in ("scalar_sgd", "clip", "accumulate") if k in layout}
         # the loader's batch is per rank (as in Lightning): the global batch over the data-parallel ranks
         dp = int(os.environ["WORLD_SIZE"]) // (
             layout.get("tp", 1) * layout.get("pp", 1) * layout.get("cp", 1)
@@ -139,6 +164,7 @@ def main() -> None:
             args.global_batch // dp,
             Parallel3DStrategy(timeout_s=120, **layout),
             probe,
+            **run_kwargs,
         )
         trainer.fit(module, train, val if validate else None, ckpt_path=resume)
         if save:

@@ -14,10 +14,16 @@ def fit_params(module, loader, root, **kwargs):
 
 
 def test_accumulating_four_micro_batches_equals_one_batch_four_times_larger(tmp_path):
+    """With SGD: AdamW's update hides a constant factor, such as micro-batch losses summed, not averaged."""
     torch.manual_seed(0)
-    big = fit_params(Regression(), regression_loader(batch_size=32), tmp_path / "a")
+    big = fit_params(Regression(optimizer="sgd"), regression_loader(batch_size=32), tmp_path / "a")
     torch.manual_seed(0)
-    acc = fit_params(Regression(), regression_loader(batch_size=8), tmp_path / "b", accumulate_grad_batches=4)
+    acc = fit_params(
+        Regression(optimizer="sgd"),
+        regression_loader(batch_size=8),
+        tmp_path / "b",
+        accumulate_grad_batches=4,
+    )
     for a, b in zip(big, acc, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 

@@ -18,6 +18,7 @@ chosen): FSDP ZeRO-2 on CPU, ModelCheckpoint every 2 steps (all kept), 6 steps.
 from __future__ import annotations
 
 import os
+import re
 import threading
 from collections import defaultdict
 from pathlib import Path
@@ -52,8 +53,8 @@ def complete(ckpt_dir: Path) -> set[str]:
 
 
 def checkpoint_of(writer_path: Any) -> str:
-    """`.../.tmp-step-00000002/dcp` -> `step-00000002`: the checkpoint a DCP writer writes."""
-    return Path(writer_path).parent.name.removeprefix(".tmp-")
+    """`.../.tmp-step-00000002-<run>-<pid>/dcp` -> `step-00000002`: the checkpoint a DCP writer writes."""
+    return re.search(r"step-\d+", Path(writer_path).parent.name).group(0)
 
 
 class SlowDisk:
@@ -137,11 +138,11 @@ class Probe(Callback):
     def on_train_batch_start(self, trainer, module, batch_idx):
         if trainer.global_step == 2:  # step 3 starts after step 2's save returned
             writing = self.disk.started[STEP2].wait(GUARD_S)  # the background writer reached the disk
-            tmp = self.ckpt_dir / f".tmp-{STEP2}" / "dcp"
+            staged = sorted(self.ckpt_dir.glob(f".tmp-{STEP2}-*/dcp"))  # named for its owner: one
             self.seen["step 3 starts"] = {
                 "writer reached the disk": writing,
                 "complete": complete(self.ckpt_dir),
-                "dcp files": sorted(os.listdir(tmp)) if tmp.is_dir() else [],
+                "dcp files": sorted(os.listdir(staged[0])) if len(staged) == 1 else [],
                 "in progress": trainer.strategy.checkpoint_in_progress,
             }
 

@@ -1,6 +1,7 @@
 """The `trainer` command: recipes run end to end; bad keys, types and paths give one-line errors."""
 
 import json
+import logging
 import subprocess
 import sys
 import textwrap
@@ -42,8 +43,7 @@ def test_fit_the_tiny_recipe_end_to_end_then_resume_and_validate(tmp_path):
     root = tmp_path / "run"
     args = [
         str(TINY),
-        "trainer.max_steps=20",
-        "trainer.warmup_steps=2",
+        "trainer.max_steps=20",  # shorter than the recipe's warmup: scaled to 2 steps, with a note
         "trainer.val_check_interval=10",
         "trainer.limit_val_batches=2",
         f"trainer.default_root_dir={root}",
@@ -56,6 +56,7 @@ def test_fit_the_tiny_recipe_end_to_end_then_resume_and_validate(tmp_path):
     assert [s for s, _ in val] == [0, 10, 20]
     assert val[-1][1] < val[0][1] - 1.0, f"validation loss did not fall: {val}"
     assert "done: 20 steps" in done.stdout and "export/model.safetensors" in done.stdout
+    assert "trainer.warmup_steps 30 -> 2" in done.stderr
     assert (root / "export" / "config.json").exists() and (root / "checkpoints" / "step-00000020").is_dir()
     assert list((tmp_path / "trainer-cache").iterdir()), (
         "the token cache is written under the test's tmp_path"
@@ -89,6 +90,24 @@ def test_fit_the_tiny_recipe_end_to_end_then_resume_and_validate(tmp_path):
         ("model.n_heads=7", "model: dim=256 is not divisible by n_heads=7"),
         ("model.preset=13b", "model: Llama preset '13b' is unknown; allowed: tiny, 1b, 8b, 70b"),
         ("trainer", "override 'trainer' is not key.path=value"),
+        ("model.dim=0", "model.dim=0 is invalid; allowed: an int >= 1"),
+        ("model.ffn_hidden=-4", "model.ffn_hidden=-4 is invalid; allowed: an int >= 1"),
+        ("model.norm_eps=0", "model.norm_eps=0.0 is invalid; allowed: a number > 0"),
+        ("model.init_std=-0.02", "model.init_std=-0.02 is invalid; allowed: a number > 0"),
+        (
+            "model.task=regression",
+            "model.task='regression' is unknown; allowed: causal-lm, seq-classification",
+        ),
+        ("model.num_labels=0", "model.num_labels=0 is invalid; allowed: an int >= 1"),
+        ("model.freeze=[3]", "model.freeze[0] expects str; got int 3"),
+        ("optimizer.lr=-1", "optimizer.lr=-1.0 is invalid; allowed: a number > 0"),
+        ("optimizer.weight_decay=-0.1", "optimizer.weight_decay=-0.1 is invalid; allowed: a number >= 0"),
+        ("optimizer.eps=0", "optimizer.eps=0.0 is invalid; allowed: a number > 0"),
+        (
+            "optimizer.betas=[0.9, 1.0]",
+            "optimizer.betas=[0.9, 1.0] is invalid; allowed: two numbers in [0, 1)",
+        ),
+        ("optimizer.betas=[0.9]", "optimizer.betas=[0.9] is invalid; allowed: two numbers in [0, 1)"),
     ],
 )
 def test_bad_overrides_name_the_key_and_what_is_allowed(override, message):
@@ -96,6 +115,61 @@ def test_bad_overrides_name_the_key_and_what_is_allowed(override, message):
         load_recipe(TINY, [override])
     assert message in str(err.value)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "moe, message",
+    [
+        ("{moe_ffn_dim: 0}", "model.moe.moe_ffn_dim=0 is invalid; allowed: an int >= 1"),
+        ("{aux_loss_coef: -0.01}", "model.moe.aux_loss_coef=-0.01 is invalid; allowed: a number >= 0"),
+        ("{bias_update_rate: -1}", "model.moe.bias_update_rate=-1.0 is invalid; allowed: a number >= 0"),
+        ("{n_experts: two}", "model.moe.n_experts expects int; got str 'two'"),
+    ],
+)
+def test_bad_moe_fields_name_the_key_and_what_is_allowed(moe, message):
+    with pytest.raises(ConfigError) as err:
+        load_recipe(REPO / "recipes" / "moe_tiny.yaml", [f"model.moe={moe}"])
+    assert str(err.value) == message
+
+
+def test_ckpt_path_may_come_before_or_between_the_overrides(tmp_path, caplog):
+    root = tmp_path / "run"
+    run = [
+        *SMALL,
+        "trainer.warmup_steps=1",
+        "trainer.limit_val_batches=1",
+        f"trainer.default_root_dir={root}",
+    ]
+    assert main(["fit", str(TINY), "--ckpt-path", "last", *run, "trainer.max_steps=2"]) == 0
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        assert main(["fit", str(TINY), *run[:2], "--ckpt-path", "last", *run[2:], "trainer.max_steps=3"]) == 0
+    assert "resuming from" in caplog.text and "step-00000002" in caplog.text
+    assert sorted(p.name for p in (root / "checkpoints").iterdir()) == ["step-00000002", "step-00000003"]
+
+
+def test_a_short_run_from_the_command_line_scales_the_recipes_warmup_down_with_a_note(capsys, caplog):
+    recipe = yaml.safe_load(TINY.read_text())["trainer"]
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        assert main(["config", str(TINY), "trainer.max_steps=20"]) == 0
+    warmup = yaml.safe_load(capsys.readouterr().out)["trainer"]["warmup_steps"]
+    assert (
+        warmup == recipe["warmup_steps"] * 20 // recipe["max_steps"] < 20
+    )  # the recipe's ratio, rounded down
+    notes = [r.getMessage() for r in caplog.records if "warmup_steps" in r.getMessage()]
+    assert len(notes) == 1 and f"trainer.warmup_steps {recipe['warmup_steps']} -> {warmup}" in notes[0]
+
+
+def test_a_recipe_whose_warmup_outlasts_its_run_names_the_override_that_fixes_it(tmp_path, capsys):
+    recipe = yaml.safe_load(TINY.read_text())
+    recipe["trainer"].update(max_steps=20, warmup_steps=30)
+    path = tmp_path / "short.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert main(["config", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "trainer.warmup_steps=30 leaves no room to decay in 20" in err
+    fix = err.split("e.g. the override ")[1]
+    assert main(["config", str(path), fix]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["trainer"]["warmup_steps"] < 20
 
 
 def test_strategy_arguments_are_checked_against_the_named_strategy():

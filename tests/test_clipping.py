@@ -1,8 +1,10 @@
-"""The logged gradient norm is the pre-clip global norm; after clipping the norm is at most the max."""
+"""The logged gradient norm is the pre-clip global norm; after clipping the norm is at most the max, and
+clipping at a threshold above the norm leaves the gradients as they are (FSDP and tp:
+test_parallel3d_gradient_scale)."""
 
 import pytest
 import torch
-from helpers import Regression, quiet, read_metrics, regression_loader
+from helpers import Regression, fit, quiet, read_metrics, regression_loader
 
 from callbacks import Callback, NaNGuard
 from trainer import Trainer
@@ -41,6 +43,30 @@ def test_logged_norm_is_the_pre_clip_global_norm_and_clipping_bounds_it(tmp_path
     assert [logged[s] for s in range(1, 9)] == pytest.approx(rec.reference, rel=1e-6)
     assert all(n > 0.05 for n in logged.values()), "the test needs norms above the clip value"
     assert all(n <= 0.05 * (1 + 1e-5) for n in rec.after)
+
+
+class RecordGrads(Callback):
+    """Each step's gradients as backward left them, and as the optimizer receives them (after clipping)."""
+
+    def __init__(self):
+        self.before, self.after = [], []
+
+    def on_after_backward(self, trainer, module):
+        self.before.append([p.grad.detach().clone() for p in module.parameters()])
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        self.after.append([p.grad.detach().clone() for p in module.parameters()])
+
+
+def test_clipping_at_a_threshold_above_the_norm_leaves_the_gradients_unchanged(tmp_path):
+    rec = RecordGrads()
+    fit(
+        Regression(optimizer="sgd"), regression_loader(), tmp_path, 4, gradient_clip_val=10.0, callbacks=[rec]
+    )
+    norms = read_metrics(tmp_path, "train/grad_norm")
+    assert len(rec.after) == 4 and max(norms.values()) < 5.0, f"the test needs norms below the clip: {norms}"
+    for before, after in zip(rec.before, rec.after, strict=True):
+        assert all(torch.equal(b, a) for b, a in zip(before, after, strict=True)), "clipping changed them"
 
 
 def test_clip_by_value_bounds_every_gradient_entry(tmp_path):

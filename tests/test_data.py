@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.data import DataLoader, IterableDataset
 
 from trainer.data import (
     ByteTokenizer,
@@ -23,6 +24,7 @@ from trainer.data import (
     source_fingerprint,
     train_bpe_tokenizer,
 )
+from trainer.data.distributed import shard_loader
 
 EOS = ByteTokenizer.eos_id
 
@@ -285,3 +287,33 @@ def test_a_position_resumes_on_another_number_of_ranks_with_the_same_global_batc
         loader.load_state_dict(state)
     got = sorted(int(i) for loader in two for i in next(iter(loader))["input_ids"][:, 0])
     assert got == expected
+
+
+class Numbers(IterableDataset):
+    """0..n-1 as one stream; `split_over_workers`: each DataLoader worker reads its own slice, as PyTorch's
+    docs show for an iterable dataset used with workers."""
+
+    def __init__(self, n: int, split_over_workers: bool) -> None:
+        self.n, self.split_over_workers = n, split_over_workers
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        if not self.split_over_workers or info is None:
+            return iter(range(self.n))
+        return iter(range(info.id, self.n, info.num_workers))
+
+
+@pytest.mark.parametrize("split_over_workers", [False, True])
+def test_an_iterable_dataset_with_workers_yields_each_sample_once_over_ranks_and_workers(split_over_workers):
+    def rank_batches(rank: int, workers: int) -> list[list[int]]:
+        loader = DataLoader(Numbers(21, split_over_workers), batch_size=2, num_workers=workers)
+        return [batch.tolist() for batch in shard_loader(loader, rank, 2, seed=0)]
+
+    with_workers = [rank_batches(rank, workers=2) for rank in range(2)]
+    assert len(with_workers[0]) == len(with_workers[1])  # ranks step together: as many batches each
+    for rank, batches in enumerate(with_workers):
+        samples = [i for batch in batches for i in batch]
+        without = {i for batch in rank_batches(rank, workers=0) for i in batch}
+        assert len(samples) == len(set(samples)) == 10
+        # rank r keeps item r of each complete round of 2; item 20 starts an incomplete round: dropped
+        assert set(samples) == without == set(range(rank, 20, 2))

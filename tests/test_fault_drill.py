@@ -106,10 +106,25 @@ def test_sigterm_to_torchrun_reaches_the_workers_and_they_checkpoint(tmp_path):
 
 
 def test_a_slow_rank_is_named_and_an_even_job_has_no_straggler(tmp_path):
-    args = ["--devices", "2", "--steps", "8", "--straggler-every", "4", "--step-sleep", "0.01"]
+    # the phase times are a fake clock's, moved only by the steps' sleeps: 0.01 s a step, rank 1 0.1 s more
+    args = [
+        "--devices",
+        "2",
+        "--steps",
+        "8",
+        "--straggler-every",
+        "4",
+        "--step-sleep",
+        "0.01",
+        "--fake-clock",
+    ]
     done, _ = run([*args, "--slow-rank", "1", "--slow-sleep", "0.1"], tmp_path, "slow")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "straggler: rank 1 (" in done.stderr
+    for steps in ("1-4", "5-8"):  # 4 x 0.11 s against the median of 4 x 0.01 s and 4 x 0.11 s
+        assert (
+            "straggler: rank 1 (0.440 s, 1.8x) vs the median 0.240 s of data/forward/optimizer time over "
+            f"steps {steps}; the slowest rank sets every rank's step time"
+        ) in done.stderr, done.stderr[-3000:]
     assert result(tmp_path, "slow")["stragglers"] == [{"step": 4, "ranks": [1]}, {"step": 8, "ranks": [1]}]
     done, _ = run(args, tmp_path, "even")
     assert done.returncode == 0, done.stderr[-3000:]

@@ -112,7 +112,7 @@ def test_a_ddp_checkpoint_resumes_sharded_under_fsdp_and_loads_in_one_process(tm
     Trainer(enable_progress_bar=False, default_root_dir=tmp_path / "one").validate(
         one, token_loader(8), ckpt_path=ckpt
     )
-    saved = _dcp_model_state(ckpt / "dcp")  # read back without a process group, as `trainer export` does
+    saved = _dcp_model_state(ckpt)  # read back without a process group, as `trainer export` does
     assert set(saved) == set(one.state_dict())
     for name, value in one.state_dict().items():
         assert torch.equal(value, saved[name]), f"{name} was not loaded from the DDP checkpoint"

@@ -13,6 +13,8 @@ import pytest
 import torch
 from helpers import launch_env
 
+from trainer.config import ConfigError, load_recipe
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -36,7 +38,7 @@ def test_sft_recipe_creates_its_model_learns_the_answers_and_exports_for_transfo
     from transformers import AutoModelForCausalLM
 
     root = tmp_path / "sft"
-    done = fit("hf_sft_llama_tiny.yaml", root, f"model.hf={tmp_path / 'base'}", "trainer.max_steps=60",
+    done = fit("hf_sft_llama_tiny.yaml", root, f"model.hf=new:{tmp_path / 'base'}", "trainer.max_steps=60",
                "trainer.warmup_steps=5", "trainer.val_check_interval=30", "trainer.log_every_n_steps=5")  # fmt: skip
     assert (tmp_path / "base" / "config.json").exists()  # the setup step saved the new model there
     losses = [r["train/loss"] for r in rows(root) if "train/loss" in r]
@@ -75,8 +77,77 @@ def test_minilm_recipe_classifies_held_out_topics_far_above_chance(tmp_path):
     assert exported_accuracy == pytest.approx(accuracy[-1], abs=0.02)
 
 
-def test_a_missing_model_folder_is_named_before_any_data_is_read(tmp_path):
-    from trainer.config import ConfigError, load_recipe
+SFT = REPO / "recipes" / "hf_sft_llama_tiny.yaml"
+SMALL_HF = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
 
+
+def hf_config(**fields: object) -> str:
+    """The override of model.hf_config: a 1-layer model of width 16, with `fields` changed."""
+    return f"model.hf_config={json.dumps({**SMALL_HF, **fields})}"
+
+
+def test_a_model_folder_that_does_not_exist_is_an_error_unless_the_recipe_asks_for_a_new_one(
+    tmp_path, capsys
+):
+    from trainer.cli import main
+
+    missing = tmp_path / "missing" / "dir"
+    data = f"data.path={REPO / 'recipes' / 'data' / 'sft_tiny.jsonl'}"
+    assert main(["validate", str(SFT), f"model.hf={missing}", data, "--ckpt-path", "none"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        f"trainer: error: model.hf='{missing}' is not a directory; allowed: a local Hugging Face model folder "
+        f"(save_pretrained), 'py:package.function' returning one, or 'new:{missing}' with model.hf_config to "
+        "create a new model there"
+    ]
+    assert not (tmp_path / "missing").exists()
+
+
+def test_a_new_model_folder_is_created_once_and_then_must_hold_the_recipes_model(tmp_path):
+    from trainer.config import build_run
+
+    base, records = tmp_path / "base", tmp_path / "sft.jsonl"
+    records.write_text(
+        "".join((REPO / "recipes" / "data" / "sft_tiny.jsonl").read_text().splitlines(True)[:20])
+    )
+    data = f"data.path={records}"
+    # "1e-6" is how YAML 1.1 reads 1e-6 in a recipe (a string): still the number
+    _, module, _, _ = build_run(
+        load_recipe(SFT, [f"model.hf=new:{base}", hf_config(rms_norm_eps="1e-6"), data])
+    )
+    saved = json.loads((base / "config.json").read_text())
+    assert (saved["hidden_size"], saved["rms_norm_eps"]) == (16, 1e-6)
+    assert module.hf_model().config.hidden_size == 16
+    with pytest.raises(ConfigError) as err:
+        build_run(load_recipe(SFT, [f"model.hf=new:{base}", hf_config(hidden_size=32), data]))
+    assert str(err.value) == (
+        f"model.hf='new:{base}' holds a model with hidden_size=16, not model.hf_config's 32; allowed: delete "
+        "that folder to create the new model, or another path"
+    )
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"hidden_sise": 16}, "unknown key 'model.hf_config.hidden_sise'; did you mean 'hidden_size'?"),
+        ({"num_hidden_layers": 0}, "model.hf_config.num_hidden_layers=0 is invalid; allowed: an int >= 1"),
+        ({"rms_norm_eps": "-1e-6"}, "model.hf_config.rms_norm_eps='-1e-6' is invalid; allowed: a number > 0"),
+        ({"rms_norm_eps": 0}, "model.hf_config.rms_norm_eps=0 is invalid; allowed: a number > 0"),
+        (
+            {"vocab_size": 1000},
+            "model.hf_config.vocab_size is set by the byte tokenizer; allowed: leave it out",
+        ),
+    ],
+)
+def test_a_bad_hf_config_is_named_before_a_model_is_created(tmp_path, fields, message):
+    from trainer.config import build_run
+
+    with pytest.raises(ConfigError) as err:
+        build_run(load_recipe(SFT, [f"model.hf=new:{tmp_path / 'base'}", hf_config(**fields)]))
+    assert str(err.value) == message
+    assert not (tmp_path / "base").exists()
+
+
+def test_a_missing_model_folder_is_named_before_any_data_is_read(tmp_path):
     with pytest.raises(ConfigError, match="model.hf='nowhere/model' is not a directory"):
         load_recipe(REPO / "recipes" / "hf_classify_minilm.yaml", ["model.hf=nowhere/model"])

@@ -185,6 +185,7 @@ def test_router_stats_summed_over_ranks_equal_one_process_over_their_tokens() ->
     rows: list[torch.Tensor] = []
     half(x[16:])
     moe_stats([half], half.config, x.device, all_reduce=rows.append)  # what "rank 1" contributes
+    half.reset_stats()
     half(x[:16])
     got = moe_stats([half], half.config, x.device, all_reduce=lambda t: t.add_(rows[0]))
     expected = moe_stats([whole], whole.config, x.device)

@@ -9,6 +9,7 @@ import torch
 from helpers import Regression, ScriptedLoss, StopAt, fit, quiet, read_metrics, regression_loader
 
 from callbacks import Callback, ModelCheckpoint, NaNGuard
+from callbacks.checkpoint import ModelNotFiniteError
 from strategies import SingleDeviceStrategy
 from trainer import Trainer
 
@@ -66,9 +67,15 @@ def test_a_non_finite_step_is_skipped_and_logged(tmp_path, caplog, what, value):
     assert read_metrics(tmp_path, "train/skipped_steps")[6] == 1 and trainer.state.skipped_steps == 1
 
 
-def test_without_the_guard_a_nan_gradient_ruins_the_parameters(tmp_path):
-    module, _ = run(tmp_path, 4, [Poison([3])])
-    assert not all(torch.isfinite(p).all() for p in module.parameters())
+def test_without_the_guard_a_nan_gradient_ruins_the_parameters_and_the_fit_fails_saying_since_when(tmp_path):
+    poison = Poison([3])
+    with pytest.raises(ModelNotFiniteError) as err:  # it used to end "fine", exit code 0
+        run(tmp_path, 4, [poison])
+    assert (
+        str(err.value)
+        == "the model is not finite since step 3; last good checkpoint: none (no good checkpoint)"
+    )
+    assert not all(torch.isfinite(p).all() for p in poison.after[4])
 
 
 def test_a_loss_spike_is_skipped(tmp_path, caplog):

@@ -3,22 +3,35 @@
 A checkpoint is a directory `step-00000120/` holding `model.safetensors`, `optimizer.pt`, `state.pt`
 (loop counters, RNG, scheduler, scaler, data position, callback state) and `meta.json`; a sharded one
 holds each rank's own shards under `dcp/` instead of the first two. It is written under a temporary name
-and renamed into place, so a directory with the final name is always complete; nothing in it can run
-code when loaded (safetensors, and `torch.load(weights_only=True)`).
+that carries its owner (`.tmp-step-N-<run id>-<pid>`) and renamed into place, so a directory with the
+final name is always complete; a failed save removes its temporary directory, and a fit removes the ones
+dead writers left in its folder (trainer/run_folder.py keeps one live writer per folder). A checkpoint
+written by another run is never replaced.
 
-meta.json carries a manifest: the size and the block hashes (trainer/integrity.py) of every file, taken
-by the rank that wrote the file while writing it, so a file truncated or altered after the save is found
-before it is loaded. Verifying splits the blocks evenly over the ranks. A checkpoint saved with
-`pending_validation` is *good* only once `validated.json` exists (ModelCheckpoint writes it after
-reloading the checkpoint and comparing losses); one that failed validation is renamed
+What loading protects against:
+- corruption (a flipped bit, a truncated or half-copied file, a deleted file): meta.json carries a
+  manifest, the size and block hashes (trainer/integrity.py) of every file, taken while writing; every
+  file is verified before it is loaded. A checkpoint without a manifest, or whose manifest lists no
+  file, is refused unless the caller opts in (`allow_unverified`); meta.json's step must equal the
+  loop state's inside the hashed files.
+- code in a file: nothing is unpickled beyond an allow-list (safetensors; `torch.load(weights_only=True)`;
+  DCP's metadata through an allow-listed unpickler and its byte items with `weights_only`), so a forged
+  file is refused, naming it, instead of running.
+What it does not protect against: an adversary who rewrites a file *and* its manifest entry can change
+the weights or the loop state undetected (the hashes are for integrity, not authenticity).
+
+A checkpoint saved with `pending_validation` is *good* only once `validated.json` exists (ModelCheckpoint
+writes it after reloading the checkpoint and comparing losses); one that failed validation is renamed
 `bad-step-XXXXXXXX` and kept for inspection.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 import struct
@@ -41,6 +54,7 @@ STATE_FILE = "state.pt"
 DCP_DIR = "dcp"  # a sharded checkpoint's torch.distributed.checkpoint files, each rank's own
 VALIDATED_FILE = "validated.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_STAGING = re.compile(r"^\.(tmp|old)-(step-\d+)")  # .tmp-step-N-<owner>: being written; .old-: being replaced
 log = logging.getLogger("trainer")
 
 Entries = dict[str, Any]  # {path relative to the checkpoint: manifest entry}, as HashingFile.entry() gives
@@ -71,6 +85,14 @@ def meta_for(state: dict[str, Any], **extra: Any) -> dict[str, Any]:
     return {"step": state["loop"]["global_step"], **state["meta"], **extra}
 
 
+def staging_dir(final_dir: Path, meta: dict[str, Any], kind: str = "tmp") -> Path:
+    """Where `final_dir` is written before it is renamed into place (`kind` "old": where the checkpoint it
+    replaces waits): named for its owner, the run id and the writing process (rank zero's) in `meta`."""
+    final_dir = Path(final_dir)
+    owner = f"{meta.get('run_id', 'norun')}-{meta.get('writer', {}).get('pid', os.getpid())}"
+    return final_dir.parent / f".{kind}-{final_dir.name}-{owner}"
+
+
 def write_atomically(
     final_dir: Path,
     write: Callable[[Path], Entries],
@@ -79,32 +101,140 @@ def write_atomically(
     written: Entries | None = None,
 ) -> Path:
     """Run `write(tmp_dir)` (it returns the manifest entries of what it wrote), add meta.json, then rename
-    tmp_dir to `final_dir` (replacing an older one). `staged`: a temporary directory other writers (every
-    rank's shards) already filled; `written`: the manifest entries of their files."""
+    tmp_dir to `final_dir` (replacing an older one of the same run only). `staged`: a temporary directory
+    other writers (every rank's shards) already filled; `written`: the manifest entries of their files.
+    A failure removes the temporary directory; a full disk is a one-line CheckpointError."""
     final_dir = Path(final_dir)
     final_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = staged or final_dir.parent / f".tmp-{final_dir.name}-{os.getpid()}"
-    if staged is None:
+    refuse_foreign(final_dir, meta)
+    tmp = staged or staging_dir(final_dir, meta)
+    try:
+        if staged is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        entries = {**(written or {}), **write(tmp)}
+        on_disk = {p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file()}
+        if on_disk != set(entries):  # a writer that bypassed the hashing: its files could never be verified
+            raise CheckpointError(
+                f"checkpoint {final_dir.name}: files without a hash {sorted(on_disk - set(entries))}, "
+                f"hashes without a file {sorted(set(entries) - on_disk)}"
+            )
+        meta = {"format": FORMAT_VERSION, "time": time.time(), **meta}
+        meta["files"] = sorted(p.name for p in tmp.iterdir())
+        meta["manifest"] = dict(sorted(entries.items()))
+        _write_synced(tmp / META_FILE, json.dumps(meta, indent=1).encode())
+    except BaseException as err:
+        reached = dir_bytes(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    entries = {**(written or {}), **write(tmp)}
-    on_disk = {p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file()}
-    if on_disk != set(entries):  # a writer that bypassed the hashing: its files could never be verified
-        raise CheckpointError(
-            f"checkpoint {final_dir.name}: files without a hash {sorted(on_disk - set(entries))}, "
-            f"hashes without a file {sorted(set(entries) - on_disk)}"
-        )
-    meta = {"format": FORMAT_VERSION, "time": time.time(), **meta}
-    meta["files"] = sorted(p.name for p in tmp.iterdir())
-    meta["manifest"] = dict(sorted(entries.items()))
-    _write_synced(tmp / META_FILE, json.dumps(meta, indent=1).encode())
-    old = final_dir.parent / f".old-{final_dir.name}-{os.getpid()}"
+        said = save_error(err, final_dir, reached)
+        if said is err:
+            raise
+        raise said from err
+    old = staging_dir(final_dir, meta, "old")
     if final_dir.exists():
         os.rename(final_dir, old)
     os.rename(tmp, final_dir)
     shutil.rmtree(old, ignore_errors=True)
     _fsync(final_dir.parent)
     return final_dir
+
+
+def refuse_foreign(final_dir: Path, meta: dict[str, Any]) -> None:
+    """CheckpointError unless `final_dir` is free or a checkpoint of the run in `meta` (which it may replace)."""
+    if not Path(final_dir).exists():
+        return
+    try:
+        owner = read_meta(final_dir).get("run_id")
+    except CheckpointError:
+        owner = None  # an unreadable directory is nobody's to replace either
+    if owner is None or owner != meta.get("run_id"):
+        raise CheckpointError(
+            f"checkpoint {final_dir} already exists and was written by "
+            f"{'run ' + owner if owner else 'another run'}; it is not replaced: save under another path"
+        )
+
+
+def clear_stale_staging(folder: Path, keep: str | None = None) -> list[str]:
+    """Remove what dead writers left in `folder` (call while holding its lock: no other writer is alive):
+    temporary directories, and replaced checkpoints; one whose new version never arrived is put back.
+    `keep`: a name prefix of this process's own. Returns one line per thing done."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    done = []
+    for path in sorted(folder.iterdir()):
+        m = _STAGING.match(path.name)
+        if m is None or (keep is not None and path.name.startswith(keep)):
+            continue
+        final = folder / m.group(2)
+        if m.group(1) == "old" and not final.exists():  # the writer died between the two renames
+            os.rename(path, final)
+            done.append(f"put back {final.name}, which a dead writer had moved aside")
+            continue
+        size = dir_bytes(path)
+        shutil.rmtree(path, ignore_errors=True)
+        done.append(f"removed {path.name} ({size / 2**20:.1f} MiB), left by a save that never finished")
+    return done
+
+
+def dir_bytes(path: Path) -> int:
+    """Bytes of the files under `path` (0 when it does not exist)."""
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors (a DTensor's local shard) in a nested state: about what saving it writes."""
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    if isinstance(obj, torch.Tensor):
+        t = obj.to_local() if hasattr(obj, "to_local") else obj
+        return t.numel() * t.element_size()
+    return 0
+
+
+def no_space(err: BaseException) -> bool:
+    """Whether `err`, its causes, or any rank's failure in it (DCP) is a full disk (ENOSPC)."""
+    seen: set[int] = set()
+    todo = [err]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+        failures = getattr(e, "failures", None)  # torch.distributed.checkpoint's CheckpointException
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        todo += [e.__cause__, e.__context__]
+    return False
+
+
+def save_error(err: BaseException, final_dir: Path, reached: int = 0) -> BaseException:
+    """`err` as the user should see it: a full disk becomes one line naming the folder, the bytes needed
+    (the previous checkpoint's size, else more than the `reached` bytes written before it failed) and
+    free, and the previous checkpoint (untouched: a save only renames into place once complete)."""
+    if not no_space(err) or isinstance(err, CheckpointError):
+        return err
+    final_dir = Path(final_dir)
+    before = [p for p in completed(final_dir.parent) if p.name < final_dir.name]
+    previous = manifest_bytes(before[0]) if before else 0
+    needed = f"about {_mib(previous)}" if previous > reached else f"more than {_mib(reached)}"
+    free = shutil.disk_usage(final_dir.parent).free
+    kept = (
+        f"the previous checkpoint {before[0].name} is intact" if before else "there is no earlier checkpoint"
+    )
+    return CheckpointError(
+        f"checkpoint {final_dir.name} could not be written to {final_dir.parent}: no space left on device "
+        f"(needs {needed}, {_mib(free)} free); {kept}",
+        reason="no space left on device",
+    )
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
 
 
 _ST_DTYPES = {
@@ -185,7 +315,10 @@ def save_torch_file(obj: Any, path: Path) -> Entries:
     """`torch.save`, hashed while written; returns the file's manifest entry."""
     path = Path(path)
     with integrity.HashingFile(path) as f:
-        torch.save(obj, f)
+        try:
+            torch.save(obj, f)
+        except Exception as err:
+            f.raise_write_error(err)
     return {path.name: f.entry()}
 
 
@@ -195,21 +328,38 @@ def load_torch_file(path: Path) -> Any:
         return torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError as err:
         raise CheckpointError(f"checkpoint file {path} is missing; the checkpoint is incomplete") from err
-    except Exception as err:  # torch raises RuntimeError/UnpicklingError/EOFError for damaged files
+    except pickle.UnpicklingError as err:  # weights_only refused a global: loading it could run code
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+        what = f"the global {found.group(1)}" if found else "an object outside the allow-list"
         raise CheckpointError(
-            f"checkpoint file {path} is unreadable, truncated or corrupted ({err})"
+            f"checkpoint file {path} is refused: it holds {what}, which only an unrestricted unpickler "
+            "would load (and could run code); allowed: tensors and plain Python values",
+            reason="refused: holds objects outside the allow-list",
+        ) from err
+    except Exception as err:  # torch raises RuntimeError/EOFError for damaged files
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(
+            f"checkpoint file {path} is unreadable, truncated or corrupted ({first})"
         ) from err
 
 
-def problem(ckpt_dir: Path, part: tuple[int, int] = (0, 1), validated: bool = True) -> str | None:
+def problem(
+    ckpt_dir: Path, part: tuple[int, int] = (0, 1), validated: bool = True, allow_unverified: bool = False
+) -> str | None:
     """Why the checkpoint is not good, as rank `part[0]` of `part[1]` sees it, or None. Every rank checks
     meta.json, each file's presence and size, and (with `validated`) the validation marker; the block
-    hashes are split over the ranks (integrity.share), so the ranks' answers must be combined (`Agree`)."""
+    hashes are split over the ranks (integrity.share), so the ranks' answers must be combined (`Agree`).
+    A checkpoint whose manifest is missing or lists no file is refused unless `allow_unverified`."""
     try:
         meta = read_meta(ckpt_dir)
     except CheckpointError as err:
         return err.reason
-    manifest = meta.get("manifest", {})
+    manifest = meta.get("manifest") or {}
+    if not manifest and not allow_unverified:
+        return (
+            f"{META_FILE} {'lists no file' if 'manifest' in meta else 'has no manifest'}, so nothing in it "
+            "can be verified; refused (allow_unverified_checkpoints=True loads it unverified)"
+        )
     for name, entry in manifest.items():
         path = Path(ckpt_dir) / name
         if not path.is_file():
@@ -225,14 +375,37 @@ def problem(ckpt_dir: Path, part: tuple[int, int] = (0, 1), validated: bool = Tr
     return None
 
 
-def check_good(ckpt_dir: Path, part: tuple[int, int] = (0, 1), agree: Agree = alone) -> dict[str, Any]:
+def check_good(
+    ckpt_dir: Path, part: tuple[int, int] = (0, 1), agree: Agree = alone, allow_unverified: bool = False
+) -> dict[str, Any]:
     """meta.json of a checkpoint that is complete, intact and, if it awaited validation, validated; else
     CheckpointError "checkpoint '<dir>': <why>". In a distributed run call it on every rank, with `agree`."""
     require_exists(ckpt_dir)
-    why = agree(problem(ckpt_dir, part))
+    why = agree(problem(ckpt_dir, part, allow_unverified=allow_unverified))
     if why is not None:
         raise CheckpointError(f"checkpoint '{ckpt_dir}': {why}", reason=why)
-    return read_meta(ckpt_dir)
+    meta = read_meta(ckpt_dir)
+    if not meta.get("manifest"):
+        log.warning(
+            f"checkpoint '{ckpt_dir}' has no manifest: loaded unverified (allow_unverified_checkpoints)"
+        )
+    return meta
+
+
+def check_step(ckpt_dir: Path, state: dict[str, Any]) -> None:
+    """CheckpointError unless meta.json's step (not hashed) equals the loop state's (inside hashed files)."""
+    said, inside = read_meta(ckpt_dir).get("step"), state.get("loop", {}).get("global_step")
+    if said != inside:
+        why = f"{META_FILE} says step {said} but its loop state is at step {inside} (meta.json was altered)"
+        raise CheckpointError(f"checkpoint '{ckpt_dir}': {why}", reason=why)
+
+
+def run_of(ckpt_dir: Path | None) -> str | None:
+    """The id of the run that wrote a checkpoint (None: unreadable, or written before runs had ids)."""
+    try:
+        return read_meta(ckpt_dir).get("run_id") if ckpt_dir is not None else None
+    except (CheckpointError, FileNotFoundError):
+        return None
 
 
 def mark_validated(ckpt_dir: Path, report: dict[str, Any]) -> None:
@@ -245,12 +418,19 @@ def mark_validated(ckpt_dir: Path, report: dict[str, Any]) -> None:
 
 def mark_bad(ckpt_dir: Path) -> Path:
     """Move a checkpoint that failed validation out of the way of "last" (kept, for inspection)."""
+    return move_aside(ckpt_dir, "bad")
+
+
+def move_aside(ckpt_dir: Path, prefix: str) -> Path:
+    """Rename a checkpoint to `<prefix>-step-N` (`.2`, `.3`... when taken: nothing set aside is deleted)."""
     ckpt_dir = Path(ckpt_dir)
-    bad = ckpt_dir.with_name(f"bad-{ckpt_dir.name}")
-    shutil.rmtree(bad, ignore_errors=True)
-    os.rename(ckpt_dir, bad)
+    target, n = ckpt_dir.with_name(f"{prefix}-{ckpt_dir.name}"), 1
+    while target.exists():
+        n += 1
+        target = ckpt_dir.with_name(f"{prefix}-{ckpt_dir.name}.{n}")
+    os.rename(ckpt_dir, target)
     _fsync(ckpt_dir.parent)
-    return bad
+    return target
 
 
 def require_exists(ckpt_dir: Path) -> None:
@@ -298,7 +478,7 @@ def manifest_bytes(ckpt_dir: Path | None) -> int:
 
 def find_last(directory: Path) -> Path | None:
     """The completed checkpoint with the highest step under `directory`, or None (nothing is verified)."""
-    done = _completed(directory)
+    done = completed(directory)
     return done[0] if done else None
 
 
@@ -307,15 +487,16 @@ def find_last_good(
     before_step: int | None = None,
     part: tuple[int, int] = (0, 1),
     agree: Agree = alone,
+    allow_unverified: bool = False,
 ) -> tuple[Path | None, list[str]]:
     """(the newest checkpoint under `directory`, of a step < `before_step`, that is good, or None; one line
     "step-00000004: optimizer.pt checksum mismatch ..." per newer checkpoint it skipped). In a distributed
     run call it on every rank with `part` and `agree`: the hashing is split over the ranks."""
     skipped = []
-    for path in _completed(directory):
+    for path in completed(directory):
         if before_step is not None and int(_STEP_DIR.match(path.name).group(1)) >= before_step:
             continue
-        why = agree(problem(path, part))
+        why = agree(problem(path, part, allow_unverified=allow_unverified))
         if why is None:
             return path, skipped
         skipped.append(f"{path.name}: {why}")
@@ -330,7 +511,7 @@ def newer_than(directory: Path, step: int) -> list[Path]:
     return [p for p in directory.iterdir() if (m := _STEP_DIR.match(p.name)) and int(m.group(1)) > step]
 
 
-def _completed(directory: Path) -> list[Path]:
+def completed(directory: Path) -> list[Path]:
     """Checkpoint directories with a meta.json, newest first."""
     directory = Path(directory)
     if not directory.is_dir():

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     export.add_argument("checkpoint", type=Path, help="a checkpoint directory (runs/NAME/checkpoints/step-N)")
     export.add_argument("out", type=Path, help="output directory")
-    args = parser.parse_args(argv)
+    args = _parse(parser, argv)
     configure_console_logging()
     if args.command == "export":
         try:
@@ -111,6 +111,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trainer: error: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The command line, options anywhere: argparse ends a command's `key=value` list at the first option,
+    so the overrides after one come back unrecognised and are appended here, in their order."""
+    args, rest = parser.parse_known_args(argv)
+    options = [item for item in rest if item.startswith("-")]
+    if options or (rest and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(options or rest)}")
+    if rest:
+        args.overrides = [*args.overrides, *rest]
+    return args
 
 
 def _export(trainer, module) -> Path | None:

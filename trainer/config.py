@@ -20,6 +20,7 @@ from typing import Any, Union
 
 import yaml
 
+from trainer.models.hf import TASKS
 from trainer.models.llama import LlamaConfig
 
 
@@ -37,7 +38,7 @@ ModelSection = make_dataclass(
         ("hf", str | None, field(default=None)),
         ("task", str, field(default="causal-lm")),
         ("num_labels", int | None, field(default=None)),
-        ("freeze", list, field(default_factory=list)),
+        ("freeze", list[str], field(default_factory=list)),
         ("lora", dict | None, field(default=None)),
         ("hf_config", dict | None, field(default=None)),
         ("loss_chunk_tokens", int | None, field(default=None)),
@@ -52,8 +53,9 @@ ModelSection.__doc__ = (
     "A Llama `preset` with any LlamaConfig field overridden, or `class_path` (a TrainModule, or an nn.Module "
     "mapping tokens to logits) built with `init_args`, or `hf`: a local Hugging Face model directory (or "
     "'py:package.function' returning one) fine-tuned for `task` (trainer.models.hf.HFModule, with `num_labels`, "
-    "`freeze` patterns and `lora` options); `moe` overrides fields of a MoE preset's MoEConfig; with `hf_config` (a transformers LlamaConfig's fields) a missing `hf` "
-    "directory is first created with a new model of that config and a byte-level tokenizer. "
+    "`freeze` patterns and `lora` options); `moe` overrides fields of a MoE preset's MoEConfig; `hf: 'new:PATH'` "
+    "with `hf_config` (a transformers LlamaConfig's fields) first creates PATH, when missing, with a new model of "
+    "that config and a byte-level tokenizer. "
     "`loss_chunk_tokens`: CausalLM's fused output projection and loss over chunks of that many tokens."
 )
 _NOT_LLAMA = (
@@ -109,6 +111,27 @@ def _trainer_section() -> type:
 
 
 SECTIONS = ("model", "data", "optimizer", "trainer", "strategy", "callbacks", "loggers")
+NEW_HF = "new:"  # model.hf: 'new:PATH' creates a new model of model.hf_config at PATH when it is missing
+
+# The smallest value of each number field of the model and optimizer sections: (minimum, strict), strict
+# meaning the minimum itself is refused. Checked here, as a 0 or a negative fails later in a traceback.
+_AT_LEAST_1, _POSITIVE, _NON_NEGATIVE = (1, False), (0, True), (0, False)
+_MODEL_RANGES = {
+    **dict.fromkeys(
+        ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "multiple_of", "max_seq_len"),
+        _AT_LEAST_1,
+    ),
+    **dict.fromkeys(("ffn_dim_multiplier", "norm_eps", "rope_theta", "init_std"), _POSITIVE),
+    "num_labels": _AT_LEAST_1,
+    "loss_chunk_tokens": _AT_LEAST_1,
+}  # fmt: skip
+_MOE_RANGES = {
+    **dict.fromkeys(("n_experts", "top_k", "moe_ffn_dim", "moe_every"), _AT_LEAST_1),
+    **dict.fromkeys(("n_shared_experts", "n_dense_layers"), _NON_NEGATIVE),
+    **dict.fromkeys(("aux_loss_coef", "z_loss_coef", "bias_update_rate"), _NON_NEGATIVE),
+    "capacity_factor": _POSITIVE,
+}
+_OPTIMIZER_RANGES = {"lr": _POSITIVE, "weight_decay": _NON_NEGATIVE, "eps": _POSITIVE}
 
 
 # ---- loading -------------------------------------------------------------------------------------
@@ -125,9 +148,43 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> dict[str, Any]:
         raise ConfigError(f"recipe '{path}' is not valid YAML: {str(err).splitlines()[0]}") from err
     if not isinstance(raw, dict):
         raise ConfigError(f"recipe '{path}' must be a mapping of sections ({', '.join(SECTIONS)})")
+    recipe_steps = (
+        (raw.get("trainer") or {}).get("max_steps") if isinstance(raw.get("trainer"), dict) else None
+    )
     for item in overrides:
         apply_override(raw, item)
-    return resolve(raw)
+    resolved = resolve(raw)
+    keys = {item.split("=", 1)[0].strip() for item in overrides}
+    _fit_warmup(resolved["trainer"], recipe_steps, keys)
+    return resolved
+
+
+def _fit_warmup(trainer: dict[str, Any], recipe_steps: Any, overridden: set[str]) -> None:
+    """A warmup too long for the run's trainer.max_steps: scaled down with a note when max_steps alone came
+    from the command line (a short trial run of a longer recipe), keeping the recipe's warmup / max_steps
+    ratio; else an error naming the override that fixes it."""
+    steps, warmup = trainer["max_steps"], trainer["warmup_steps"]
+    if (
+        trainer["lr_schedule"] == "constant"
+        or not isinstance(steps, int)
+        or not isinstance(warmup, int)
+        or not 1 <= steps <= warmup
+    ):
+        return  # fits, or a bad value the Trainer names
+    shortened = "trainer.max_steps" in overridden and "trainer.warmup_steps" not in overridden
+    if shortened and isinstance(recipe_steps, int) and warmup < recipe_steps:
+        trainer["warmup_steps"] = warmup * steps // recipe_steps
+        from trainer.logging import rank_zero_info
+
+        rank_zero_info(
+            f"trainer.warmup_steps {warmup} -> {trainer['warmup_steps']}: the recipe's {warmup} of "
+            f"{recipe_steps} steps, scaled to trainer.max_steps={steps} (set trainer.warmup_steps to choose)"
+        )
+        return
+    raise ConfigError(
+        f"trainer.warmup_steps={warmup} leaves no room to decay in {steps} total steps (trainer.max_steps); "
+        f"allowed: warmup_steps < max_steps, e.g. the override trainer.warmup_steps={steps // 10}"
+    )
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:
@@ -165,23 +222,61 @@ def resolve(raw: dict[str, Any]) -> dict[str, Any]:
         _check_component(c, f"loggers[{i}]", "loggers") for i, c in enumerate(raw.get("loggers") or [])
     ]
     model = resolved["model"]
+    _check_ranges(model, _MODEL_RANGES, "model")
+    if model["task"] not in TASKS:
+        raise ConfigError(f"model.task={model['task']!r} is unknown; allowed: {', '.join(TASKS)}")
+    _check_ranges(resolved["optimizer"], _OPTIMIZER_RANGES, "optimizer")
+    _check_betas(resolved["optimizer"]["betas"])
     if model["class_path"] is not None and model["hf"] is not None:
         raise ConfigError("model.class_path and model.hf are both set; allowed: one of the two")
     if model["class_path"] is None and model["hf"] is None:
         build_llama_config(model)  # shape errors now, not after start-up
     chunk = model["loss_chunk_tokens"]
-    if chunk is not None and (chunk < 1 or model["hf"] is not None):
+    if chunk is not None and model["hf"] is not None:
         raise ConfigError(
             f"model.loss_chunk_tokens={chunk!r}: allowed: an int >= 1 (tokens per chunk of CausalLM's fused "
             "output projection and loss), with a Llama preset or a class_path model, or null (the plain loss)"
         )
+    if model["hf"] is not None:
+        _check_hf_source(model)
+    return resolved
+
+
+def _check_ranges(section: dict[str, Any], ranges: dict[str, tuple[float, bool]], where: str) -> None:
+    """Every set field of `ranges` at least its minimum (above it when strict), else a one-line error."""
+    for name, (minimum, strict) in ranges.items():
+        value = section.get(name)
+        if value is None or (value > minimum or (value == minimum and not strict)):
+            continue
+        kind = "an int" if isinstance(value, int) else "a number"
+        raise ConfigError(
+            f"{where}.{name}={value!r} is invalid; allowed: {kind} {'>' if strict else '>='} {minimum}"
+        )
+
+
+def _check_betas(betas: list[float]) -> None:
+    """AdamW's two decay rates, each in [0, 1)."""
+    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+        raise ConfigError(
+            f"optimizer.betas={betas!r} is invalid; allowed: two numbers in [0, 1), e.g. [0.9, 0.95]"
+        )
+
+
+def _check_hf_source(model: dict[str, Any]) -> None:
+    """model.hf names an existing folder, a 'py:' function, or 'new:PATH' with the hf_config to create."""
     hf = model["hf"]
-    if hf is not None and not hf.startswith("py:") and model["hf_config"] is None and not Path(hf).is_dir():
+    if hf.startswith(NEW_HF):
+        if model["hf_config"] is None or not hf[len(NEW_HF) :]:
+            raise ConfigError(
+                f"model.hf={hf!r} creates a new model but needs a path and model.hf_config; allowed: "
+                "'new:PATH' with model.hf_config (a transformers LlamaConfig's fields), or an existing model folder"
+            )
+        return
+    if not hf.startswith("py:") and not Path(hf).is_dir():
         raise ConfigError(
             f"model.hf={hf!r} is not a directory; allowed: a local Hugging Face model folder (save_pretrained), "
-            "'py:package.function' returning one, or model.hf_config to create it"
+            f"'py:package.function' returning one, or 'new:{hf}' with model.hf_config to create a new model there"
         )
-    return resolved
 
 
 def build_llama_config(model: dict[str, Any]) -> LlamaConfig:
@@ -197,7 +292,10 @@ def build_llama_config(model: dict[str, Any]) -> LlamaConfig:
                 f"model.moe={moe!r}: allowed: a mapping of MoEConfig fields, on a MoE preset "
                 f"(model.preset {model['preset']!r} is {'MoE' if config.moe else 'dense'})"
             )
-        _reject_unknown(moe, [f.name for f in dataclasses.fields(config.moe)], "model.moe")
+        hints = typing.get_type_hints(type(config.moe))
+        _reject_unknown(moe, list(hints), "model.moe")
+        moe = {key: _check_type(value, hints[key], f"model.moe.{key}") for key, value in moe.items()}
+        _check_ranges(moe, _MOE_RANGES, "model.moe")
         return dataclasses.replace(config, moe=dataclasses.replace(config.moe, **moe))
     except ConfigError:
         raise
@@ -429,13 +527,16 @@ def _build_hf(
     """An HFModule and its loaders (trainer.data.hf_data) for a recipe whose model is `hf`."""
     from trainer.data.hf_data import hf_dataloaders, load_hf_dataset
     from trainer.models.hf import HFModule
-    from trainer.models.hf_create import create_hf_llama
+    from trainer.models.hf_create import ensure_hf_llama
 
     path = model["hf"]
     if path.startswith("py:"):
         path = str(import_path(path[3:], "model.hf")())
-    if model["hf_config"] is not None and not Path(path).exists():
-        create_hf_llama(path, model["hf_config"])
+    elif path.startswith(NEW_HF):
+        try:
+            path = str(ensure_hf_llama(path[len(NEW_HF) :], model["hf_config"]))
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
     if not Path(path).is_dir():
         raise ConfigError(
             f"model.hf={path!r} is not a directory; allowed: a local Hugging Face model directory"

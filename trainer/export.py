@@ -22,13 +22,15 @@ def export_llama(model: Llama, out_dir: str | Path) -> Path:
 def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path) -> Path:
     """Consolidate a checkpoint's model weights into `out_dir/model.safetensors` (HF layout for a Llama)."""
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
-    meta = ckpt.read_meta(ckpt_dir)
+    meta = ckpt.check_good(ckpt_dir)  # verified as a resume would be: hashes, manifest, validation
+    state = ckpt.load_torch_file(ckpt_dir / ckpt.STATE_FILE)
+    ckpt.check_step(ckpt_dir, state)
     weights = (
-        _dcp_model_state(ckpt_dir / ckpt.DCP_DIR)
+        _dcp_model_state(ckpt_dir)
         if meta.get("format") == "dcp"
         else ckpt.load_model_file(ckpt_dir / ckpt.MODEL_FILE)
     )
-    module_state = ckpt.load_torch_file(ckpt_dir / ckpt.STATE_FILE).get("module", {})
+    module_state = state.get("module", {})
     if "hf" in module_state:  # an HFModule's run: the Hugging Face layout, tokenizer included
         return _write_hf_module(weights, module_state["hf"], out_dir)
     llama = module_state.get("llama_config")
@@ -76,12 +78,14 @@ def _write_hf_module(weights: dict[str, torch.Tensor], hf: dict, out_dir: Path) 
     return index if index.exists() else out_dir / "model.safetensors"
 
 
-def _dcp_model_state(dcp_dir: Path) -> dict[str, torch.Tensor]:
+def _dcp_model_state(ckpt_dir: Path) -> dict[str, torch.Tensor]:
     """The full model tensors of a DCP checkpoint, in one process, whatever world size wrote it."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = dcp.FileSystemReader(str(dcp_dir))
+    from trainer.safe_dcp import SafeLoadPlanner, SafeReader
+
+    reader = SafeReader(ckpt_dir)
     entries = reader.read_metadata().state_dict_metadata
     template = {
         key: torch.empty(tuple(m.size), dtype=m.properties.dtype)
@@ -89,5 +93,5 @@ def _dcp_model_state(dcp_dir: Path) -> dict[str, torch.Tensor]:
         if key.startswith("model.") and isinstance(m, TensorStorageMetadata)
     }
     nested = {"model": {k[len("model.") :]: v for k, v in template.items()}}
-    dcp.load(nested, storage_reader=reader, no_dist=True)
+    dcp.load(nested, storage_reader=reader, planner=SafeLoadPlanner(ckpt_dir), no_dist=True)
     return nested["model"]

@@ -2,7 +2,9 @@
 blocks, and verified block by block with the work split evenly over the ranks.
 
 The hash is XXH3-128 (`xxhash`): it guards against corruption (a flipped bit, a truncated or
-half-copied file), not against an adversary (loading is pickle-free, so a forged file cannot run code).
+half-copied file), not against an adversary: whoever can rewrite a checkpoint's files can rewrite the
+manifest in its meta.json too. What protects a run from a forged file is that loading never runs code
+(safetensors, `weights_only` torch files, DCP metadata through an allow-listed unpickler).
 Measured on this machine's one core: XXH3-128 24.8 GB/s, CRC-32 4.2, BLAKE3 4.7, SHA-256 (SHA-NI)
 1.8, BLAKE2b 0.9 GB/s; memcpy is 1.8 GB/s, so hashing never limits a write or a read. Blocks let any
 number of ranks share the verification of any set of files, one large file included.
@@ -10,6 +12,7 @@ number of ranks share the verification of any set of files, one large file inclu
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from collections.abc import Iterator
@@ -31,6 +34,7 @@ class HashingFile:
         self._file = open(path, "wb")  # noqa: SIM115 (closed in close(), the object is the context)
         self.block_bytes, self.size, self.blocks = block_bytes, 0, []
         self._hash, self._in_block = xxhash.xxh3_128(), 0
+        self.error: OSError | None = None  # the write error, when one happened
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
@@ -41,7 +45,13 @@ class HashingFile:
             self._in_block, pos = self._in_block + take, pos + take
             if self._in_block == self.block_bytes:
                 self._end_block()
-        self._file.write(view)
+        try:
+            self._file.write(view)
+        except (
+            OSError
+        ) as err:  # torch.save hides it behind its own "unexpected pos" error: kept for the caller
+            self.error = err
+            raise
         self.size += len(view)
         return len(view)
 
@@ -85,8 +95,18 @@ class HashingFile:
     def __enter__(self) -> HashingFile:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if exc_type is None:
+            self.close()
+        elif not self._file.closed:  # the write failed: a flush would fail the same way and hide why
+            with contextlib.suppress(OSError):
+                self._file.close()
+
+    def raise_write_error(self, err: BaseException) -> None:
+        """Raise the OSError behind `err` (a writer such as torch.save that wrapped it), else `err`."""
+        if self.error is not None:
+            raise self.error from None
+        raise err
 
 
 @dataclass(frozen=True)

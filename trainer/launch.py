@@ -7,14 +7,20 @@ work in child processes only: the user's process would return from `fit` holding
 and every object given to `fit` would have to be picklable. With re-execution nothing is pickled and
 the code after `fit` runs in each rank, as it does under torchrun. A watchdog thread in rank 0 ends the
 whole job as soon as any child dies (an exception or a SIGKILL), and children die with rank 0.
+
+Each child has a pipe to rank 0: it says when it reaches the job (rank 0 joins the process group only
+then) and sends the text of the error that ends it, so the last line of the job's output names the rank
+that failed and its error, whichever rank it was.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -27,7 +33,10 @@ from typing import Any
 
 from trainer.logging import log
 
-_REPORTED_BY = "_trainer_reported_by"  # attribute on an exception: which rank prints its traceback
+_REPORTED_BY = "_trainer_reported_by"  # attribute on an exception: which rank printed its traceback
+_PIPE_FD = "TRAINER_SPAWN_PIPE_FD"  # a spawned rank's end of the pipe on which it tells rank 0 how it goes
+_ARRIVED = b"+"  # sent first, as the rank enters the job; the text of its uncaught error, if any, follows
+JOIN_TIMEOUT_S = 600.0  # how long rank 0 waits for the ranks it started to reach the job (torchrun's default)
 
 
 @dataclass(frozen=True)
@@ -101,13 +110,16 @@ def expand_nodelist(nodelist: str) -> list[str]:
 
 
 _spawned_store: list[Any] = []  # the store rank 0 of a self-spawned job bound before starting the others
+_to_rank_zero: list[int] = []  # in a rank that spawn_and_run started: its end of the pipe to rank 0
 
 
 def spawn_and_run(nprocs: int, function: Callable[..., Any], *args: Any) -> Any:
     """Start local ranks 1..nprocs-1 as copies of this command, become rank 0, run `function`.
 
     Rank 0 binds its TCPStore on port 0 before starting the others and hands them the port the system
-    chose: no window in which another process can take a port that was found free but not yet bound."""
+    chose: no window in which another process can take a port that was found free but not yet bound.
+    It runs `function` once every other rank has reached the job (`report_arrival`): their start-up
+    (imports, building the model) is no collective, and must not count against the collective timeout."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, nprocs, is_master=True, wait_for_workers=False)
@@ -121,40 +133,52 @@ def spawn_and_run(nprocs: int, function: Callable[..., Any], *args: Any) -> Any:
     }
     os.environ.update(env, RANK="0", LOCAL_RANK="0")
     children = [
-        subprocess.Popen(
-            _own_command(),
-            env={**os.environ, **env, "RANK": str(r), "LOCAL_RANK": str(r)},
-            preexec_fn=_die_with_parent,
-        )
-        for r in range(1, nprocs)
+        _Child(r, {**os.environ, **env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(1, nprocs)
     ]
+    _wait_for_arrivals(children)
+    _print_shared_errors_once()
     watchdog = _Watchdog(children)
     watchdog.start()
     # ranks 1..N-1 run the rest of the program too (collectives included): rank 0 waits for them at exit
     atexit.register(_wait_for_children, children, watchdog)
     try:
         return function(*args)
-    except BaseException:
+    except BaseException as err:
         watchdog.stop()
-        _report_dead(children, watchdog.reported, grace_s=1.0)  # a dead child is usually why rank 0 failed
+        cause = _job_error(err, _failed(children, grace_s=1.0))  # a dead child is usually why rank 0 failed
         _terminate(children)
-        raise
+        if cause is err:
+            raise
+        raise cause from err
 
 
-def _wait_for_children(children: list[subprocess.Popen], watchdog: _Watchdog) -> None:
+def report_arrival() -> None:
+    """In a rank that `spawn_and_run` started: tell rank 0, once, that this rank has reached the job (rank 0
+    joins the process group only when every rank has); elsewhere nothing."""
+    fd = os.environ.pop(_PIPE_FD, None)  # popped: a process this rank starts is no rank of the job
+    if fd is not None:
+        _to_rank_zero[:] = [int(fd)]
+        _send_to_rank_zero(_ARRIVED)
+
+
+def _wait_for_children(children: list[_Child], watchdog: _Watchdog) -> None:
     """At rank 0's exit: wait for the other ranks; the job fails if one of them failed."""
     watchdog.stop()
     for child in children:
-        child.wait()
+        child.process.wait()
     destroy_process_group()  # after the children: rank 0 hosts the store they use until the end
-    if _report_dead(children, watchdog.reported):
+    failed = _failed(children)
+    for child in failed:
+        log.error(child.describe())
+    if failed:
         sys.stderr.flush()
         os._exit(1)
 
 
 def exit_quietly_when_done() -> None:
     """For a rank that `spawn_and_run` started: end the process right after the atexit handlers, before
-    the interpreter's finalisation, with 1 after an uncaught exception and 0 otherwise.
+    the interpreter's finalisation, with 1 after an uncaught exception and 0 otherwise. The exception's
+    text goes to rank 0, which names it as the job's error (`_job_error`).
 
     Why: if a gloo process group still has worker threads when Python finalises (FSDP2/DTensor keep
     references to it), a thread that needs the GIL is force-unwound and the process aborts
@@ -166,12 +190,8 @@ def exit_quietly_when_done() -> None:
 
     def hook(*exc_info: Any) -> None:
         failed.append(True)
-        where = getattr(exc_info[1], _REPORTED_BY, None)
-        if where is None:
-            previous(*exc_info)
-        else:  # the same error's traceback is printed by `where`: one line here, not a second copy
-            summary = "".join(traceback.format_exception_only(exc_info[1])).strip().splitlines()[-1]
-            log.error(f"failed with the same error as {where}: {summary}")
+        previous(*exc_info)
+        _send_to_rank_zero(_error_text(exc_info[1]).encode())
 
     sys.excepthook = hook
 
@@ -186,11 +206,6 @@ def exit_quietly_when_done() -> None:
 def take_spawned_store() -> Any:
     """The TCPStore `spawn_and_run` bound for this rank 0, once; None in any other process."""
     return _spawned_store.pop() if _spawned_store else None
-
-
-def mark_reported_elsewhere(err: BaseException, where: str) -> None:
-    """Tell this spawned rank's exit hook that `where` prints `err`'s traceback, so it prints one line."""
-    setattr(err, _REPORTED_BY, where)
 
 
 def destroy_process_group() -> None:
@@ -228,45 +243,148 @@ def _die_with_parent() -> None:
         pass
 
 
-def _report_dead(children: list[subprocess.Popen], reported: set[int], grace_s: float = 0.0) -> bool:
-    """Log each child that ended badly, once (ranks in `reported` were logged already); True if one did."""
+def _error_text(err: BaseException) -> str:
+    return "".join(traceback.format_exception_only(err)).strip()
+
+
+def _send_to_rank_zero(data: bytes) -> None:
+    for fd in _to_rank_zero:
+        with contextlib.suppress(OSError):  # rank 0 is gone: it cannot report anything any more
+            os.write(fd, data)
+
+
+def _print_shared_errors_once() -> None:
+    """In rank 0: an uncaught error that a rank it started printed already (one bug fails every rank at
+    once) is one line here, not a second copy of the traceback."""
+    previous = sys.excepthook
+
+    def hook(*exc_info: Any) -> None:
+        where = getattr(exc_info[1], _REPORTED_BY, None)
+        if where is None:
+            previous(*exc_info)
+        else:
+            log.error(f"failed with the same error as {where}: {_error_text(exc_info[1]).splitlines()[0]}")
+
+    sys.excepthook = hook
+
+
+class _Child:
+    """A rank that `spawn_and_run` started, and the pipe on which it says it arrived and how it failed."""
+
+    def __init__(self, rank: int, env: dict[str, str]) -> None:
+        self.rank = rank
+        self.settled = False  # its end was reported, or rank 0 ended it
+        self._pipe, write = os.pipe()
+        self.process = subprocess.Popen(
+            _own_command(), env={**env, _PIPE_FD: str(write)}, pass_fds=(write,), preexec_fn=_die_with_parent
+        )
+        os.close(write)
+        os.set_blocking(self._pipe, False)
+        self._received = b""
+
+    def fileno(self) -> int:
+        return self._pipe
+
+    def _receive(self) -> bytes:
+        with contextlib.suppress(BlockingIOError):  # nothing more for now
+            while chunk := os.read(self._pipe, 65536):
+                self._received += chunk
+        return self._received
+
+    @property
+    def arrived(self) -> bool:
+        return self._receive().startswith(_ARRIVED)
+
+    def error(self) -> str:
+        """The text of the uncaught error it sent ('' if none)."""
+        return self._receive().removeprefix(_ARRIVED).decode(errors="replace").strip()
+
+    def describe(self, when: str = "") -> str:
+        """How it ended, in one line: its error's first line if it sent one."""
+        error, code = self.error(), self.process.returncode
+        if error:
+            return f"rank {self.rank} failed{when}: {error.splitlines()[0]}"
+        if code < 0:
+            return f"rank {self.rank} was killed by signal {-code}{when}"
+        return f"rank {self.rank} exited with code {code}{when} (its error, if any, is printed above)"
+
+
+def _wait_for_arrivals(children: list[_Child]) -> None:
+    """Until every rank started has reached the job; one that ends first, or takes longer than
+    JOIN_TIMEOUT_S, ends the job."""
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    while pending := [c for c in children if not c.arrived]:
+        ended = [c for c in pending if c.process.poll() is not None]
+        if ended or time.monotonic() > deadline:
+            _terminate(children)
+            if ended:
+                raise RuntimeError("; ".join(c.describe(" before reaching the job") for c in ended))
+            raise RuntimeError(
+                f"rank(s) {[c.rank for c in pending]} did not reach the job within {JOIN_TIMEOUT_S:g} s of "
+                "being started (JOIN_TIMEOUT_S in trainer.launch)"
+            )
+        select.select(pending, [], [], 0.2)  # woken by a rank's message; the timeout notices a rank's end
+
+
+def _job_error(err: BaseException, failed: list[_Child]) -> BaseException:
+    """What rank 0 raises when its work failed and ranks it started failed too: rank 0 was most likely
+    waiting for them in a collective, so theirs is the job's error, named in the last line the user sees;
+    the same error as rank 0's (one bug on every rank) is rank 0's, printed once."""
+    if not failed:
+        return err
+    same = next((c for c in failed if c.error() == _error_text(err)), None)
+    if same is not None:
+        setattr(err, _REPORTED_BY, f"rank {same.rank}")
+        return err
+    if isinstance(err, Exception):
+        return RuntimeError("; ".join(c.describe() for c in failed))
+    for child in failed:  # KeyboardInterrupt and the like keep their type
+        log.error(child.describe())
+    return err
+
+
+def _failed(children: list[_Child], grace_s: float = 0.0) -> list[_Child]:
+    """The ranks that ended badly and were not reported yet (waiting up to `grace_s` for them to end);
+    each is returned once: the caller reports it."""
     deadline = time.monotonic() + grace_s
-    dead = False
-    for rank, child in enumerate(children, start=1):
+    failed = []
+    for child in children:
+        if child.settled:
+            continue
         try:
-            code = child.wait(timeout=max(0.0, deadline - time.monotonic()))
+            code = child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             continue
         if code != 0:
-            if rank not in reported:
-                how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-                log.error(f"rank {rank} {how}; ending the job (its error, if any, is printed above)")
-                reported.add(rank)
-            dead = True
-    return dead
+            child.settled = True
+            failed.append(child)
+    return failed
 
 
-def _terminate(children: list[subprocess.Popen]) -> None:
+def _terminate(children: list[_Child]) -> None:
+    """Kill the ranks still running: they wait for a rank that is gone, and their end is no error of theirs."""
     for child in children:
-        if child.poll() is None:
-            child.kill()
+        if child.process.poll() is None:
+            child.process.kill()
+            child.settled = True
     for child in children:
-        child.wait()
+        child.process.wait()
 
 
 class _Watchdog(threading.Thread):
     """Rank 0's thread that ends the job when a child dies: rank 0 may be blocked in a collective that
     will never complete, so it exits the process rather than waiting for a timeout."""
 
-    def __init__(self, children: list[subprocess.Popen]) -> None:
+    def __init__(self, children: list[_Child]) -> None:
         super().__init__(daemon=True, name="trainer-watchdog")
         self.children = children
-        self.reported: set[int] = set()  # ranks already logged as dead (by this thread or after it stopped)
         self._stop_event = threading.Event()
 
     def run(self) -> None:
         while not self._stop_event.wait(0.2):
-            if _report_dead(self.children, self.reported):
+            if failed := _failed(self.children):
+                for child in failed:
+                    log.error(child.describe())
                 _terminate(self.children)
                 sys.stderr.flush()
                 os._exit(1)

@@ -21,7 +21,7 @@ from strategies.base import Strategy, unpack_loss
 from strategies.compile_blocks import check_compile
 from strategies.registry import build_strategy
 from trainer import checkpoint as ckpt
-from trainer import flags
+from trainer import flags, run_folder
 from trainer.checkpoint import CheckpointError, step_dir_name
 from trainer.data.loader import pin_for_device
 from trainer.datamodule import call_if_defined, check_source, has_loader, loaders_from
@@ -99,6 +99,7 @@ class Trainer:
         fast_dev_run: bool | int = False,
         num_sanity_val_steps: int = 2,
         enable_model_summary: bool = True,
+        allow_unverified_checkpoints: bool = False,
     ) -> None:
         configure_console_logging()
         if fast_dev_run:  # Lightning's smoke run: n batches of each loop (True: 1), no checkpoints
@@ -149,6 +150,8 @@ class Trainer:
         self.log_every_n_steps = flags.check_int("log_every_n_steps", log_every_n_steps, 1)
         self.default_root_dir = Path(default_root_dir)
         self.enable_progress_bar = bool(enable_progress_bar)
+        # a checkpoint without a manifest (or an empty one) loads only when asked, with a warning
+        self.allow_unverified_checkpoints = bool(allow_unverified_checkpoints)
 
         device_ids = list(devices) if isinstance(devices, (list, tuple)) else None  # Lightning's devices=[i]
         devices = flags.resolve_devices(devices, accelerator)
@@ -199,6 +202,11 @@ class Trainer:
         self._epoch_ending = False
         self._fit_start_step = 0
         self._step_logged = False  # the step that just ran was logged: so is what on_train_batch_end logs
+        self.run_id: str | None = None  # this fit's (a resumed run's own), written into each checkpoint
+        self._writer: dict[str, Any] | None = None  # rank zero's host and pid: who writes this run's files
+        self._run_folder: Path | None = None  # the folder this fit claimed (trainer/run_folder.py)
+        self._locks: list[run_folder.FolderLock] = []
+        self._first_not_finite: torch.Tensor | None = None  # see not_finite_since
 
     # ---- public read-only views ------------------------------------------------------------------
     @property
@@ -291,11 +299,21 @@ class Trainer:
         list is returned to a self-spawning script, as Lightning returns each process its own)."""
         return self._evaluate(module, dataloaders, ckpt_path, "predict", datamodule)
 
-    def save_checkpoint(self, path: str | Path | None = None, *, pending_validation: bool = False) -> Path:
+    def save_checkpoint(
+        self,
+        path: str | Path | None = None,
+        *,
+        pending_validation: bool = False,
+        meta: dict[str, Any] | None = None,
+    ) -> Path:
         """Write the whole training state (model, optimizer, schedule, loop, RNG, data position,
-        callbacks) to `path` (default `<root>/checkpoints/step-N`), atomically. Call on every rank.
-        `pending_validation`: "last" will not pick it until `checkpoint.mark_validated` was called."""
+        callbacks) to `path` (default: this run's folder, `step-N`), atomically; a checkpoint of another run
+        is never replaced. Call on every rank. `pending_validation`: "last" will not pick it until
+        `checkpoint.mark_validated` was called; `meta`: more fields for its meta.json."""
         path = Path(path) if path is not None else self.checkpoint_dir / step_dir_name(self.global_step)
+        if self.run_id is None:  # a save outside a fit (one process): a run of its own
+            self.run_id = run_folder.new_run_id()
+        owner = {"run_id": self.run_id, "writer": self._writer or run_folder.this_writer()}
         state: dict[str, Any] = {
             "loop": self.state.state_dict(),
             "rng": self.strategy.all_gather_object(rng_state(), group="world"),
@@ -306,7 +324,7 @@ class Trainer:
             "strategy": self.strategy.state_dict(),
             "module": {},
             "hyper_parameters": _plain(dict(self.module.hparams)),
-            "meta": {"pending_validation": True} if pending_validation else {},
+            "meta": {**owner, **({"pending_validation": True} if pending_validation else {}), **(meta or {})},
         }
         self.module.on_save_checkpoint(state["module"])
         self._call("on_save_checkpoint", state)
@@ -321,6 +339,21 @@ class Trainer:
             self._step_norm = self.strategy.grad_norm(self.module)
         return self._step_norm
 
+    def not_finite_since(self) -> int | None:
+        """The first step of this fit whose loss was not finite on any rank, or None. Call on every rank."""
+        first = self._first_not_finite
+        mine = torch.tensor(math.inf) if first is None else first.detach().float().cpu()
+        found = float(self.strategy.reduce(mine, "min", group="world"))
+        return None if math.isinf(found) else int(found)
+
+    def _track_finite(self, loss: torch.Tensor, step: int) -> None:
+        """Remember the first step whose loss was not finite, on the device (no host sync per step)."""
+        first = self._first_not_finite
+        if first is None:
+            first = self._first_not_finite = torch.full((), math.inf, device=loss.device)
+        bad = ~torch.isfinite(loss.detach()) & torch.isinf(first)
+        self._first_not_finite = torch.where(bad, torch.full_like(first, step), first)
+
     def skip_optimizer_step(self, reason: str) -> None:
         """Don't apply this step's update (call on every rank, from on_before_optimizer_step): parameters
         and optimizer state stay as they were; the data, the step counter and the LR schedule move on."""
@@ -331,7 +364,11 @@ class Trainer:
         (of a step < `before_step`). The data stream goes on from where it is, so the batches since that
         checkpoint are not replayed (as PaLM does after a loss spike). Call on every rank between steps."""
         path, skipped = ckpt.find_last_good(
-            self.checkpoint_dir, before_step, self.strategy.io_part, self._agree_on(self.checkpoint_dir)
+            self.checkpoint_dir,
+            before_step,
+            self.strategy.io_part,
+            self._agree_on(self.checkpoint_dir),
+            self.allow_unverified_checkpoints,
         )
         if skipped and self.is_global_zero:
             log.warning("".join(f"rollback: skipped {line}\n" for line in skipped).rstrip())
@@ -444,9 +481,9 @@ class Trainer:
                     "epoch; allowed: a limit that keeps at least one batch"
                 )
             self._setup_optimizer(module)
-            resume_from = self._resolve_checkpoint(ckpt_path)
+            self._claim_run_folders(ckpt_path)
+            resume_from = self._load_checkpoint(ckpt_path, self._restore)
             if resume_from is not None:
-                self._restore(resume_from)
                 self.state.restarts += 1
             else:
                 self.state.started_at = time.time()
@@ -476,6 +513,7 @@ class Trainer:
         s = self.state
         self._fit_started = time.time()  # max_time counts this fit (a resumed run starts afresh)
         self._fit_start_step = s.global_step
+        self._first_not_finite = None
         epoch_len = self._train_batches.epoch_length()
         val_every = self._val_every_n_steps(epoch_len)
         meter = _Throughput()
@@ -613,6 +651,7 @@ class Trainer:
         strategy.after_optimizer_step()
         if not skipped:
             s.productive_s += time.perf_counter() - started
+        self._track_finite(loss, s.global_step)  # the model as of this step gave a non-finite loss
         s.global_step += 1
         s.batches_in_epoch += len(window)
         meter.step_done()
@@ -746,9 +785,7 @@ class Trainer:
                 loader, _ = loaders_from(datamodule or module, stage)
                 _check_not_empty(f"{stage} dataloader", loader)
             loader = self._loader(loader, train=False)
-            path = self._resolve_checkpoint(ckpt_path)
-            if path is not None:
-                self.strategy.load_checkpoint(path, module, None)
+            self._load_checkpoint(ckpt_path, lambda path: self.strategy.load_checkpoint(path, module, None))
             if stage == "predict":
                 return self._predict_loop(module, loader)
             method, prefix = ("validation_step", "val") if stage == "validate" else ("test_step", "test")
@@ -920,6 +957,9 @@ class Trainer:
             self._progress.close()
             self._progress = None
         self.strategy.teardown()  # first: it completes checkpoints still being written
+        for lock in self._locks:  # then this fit's folders are free for the next one
+            lock.release()
+        self._locks = []
         self._call("teardown", stage)
         self.module.teardown(stage)
         call_if_defined(self.datamodule, "teardown", stage)
@@ -936,31 +976,69 @@ class Trainer:
 
     @property
     def checkpoint_dir(self) -> Path:
-        """Where checkpoints go: the ModelCheckpoint's dirpath, else `<default_root_dir>/checkpoints`."""
-        for cb in self.callbacks:
-            if isinstance(cb, ModelCheckpoint) and cb.dirpath is not None:
-                return cb.dirpath
-        return self.default_root_dir / "checkpoints"
+        """This run's checkpoint folder: the one this fit claimed (trainer/run_folder.py), else the newest
+        run's under the ModelCheckpoint's dirpath or `<default_root_dir>/checkpoints` (what "last" reads)."""
+        if self._run_folder is not None:
+            return self._run_folder
+        saver = self.checkpoint_callback
+        return run_folder.newest(
+            saver.base_dir(self) if saver is not None else self.default_root_dir / "checkpoints"
+        )
 
-    def _resolve_checkpoint(self, ckpt_path: Any) -> Path | None:
-        """The checkpoint to resume from, verified (every rank hashes its share of it), or None."""
+    def _claim_run_folders(self, ckpt_path: Any) -> None:
+        """Rank zero picks and locks the folder of each ModelCheckpoint, before anything is trained (a fresh
+        run never shares one with an earlier run; a second live fit is refused); every rank learns the
+        folders and the run id."""
+        savers = [cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)]
+        claimed: Any = None
+        if self.is_global_zero:
+            try:
+                claimed = run_folder.claim([cb.base_dir(self) for cb in savers], ckpt_path, self._locks)
+            except (run_folder.FolderInUse, OSError) as err:
+                claimed = str(err)
+        claimed = self.strategy.broadcast_object(claimed)
+        if isinstance(claimed, str):
+            raise run_folder.FolderInUse(claimed)
+        for cb, folder in zip(savers, claimed.folders, strict=True):
+            cb.dirpath = Path(folder)
+        self._run_folder = Path(claimed.folders[0]) if savers else None
+        self.run_id, self._writer = claimed.run_id, claimed.writer
+        for line in claimed.notes if self.is_global_zero else ():
+            log.warning(line)
+
+    def _load_checkpoint(self, ckpt_path: Any, load: Any) -> Path | None:
+        """Verify (every rank hashes its share) and `load(path)` the checkpoint `ckpt_path` names; "last" is
+        the newest good one of this run's folder, falling back past any that fails to load, each named.
+        Returns the checkpoint loaded, or None (nothing to resume)."""
         if ckpt_path is None:
             return None
-        strategy = self.strategy
+        strategy, allow = self.strategy, self.allow_unverified_checkpoints
         if ckpt_path != "last":  # fail early, on every rank, with what is wrong with the files
-            ckpt.check_good(ckpt_path, strategy.io_part, self._agree_on(Path(ckpt_path)))
+            ckpt.check_good(ckpt_path, strategy.io_part, self._agree_on(Path(ckpt_path)), allow)
+            load(Path(ckpt_path))
             return Path(ckpt_path)
-        found, skipped = ckpt.find_last_good(
-            self.checkpoint_dir,
-            part=strategy.io_part,
-            agree=self._agree_on(ckpt.find_last(self.checkpoint_dir)),
-        )
-        if found is None:
-            why = (
-                f"no checkpoint in {self.checkpoint_dir} is good"
-                if skipped
-                else f"no checkpoint in {self.checkpoint_dir} yet"
+        folder, before, refused, failed = self.checkpoint_dir, None, [], False
+        while True:
+            found, skipped = ckpt.find_last_good(
+                folder, before, strategy.io_part, self._agree_on(ckpt.find_last(folder)), allow
             )
+            refused += skipped
+            if found is None:
+                break
+            problem = None
+            try:
+                load(found)
+            except CheckpointError as err:
+                problem = str(err)
+            problem = strategy.agree(problem)
+            if problem is None:
+                break
+            refused.append(f"{found.name}: failed to load ({problem})")
+            before, failed = ckpt.read_meta(found)["step"], True
+        if found is None and failed:  # the model is half-loaded now: starting from scratch would be wrong
+            raise CheckpointError(f"ckpt_path='last': no checkpoint in {folder} loads; " + "; ".join(refused))
+        if found is None:
+            why = f"no checkpoint in {folder} is good" if refused else f"no checkpoint in {folder} yet"
             line = f"ckpt_path='last': {why}, starting from scratch"
         else:  # the line is rank zero's, read from its files (every meta has a step)
             meta = ckpt.read_meta(found)
@@ -968,10 +1046,10 @@ class Trainer:
                 time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(meta["time"])) if "time" in meta else "?"
             )
             line = f"resuming from {found}: step {meta['step']}, saved {saved}"
-        if not skipped:
+        if not refused:
             rank_zero_info(line)
         elif self.is_global_zero:  # what was refused, and why, is worth a warning
-            log.warning("".join(f"ckpt_path='last': skipped {s}\n" for s in skipped) + line)
+            log.warning("".join(f"ckpt_path='last': skipped {s}\n" for s in refused) + line)
         return found
 
     def _agree_on(self, ckpt_dir: Path | None) -> ckpt.Agree:

@@ -4,15 +4,26 @@ Map-style datasets get a DistributedSampler (seeded, reshuffled per epoch throug
 loader's `drop_last` also decides the dataset's uneven tail: dropped, or padded with repeated samples
 so every rank has as many batches as the others). Iterable datasets are read in rounds of `size`
 items, rank r keeping the r-th of each round; an incomplete last round is dropped, for the same reason.
+With DataLoader workers, worker w of W keeps only the rounds k with k % W == w, so a rank yields each of
+its samples once, the same ones as without workers.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import (
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    get_worker_info,
+)
+from torch.utils.data._utils import worker as worker_module
 from torch.utils.data.sampler import BatchSampler
 
 # DataLoader arguments carried over to the sharded copy
@@ -33,18 +44,50 @@ _LOADER_ARGS = (
 
 
 class RoundRobinShard(IterableDataset):
-    """Rank `rank`'s share of an iterable dataset: item r of every complete round of `size` items."""
+    """Rank `rank`'s share of an iterable dataset: item r of every complete round of `size` items, each
+    round read by one DataLoader worker (round k by worker k % num_workers)."""
 
     def __init__(self, dataset: IterableDataset, rank: int, size: int) -> None:
         self.dataset, self.rank, self.size = dataset, rank, size
 
     def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
         round_: list[Any] = []
-        for item in self.dataset:
+        rounds = 0
+        for item in _whole_stream(self.dataset):
             round_.append(item)
             if len(round_) == self.size:
-                yield round_[self.rank]
+                if rounds % workers == worker:
+                    yield round_[self.rank]
                 round_ = []
+                rounds += 1
+
+
+def _whole_stream(dataset: IterableDataset) -> Iterator[Any]:
+    """`dataset`'s items as one process reads them: a dataset that splits itself over DataLoader workers
+    (get_worker_info(), as PyTorch's docs show) would otherwise lose the rounds its other workers read,
+    as RoundRobinShard already divides the stream over the workers."""
+    with _outside_worker():
+        items = iter(dataset)
+    while True:
+        with _outside_worker():
+            try:
+                item = next(items)
+            except StopIteration:
+                return
+        yield item
+
+
+@contextmanager
+def _outside_worker() -> Iterator[None]:
+    """get_worker_info() is None inside the block (torch keeps it in one module global)."""
+    saved = worker_module._worker_info
+    worker_module._worker_info = None
+    try:
+        yield
+    finally:
+        worker_module._worker_info = saved
 
 
 def shard_loader(loader: Any, rank: int, size: int, seed: int) -> Any:

@@ -11,6 +11,7 @@ from torch import nn
 
 from trainer.models.linear_cross_entropy import linear_cross_entropy
 from trainer.models.llama import Llama, LlamaConfig
+from trainer.models.moe import moe_layers, reset_moe_stats
 from trainer.module import TrainModule
 
 
@@ -21,6 +22,12 @@ class CausalLM(TrainModule):
     The loss is the mean over the micro-batch's predicted tokens and reports their count, so the Trainer
     weights micro-batches and ranks by tokens: accumulation equals one big batch. AdamW decays matrices
     and embeddings, not norms or biases (nanoGPT's grouping).
+
+    A MoE model's auxiliary losses (each a statistic of the micro-batch's routed tokens, every one of
+    them, labelled or not) join its loss scaled by routed / labelled tokens, so that under the Trainer's
+    weighting by labelled tokens each micro-batch's losses count by the tokens it routed: the step's
+    z-loss is the sum over all its routed tokens divided by its labelled tokens (their mean when no
+    label is -100), however the step is split into micro-batches and ranks.
 
     `loss_chunk_tokens` (a Llama's loss only): the output projection and cross-entropy run fused over
     chunks of that many tokens, so the B x T x vocab logits are never held at once
@@ -104,9 +111,8 @@ class CausalLM(TrainModule):
         if isinstance(logits, tuple):
             logits, aux = logits
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
-        if aux is not None and self.training:
-            loss = _add(loss, aux)
-        return {"loss": loss, "num_tokens": (labels != -100).sum()}
+        out = {"loss": loss, "num_tokens": (labels != -100).sum()}
+        return _with_extra(out, aux, labels) if self.training else out
 
     def pipeline_batch(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """What a pipeline feeds its first stage and hands its loss: (input_ids, labels)."""
@@ -119,16 +125,13 @@ class CausalLM(TrainModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
         out = self._loss(batch)
         extra = getattr(self.model, "extra_loss", None)
-        extra = extra() if callable(extra) else None
-        if extra is not None:  # a MoE model's load-balancing and router z-losses join the training loss
-            out["loss"] = _add(out["loss"], extra)
-        return out
+        return _with_extra(out, extra() if callable(extra) else None, batch["labels"])
 
     def on_before_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         """After each optimizer step (on every rank, also under a pipeline schedule): a MoE model logs its
-        router statistics on logged steps, summed over all ranks (one all-reduce), then its
-        auxiliary-loss-free balancing moves its expert biases by the loads its experts saw, summed over
-        the ranks that hold different tokens."""
+        router statistics on logged steps, those of the step's micro-batches summed over all ranks (one
+        all-reduce), and starts them afresh; then its auxiliary-loss-free balancing moves its expert
+        biases by the loads its experts saw, summed over the ranks that hold different tokens."""
         trainer = self._trainer
         if trainer is None:
             return
@@ -142,6 +145,8 @@ class CausalLM(TrainModule):
                 else None
             )
             self.log_dict({f"moe/{k}": v for k, v in stats(world_sum).items()})
+        if getattr(getattr(self.model, "config", None), "moe", None) is not None:  # dense: no module walk
+            reset_moe_stats(moe_layers(self.model))
         update = getattr(self.model, "update_moe_biases", None)
         if callable(update):
             update(lambda counts: counts.copy_(strategy.reduce(counts, "sum", group="loss")))
@@ -188,6 +193,16 @@ class CausalLM(TrainModule):
 
     def enable_context_parallel(self, attention_fn: Any, positions_fn: Any) -> None:
         _hook(self.model, "enable_context_parallel")(attention_fn, positions_fn)
+
+
+def _with_extra(
+    out: dict[str, torch.Tensor], extra: torch.Tensor | None, labels: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """`out` with a MoE model's auxiliary losses `extra` (None: none) added to its loss, times routed /
+    labelled tokens (see `CausalLM`)."""
+    if extra is not None:
+        out["loss"] = _add(out["loss"], extra * (labels.numel() / out["num_tokens"].clamp_min(1)))
+    return out
 
 
 def _add(loss: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:

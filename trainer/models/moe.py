@@ -13,10 +13,12 @@ replaces it with one whose `dispatch` also exchanges the permuted tokens (and co
 each rank receives the tokens of its own experts (the experts' weights sharded on dim 0), and whose
 `combine` sends the results back before un-permuting.
 
-Under tensor parallelism the layer takes a sequence-sharded DTensor (the Llama's plan) and works on this
+Under tensor parallelism the layer takes a sequence-sharded DTensor (the Llama's plan) and computes this
 rank's tokens only (TorchTitan's ETP=1): the router and shared experts are replicated over the tp ranks,
-so their gradients are partial sums that the DTensor machinery adds up, and the auxiliary losses and
-loads are those of the group's tokens (`token_group`).
+so their gradients are partial sums that the DTensor machinery adds up. What depends on the whole
+sequence is decided over the group of ranks holding its shards (`token_group`), as one process would
+on the unsharded sequence: the auxiliary losses' statistics, each expert's capacity and which pairs it
+drops.
 """
 
 from __future__ import annotations
@@ -129,8 +131,9 @@ class Router(nn.Module):
         self.expert_bias.zero_()
         self.tokens_per_expert.zero_()
 
-    def forward(self, x: torch.Tensor) -> Routing:
-        """Route x (N, dim)."""
+    def forward(self, x: torch.Tensor, group: Any = None) -> Routing:
+        """Route x (N, dim): this rank's tokens of those the ranks of `group` (None: this rank alone) hold;
+        the losses and capacity are those of all the group's tokens."""
         c = self.config
         logits = F.linear(x.float(), local_weight(self.gate.weight).float())  # (N, E), fp32
         if c.score_func == "softmax":
@@ -145,14 +148,24 @@ class Router(nn.Module):
         if c.normalise_gates:
             gates = gates / gates.sum(-1, keepdim=True)
 
-        n_tokens = x.shape[0]
-        counts = torch.bincount(indices.flatten(), minlength=c.n_experts).float()
+        E = c.n_experts
+        counts = torch.bincount(indices.flatten(), minlength=E).float()
+        # sums over the group's tokens: probabilities per expert, squared log-partition, choices per expert,
+        # tokens; each rank's gradient is that of its own tokens' terms (they sum to the whole's)
+        sums = torch.cat([probs.sum(0), torch.logsumexp(logits, dim=-1).pow(2).sum().view(1)])
+        counts_n = torch.cat([counts, counts.new_tensor([x.shape[0]])])
+        if group is not None:
+            total = torch.cat([sums.detach(), counts_n])
+            dist.all_reduce(total, group=group)
+            sums, counts_n = sums + (total[: E + 1] - sums.detach()), total[E + 1 :]
+        counts, n_tokens = counts_n[:E], counts_n[E]
         # Switch load balancing: E * sum_e f_e P_e, f_e the fraction of the N*k choices that picked e
         # (before capacity), P_e the mean router probability; 1 when perfectly balanced.
-        aux_loss = c.n_experts * (counts / (n_tokens * c.top_k) * probs.mean(0)).sum()
-        z_loss = torch.logsumexp(logits, dim=-1).pow(2).mean()
-        capacity = c.capacity(n_tokens)
-        keep = None if capacity is None else capacity_mask(indices, scores.detach(), capacity, c.n_experts)
+        aux_loss = E * (counts / (n_tokens * c.top_k) * sums[:E] / n_tokens).sum()
+        z_loss = sums[E] / n_tokens
+        keep = None
+        if c.capacity_factor is not None:
+            keep = capacity_mask(indices, pair_scores(scores, indices), c.capacity(int(n_tokens)), E, group)
         if c.bias_update_rate > 0 and self.training and counting_forward():  # the bias update's only input
             kept = indices.flatten() if keep is None else indices.flatten()[keep.flatten()]
             self.tokens_per_expert += torch.bincount(kept, minlength=c.n_experts).float()
@@ -183,10 +196,24 @@ def local_weight(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_local(grad_placements=[Partial()] * weight.device_mesh.ndim)
 
 
-def capacity_mask(indices: torch.Tensor, scores: torch.Tensor, capacity: int, n_experts: int) -> torch.Tensor:
-    """keep (N, k): each expert keeps the `capacity` (token, choice) pairs with the highest score for it."""
+def pair_scores(scores: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """The detached score (N, k) of each (token, choice) pair for its expert."""
+    return scores.detach().gather(-1, indices)
+
+
+def capacity_mask(
+    indices: torch.Tensor, scores: torch.Tensor, capacity: int, n_experts: int, group: Any = None
+) -> torch.Tensor:
+    """keep (N, k): each expert keeps the `capacity` (token, choice) pairs with the highest score for it,
+    among the pairs of every rank of `group` (ties: rank order, then token order), if given; `scores`
+    (N, k) are the pairs' scores for their experts."""
+    if group is not None:
+        start, pairs = gather_rows(torch.cat([indices.to(scores.dtype), scores], 1), group)
+        all_indices, all_scores = pairs.split(indices.shape[1], 1)
+        keep = capacity_mask(all_indices.long(), all_scores, capacity, n_experts)
+        return keep[start : start + indices.shape[0]]
     flat = indices.flatten()
-    score = scores.gather(-1, indices).flatten()
+    score = scores.flatten()
     by_score = torch.argsort(score, descending=True, stable=True)
     order = by_score[torch.argsort(flat[by_score], stable=True)]  # by expert, then by score descending
     counts = torch.bincount(flat, minlength=n_experts)
@@ -195,6 +222,19 @@ def capacity_mask(indices: torch.Tensor, scores: torch.Tensor, capacity: int, n_
     keep = torch.empty_like(flat, dtype=torch.bool)
     keep[order] = rank < capacity
     return keep.view_as(indices)
+
+
+def gather_rows(t: torch.Tensor, group: Any) -> tuple[int, torch.Tensor]:
+    """(offset of this rank's rows, the rows (n_r, ...) of every rank of `group` in rank order)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    sizes = [t.new_zeros(1, dtype=torch.long) for _ in range(world)]
+    dist.all_gather(sizes, t.new_tensor([t.shape[0]], dtype=torch.long), group=group)
+    n = [int(v) for v in torch.cat(sizes).tolist()]
+    padded = t.new_zeros((max(n), *t.shape[1:]))
+    padded[: t.shape[0]] = t
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded, group=group)  # equal sizes: shards of a sequence may differ by one
+    return sum(n[:rank]), torch.cat([part[:size] for part, size in zip(parts, n, strict=True)])
 
 
 class LocalDispatcher:
@@ -317,11 +357,12 @@ class SharedExperts(nn.Module):
 class MoE(nn.Module):
     """The MoE feed-forward: route -> dispatch -> experts -> combine, plus the shared experts.
 
-    After each forward `aux_loss` and `z_loss` hold this layer's losses (tensors in the graph, means over
-    the `n_tokens` tokens it routed) and `stats` detached tensors for logging; `extra_loss()` is
-    aux_loss_coef * aux + z_loss_coef * z. A sequence-sharded DTensor input (tensor parallelism) is
-    routed shard by shard and gives an output of the same layout; `token_group` is then the process group
-    of the ranks that hold the other shards (None otherwise).
+    After each forward `aux_loss` and `z_loss` hold this layer's losses (tensors in the graph, of the
+    tokens it routed) and `extra_loss()` is aux_loss_coef * aux + z_loss_coef * z; `stats` sums, for
+    logging, what every training forward since `reset_stats()` routed (all micro-batches of a step).
+    A sequence-sharded DTensor input (tensor parallelism) is computed shard by shard and gives an output
+    of the same layout; `token_group` is then the process group of the ranks that hold the other shards
+    (None otherwise), over which the losses and capacity are decided as on the whole sequence.
     """
 
     def __init__(self, dim: int, config: MoEConfig) -> None:
@@ -334,12 +375,14 @@ class MoE(nn.Module):
         self.dispatcher: Any = LocalDispatcher()
         self.aux_loss: torch.Tensor | None = None
         self.z_loss: torch.Tensor | None = None
-        self.n_tokens = 0
         self.token_group: Any = None
-        self.stats: dict[str, torch.Tensor] = {}
+        # sums since reset_stats() of the kept pairs per expert, tokens, and the losses times tokens: a
+        # buffer, so what restores buffers after a forward that does not count (a pipeline stage's shape
+        # inference) restores it too
+        self.register_buffer("routed", torch.zeros(config.n_experts + 3), persistent=False)
 
     def route(self, x: torch.Tensor) -> Routing:
-        return self.router(x)
+        return self.router(x, self.token_group)
 
     def dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, Any]:
         return self.dispatcher.dispatch(x, routing, self.config.n_experts)
@@ -362,9 +405,10 @@ class MoE(nn.Module):
         y = self.combine(self.compute(tokens, counts), routing, ctx)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
-        self.aux_loss, self.z_loss, self.n_tokens = routing.aux_loss, routing.z_loss, x.shape[0]
-        load = getattr(self.dispatcher, "load", None)
-        self._record(routing, load(counts, ctx) if callable(load) else counts)
+        self.aux_loss, self.z_loss = routing.aux_loss, routing.z_loss
+        if self.training and counting_forward():  # not evaluation, nor a checkpoint's recomputation
+            load = getattr(self.dispatcher, "load", None)
+            self._record(routing, load(counts, ctx) if callable(load) else counts, x.shape[0])
         y = y.view(shape)
         if sharded is None:
             return y
@@ -384,13 +428,26 @@ class MoE(nn.Module):
         return self.config.aux_loss_coef * self.aux_loss + self.config.z_loss_coef * self.z_loss
 
     @torch.no_grad()
-    def _record(self, routing: Routing, counts: torch.Tensor) -> None:
-        """What `moe_stats` needs of this forward, kept raw (it reduces them over ranks when it logs)."""
-        self.stats = {
-            "load": counts.float(),  # kept (token, choice) pairs per expert
-            "aux_loss": routing.aux_loss.detach().float(),
-            "z_loss": routing.z_loss.detach().float(),
-        }
+    def _record(self, routing: Routing, counts: torch.Tensor, n_tokens: int) -> None:
+        """Add what `moe_stats` needs of this forward to `stats`, kept raw (it reduces them over ranks when
+        it logs): kept pairs per expert, tokens, and the losses times this rank's tokens."""
+        losses = torch.stack([routing.aux_loss.detach(), routing.z_loss.detach()]).float() * n_tokens
+        self.routed += torch.cat([counts.float(), losses.new_tensor([n_tokens]), losses])
+
+    @property
+    def stats(self) -> dict[str, torch.Tensor]:
+        """The sums since `reset_stats()`: "load" (E,), "tokens", "aux_loss" and "z_loss" (times tokens);
+        {} when no training forward ran since."""
+        E = self.config.n_experts
+        if not self.routed[E]:
+            return {}
+        return dict(
+            zip(("load", "tokens", "aux_loss", "z_loss"), self.routed.split([E, 1, 1, 1]), strict=True)
+        )
+
+    def reset_stats(self) -> None:
+        """Start the statistics afresh (after each optimizer step)."""
+        self.routed.zero_()
 
     def init_weights(self, normal: Any, std: float, residual_std: float, seeds: list[int]) -> None:
         """Fill every weight with `normal(weight, std, seed)`; seeds: 7 distinct ints (router, w1, w3, w2,
@@ -404,6 +461,7 @@ class MoE(nn.Module):
             normal(self.shared_experts.w3.weight, std, seeds[5])
             normal(self.shared_experts.w2.weight, residual_std, seeds[6])
         self.router.reset_buffers()
+        self.reset_stats()
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
@@ -411,25 +469,17 @@ def moe_layers(model: nn.Module) -> list[MoE]:
 
 
 def summed_extra_loss(layers: list[MoE]) -> torch.Tensor | None:
-    """The weighted auxiliary losses of the last forward of `layers`, summed (None if none ran).
-
-    Where tensor parallelism split the tokens (`token_group`), the value is the token-weighted mean of the
-    group's ranks (one all-reduce of two numbers; for the z-loss, a mean over tokens, exactly that of the
-    whole sequence; the load-balancing loss is each shard's, as each data-parallel rank's is), the same on
-    every rank as the loss it joins, while the gradient flows through this rank's share n_rank / n_group
-    only: the replicated router's partial gradients then sum, over the group, to that value's gradient."""
+    """The weighted auxiliary losses of the last forward of `layers`, summed (None if none ran). Where
+    tensor parallelism split the tokens, each layer's value is already that of the whole sequence, the
+    same on every rank, with the gradient of this rank's tokens (see `Router.forward`)."""
     losses = [loss for m in layers if (loss := m.extra_loss()) is not None]
-    if not losses:
-        return None
-    extra = torch.stack(losses).sum()
-    group = layers[0].token_group
-    if group is None:
-        return extra
-    mine = extra * layers[0].n_tokens
-    total = torch.stack([mine.detach().float(), mine.new_tensor(float(layers[0].n_tokens))])
-    dist.all_reduce(total, group=group)
-    share = mine / total[1]
-    return share + (total[0] / total[1] - share).detach()
+    return torch.stack(losses).sum() if losses else None
+
+
+def reset_moe_stats(layers: list[MoE]) -> None:
+    """Start every layer's router statistics afresh (after each optimizer step)."""
+    for m in layers:
+        m.reset_stats()
 
 
 def update_expert_biases(layers: list[MoE], all_reduce: Any = None) -> None:
@@ -464,8 +514,9 @@ STAT_NAMES = (
 def moe_stats(
     layers: list[MoE | None], config: MoEConfig, device: torch.device, all_reduce: Any = None
 ) -> dict[str, float]:
-    """Floats for logging from the last forward of every MoE layer: aux_loss and z_loss (unweighted, each
-    layer's token-weighted mean over ranks) summed over layers; load_min/max/cv, imbalance (max/mean load),
+    """Floats for logging from the training forwards since each MoE layer's `reset_stats()` (a step's
+    micro-batches): aux_loss and z_loss (unweighted, each layer's token-weighted mean over forwards and
+    ranks) summed over layers; load_min/max/cv, imbalance (max/mean load),
     dropped_frac of each layer's global per-expert load, averaged over layers; bias_min/max over all
     layers; load_e{i} the kept pairs of expert i summed over layers.
 
@@ -477,10 +528,10 @@ def moe_stats(
     for i, m in enumerate(layers):
         if m is None or not m.stats:
             continue
-        s, n = m.stats, float(m.n_tokens)
+        s = m.stats
         rows[i, :E] = s["load"]
-        rows[i, E] = n
-        rows[i, E + 1 : E + 3] = torch.stack([s["aux_loss"], s["z_loss"]]) * n
+        rows[i, E] = s["tokens"]
+        rows[i, E + 1 : E + 3] = torch.cat([s["aux_loss"], s["z_loss"]])
         rows[i, E + 3 : 2 * E + 3] = m.router.expert_bias
         rows[i, 2 * E + 3] = 1.0  # holders: the bias is the same on each
     if all_reduce is not None:
