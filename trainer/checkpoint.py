@@ -411,7 +411,12 @@ def run_of(ckpt_dir: Path | None) -> str | None:
 def mark_validated(ckpt_dir: Path, report: dict[str, Any]) -> None:
     """Record that the checkpoint passed validation (atomically: the file is complete or absent)."""
     tmp = Path(ckpt_dir) / f".{VALIDATED_FILE}.tmp"
-    _write_synced(tmp, json.dumps(report, indent=1).encode())
+    try:
+        _write_synced(tmp, json.dumps(report, indent=1).encode())
+    except OSError as err:  # the checkpoint stays unvalidated: "last" passes over it to the previous one
+        tmp.unlink(missing_ok=True)
+        said = save_error(err, Path(ckpt_dir))
+        raise said if said is not err else CheckpointError(f"checkpoint {ckpt_dir}: {err}") from err
     os.rename(tmp, Path(ckpt_dir) / VALIDATED_FILE)
     _fsync(Path(ckpt_dir))
 

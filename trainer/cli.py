@@ -8,12 +8,14 @@ from pathlib import Path
 
 import yaml
 
+from callbacks.checkpoint import ModelNotFiniteError
 from trainer.checkpoint import CheckpointError, find_last
 from trainer.config import SECTIONS, ConfigError, build_run, load_recipe, memory_lines
 from trainer.export import export_checkpoint, export_llama
 from trainer.logging import configure_console_logging
 from trainer.models.hf import HFModule
 from trainer.models.llama import Llama
+from trainer.run_folder import FolderInUse
 
 EPILOG = f"""recipe sections: {", ".join(SECTIONS)}
   model      a Llama preset (tiny, 1b, 8b, 70b) with any LlamaConfig field, or class_path + init_args
@@ -107,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             metrics = getattr(trainer, args.command)(module, val_loader, ckpt_path=ckpt)
             if trainer.is_global_zero:
                 print(yaml.safe_dump(metrics, sort_keys=False), end="")
-    except (ConfigError, CheckpointError, FileNotFoundError) as err:
+    except (ConfigError, CheckpointError, FileNotFoundError, FolderInUse, ModelNotFiniteError) as err:
         print(f"trainer: error: {err}", file=sys.stderr)
         return 2
     return 0

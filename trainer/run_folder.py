@@ -79,6 +79,9 @@ def choose(base: Path, resume_last: bool, run_id: str | None = None) -> tuple[Pa
     "last", or from a checkpoint of run `run_id` that the newest folder holds checkpoints of, continues in
     the newest folder; any other fit takes it only while it holds no checkpoint."""
     n, folder = versions(base)[-1]
+    holder = held_by(folder)
+    if holder is not None:  # a live fit writes there: a fresh run going elsewhere would hide a mistake
+        raise FolderInUse(in_use(folder, holder))
     if resume_last or not holds_checkpoints(folder) or (run_id is not None and run_id in runs_in(folder)):
         return folder, None
     fresh = Path(base) / f"version_{n + 1}"
@@ -104,11 +107,7 @@ def acquire(folder: Path, run_id: str) -> tuple[FolderLock, str | None]:
         except BlockingIOError:
             holder = _read(fd)
             os.close(fd)
-            raise FolderInUse(
-                f"checkpoint folder {folder} is in use by {describe(holder)}; a second live fit cannot write "
-                "there: wait for it to end, or give this fit another default_root_dir or "
-                "ModelCheckpoint(dirpath=...)"
-            ) from None
+            raise FolderInUse(in_use(folder, holder)) from None
         if _same_file(fd, folder / LOCK_FILE):
             break
         os.close(fd)  # the holder removed this file as we locked it: lock the one there now
@@ -127,6 +126,29 @@ def acquire(folder: Path, run_id: str) -> tuple[FolderLock, str | None]:
     taken_over = earlier is not None and earlier.get("folder") == record["folder"]
     note = f"took over the lock of {folder} from {describe(earlier)}, which is gone" if taken_over else None
     return FolderLock(folder, fd), note
+
+
+def held_by(folder: Path) -> dict[str, Any] | None:
+    """The record of the live fit that holds `folder`'s lock (`{}` if it wrote none yet), or None."""
+    try:
+        fd = os.open(Path(folder) / LOCK_FILE, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _read(fd) or {}
+    finally:
+        os.close(fd)  # a shared lock we got is dropped with it
+    return None
+
+
+def in_use(folder: Path, holder: dict[str, Any] | None) -> str:
+    """The one line a fit gets when a live fit holds the folder it wants."""
+    return (
+        f"checkpoint folder {folder} is in use by {describe(holder)}; a second live fit cannot write there: "
+        "wait for it to end, or give this fit another default_root_dir or ModelCheckpoint(dirpath=...)"
+    )
 
 
 def describe(holder: dict[str, Any] | None) -> str:
