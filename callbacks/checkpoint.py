@@ -272,7 +272,10 @@ class ModelCheckpoint(Callback):
                     f"checkpoint {path.name} {problem}; moved to {bad.name}, the older good checkpoints are kept"
                 )
         trainer.strategy.barrier(group="world")
-        if not_finite is not None:  # training on cannot bring it back: end the fit, naming what is left
+        weights = not_finite is not None and self._not_finite(trainer, self._state_not_finite(trainer))
+        if (
+            weights
+        ):  # non-finite weights: training on cannot bring them back; end the fit, naming what is left
             good = [c for c in self.saved if c["good"]]
             last = (
                 Path(max(good, key=lambda c: c["step"])["path"]).name if good else "none (no good checkpoint)"

@@ -52,7 +52,12 @@ def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     TRAINER_CACHE is set, so the cache is named here)."""
     env = launch_env(WANDB_MODE="offline", HF_HUB_OFFLINE="1", TRAINER_CACHE=str(cwd / "trainer-cache"))
     return subprocess.run(
-        [sys.executable, "-m", "trainer.cli", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=300
+        [sys.executable, "-m", "trainer.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        timeout=300,
     )
 
 
@@ -112,7 +117,9 @@ def assert_refused(message: str, path: Path, sentinel: Path) -> None:
 def sharded(tmp_path_factory) -> Path:
     """A legit checkpoint of a 2-rank DDP run of the tiny recipe."""
     cwd = tmp_path_factory.mktemp("ddp")
-    done = cli("fit", str(TINY), *DDP, "trainer.max_steps=2", f"trainer.default_root_dir={cwd / 'run'}", cwd=cwd)
+    done = cli(
+        "fit", str(TINY), *DDP, "trainer.max_steps=2", f"trainer.default_root_dir={cwd / 'run'}", cwd=cwd
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return cwd / "run" / "checkpoints" / "step-00000002"
 
@@ -159,8 +166,8 @@ def test_forged_dcp_metadata_is_refused_on_ddp_resume_validate_and_export(ckpt, 
     path = rewrite_metadata(ckpt, lambda md: md.planner_data.update(x=Payload(sentinel)))
 
     done = resume_under_ddp(ckpt, tmp_path)
-    assert done.returncode != 0
     assert_refused(last_line(done.stdout + done.stderr), path, sentinel)
+    assert done.returncode != 0
 
     capsys.readouterr()
     assert validate(ckpt, tmp_path) == 2
@@ -176,10 +183,9 @@ def test_forged_optimizer_byte_item_is_refused_on_ddp_resume(ckpt, tmp_path):
     sentinel = tmp_path / "pwned"
     shard = forge_byte_item(ckpt, "optim.param_groups.0.lr", Payload(sentinel))
     done = resume_under_ddp(ckpt, tmp_path)
-    assert done.returncode != 0
     message = last_line(done.stdout + done.stderr)
     assert_refused(message, shard, sentinel)
-    assert "optim.param_groups.0.lr" in message
+    assert "optim.param_groups.0.lr" in message and done.returncode != 0
 
 
 @pytest.mark.slow
@@ -190,9 +196,10 @@ def test_forged_model_byte_item_is_refused_by_validate_and_never_exported(ckpt, 
     message = capsys.readouterr().err
     assert_refused(message, shard, sentinel)
     assert WEIGHT in message
-    # export reads only the tensors the metadata declares: the forged item is never unpickled
-    main(["export", str(ckpt), str(tmp_path / "export")])
-    assert not sentinel.exists()
+    # export refuses a model entry that is not a tensor (skipping it wrote an incomplete model, exit 0)
+    assert main(["export", str(ckpt), str(tmp_path / "export")]) == 2
+    assert f"model entry {WEIGHT!r} is not stored as a tensor" in capsys.readouterr().err
+    assert not sentinel.exists() and not (tmp_path / "export" / "model.safetensors").exists()
 
 
 @pytest.mark.slow

@@ -157,6 +157,7 @@ def test_two_torchrun_nodes_on_one_machine_train_together(tmp_path):
         (0, "[rank0]: RuntimeError: deliberate failure on rank 0 at step 3"),
         (1, "rank 1 failed: RuntimeError: deliberate failure on rank 1 at step 3"),
     ],
+    ids=["rank0", "rank1"],
 )
 def test_a_rank_that_raises_ends_the_job_promptly_with_its_error_as_the_last_line(tmp_path, bad_rank, last):
     # promptly: the job ends long before the collective timeout (600 s) a waiting rank would hit; the

@@ -47,10 +47,12 @@ def test_each_zero_stage_matches_one_process_and_holds_the_formula_memory(tmp_pa
         assert abs(got[step] - loss) <= 1e-5, (
             f"step {step}: zero-{stage} on {devices} ranks {got[step]} vs {loss}"
         )
-    # the sums over 4 ranks are ordered differently from one process's (whose own order depends on its
-    # thread count); AdamW's m/sqrt(v) at lr 1e-2 magnifies that for elements whose gradient is near zero:
-    # measured 1.2e-5 and 3.1e-5 in single elements of layers.1 after 8 steps, while the losses agree to 1e-5
-    assert_params_close(out["params"], params, atol=1e-5 if devices == 2 else 1e-4)
+    # the sums over the ranks are ordered differently from one process's; AdamW's m/sqrt(v) at lr 1e-2
+    # magnifies that for elements whose gradient is near zero: measured 1.2e-5 and 3.1e-5 in single elements
+    # of layers.1 after 8 steps on 4 ranks, and 2.06e-5 in parameter 17 on 2 ranks on an AVX-512 Xeon (the
+    # same on the code before this change), while the losses agree to 1e-5. The gradient arithmetic itself
+    # is checked step by step with SGD at 1e-6 (test_gradient_sync.py)
+    assert_params_close(out["params"], params, atol=1e-4)
 
     # bytes this rank held, against the formula (FSDP2 shards dim 0 in whole rows: allow one row per tensor)
     with_grads, after_step = out["memory"]["grads"], out["memory"]["states"]

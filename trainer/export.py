@@ -87,6 +87,14 @@ def _dcp_model_state(ckpt_dir: Path) -> dict[str, torch.Tensor]:
 
     reader = SafeReader(ckpt_dir)
     entries = reader.read_metadata().state_dict_metadata
+    odd = [
+        k for k, m in entries.items() if k.startswith("model.") and not isinstance(m, TensorStorageMetadata)
+    ]
+    if odd:  # skipping it would export an incomplete model without a word
+        raise ckpt.CheckpointError(
+            f"checkpoint '{ckpt_dir}': model entry {odd[0]!r} is not stored as a tensor; a model is exported "
+            "only whole, from tensors"
+        )
     template = {
         key: torch.empty(tuple(m.size), dtype=m.properties.dtype)
         for key, m in entries.items()
