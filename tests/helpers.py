@@ -250,3 +250,19 @@ def reference_run(make_run, root: Path, steps: int, batch: int) -> tuple[dict, d
     trainer.fit(module, train, val)
     weights = {n: p.detach() for n, p in module.named_parameters()}
     return read_metrics(root), read_metrics(root, "train/grad_norm"), read_metrics(root, "val/loss"), weights
+
+
+def run_cli(*args: str, cwd: Path, **env: str):
+    """`trainer ARGS` as a user runs it, in its own process, offline (TRAINER_CACHE: the test's tmp_path
+    unless `env` names one)."""
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-m", "trainer.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=launch_env(WANDB_MODE="offline", HF_HUB_OFFLINE="1", **env),
+        timeout=300,
+    )

@@ -9,13 +9,12 @@ import json
 import pickle
 import shutil
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import Regression, launch_env, quiet, regression_loader
+from helpers import Regression, quiet, regression_loader, run_cli
 from test_cli import SMALL, TINY
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
@@ -48,17 +47,9 @@ class Payload:
 
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    """`trainer ARGS` as a user runs it, in its own process (the module fixture runs before the per-test
-    TRAINER_CACHE is set, so the cache is named here)."""
-    env = launch_env(WANDB_MODE="offline", HF_HUB_OFFLINE="1", TRAINER_CACHE=str(cwd / "trainer-cache"))
-    return subprocess.run(
-        [sys.executable, "-m", "trainer.cli", *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        env=env,
-        timeout=300,
-    )
+    """`trainer ARGS` in its own process (the module fixture runs before the per-test TRAINER_CACHE is
+    set, so the cache is named here)."""
+    return run_cli(*args, cwd=cwd, TRAINER_CACHE=str(cwd / "trainer-cache"))
 
 
 def last_line(text: str) -> str:

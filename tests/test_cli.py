@@ -2,14 +2,12 @@
 
 import json
 import logging
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import yaml
-from helpers import launch_env
+from helpers import run_cli
 
 from trainer.cli import main
 from trainer.config import ConfigError, load_recipe
@@ -24,18 +22,6 @@ SMALL = [
     "data.seq_len=64",
     "data.batch_size=4",
 ]
-
-
-def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = launch_env(WANDB_MODE="offline", HF_HUB_OFFLINE="1")  # TRAINER_CACHE: the test's tmp_path
-    return subprocess.run(
-        [sys.executable, "-m", "trainer.cli", *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        env=env,
-        timeout=300,
-    )
 
 
 @pytest.mark.slow
