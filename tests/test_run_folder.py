@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import shutil
 import subprocess
 import sys
@@ -332,3 +333,23 @@ def test_hash_file_matches_what_a_save_records(tmp_path):
     step2 = tmp_path / "checkpoints" / "step-00000002"
     manifest = ckpt.read_meta(step2)["manifest"]
     assert all(hash_file(step2 / name) == entry for name, entry in manifest.items())
+
+
+def test_the_lock_a_crashed_fit_left_is_taken_over_with_a_note_and_a_copied_one_silently(tmp_path, caplog):
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    dead = {"host": "h1", "pid": 999999, "run_id": "deadbeef0000", "since": "2026-01-01 00:00:00"}
+    (folder / ".lock").write_text(json.dumps({**dead, "folder": str(folder.resolve())}))
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        run(tmp_path, 2)
+    took = [r.getMessage() for r in caplog.records if "took over the lock" in r.getMessage()]
+    assert took == [
+        f"took over the lock of {folder} from run deadbeef0000 (pid 999999 on host h1, since "
+        "2026-01-01 00:00:00), which is gone"
+    ]
+    assert not (folder / ".lock").exists()  # released at the end of the fit
+    caplog.clear()
+    (folder / ".lock").write_text(json.dumps({**dead, "folder": "/elsewhere/checkpoints"}))  # copied along
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        run(tmp_path, 4, ckpt_path="last")
+    assert not [r for r in caplog.records if "took over" in r.getMessage()]
