@@ -2,6 +2,7 @@
 
 from strategies.base import Strategy
 from strategies.ddp import DDPStrategy
+from strategies.dp_sgd import DPSGDStrategy  # the registry imports it anyway (its "dp_sgd" name)
 from strategies.fsdp import FSDPStrategy
 from strategies.mesh import MeshStrategy
 from strategies.parallel3d import Parallel3DStrategy
@@ -12,6 +13,7 @@ from strategies.single import SingleDeviceStrategy
 __all__ = [
     "STRATEGIES",
     "DDPStrategy",
+    "DPSGDStrategy",
     "FSDPStrategy",
     "MeshStrategy",
     "Parallel3DStrategy",
