@@ -21,7 +21,7 @@ test: setup  ## the whole test suite (slow tests included)
 	WANDB_MODE=offline HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
 
 lint: setup
-	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/lint-imports
 
 bench: setup
 	$(BIN)/python bench/overhead.py && $(BIN)/python bench/throughput.py && $(BIN)/python bench/scaling.py && $(BIN)/python bench/checkpoint.py && $(BIN)/python bench/guards.py && $(BIN)/python bench/pipeline.py && $(BIN)/python bench/dpsgd.py && $(BIN)/python bench/moe.py

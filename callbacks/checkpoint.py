@@ -152,8 +152,7 @@ class ModelCheckpoint(Callback):
         if self.every_n_minutes is not None:
             late = time.monotonic() - self._last_save_time >= 60 * self.every_n_minutes
             # clocks differ per rank: rank zero's decides (every rank must save at the same step)
-            late_on_zero = torch.tensor(float(late and trainer.is_global_zero))
-            due |= bool(trainer.strategy.reduce(late_on_zero, "max", group="world"))
+            due |= trainer.strategy.any_rank(late and trainer.is_global_zero)
         if due:
             self.save(trainer)
 
@@ -219,9 +218,7 @@ class ModelCheckpoint(Callback):
             return self.validate
         allowed = FREE_VALIDATION_S + self.validate_budget * (time.monotonic() - self._fit_started)
         due = self._validation_s + self._last_validation_s <= allowed
-        return bool(
-            trainer.strategy.reduce(torch.tensor(float(due and trainer.is_global_zero)), "max", group="world")
-        )
+        return trainer.strategy.any_rank(due and trainer.is_global_zero)
 
     def _report(self, entry: dict[str, Any], what: str) -> None:
         rank_zero_info(
@@ -309,7 +306,7 @@ class ModelCheckpoint(Callback):
         differs = (
             problem is None and reference is not None and not abs(loss - reference) <= self.validate_atol
         )
-        if bool(strategy.reduce(torch.tensor(float(differs or problem is not None)), "max", group="world")):
+        if strategy.any_rank(differs or problem is not None):
             reports = strategy.all_gather_object((reference, loss, problem), group="world")
             mismatch = "; ".join(
                 f"rank {r}: live {ref!r} vs reloaded {got!r}" for r, (ref, got, _) in enumerate(reports)
@@ -350,7 +347,7 @@ class ModelCheckpoint(Callback):
     def _not_finite(trainer: Trainer, why: str | None) -> str | None:
         """Why the live model is not finite (this rank's `why`, or another's), agreed over ranks, or None."""
         strategy = trainer.strategy
-        if not bool(strategy.reduce(torch.tensor(float(why is not None)), "max", group="world")):
+        if not strategy.any_rank(why is not None):
             return None
         whys = strategy.all_gather_object(why, group="world")
         rank, why = next((r, w) for r, w in enumerate(whys) if w)
@@ -371,8 +368,7 @@ class ModelCheckpoint(Callback):
                     batch = next(iter(trainer.val_dataloaders), None)
                 why = "the validation loader is empty" if batch is None else None
             # a shard can be empty on one rank only; every rank must take the same path (collectives)
-            everywhere = trainer.strategy.reduce(torch.tensor(float(batch is not None)), "min", group="world")
-            if batch is not None and not bool(everywhere):
+            if batch is not None and not trainer.strategy.every_rank(batch is not None):
                 batch, why = None, "the validation loader is empty on another rank"
             self._held_out = (batch,)
             if why is not None:

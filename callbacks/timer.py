@@ -9,8 +9,6 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from callbacks.base import Callback
 from trainer.logging import log
 
@@ -80,8 +78,7 @@ class Timer(Callback):
             and now - self._start + self._longest_step + self._save_s >= self.duration_s
         )
         stop = self.received is not None or late
-        if trainer.strategy.world_size > 1:
-            stop = bool(trainer.strategy.reduce(torch.tensor(float(stop)), "max", group="world"))
+        stop = trainer.strategy.any_rank(stop)
         if not stop:
             return
         if self.received:

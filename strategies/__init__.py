@@ -6,7 +6,7 @@ from strategies.dp_sgd import DPSGDStrategy  # the registry imports it anyway (i
 from strategies.fsdp import FSDPStrategy
 from strategies.mesh import MeshStrategy
 from strategies.parallel3d import Parallel3DStrategy
-from strategies.parallel_dims import ParallelDims
+from strategies.parallel_dims import Group, ParallelDims
 from strategies.registry import STRATEGIES, build_strategy
 from strategies.single import SingleDeviceStrategy
 
@@ -15,6 +15,7 @@ __all__ = [
     "DDPStrategy",
     "DPSGDStrategy",
     "FSDPStrategy",
+    "Group",
     "MeshStrategy",
     "Parallel3DStrategy",
     "ParallelDims",

@@ -19,6 +19,7 @@ from torch import nn
 from strategies import sharded_checkpoint
 from strategies.activation_checkpointing import check_mode, checkpoint_blocks, transformer_blocks
 from strategies.compile_blocks import compile_units
+from strategies.experts import expert_modules, update_expert_biases
 from strategies.parallel_dims import check_group_name
 from trainer import checkpoint as ckpt
 from trainer.data.distributed import shard_loader
@@ -97,6 +98,7 @@ class Strategy:
         self.clock = PhaseClock()  # time per phase of the step, read by callbacks
         self.activation_checkpointing: str | None = None  # None, "full" or "selective"
         self.compile: str | None = None  # a torch.compile mode, or None: eager
+        self._expert_modules: list[nn.Module] = []  # the model's, recorded by prepare_blocks
 
     # ---- set-up ----------------------------------------------------------------------------------
     def configure(
@@ -200,7 +202,10 @@ class Strategy:
     def prepare_blocks(self, module: nn.Module) -> list[nn.Module]:
         """Activation checkpointing, then compile, applied to each of the model's transformer blocks
         (TorchTitan's order: tensor parallelism before, FSDP after); returns the blocks as they now sit in
-        the model, the units a sharded strategy shards. A model without blocks is compiled whole."""
+        the model, the units a sharded strategy shards. A model without blocks is compiled whole.
+        Also records the model's `expert_modules()`, which `after_optimizer_step` balances (every
+        strategy's set-up passes here once, with the module as it trains)."""
+        self._expert_modules = expert_modules(module)
         blocks = transformer_blocks(module)
         if self.activation_checkpointing:
             if not blocks:
@@ -266,18 +271,25 @@ class Strategy:
         """`training_step` then backward of its loss. A loss with "num_tokens" is back-propagated as a
         token *sum* (normalised later by `finish_gradients`); otherwise it is scaled by `loss_scale`.
         None, with no backward on any rank, when any rank's step returned None."""
-        with self.clock.phase("forward"), self.precision.autocast():
-            output = self.call_step(module, "training_step", batch, batch_idx)
+        output = self.forward_step(module, batch, batch_idx)
         if self.any_rank(output is None):
             return None
         loss, num_tokens = unpack_loss(output, "training_step")
-        weight = num_tokens if num_tokens is not None else loss_scale
+        self.backward_step(module, loss, num_tokens if num_tokens is not None else loss_scale)
+        return StepOutput(loss.detach(), num_tokens)
+
+    def forward_step(self, module: nn.Module, batch: Any, batch_idx: int) -> Any:
+        """`training_step` under the run's precision, through the wrapper, timed as the forward."""
+        with self.clock.phase("forward"), self.precision.autocast():
+            return self.call_step(module, "training_step", batch, batch_idx)
+
+    def backward_step(self, module: nn.Module, loss: torch.Tensor, weight: Any) -> None:
+        """The module's `on_before_backward(loss)`, then the backward of `loss` x `weight`, timed."""
         hook = getattr(module, "on_before_backward", None)
         if hook is not None:
             hook(loss)
         with self.clock.phase("backward"):
             self.backward(loss if isinstance(weight, float) and weight == 1.0 else loss * weight)
-        return StepOutput(loss.detach(), num_tokens)
 
     def call_step(self, module: nn.Module, method: str, *args: Any) -> Any:
         """`module.<method>(*args)` so that the wrapper's hooks run around it (DDP's gradient-sync
@@ -331,7 +343,13 @@ class Strategy:
         return self.precision.optimizer_step(optimizer)
 
     def after_optimizer_step(self) -> None:
-        """Per-step bookkeeping of a strategy (MoE bias update, privacy accountant)."""
+        """Per-step bookkeeping of a strategy (privacy accountant), after the optimizer and scheduler
+        stepped: here the MoE layers' auxiliary-loss-free bias update, from the loads of the step's
+        forwards summed over the ranks that routed other tokens (data, context and tensor parallel)."""
+        update_expert_biases(
+            self._expert_modules,
+            lambda loads: self.reduce(self.reduce(loads, "sum", group="loss"), "sum", group="tp"),
+        )
 
     def step_metrics(self) -> dict[str, float]:
         """Metrics of the strategy's own, logged with each logged step (DP-SGD: epsilon spent)."""
@@ -355,6 +373,10 @@ class Strategy:
         if self.world_size == 1:
             return flag
         return bool(self.reduce(torch.tensor(float(flag), device=self.root_device), "max", group="world"))
+
+    def every_rank(self, flag: bool) -> bool:
+        """Whether `flag` is true on every rank (every rank must call it), so that all take the same branch."""
+        return not self.any_rank(not flag)
 
     # ---- collectives (trivial in one process) ----------------------------------------------------
     # Each names its group (strategies/parallel_dims.py: "world", "batch", "loss", "tp", ...), so that

@@ -183,11 +183,11 @@ class DPSGDStrategy(MeshStrategy):
             )
         return loader
 
-    # ---- the step --------------------------------------------------------------------------------
+    # ---- the step: Opacus's DPOptimizer.pre_step as three named steps -----------------------------
     def train_step(
         self, module: nn.Module, micro_batches: list[Any], first_batch_idx: int
     ) -> StepOutput | None:
-        """Clipped per-sample gradient sums of this rank's share of the logical batch, chunk by chunk."""
+        """Step 1 over this rank's share of the logical batch, chunk by chunk (`max_physical_batch_size`)."""
         if len(micro_batches) != 1:
             raise ValueError(
                 f"DPSGDStrategy got accumulate_grad_batches={len(micro_batches)}; allowed: 1 (a logical batch "
@@ -197,38 +197,11 @@ class DPSGDStrategy(MeshStrategy):
         n = batch_length(batch)
         self._sums = [torch.zeros_like(p, dtype=torch.float32) for p in self._params]
         loss_sum, weight, norms = torch.zeros((), device=self.root_device), 0.0, []
-        chunks = split_batch(batch, self.max_physical_batch_size or n) if n else []
-        for chunk in chunks:
-            with self._engine.capture():
-                with self.clock.phase("forward"), self.precision.autocast():
-                    output = self.call_step(module, "training_step", chunk, first_batch_idx)
-                if output is None:
-                    raise ValueError(
-                        "training_step returned None under DPSGDStrategy; allowed: a loss (skipping a sampled "
-                        "batch would change the privacy analysis)"
-                    )
-                loss, num_tokens = unpack_loss(output, "training_step")
-                size = batch_length(chunk)
-                # the backward is of a sum over samples, so that each sample's gradient is its own alone
-                # (a token mean would tie it to the others' token counts): a token loss as its token sum
-                w = (
-                    float(num_tokens)
-                    if num_tokens is not None
-                    else size
-                    if self.loss_reduction == "mean"
-                    else 1.0
-                )
-                hook = getattr(module, "on_before_backward", None)
-                if hook is not None:
-                    hook(loss)
-                with self.clock.phase("backward"):
-                    (loss * w).backward()
-            clipped = self._engine.clip_and_accumulate(self.max_grad_norm)
-            for total, p in zip(self._sums, self._params, strict=True):
-                total += clipped.grads[p].to(total.dtype)
-            norms.append(clipped.norms.detach())
-            loss_sum += loss.detach().float() * w
-            weight += w if num_tokens is not None or self.loss_reduction == "mean" else size
+        for chunk in split_batch(batch, self.max_physical_batch_size or n) if n else []:
+            chunk_loss, chunk_weight, chunk_norms = self._clip_and_accumulate(module, chunk, first_batch_idx)
+            loss_sum += chunk_loss
+            weight += chunk_weight
+            norms.append(chunk_norms)
         norms_all = torch.cat(norms) if norms else torch.zeros(0, device=self.root_device)
         self._step_stats = {
             "samples": float(n),
@@ -238,26 +211,70 @@ class DPSGDStrategy(MeshStrategy):
         return StepOutput(mean_loss, torch.tensor(weight, device=self.root_device))
 
     def finish_gradients(self, module: nn.Module, optimizer: torch.optim.Optimizer, num_tokens: Any) -> None:
-        """`.grad` = (sum over ranks of the clipped sums + N(0, (sigma*C)^2)) / expected batch size."""
+        """Steps 2 and 3: `.grad` = (sum over ranks of the clipped sums + N(0, (sigma*C)^2)) / batch size."""
+        flat, samples, clipped = self._summed_over_ranks()
+        flat = self._add_noise(flat)
+        self._scale_into_grads(flat, samples)
+        self._step_stats = {"samples": samples, "clipped_fraction": clipped / samples if samples else 0.0}
+
+    def _clip_and_accumulate(
+        self, module: nn.Module, chunk: Any, batch_idx: int
+    ) -> tuple[torch.Tensor, float, torch.Tensor]:
+        """Step 1, one chunk: the per-sample gradients, each clipped to `max_grad_norm`, summed into
+        `_sums`. Returns (its weighted loss sum, its weight, the per-sample norms before clipping)."""
+        with self._engine.capture():
+            output = self.forward_step(module, chunk, batch_idx)
+            if output is None:
+                raise ValueError(
+                    "training_step returned None under DPSGDStrategy; allowed: a loss (skipping a sampled "
+                    "batch would change the privacy analysis)"
+                )
+            loss, num_tokens = unpack_loss(output, "training_step")
+            size = batch_length(chunk)
+            # the backward is of a sum over samples, so that each sample's gradient is its own alone
+            # (a token mean would tie it to the others' token counts): a token loss as its token sum
+            w = (
+                float(num_tokens)
+                if num_tokens is not None
+                else size
+                if self.loss_reduction == "mean"
+                else 1.0
+            )
+            self.backward_step(module, loss, w)
+        clipped = self._engine.clip_and_accumulate(self.max_grad_norm)
+        for total, p in zip(self._sums, self._params, strict=True):
+            total += clipped.grads[p].to(total.dtype)
+        counted = w if num_tokens is not None or self.loss_reduction == "mean" else size
+        return loss.detach().float() * w, counted, clipped.norms.detach()
+
+    def _summed_over_ranks(self) -> tuple[torch.Tensor, float, float]:
+        """(the clipped sums of every rank, flattened; the samples and the clipped samples of the step)."""
         flat = torch.cat([s.flatten() for s in self._sums]) if self._sums else torch.zeros(0)
         stats = torch.tensor([self._step_stats["samples"], self._step_stats["clipped"]], device=flat.device)
         if self.dp_size > 1:
             flat = self.reduce(flat, "sum", group="batch")
             stats = self.reduce(stats, "sum", group="batch")
+        self._sums = []
+        return flat, float(stats[0]), float(stats[1])
+
+    def _add_noise(self, flat: torch.Tensor) -> torch.Tensor:
+        """Step 2: Gaussian noise of std sigma x C, once for the whole batch, the same draw on every rank."""
         generator = torch.Generator(device=flat.device).manual_seed(
             (self.noise_seed * 1_000_003 + self.dp_steps) % 2**63
         )
         std = self.noise_multiplier * self.max_grad_norm
-        noise = torch.normal(0.0, std, flat.shape, generator=generator, device=flat.device) if std else 0.0
-        denominator = self.expected_batch_size if self.poisson_sampling else max(float(stats[0]), 1.0)
-        flat = (flat + noise) / denominator
+        if not std:
+            return flat
+        return flat + torch.normal(0.0, std, flat.shape, generator=generator, device=flat.device)
+
+    def _scale_into_grads(self, flat: torch.Tensor, samples: float) -> None:
+        """Step 3: divide by the expected batch size (Poisson) or the samples drawn, into each `.grad`."""
+        denominator = self.expected_batch_size if self.poisson_sampling else max(samples, 1.0)
+        flat = flat / denominator
         offset = 0
         for p in self._params:
             p.grad = flat[offset : offset + p.numel()].view_as(p).to(p.dtype)
             offset += p.numel()
-        self._sums = []
-        samples, clipped = float(stats[0]), float(stats[1])
-        self._step_stats = {"samples": samples, "clipped_fraction": clipped / samples if samples else 0.0}
 
     def clip_gradients(self, module: nn.Module, max_value: float, algorithm: str) -> torch.Tensor:
         raise ValueError(
@@ -266,6 +283,7 @@ class DPSGDStrategy(MeshStrategy):
         )
 
     def after_optimizer_step(self) -> None:
+        super().after_optimizer_step()  # a MoE's bias balancing, as under every strategy
         if self.noise_multiplier > 0:  # without noise there is no guarantee to count (epsilon is infinite)
             self.accountant.step(self.noise_multiplier, self.sample_rate)
         self.dp_steps += 1

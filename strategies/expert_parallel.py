@@ -1,13 +1,15 @@
 """Expert parallelism (TorchTitan's): each rank of an "ep" group holds E/ep of a MoE layer's experts and
 receives, by an all-to-all, the (token, choice) pairs routed to them from every rank of the group.
 
-- `AllToAllDispatcher` is the `MoE.dispatcher` seam (trainer/models/moe.py): dispatch sorts this rank's
-  kept pairs by global expert id (as `LocalDispatcher`), exchanges the per-expert counts, sends each
+- `AllToAllDispatcher` is the `MoE.dispatcher` seam (trainer/models/moe_dispatch.py): dispatch sorts
+  this rank's kept pairs by global expert id (as `LocalDispatcher`), exchanges the per-expert counts, sends each
   rank the rows of its experts (variable splits, autograd-aware), and regroups what arrives by local
   expert so `compute` sees contiguous rows per local expert; combine is the exact reverse.
-- `shard_experts` makes a `GroupedExperts`' weights DTensors `Shard(0)` on the "ep" mesh (the compute
-  uses their local E/ep experts), so FSDP2, DCP and the DTensor gradient norm handle them as any
-  other sharded parameter.
+- `shard_experts` makes the routed experts' 3-D weights DTensors `Shard(0)` on the "ep" mesh (the
+  compute uses their local E/ep experts), so FSDP2, DCP and the DTensor gradient norm handle them as
+  any other sharded parameter.
+
+The MoE layers are the model's `expert_modules()` (strategies/experts.py); no model is imported.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from trainer.models.moe import GroupedExperts, LocalDispatcher, MoE, Routing
+from strategies.experts import expert_modules
+from trainer.models.moe_dispatch import LocalDispatcher, Routing
 
 
 def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
@@ -97,7 +100,7 @@ class AllToAllDispatcher(LocalDispatcher):
         return ctx[1]
 
 
-def shard_experts(experts: GroupedExperts, mesh: DeviceMesh) -> None:
+def shard_experts(experts: nn.Module, mesh: DeviceMesh) -> None:
     """w1, w2, w3 become DTensors Shard(0) on the 1-D `mesh` (this rank keeps its E/ep experts), sliced
     locally from the full tensor (identical on every rank, or meta before materialisation)."""
     for name, param in list(experts.named_parameters(recurse=False)):
@@ -107,10 +110,10 @@ def shard_experts(experts: GroupedExperts, mesh: DeviceMesh) -> None:
         experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
 
-def apply_expert_parallel(module: nn.Module, ep_mesh: DeviceMesh, group: Any) -> list[MoE]:
-    """Every MoE layer of `module`: its experts sharded over `ep_mesh`, its dispatcher an all-to-all
-    over `group` (the same ranks). Returns the layers."""
-    layers = [m for m in module.modules() if isinstance(m, MoE)]
+def apply_expert_parallel(module: nn.Module, ep_mesh: DeviceMesh, group: Any) -> list[nn.Module]:
+    """Every one of `module.expert_modules()`: its experts sharded over `ep_mesh`, its dispatcher an
+    all-to-all over `group` (the same ranks). Returns the layers."""
+    layers = expert_modules(module)
     for layer in layers:
         shard_experts(layer.experts, ep_mesh)
         layer.dispatcher = AllToAllDispatcher(group)

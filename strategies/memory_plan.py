@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from trainer.models.moe import GroupedExperts
+from strategies.experts import expert_modules
 
 if TYPE_CHECKING:
     from strategies.fsdp import FSDPStrategy
@@ -98,7 +98,7 @@ def plan_memory(
 
 
 def _measure(module: nn.Module, rank: int, stage: int) -> RankMemory:
-    experts = {id(p) for m in module.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
+    experts = {id(p) for layer in expert_modules(module) for p in layer.experts.parameters()}
     numel = expert_numel = stored = even = optimizer = 0
     for p in module.parameters():
         local = p.to_local() if isinstance(p, DTensor) else p

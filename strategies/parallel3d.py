@@ -24,6 +24,7 @@ from strategies.activation_checkpointing import transformer_blocks
 from strategies.base import StepOutput, combine_micro_batches
 from strategies.context_parallel import ContextParallel, check_sequence
 from strategies.expert_parallel import apply_expert_parallel
+from strategies.experts import expert_modules
 from strategies.fsdp import FSDPStrategy
 from strategies.memory import MemoryReport, measure
 from strategies.parallel_dims import ParallelDims
@@ -39,7 +40,6 @@ from strategies.pipeline import (
     stage_ids,
     stage_view,
 )
-from trainer.models.moe import moe_layers
 from trainer.tree import apply_to_tensors
 
 
@@ -296,7 +296,7 @@ class Parallel3DStrategy(FSDPStrategy):
         `_expert_placement` picks: when the local experts do not split over the "expert" mesh, their inner
         dim. The gradient's divide factor, the norm (DTensor, over every mesh dim) and DCP (each shard's
         global offsets from its placements) do not depend on which dim that is."""
-        experts = [layer.experts for layer in moe_layers(module)]
+        experts = [layer.experts for layer in expert_modules(module)]  # a stage view: its own layers
         if not experts or (self.ep == 1 and self.tp == 1):
             return
         shards = self.mesh.size("expert")  # FSDP's shard dim; under HSDP the replicas hold copies

@@ -20,25 +20,36 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import enum
 import math
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-GROUP_NAMES = (
-    "world",
-    "batch",
-    "loss",
-    "dense",
-    "expert",
-    "ep",
-    "dp_replicate",
-    "dp_shard",
-    "cp",
-    "tp",
-    "pp",
-)
+
+class Group(str, enum.Enum):
+    """The named process groups of the mesh. A view is named for what its ranks share: `batch` ranks read
+    different data, `loss` ranks reduce losses and token counts, `dense` ranks shard non-expert parameters,
+    `expert` ranks shard experts; the others are one dimension each. A string enum (StrEnum, written so for
+    Python 3.10), so "tp" and Group.TP are the same name to every collective."""
+
+    __str__ = str.__str__
+
+    WORLD = "world"
+    BATCH = "batch"
+    LOSS = "loss"
+    DENSE = "dense"
+    EXPERT = "expert"
+    EP = "ep"
+    DP_REPLICATE = "dp_replicate"
+    DP_SHARD = "dp_shard"
+    CP = "cp"
+    TP = "tp"
+    PP = "pp"
+
+
+GROUP_NAMES = tuple(g.value for g in Group)
 WORLD_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 # each view: (layout, first dim, end dim) in the row-major layout "world" (WORLD_DIMS) or
 # "expert" (pp, dp_replicate, expert, ep)

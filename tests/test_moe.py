@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from helpers import fit, read_metrics
 from torch.utils.checkpoint import checkpoint
 
+from strategies import SingleDeviceStrategy
 from trainer.config import ConfigError, build_llama_config, load_recipe
 from trainer.models.causal_lm import CausalLM
 from trainer.models.llama import Llama, LlamaConfig
@@ -163,6 +164,29 @@ def test_bias_update_is_rate_times_sign_mean_centred(load: list[float], expected
     router.update_expert_bias()
     assert router.expert_bias.tolist() == pytest.approx(expected, abs=1e-7)
     assert router.tokens_per_expert.sum().item() == 0  # consumed
+
+
+def test_the_strategy_moves_the_biases_of_the_expert_modules_after_the_optimizer_step() -> None:
+    torch.manual_seed(0)
+    config = LlamaConfig.preset("moe-tiny")
+    config.moe = dataclasses.replace(config.moe, bias_update_rate=0.1)
+    module = CausalLM(config)
+    module.configure_model()
+    strategy = SingleDeviceStrategy()
+    strategy.setup_module(module)
+    layers = module.expert_modules()
+    assert layers == [m for m in module.modules() if isinstance(m, MoE)] and len(layers) == 3
+    module.train()
+    module.training_step(
+        {"input_ids": torch.randint(0, 512, (2, 16)), "labels": torch.zeros(2, 16).long()}, 0
+    )
+    loads = [m.router.tokens_per_expert.clone() for m in layers]
+    assert all(load.sum() == 2 * 16 * 2 for load in loads)  # every (token, choice) pair counted
+    strategy.after_optimizer_step()
+    for m, load in zip(layers, loads, strict=True):
+        delta = 0.1 * torch.sign(load.mean() - load)
+        assert torch.equal(m.router.expert_bias, delta - delta.mean()) and delta.abs().sum() > 0
+        assert m.router.tokens_per_expert.sum() == 0  # the next step counts afresh
 
 
 def test_top_k_uses_score_plus_bias_but_gates_use_raw_scores() -> None:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import itertools
 import math
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -17,22 +16,20 @@ import torch
 from callbacks.base import Callback
 from callbacks.checkpoint import ModelCheckpoint
 from callbacks.compile_report import CompileReport
-from strategies.base import Strategy, unpack_loss
+from strategies.base import Strategy
 from strategies.compile_blocks import check_compile
 from strategies.registry import build_strategy
-from trainer import checkpoint as ckpt
-from trainer import flags, run_folder
-from trainer.checkpoint import CheckpointError, step_dir_name
+from trainer import eval_loop, flags, resume, run_folder, step_log
 from trainer.data.loader import pin_for_device
 from trainer.datamodule import call_if_defined, check_source, has_loader, loaders_from
 from trainer.epochs import EpochBatches
 from trainer.fused_optim import prefer_fused
+from trainer.hooks import HookDispatcher
 from trainer.logging import (
     JSONLLogger,
     Logger,
     build_logger,
     configure_console_logging,
-    log,
     rank_zero_info,
     set_rank,
 )
@@ -41,9 +38,10 @@ from trainer.module import TrainModule, uncalled_lightning_methods
 from trainer.optim_config import SchedulerConfig, parse_optimizers
 from trainer.precision import Precision
 from trainer.progress import ProgressBar
-from trainer.rng import isolated_rng, rng_state, seed_everything, set_rng_state
+from trainer.rng import seed_everything
 from trainer.schedules import SCHEDULES, LRSchedule, build_scheduler
 from trainer.state import LoopState
+from trainer.step_log import Throughput
 from trainer.timing import PhaseClock
 
 
@@ -174,7 +172,9 @@ class Trainer:
             self.loggers.insert(0, JSONLLogger())
 
         self.state = LoopState()
-        self.metrics = MetricBuffer()
+        self._dispatch = HookDispatcher(self)
+        self._fit_metrics = MetricBuffer()  # what training steps and fit-level hooks log
+        self._eval_metrics: MetricBuffer | None = None  # the running evaluation loop's, inside one
         self.callback_metrics: dict[str, float] = {}  # every metric's latest value, for callbacks
         self.logged_metrics: dict[str, float] = {}  # what was sent to the loggers
         self.evaluating = False  # inside a validation/test loop
@@ -219,10 +219,22 @@ class Trainer:
         return self.state.epoch - self._epoch_ending
 
     @property
+    def logs_this_step(self) -> bool:
+        """Whether the optimizer step in progress writes a row (every `log_every_n_steps`, and the last)."""
+        step = self.state.global_step + 1
+        return step % self.log_every_n_steps == 0 or step == self.max_steps
+
+    @property
     def in_training_step(self) -> bool:
         """Whether a training step or its batch hooks are running (not a validation inside it): where
         Lightning's `log` defaults to on_step=True, on_epoch=False (elsewhere the reverse)."""
         return self._step_hooks and not self.evaluating
+
+    @property
+    def metrics(self) -> MetricBuffer:
+        """Where `TrainModule.log` records: the running evaluation loop's buffer inside one, else the fit's."""
+        buffer = self._eval_metrics
+        return self._fit_metrics if buffer is None else buffer
 
     @property
     def global_rank(self) -> int:
@@ -310,26 +322,7 @@ class Trainer:
         callbacks) to `path` (default: this run's folder, `step-N`), atomically; a checkpoint of another run
         is never replaced. Call on every rank. `pending_validation`: "last" will not pick it until
         `checkpoint.mark_validated` was called; `meta`: more fields for its meta.json."""
-        path = Path(path) if path is not None else self.checkpoint_dir / step_dir_name(self.global_step)
-        if self.run_id is None:  # a save outside a fit (one process): a run of its own
-            self.run_id = run_folder.new_run_id()
-        owner = {"run_id": self.run_id, "writer": self._writer or run_folder.this_writer()}
-        state: dict[str, Any] = {
-            "loop": self.state.state_dict(),
-            "rng": self.strategy.all_gather_object(rng_state(), group="world"),
-            "scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else {},
-            "precision": self.strategy.precision.state_dict(),
-            "data": self._train_batches.state_dict() if self._train_batches is not None else {},
-            "callbacks": {cb.state_key: cb.state_dict() for cb in self.callbacks},
-            "strategy": self.strategy.state_dict(),
-            "module": {},
-            "hyper_parameters": _plain(dict(self.module.hparams)),
-            "meta": {**owner, **({"pending_validation": True} if pending_validation else {}), **(meta or {})},
-        }
-        self.module.on_save_checkpoint(state["module"])
-        self._call("on_save_checkpoint", state)
-        self.strategy.save_checkpoint(path, self.module, self.optimizer, state)
-        return path
+        return resume.save_checkpoint(self, path, pending_validation=pending_validation, meta=meta)
 
     # ---- steering: what callbacks may call during a fit ------------------------------------------
     def step_grad_norm(self) -> torch.Tensor:
@@ -363,30 +356,7 @@ class Trainer:
         """Put model, optimizer, RNG streams, LR schedule and step counter back to the newest good checkpoint
         (of a step < `before_step`). The data stream goes on from where it is, so the batches since that
         checkpoint are not replayed (as PaLM does after a loss spike). Call on every rank between steps."""
-        path, skipped = ckpt.find_last_good(
-            self.checkpoint_dir,
-            before_step,
-            self.strategy.io_part,
-            self._agree_on(self.checkpoint_dir),
-            self.allow_unverified_checkpoints,
-        )
-        if skipped and self.is_global_zero:
-            log.warning("".join(f"rollback: skipped {line}\n" for line in skipped).rstrip())
-        if path is None:
-            raise CheckpointError(
-                f"rollback needs a good checkpoint{'' if before_step is None else f' before step {before_step}'}; "
-                f"there is none in {self.checkpoint_dir}"
-            )
-        state = self.strategy.load_checkpoint(path, self.module, self.optimizer)
-        loop = state["loop"]
-        self.state.global_step, self.state.productive_s = loop["global_step"], loop.get("productive_s", 0.0)
-        self.state.restarts += 1
-        self._restore_rng(state)
-        self._restore_schedule(state)
-        if self._progress is not None:
-            self._progress.reset(self.global_step)
-        self._call("on_load_checkpoint", state)
-        return path
+        return resume.rollback(self, before_step)
 
     def save_and_stop(self, why: str, *, resumable: bool = True) -> Path:
         """Save a checkpoint of this step (through the run's ModelCheckpoint, validated, when there is one)
@@ -405,39 +375,13 @@ class Trainer:
         """Send metrics (already agreed over ranks) to every logger at the current step, except the
         `hidden` names (logged with logger=False); rank zero writes. All of them reach `callback_metrics`,
         a `name_step`/`name_epoch` pair also under `name` (its latest value), as in Lightning."""
-        self.callback_metrics.update(metrics)
-        for key, value in metrics.items():
-            if key.endswith(("_step", "_epoch")):
-                self.callback_metrics[key[: key.rindex("_")]] = value
-        logged = {k: v for k, v in metrics.items() if k not in hidden}
-        self.logged_metrics.update(logged)
-        if self.is_global_zero and logged:
-            for lg in self.loggers:
-                lg.log_metrics(logged, self.global_step)
+        step_log.log_metrics(self, metrics, hidden)
 
     def loss_on(self, batch: Any) -> torch.Tensor | None:
         """This rank's `validation_step` loss on `batch` in eval mode, without gradients, RNG or metric side
         effects; None when the step returns nothing (it only logs). Never `training_step`: it may count,
         log or change state. Call on every rank (sharded models gather)."""
-        module = self.module
-        if not _overrides(module, "validation_step"):
-            raise TypeError(
-                f"loss_on needs {type(module).__name__}.validation_step, which is not defined; "
-                "allowed: a module that overrides validation_step"
-            )
-        was_training, pending = module.training, self.metrics
-        # what the step logs goes to a buffer that is dropped, leaving a step's pending metrics untouched
-        self.metrics = MetricBuffer()
-        module.eval()
-        try:
-            with isolated_rng(), torch.no_grad():
-                output = self.strategy.eval_step(
-                    module, "validation_step", self.strategy.batch_to_device(batch), 0
-                )
-            return None if output is None else unpack_loss(output, "validation_step")[0].float()
-        finally:
-            self.metrics = pending
-            module.train(was_training)
+        return eval_loop.loss_on(self, batch)
 
     def effective_training_time(self) -> dict[str, float]:
         """Productive step seconds over wall-clock seconds since the run first started (restarts,
@@ -445,14 +389,6 @@ class Trainer:
         s = self.state
         wall = max(time.time() - s.started_at, 1e-9)
         return {"fraction": min(s.productive_s / wall, 1.0), "productive_s": s.productive_s, "wall_s": wall}
-
-    def _effective_time_line(self) -> str:
-        t, s = self.effective_training_time(), self.state
-        return (
-            f"effective training time {100 * t['fraction']:.1f}%: {t['productive_s']:.1f} s in kept steps of "
-            f"{t['wall_s']:.1f} s since the run started ({s.restarts} restart(s)/rollback(s), "
-            f"{s.skipped_steps} skipped step(s))"
-        )
 
     # ---- fit -------------------------------------------------------------------------------------
     def _run_fit(
@@ -481,30 +417,30 @@ class Trainer:
                     "epoch; allowed: a limit that keeps at least one batch"
                 )
             self._setup_optimizer(module)
-            self._claim_run_folders(ckpt_path)
-            resume_from = self._load_checkpoint(ckpt_path, self._restore)
+            resume.claim_run_folders(self, ckpt_path)
+            resume_from = resume.load_checkpoint(self, ckpt_path, lambda path: resume.restore(self, path))
             if resume_from is not None:
                 self.state.restarts += 1
             else:
                 self.state.started_at = time.time()
             if self.enable_model_summary:
-                self._announce(module)
+                step_log.announce(self, module)
             if self.is_global_zero:
                 for lg in self.loggers:
                     lg.setup(self.default_root_dir, self.global_step if resume_from is not None else None)
-                    lg.log_hyperparams(self._hyperparams(module))
+                    lg.log_hyperparams(step_log.hyperparams(self, module))
                 if self.enable_progress_bar:
                     self._progress = ProgressBar(self._total_steps(), self.global_step)
-            self._hook("on_fit_start")
+            self._dispatch.all("on_fit_start")
             if val_loader is not None and self.num_sanity_val_steps and not self._val_at_start_due():
-                self._sanity_check(module, val_loader)
-            self._hook("on_train_start")
+                eval_loop.sanity_check(self, module, val_loader)
+            self._dispatch.all("on_train_start")
             self._train_loop(module, val_loader)
-            self._hook("on_train_end")
-            self._hook("on_fit_end")
-            rank_zero_info(self._effective_time_line())
+            self._dispatch.all("on_train_end")
+            self._dispatch.all("on_fit_end")
+            rank_zero_info(step_log.effective_time_line(self))
         except BaseException as exc:
-            self._call("on_exception", exc)
+            self._dispatch.callbacks("on_exception", exc)
             raise
         finally:
             self._finish("fit")
@@ -516,14 +452,15 @@ class Trainer:
         self._first_not_finite = None
         epoch_len = self._train_batches.epoch_length()
         val_every = self._val_every_n_steps(epoch_len)
-        meter = _Throughput()
+        meter = Throughput()
         if val_loader is not None and self._val_at_start_due():
-            self._validation_loop(module, val_loader)  # the baseline the run's progress is read against
+            # the baseline the run's progress is read against
+            eval_loop.validate_in_fit(self, module, val_loader)
         while not self._done():
-            self._hook("on_train_epoch_start")
+            self._dispatch.all("on_train_epoch_start")
             if not self._train_epoch(module, val_loader, epoch_len, val_every, meter):
                 if s.batches_in_epoch:  # stopped inside the epoch (max_steps or should_stop): it ends here
-                    self._hook("on_train_epoch_end")
+                    self._dispatch.all("on_train_epoch_end")
                 break
             if s.batches_in_epoch == 0:
                 raise ValueError(
@@ -534,45 +471,18 @@ class Trainer:
             self._epoch_ending = True  # ...while current_epoch still names the one ending, as in Lightning
             try:
                 if val_loader is not None and not val_every and s.epoch % self.check_val_every_n_epoch == 0:
-                    self._validation_loop(module, val_loader)
-                self._hook("on_train_epoch_end")
-                self._log_epoch_metrics()
+                    eval_loop.validate_in_fit(self, module, val_loader)
+                self._dispatch.all("on_train_epoch_end")
+                step_log.log_epoch_metrics(self)
             finally:
                 self._epoch_ending = False
             self._step_scheduler("epoch", s.epoch)  # after validation: ReduceLROnPlateau reads its metric
-        self._log_epoch_metrics()  # a run that stopped inside an epoch ends that epoch's aggregates here
+        step_log.log_epoch_metrics(self)  # a run stopped inside an epoch ends its aggregates here
         if val_loader is not None and self._last_val_step != s.global_step:
-            self._validation_loop(module, val_loader)
+            eval_loop.validate_in_fit(self, module, val_loader)
 
     def _val_at_start_due(self) -> bool:
         return self.val_at_start and self.state.global_step == 0
-
-    def _sanity_check(self, module: TrainModule, loader: Iterable) -> None:
-        """Lightning's sanity check: the first `num_sanity_val_steps` validation batches (-1: all) run
-        before training so that a broken `validation_step` fails now, not after an epoch; nothing it
-        logs is kept, and it draws no random numbers from the run's generators."""
-        n = self.num_sanity_val_steps
-        limit = self.limit_val_batches
-        if n != -1:
-            full = EpochBatches(loader, limit, "limit_val_batches").epoch_length()
-            limit = n if full is None else min(n, full)
-        self.sanity_checking = True
-        try:
-            self._call("on_sanity_check_start")
-            with self._eval_mode(module, "validation"):
-                self._hook("on_validation_start")
-                self._eval_loop(module, loader, "validation_step", "val", limit)
-                self._hook("on_validation_end")
-            self._call("on_sanity_check_end")
-        finally:
-            self.sanity_checking = False
-
-    def _log_epoch_metrics(self) -> None:
-        """What training steps logged with on_epoch=True, aggregated over the epoch, then reset."""
-        metrics = self.metrics.compute_epoch(self._reduce_logged)
-        if metrics:
-            self.log_metrics(metrics, hidden=self.metrics.not_for_loggers())
-        self.metrics.reset()
 
     def _reduce_logged(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         """`sync_dist`: over the ranks that hold different data (and sequence shards)."""
@@ -584,7 +494,7 @@ class Trainer:
         val_loader: Iterable | None,
         epoch_len: int | None,
         val_every: int | None,
-        meter: _Throughput,
+        meter: Throughput,
     ) -> bool:
         """Optimizer steps until the epoch's data runs out (True) or the run is done (False)."""
         s = self.state
@@ -601,15 +511,15 @@ class Trainer:
             try:
                 outputs = self._optimizer_step(module, window, meter, started)
                 if val_loader is not None and val_every and s.global_step % val_every == 0:
-                    self._validation_loop(module, val_loader)
-                self._step_hook("on_train_batch_end", (outputs,), (outputs, window[0], first_idx))
+                    eval_loop.validate_in_fit(self, module, val_loader)
+                self._dispatch.step("on_train_batch_end", (outputs,), (outputs, window[0], first_idx))
             finally:
                 self._step_hooks = False
             self._end_step()
         return False
 
     def _optimizer_step(
-        self, module: TrainModule, window: list[Any], meter: _Throughput, started: float
+        self, module: TrainModule, window: list[Any], meter: Throughput, started: float
     ) -> dict[str, Any]:
         """Forward+backward every micro-batch of `window`, then clip and step once. The time since
         `started` (the data fetch) is productive unless the update is skipped; what follows (logging,
@@ -617,7 +527,7 @@ class Trainer:
         s, strategy = self.state, self.strategy
         if self.first_train_batch is None:
             self.first_train_batch = window[0]
-        self._step_hook("on_train_batch_start", (s.batches_in_epoch,), (window[0], s.batches_in_epoch))
+        self._dispatch.step("on_train_batch_start", (s.batches_in_epoch,), (window[0], s.batches_in_epoch))
         for batch in window:
             samples, tokens = meter.count(batch)
             s.samples_seen += samples
@@ -628,15 +538,15 @@ class Trainer:
         loss, num_tokens = out.loss, out.num_tokens
         self.step_loss, self._step_norm, self._skip_reason = loss, None, None
         strategy.finish_gradients(module, self.optimizer, num_tokens)
-        self._step_hook("on_after_backward")
-        log_now = (s.global_step + 1) % self.log_every_n_steps == 0 or s.global_step + 1 == self.max_steps
+        self._dispatch.step("on_after_backward")
+        log_now = self.logs_this_step
         if self.gradient_clip_val is not None:
             self._step_norm = strategy.clip_gradients(
                 module, self.gradient_clip_val, self.gradient_clip_algorithm
             )
         elif log_now:
             self.step_grad_norm()
-        self._step_hook("on_before_optimizer_step", (self.optimizer,))
+        self._dispatch.step("on_before_optimizer_step", (self.optimizer,))
         lr = self.optimizer.param_groups[0]["lr"]
         skipped = self._skip_reason is not None
         with self.clock.phase("optimizer"):
@@ -645,7 +555,7 @@ class Trainer:
             else:  # False: fp16's loss scaler dropped the update for inf/nan gradients
                 skipped = not strategy.optimizer_step(self.optimizer)
             s.skipped_steps += skipped
-            self._step_hook("on_before_zero_grad", (self.optimizer,))
+            self._dispatch.step("on_before_zero_grad", (self.optimizer,))
             self.optimizer.zero_grad(set_to_none=True)
             self._step_scheduler("step", s.global_step + 1)
         strategy.after_optimizer_step()
@@ -656,113 +566,24 @@ class Trainer:
         s.batches_in_epoch += len(window)
         meter.step_done()
         if log_now:  # written now, before batch-end callbacks (a checkpoint, a stop) can interrupt
-            self._log_train(loss, num_tokens, lr, self._step_norm, meter)
-        self.metrics.reset_step()
+            step_log.log_train(self, loss, num_tokens, lr, self._step_norm, meter)
+        self._fit_metrics.reset_step()
         self._step_logged = log_now
         return {"loss": loss, "skipped": skipped}
 
     def _end_step(self) -> None:
         """After on_train_batch_end: what it logged per step belongs to the step that just ended (as in
         Lightning), so it is logged at that step when the step was; then the step's metrics clear."""
-        extra = self.metrics.compute_step(self._reduce_logged) if self._step_logged else {}
+        extra = self._fit_metrics.compute_step(self._reduce_logged) if self._step_logged else {}
         if extra:
-            self.log_metrics(extra, hidden=self.metrics.not_for_loggers())
+            self.log_metrics(extra, hidden=self._fit_metrics.not_for_loggers())
         self._step_logged = False
-        self.metrics.reset_step()
+        self._fit_metrics.reset_step()
         if self._progress is not None:
             self._progress.update()
         self.step_loss = self._step_norm = None
 
-    def _log_train(
-        self, loss: torch.Tensor, num_tokens: torch.Tensor | None, lr: float, norm: Any, meter: _Throughput
-    ) -> None:
-        """The step's row: loss, learning rate, grad norm, rates, and what the step logged per step."""
-        strategy = self.strategy
-        if num_tokens is not None:  # token-weighted mean over ranks
-            total = strategy.reduce(torch.stack([loss * num_tokens, num_tokens]), "sum", group="loss")
-            loss = total[0] / total[1]
-        else:
-            loss = strategy.reduce(loss, "mean", group="loss")
-        metrics = {"train/loss": float(loss), "train/lr": lr, "epoch": self.state.epoch}
-        if norm is not None:
-            metrics["train/grad_norm"] = float(norm)
-        metrics.update(meter.rates(strategy.dp_size))
-        metrics.update(strategy.step_metrics())
-        metrics["train/effective_time"] = self.effective_training_time()["fraction"]
-        if self.state.skipped_steps:
-            metrics["train/skipped_steps"] = self.state.skipped_steps
-        user = self.metrics.compute_step(self._reduce_logged)
-        metrics.update(user)
-        self.log_metrics(metrics, hidden=self.metrics.not_for_loggers())
-        if self._progress is not None:  # rank zero's
-            shown = {"loss": metrics["train/loss"], "lr": lr}
-            if "train/tokens_per_s" in metrics:
-                shown["tok/s"] = metrics["train/tokens_per_s"]
-            shown.update({k: v for k, v in user.items() if k in self.metrics.prog_bar_names})
-            self._progress.show(shown)
-
     # ---- evaluation ------------------------------------------------------------------------------
-    def _validation_loop(self, module: TrainModule, loader: Iterable) -> dict[str, float]:
-        with self._eval_mode(module, "validation"):
-            self._hook("on_validation_start")
-            metrics, hidden = self._eval_loop(
-                module, loader, "validation_step", "val", self.limit_val_batches
-            )
-            self.log_metrics(metrics, hidden)
-            self._last_val_step = self.global_step
-            if self._progress is not None and "val/loss" in metrics:
-                self._progress.write(f"step {self.global_step}: val/loss {metrics['val/loss']:.4f}")
-            self._hook("on_validation_end")
-        return metrics
-
-    @contextlib.contextmanager
-    def _eval_mode(self, module: TrainModule, stage: str) -> Iterator[None]:
-        """Lightning's `on_<stage>_model_eval` around a whole loop (its start and end hooks included),
-        then `on_<stage>_model_train` if the module was training."""
-        was_training = module.training
-        getattr(module, f"on_{stage}_model_eval")()
-        try:
-            yield
-        finally:
-            if was_training:
-                getattr(module, f"on_{stage}_model_train")()
-
-    def _eval_loop(
-        self, module: TrainModule, loader: Iterable, method: str, prefix: str, limit: Any
-    ) -> tuple[dict[str, float], set[str]]:
-        """Means over batches (and ranks) of the step's returned loss and of what it logged, and the
-        names logged with logger=False. It runs with its own RNG so that validating never changes the
-        training trajectory."""
-        training_metrics = self.metrics
-        stage = "validation" if method == "validation_step" else "test"
-        limit_name = f"limit_{'val' if stage == 'validation' else 'test'}_batches"
-        n_batches = EpochBatches(loader, limit, limit_name).epoch_length()
-        self.metrics = MetricBuffer()  # a validation inside an epoch leaves the epoch's aggregates alone
-        self.evaluating = True
-        losses: list[torch.Tensor] = []
-        try:
-            self._hook(f"on_{stage}_epoch_start")
-            with isolated_rng(), torch.no_grad():
-                for idx, batch in enumerate(loader):
-                    if n_batches is not None and idx >= n_batches:
-                        break
-                    batch = self.strategy.batch_to_device(batch)
-                    self._hook(f"on_{stage}_batch_start", batch, idx)
-                    output = self.strategy.eval_step(module, method, batch, idx)
-                    self._hook(f"on_{stage}_batch_end", output, batch, idx)
-                    if output is not None:
-                        losses.append(unpack_loss(output, method)[0].float())
-                self._hook(f"on_{stage}_epoch_end")  # what it logs belongs to this loop
-            metrics = self.metrics.compute_epoch(self._reduce_logged)
-            hidden = self.metrics.not_for_loggers()
-        finally:
-            self.metrics, self.evaluating = training_metrics, False
-        if losses:
-            metrics[f"{prefix}/loss"] = float(
-                self.strategy.reduce(torch.stack(losses).mean(), "mean", group="loss")
-            )
-        return metrics, hidden
-
     def _evaluate(
         self, module: TrainModule, loader: Iterable | None, ckpt_path: Any, stage: str, datamodule: Any
     ) -> Any:
@@ -785,41 +606,19 @@ class Trainer:
                 loader, _ = loaders_from(datamodule or module, stage)
                 _check_not_empty(f"{stage} dataloader", loader)
             loader = self._loader(loader, train=False)
-            self._load_checkpoint(ckpt_path, lambda path: self.strategy.load_checkpoint(path, module, None))
+            resume.load_checkpoint(
+                self, ckpt_path, lambda path: self.strategy.load_checkpoint(path, module, None)
+            )
             if stage == "predict":
-                return self._predict_loop(module, loader)
-            method, prefix = ("validation_step", "val") if stage == "validate" else ("test_step", "test")
+                return eval_loop.evaluate(self, module, loader, "predict", self.limit_predict_batches)[2]
             loop = "validation" if stage == "validate" else "test"
             limit = self.limit_val_batches if stage == "validate" else self.limit_test_batches
-            with self._eval_mode(module, loop):
-                self._hook(f"on_{loop}_start")
-                metrics, _ = self._eval_loop(module, loader, method, prefix, limit)
-                self._hook(f"on_{loop}_end")
+            metrics, _, _ = eval_loop.evaluate(self, module, loader, loop, limit)
             if self.is_global_zero and self.enable_progress_bar:
                 print("  ".join(f"{k} {v:.4f}" for k, v in metrics.items()), file=sys.stderr)
             return metrics
         finally:
             self._finish(stage)
-
-    def _predict_loop(self, module: TrainModule, loader: Iterable) -> list[Any]:
-        was_training = module.training
-        module.on_predict_model_eval()  # Lightning has no on_predict_model_train: the mode is restored
-        n_batches = EpochBatches(loader, self.limit_predict_batches, "limit_predict_batches").epoch_length()
-        predictions = []
-        self._hook("on_predict_start")
-        self._hook("on_predict_epoch_start")
-        with isolated_rng(), torch.no_grad():
-            for idx, batch in enumerate(loader):
-                if n_batches is not None and idx >= n_batches:
-                    break
-                batch = self.strategy.batch_to_device(batch)
-                self._hook("on_predict_batch_start", batch, idx)
-                predictions.append(self.strategy.eval_step(module, "predict_step", batch, idx))
-                self._hook("on_predict_batch_end", predictions[-1], batch, idx)
-        self._hook("on_predict_epoch_end")
-        self._hook("on_predict_end")
-        module.train(was_training)
-        return predictions
 
     # ---- set-up and tear-down --------------------------------------------------------------------
     def _setup(self, module: TrainModule, stage: str, datamodule: Any) -> None:
@@ -844,7 +643,7 @@ class Trainer:
                 f"warning: {type(module).__name__} defines Lightning hook(s) this Trainer never calls: "
                 f"{', '.join(uncalled)} (see README, 'Coming from Lightning')"
             )
-        self._call("setup", stage)
+        self._dispatch.callbacks("setup", stage)
         module.setup(stage)
         with strategy.module_init_context():
             module.configure_model()
@@ -899,7 +698,7 @@ class Trainer:
         s.skipped_steps += 1
         s.batches_in_epoch += len(window)
         self._step_scheduler("step", s.global_step)
-        self.metrics.reset_step()
+        self._fit_metrics.reset_step()
         return {"loss": None, "skipped": True}
 
     def _step_scheduler(self, interval: str, count: int) -> None:
@@ -960,7 +759,7 @@ class Trainer:
         for lock in self._locks:  # then this fit's folders are free for the next one
             lock.release()
         self._locks = []
-        self._call("teardown", stage)
+        self._dispatch.callbacks("teardown", stage)
         self.module.teardown(stage)
         call_if_defined(self.datamodule, "teardown", stage)
         if self.is_global_zero and stage == "fit":  # last: callbacks may still log in teardown
@@ -978,116 +777,7 @@ class Trainer:
     def checkpoint_dir(self) -> Path:
         """This run's checkpoint folder: the one this fit claimed (trainer/run_folder.py), else the newest
         run's under the ModelCheckpoint's dirpath or `<default_root_dir>/checkpoints` (what "last" reads)."""
-        if self._run_folder is not None:
-            return self._run_folder
-        saver = self.checkpoint_callback
-        return run_folder.newest(
-            saver.base_dir(self) if saver is not None else self.default_root_dir / "checkpoints"
-        )
-
-    def _claim_run_folders(self, ckpt_path: Any) -> None:
-        """Rank zero picks and locks the folder of each ModelCheckpoint, before anything is trained (a fresh
-        run never shares one with an earlier run; a second live fit is refused); every rank learns the
-        folders and the run id."""
-        savers = [cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)]
-        claimed: Any = None
-        if self.is_global_zero:
-            try:
-                claimed = run_folder.claim([cb.base_dir(self) for cb in savers], ckpt_path, self._locks)
-            except (run_folder.FolderInUse, OSError) as err:
-                claimed = str(err)
-        claimed = self.strategy.broadcast_object(claimed)
-        if isinstance(claimed, str):
-            raise run_folder.FolderInUse(claimed)
-        for cb, folder in zip(savers, claimed.folders, strict=True):
-            cb.dirpath = Path(folder)
-        self._run_folder = Path(claimed.folders[0]) if savers else None
-        self.run_id, self._writer = claimed.run_id, claimed.writer
-        for line in claimed.notes if self.is_global_zero else ():
-            log.warning(line)
-
-    def _load_checkpoint(self, ckpt_path: Any, load: Any) -> Path | None:
-        """Verify (every rank hashes its share) and `load(path)` the checkpoint `ckpt_path` names; "last" is
-        the newest good one of this run's folder, falling back past any that fails to load, each named.
-        Returns the checkpoint loaded, or None (nothing to resume)."""
-        if ckpt_path is None:
-            return None
-        strategy, allow = self.strategy, self.allow_unverified_checkpoints
-        if ckpt_path != "last":  # fail early, on every rank, with what is wrong with the files
-            ckpt.check_good(ckpt_path, strategy.io_part, self._agree_on(Path(ckpt_path)), allow)
-            load(Path(ckpt_path))
-            return Path(ckpt_path)
-        folder, before, refused, failed = self.checkpoint_dir, None, [], False
-        while True:
-            found, skipped = ckpt.find_last_good(
-                folder, before, strategy.io_part, self._agree_on(ckpt.find_last(folder)), allow
-            )
-            refused += skipped
-            if found is None:
-                break
-            problem = None
-            try:
-                load(found)
-            except CheckpointError as err:
-                problem = str(err)
-            problem = strategy.agree(problem)
-            if problem is None:
-                break
-            refused.append(f"{found.name}: failed to load ({problem})")
-            before, failed = ckpt.read_meta(found)["step"], True
-        if found is None and failed:  # the model is half-loaded now: starting from scratch would be wrong
-            raise CheckpointError(f"ckpt_path='last': no checkpoint in {folder} loads; " + "; ".join(refused))
-        if found is None:
-            why = f"no checkpoint in {folder} is good" if refused else f"no checkpoint in {folder} yet"
-            line = f"ckpt_path='last': {why}, starting from scratch"
-        else:  # the line is rank zero's, read from its files (every meta has a step)
-            meta = ckpt.read_meta(found)
-            saved = (
-                time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(meta["time"])) if "time" in meta else "?"
-            )
-            line = f"resuming from {found}: step {meta['step']}, saved {saved}"
-        if not refused:
-            rank_zero_info(line)
-        elif self.is_global_zero:  # what was refused, and why, is worth a warning
-            log.warning("".join(f"ckpt_path='last': skipped {s}\n" for s in refused) + line)
-        return found
-
-    def _agree_on(self, ckpt_dir: Path | None) -> ckpt.Agree:
-        """How the ranks combine their verdicts on a checkpoint, each having hashed its share; the waits
-        are sized to that share of `ckpt_dir`'s bytes (the newest candidate)."""
-        self.strategy.begin_io(ckpt.manifest_bytes(ckpt_dir) // self.strategy.world_size)
-        return self.strategy.agree
-
-    def _restore_rng(self, state: dict[str, Any]) -> None:
-        """This rank's RNG streams as saved (rank 0's when the world size changed)."""
-        rngs = state["rng"]
-        set_rng_state(rngs[self.strategy.global_rank] if len(rngs) == self.strategy.world_size else rngs[0])
-
-    def _restore(self, path: Path) -> None:
-        state = self.strategy.load_checkpoint(path, self.module, self.optimizer)
-        self.state.load_state_dict(state["loop"])
-        self._restore_rng(state)
-        self._restore_schedule(state)
-        self._train_batches.load_state_dict(state["data"])
-        self.strategy.load_state_dict(state.get("strategy", {}))
-        for cb in self.callbacks:
-            if cb.state_key in state["callbacks"]:
-                cb.load_state_dict(state["callbacks"][cb.state_key])
-        self.module.on_load_checkpoint(state["module"])
-        self._call("on_load_checkpoint", state)
-
-    def _restore_schedule(self, state: dict[str, Any]) -> None:
-        """The LR schedule's position and the gradient scaler, from a checkpoint's state."""
-        if self._schedule is not None:
-            # our schedule is rebuilt from this run's flags (a run may be extended); only its position is restored
-            self.lr_scheduler.load_state_dict(
-                {**state["scheduler"], "lr_lambdas": [None] * len(self.optimizer.param_groups)}
-            )
-            for group, base in zip(self.optimizer.param_groups, self.lr_scheduler.base_lrs, strict=True):
-                group["lr"] = base * self._schedule(self.lr_scheduler.last_epoch)
-        elif state["scheduler"]:
-            self.lr_scheduler.load_state_dict(state["scheduler"])
-        self.strategy.precision.load_state_dict(state["precision"])
+        return resume.checkpoint_dir(self)
 
     # ---- small helpers ---------------------------------------------------------------------------
     def _loader(self, loader: Iterable, train: bool) -> Iterable:
@@ -1097,137 +787,9 @@ class Trainer:
         pin_for_device(loader, self.strategy.root_device)
         return loader
 
-    def _announce(self, module: TrainModule) -> None:
-        """One line on what is about to run: size, parallelism, precision and the global batch."""
-        strategy = self.strategy
-        # a pipeline stage holds some of the blocks: the model's size is the sum over the stages
-        local = torch.tensor(float(sum(p.numel() for p in module.parameters())), device=strategy.root_device)
-        params = float(strategy.reduce(local, "sum", group="pp"))
-        batch = getattr(self._train_batches.loader, "batch_size", None)
-        line = (
-            f"{self._module_name}: {params / 1e6:.2f}M parameters | strategy {strategy.name}, "
-            f"{strategy.world_size} process(es), precision {strategy.precision.name}"
-        )
-        if isinstance(batch, int):
-            line += (
-                f" | global batch = {batch} per micro-batch x {self.accumulate_grad_batches} accumulated x "
-                f"{strategy.dp_size} data-parallel = {batch * self.accumulate_grad_batches * strategy.dp_size} samples/step"
-            )
-        rank_zero_info(line)
-        report = strategy.startup_report(module)
-        if report:
-            rank_zero_info(report)
-
     def _call(self, hook: str, *args: Any) -> None:
-        for cb in self.callbacks:
-            getattr(cb, hook)(self, self.module, *args)
-
-    def _hook(self, hook: str, *args: Any) -> None:
-        """Lightning's order: the callbacks' hook, then the module's."""
-        self._call(hook, *args)
-        getattr(self.module, hook)(*args)
-
-    # who implements each per-step hook, for the module and callbacks in `_hook_owners_key`
-    _hook_owners_key: tuple = ()
-    _hook_owners: dict[str, tuple[list[Callback], bool]] | None = None
-
-    def _step_hook(self, hook: str, args: tuple = (), module_args: tuple | None = None) -> None:
-        """A hook that runs every step, in `_hook`'s order (the module gets `module_args` where its
-        signature differs); the callbacks and module that leave it as the base class's no-op are skipped."""
-        key = (self.module, *self.callbacks)
-        owners = self._hook_owners.get(hook) if key == self._hook_owners_key else None
-        callbacks, module_too = owners or self._find_hook_owners(key, hook)
-        for cb in callbacks:
-            getattr(cb, hook)(self, self.module, *args)
-        if module_too:
-            getattr(self.module, hook)(*(args if module_args is None else module_args))
-
-    def _find_hook_owners(self, key: tuple, hook: str) -> tuple[list[Callback], bool]:
-        """The callbacks that implement `hook`, and whether the module does; remembered until the module or
-        the list of callbacks (`key`) changes, so a step pays nothing for the hooks nobody uses."""
-        if key != self._hook_owners_key:
-            self._hook_owners_key, self._hook_owners = key, {}
-        owners = self._hook_owners[hook] = (
-            [cb for cb in self.callbacks if _implements(cb, hook, Callback)],
-            _implements(self.module, hook, TrainModule),
-        )
-        return owners
-
-    def _hyperparams(self, module: TrainModule) -> dict[str, Any]:
-        keys = (
-            "max_steps",
-            "max_epochs",
-            "accumulate_grad_batches",
-            "gradient_clip_val",
-            "lr_schedule",
-            "warmup_steps",
-            "min_lr_ratio",
-            "seed",
-            "log_every_n_steps",
-        )
-        params = {k: getattr(self, k) for k in keys}
-        params.update(
-            strategy=self.strategy.name,
-            precision=self.strategy.precision.name,
-            world_size=self.strategy.world_size,
-            module=self._module_name,
-            parameters=sum(p.numel() for p in module.parameters()),
-        )
-        if module.hparams:
-            params["hparams"] = _plain(dict(module.hparams))
-        return params
-
-
-class _Throughput:
-    """Samples and tokens consumed since the last logged step, turned into per-second rates."""
-
-    def __init__(self) -> None:
-        self.samples = self.tokens = self.steps = 0
-        self.has_tokens = True
-        self.since = time.perf_counter()
-
-    def count(self, batch: Any) -> tuple[int, int | None]:
-        """Count a micro-batch; returns its (samples, tokens)."""
-        samples, tokens = _batch_size(batch)
-        self.samples += samples
-        if tokens is None:
-            self.has_tokens = False
-        else:
-            self.tokens += tokens
-        return samples, tokens
-
-    def step_done(self) -> None:
-        self.steps += 1
-
-    def rates(self, dp_size: int) -> dict[str, float]:
-        """Global rates (this rank's count x data-parallel replicas) since the last call."""
-        elapsed = max(time.perf_counter() - self.since, 1e-9)
-        rates = {
-            "train/step_time_s": elapsed / max(self.steps, 1),
-            "train/samples_per_s": self.samples * dp_size / elapsed,
-        }
-        if self.has_tokens and self.tokens:
-            rates["train/tokens_per_s"] = self.tokens * dp_size / elapsed
-        self.samples = self.tokens = self.steps = 0
-        self.since = time.perf_counter()
-        return rates
-
-
-def _batch_size(batch: Any) -> tuple[int, int | None]:
-    """(samples, tokens) of a batch: tokens are counted when it carries `input_ids` (a dict key, or a 2-D
-    integer tensor as the batch or its first element)."""
-    ids = None
-    if isinstance(batch, dict):
-        ids = batch.get("input_ids")
-        first = (
-            ids if ids is not None else next((v for v in batch.values() if isinstance(v, torch.Tensor)), None)
-        )
-    else:
-        first = batch[0] if isinstance(batch, (list, tuple)) and batch else batch
-        if isinstance(first, torch.Tensor) and first.dim() == 2 and not first.is_floating_point():
-            ids = first
-    samples = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() > 0 else 1
-    return samples, (ids.numel() if isinstance(ids, torch.Tensor) else None)
+        """Every callback's `hook` (callbacks that define hooks of their own fire them through this)."""
+        self._dispatch.callbacks(hook, *args)
 
 
 def _take(iterator: Any, k: int, remaining: int | None) -> list[Any]:
@@ -1263,26 +825,7 @@ def _check_not_empty(name: str, loader: Any) -> None:
         )
 
 
-def _overrides(module: TrainModule, method: str) -> bool:
-    return getattr(type(module), method) is not getattr(TrainModule, method)
-
-
-def _implements(obj: Any, hook: str, base: type) -> bool:
-    """Whether `obj`'s `hook` may do something: its class overrides `base`'s no-op, or the instance has
-    its own (a function set on it)."""
-    return getattr(type(obj), hook, None) is not getattr(base, hook) or hook in getattr(obj, "__dict__", ())
-
-
 _WARNED_UNCALLED: set[type] = set()  # module classes told about their uncalled Lightning hooks
-
-
-def _plain(value: Any) -> Any:
-    """`value` in types a checkpoint loads with weights_only and a JSON log can hold; others as repr."""
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value if value is None or isinstance(value, (bool, int, float, str)) else repr(value)
 
 
 def _check_module(module: Any) -> None:

@@ -130,15 +130,14 @@ class CausalLM(TrainModule):
     def on_before_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         """After each optimizer step (on every rank, also under a pipeline schedule): a MoE model logs its
         router statistics on logged steps, those of the step's micro-batches summed over all ranks (one
-        all-reduce), and starts them afresh; then its auxiliary-loss-free balancing moves its expert
-        biases by the loads its experts saw, summed over the ranks that hold different tokens."""
+        all-reduce), and starts them afresh. (The strategy then moves the balancing biases, in
+        `after_optimizer_step`, from the loads of `expert_modules()`.)"""
         trainer = self._trainer
         if trainer is None:
             return
-        strategy = trainer.strategy
         stats = getattr(self.model, "moe_stats", None)
-        step = self.global_step + 1
-        if callable(stats) and (step % trainer.log_every_n_steps == 0 or step == trainer.max_steps):
+        if callable(stats) and trainer.logs_this_step:
+            strategy = trainer.strategy
             world_sum = (
                 (lambda t: t.copy_(strategy.reduce(t, "sum", group="world")))
                 if strategy.world_size > 1
@@ -147,9 +146,6 @@ class CausalLM(TrainModule):
             self.log_dict({f"moe/{k}": v for k, v in stats(world_sum).items()})
         if getattr(getattr(self.model, "config", None), "moe", None) is not None:  # dense: no module walk
             reset_moe_stats(moe_layers(self.model))
-        update = getattr(self.model, "update_moe_biases", None)
-        if callable(update):
-            update(lambda counts: counts.copy_(strategy.reduce(counts, "sum", group="loss")))
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
         return self._loss(batch)
@@ -186,6 +182,11 @@ class CausalLM(TrainModule):
             "vocab": config.vocab_size,
             "tied": config.tie_embeddings,
         }
+
+    def expert_modules(self) -> list[nn.Module]:
+        """The model's MoE layers ([] for a model without the hook): what strategies shard and balance."""
+        experts = getattr(self.model, "expert_modules", None)
+        return experts() if callable(experts) else []
 
     def tensor_parallel_plan(self, sequence_parallel: bool, loss_parallel: bool) -> dict[str, Any]:
         plan = _hook(self.model, "tensor_parallel_plan")(sequence_parallel, loss_parallel)

@@ -20,7 +20,6 @@ from trainer.models.moe import (
     moe_layers,
     moe_stats,
     summed_extra_loss,
-    update_expert_biases,
 )
 
 
@@ -110,6 +109,32 @@ PRESETS: dict[str, dict[str, object]] = {
                                       n_dense_layers=3, score_func="sigmoid", bias_update_rate=1e-3)),
 }
 # fmt: on
+
+
+# Each matrix of `Llama.init_weights` draws from a generator seeded by one global draw plus its place in
+# this order: the embedding, then a fixed run of slots per block (a block's seeds do not depend on which
+# blocks a pipeline stage holds), then the output, then a run per block for MoE feed-forwards (after
+# every dense seed, so adding MoE left a dense model's initial values as they were).
+EMBEDDING_SEED = 0
+BLOCK_SLOTS = ("wq", "wk", "wv", "w1", "w3", "wo", "w2")  # a dense block's matrices, in seed order
+MOE_SLOTS = 7  # MoE.init_weights' seeds: router, experts w1 w3 w2, shared experts w1 w3 w2
+
+
+def block_seeds(layer: int) -> dict[str, int]:
+    """The seed offset of each matrix of block `layer` (a MoE block uses only the attention's)."""
+    first = EMBEDDING_SEED + 1 + len(BLOCK_SLOTS) * layer
+    return {key: first + slot for slot, key in enumerate(BLOCK_SLOTS)}
+
+
+def output_seed(n_layers: int) -> int:
+    """The output projection's seed offset: right after the last block's slots."""
+    return EMBEDDING_SEED + 1 + len(BLOCK_SLOTS) * n_layers
+
+
+def moe_seeds(layer: int, n_layers: int) -> list[int]:
+    """The MOE_SLOTS seed offsets of block `layer`'s MoE feed-forward, after the output's."""
+    first = output_seed(n_layers) + 1 + MOE_SLOTS * layer
+    return list(range(first, first + MOE_SLOTS))
 
 
 class RMSNorm(nn.Module):
@@ -278,9 +303,9 @@ class Llama(nn.Module):
         embedding's init (it is the same tensor).
 
         Each matrix draws from its own generator, seeded by one draw from the global RNG plus the
-        matrix's place in the full model: a pipeline stage holding only some layers gets exactly the
-        values those layers have in the whole model, and the seed still decides everything. A MoE block's
-        router, experts and shared experts take indices after the output's (dense seeds are unchanged).
+        matrix's place in the full model (`block_seeds`, `output_seed`, `moe_seeds`): a pipeline stage
+        holding only some layers gets exactly the values those layers have in the whole model, and the
+        seed still decides everything.
         """
         c = self.config
         std, residual_std = c.init_std, c.init_std / math.sqrt(2 * c.n_layers)
@@ -297,29 +322,25 @@ class Llama(nn.Module):
         base = int(torch.randint(0, 2**62, (), device="cpu").item())
         with torch.no_grad():
             if self.tok_embeddings is not None:
-                normal(self.tok_embeddings.weight, std, 0)
+                normal(self.tok_embeddings.weight, std, EMBEDDING_SEED)
             for name, block in self.layers.items():
+                seeds = block_seeds(int(name))
                 attention, ffn = block.attention, block.feed_forward
-                first = 1 + 7 * int(name)
-                if isinstance(ffn, MoE):
-                    for k, linear in enumerate((attention.wq, attention.wk, attention.wv)):
-                        normal(linear.weight, std, first + k)
-                    normal(attention.wo.weight, residual_std, first + 5)
-                    moe_first = 2 + 7 * c.n_layers + 7 * int(name)
-                    ffn.init_weights(normal, std, residual_std, [moe_first + k for k in range(7)])
-                    nn.init.ones_(block.attention_norm.weight)
-                    nn.init.ones_(block.ffn_norm.weight)
-                    continue
-                for k, linear in enumerate((attention.wq, attention.wk, attention.wv, ffn.w1, ffn.w3)):
-                    normal(linear.weight, std, first + k)
-                normal(attention.wo.weight, residual_std, first + 5)
-                normal(ffn.w2.weight, residual_std, first + 6)
+                for key in ("wq", "wk", "wv"):
+                    normal(getattr(attention, key).weight, std, seeds[key])
+                normal(attention.wo.weight, residual_std, seeds["wo"])
+                if isinstance(ffn, MoE):  # seeds after the output's (see moe_seeds)
+                    ffn.init_weights(normal, std, residual_std, moe_seeds(int(name), c.n_layers))
+                else:
+                    normal(ffn.w1.weight, std, seeds["w1"])
+                    normal(ffn.w3.weight, std, seeds["w3"])
+                    normal(ffn.w2.weight, residual_std, seeds["w2"])
                 nn.init.ones_(block.attention_norm.weight)
                 nn.init.ones_(block.ffn_norm.weight)
             if self.output is not None:
                 nn.init.ones_(self.norm.weight)
                 if not c.tie_embeddings:
-                    normal(self.output.weight, std, 1 + 7 * c.n_layers)
+                    normal(self.output.weight, std, output_seed(c.n_layers))
         self.rope.reset_parameters()
 
     def forward(
@@ -374,12 +395,10 @@ class Llama(nn.Module):
         slots = [held.get(i) for i in range(self.config.n_layers) if self.is_moe_layer(i)]
         return moe_stats(slots, self.config.moe, self.rope.cos.device, all_reduce)
 
-    def update_moe_biases(self, all_reduce: Any = None) -> None:
-        """Auxiliary-loss-free balancing: call after each optimizer step (no-op when bias_update_rate is 0);
-        `all_reduce(tensor)` sums the loads over the data-parallel ranks."""
-        if self.config.moe is None or not self.config.moe.bias_update_rate:
-            return
-        update_expert_biases(moe_layers(self), all_reduce)
+    def expert_modules(self) -> list[nn.Module]:
+        """The MoE feed-forwards this model holds (a pipeline stage: its own), [] if dense: what strategies
+        shard over expert parallelism and balance after each optimizer step (trainer/models/moe.py)."""
+        return moe_layers(self)
 
     def num_active_params(self) -> int:
         """Parameters one token uses: all but the (n_experts - top_k) unchosen routed experts of each
@@ -409,75 +428,10 @@ class Llama(nn.Module):
         self.positions_fn = positions_fn
 
     def tensor_parallel_plan(self, sequence_parallel: bool, loss_parallel: bool) -> dict[str, Any]:
-        """Module path -> DTensor parallel style (Megatron's layout, TorchTitan's plan): q/k/v and the
-        SwiGLU up-projections column-wise, wo and w2 row-wise, so each block needs one reduction after
-        attention and one after the MLP. With `sequence_parallel` the norms run on sequence shards
-        (activations between blocks are split over the tp ranks) and the reductions become
-        reduce-scatters; with `loss_parallel` the logits stay sharded over the vocabulary for a
-        vocabulary-parallel cross-entropy.
+        """Module path -> DTensor parallel style for tensor parallelism (trainer/models/llama_tp_plan.py)."""
+        from trainer.models.llama_tp_plan import tensor_parallel_plan
 
-        A MoE feed-forward is not split: it takes this rank's shard of the sequence (sliced from the
-        replicated activations without `sequence_parallel`) and routes those tokens itself (TorchTitan's
-        ETP=1), its router and shared experts replicated over the tp ranks (their gradients partial sums),
-        its experts split by expert parallelism, whose ranks include the tp ranks."""
-        from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor.parallel import (
-            ColwiseParallel,
-            PrepareModuleInput,
-            PrepareModuleInputOutput,
-            RowwiseParallel,
-            SequenceParallel,
-        )
-
-        between = Shard(1) if sequence_parallel else Replicate()  # activations between the blocks
-        plan: dict[str, Any] = {}
-        if self.tok_embeddings is not None:  # a pipeline stage may lack the ends
-            plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
-        if self.output is not None:
-            if sequence_parallel:
-                plan["norm"] = SequenceParallel()
-            plan["output"] = ColwiseParallel(
-                input_layouts=between,
-                output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                use_local_output=not loss_parallel,  # a DTensor is what loss_parallel() reads
-            )
-        for name, layer in self.layers.items():
-            block = f"layers.{name}."
-            moe = isinstance(layer.feed_forward, MoE)
-            for linear in ("attention.wq", "attention.wk", "attention.wv"):
-                plan[block + linear] = ColwiseParallel()
-            plan[block + "attention.wo"] = RowwiseParallel(output_layouts=between)
-            if moe:
-                plan[block + "feed_forward"] = PrepareModuleInputOutput(
-                    input_layouts=(between,),
-                    desired_input_layouts=(Shard(1),),
-                    use_local_input=False,  # a DTensor: the MoE learns which ranks hold the other shards
-                    output_layouts=(Shard(1),),
-                    desired_output_layouts=(between,),
-                )
-                # replicated weights applied to token shards (the router reads its gate as a local weight)
-                plan[block + "feed_forward.router.gate"] = SequenceParallel(sequence_dim=0)
-                if layer.feed_forward.shared_experts is not None:
-                    for linear in ("w1", "w2", "w3"):
-                        plan[block + f"feed_forward.shared_experts.{linear}"] = SequenceParallel(
-                            sequence_dim=0, use_local_output=True
-                        )
-            else:
-                plan[block + "feed_forward.w1"] = ColwiseParallel()
-                plan[block + "feed_forward.w3"] = ColwiseParallel()
-                plan[block + "feed_forward.w2"] = RowwiseParallel(output_layouts=between)
-            if sequence_parallel:
-                plan[block + "attention_norm"] = SequenceParallel()
-                plan[block + "ffn_norm"] = SequenceParallel()
-                # gather the sequence before the column-parallel projections (cos/sin pass untouched)
-                plan[block + "attention"] = PrepareModuleInput(
-                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
-                )
-                if not moe:
-                    plan[block + "feed_forward"] = PrepareModuleInput(
-                        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-                    )
-        return plan
+        return tensor_parallel_plan(self, sequence_parallel, loss_parallel)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Parameters, a tied weight counted once; `exclude_embeddings` drops the token embedding table

@@ -8,10 +8,10 @@ The forward is four separable stages, so expert parallelism can later put an all
     compute  (GroupedExperts)  SwiGLU of every expert on its contiguous slice of the permuted tokens
     combine  (TokenDispatcher) un-permute, weight by the gates, sum the k choices of each token
 
-`MoE.dispatcher` is the seam: `LocalDispatcher` keeps every token on this rank; an expert-parallel strategy
-replaces it with one whose `dispatch` also exchanges the permuted tokens (and counts) with an all-to-all so
-each rank receives the tokens of its own experts (the experts' weights sharded on dim 0), and whose
-`combine` sends the results back before un-permuting.
+`MoE.dispatcher` is the seam (trainer/models/moe_dispatch.py): `LocalDispatcher` keeps every token on this
+rank; an expert-parallel strategy replaces it with one whose `dispatch` also exchanges the permuted tokens
+(and counts) with an all-to-all so each rank receives the tokens of its own experts (the experts' weights
+sharded on dim 0), and whose `combine` sends the results back before un-permuting.
 
 Under tensor parallelism the layer takes a sequence-sharded DTensor (the Llama's plan) and computes this
 rank's tokens only (TorchTitan's ETP=1): the router and shared experts are replicated over the tp ranks,
@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from trainer.models.moe_dispatch import LocalDispatcher, Routing
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 
@@ -89,19 +91,6 @@ class MoEConfig:
         if self.capacity_factor is None:
             return None
         return math.ceil(n_tokens * self.top_k / self.n_experts * self.capacity_factor)
-
-
-@dataclass
-class Routing:
-    """What the router decided for N tokens: expert ids and gates (N, k), `keep` (N, k) False for pairs
-    dropped by capacity, the fp32 scores (N, E), and detached statistics for logging."""
-
-    indices: torch.Tensor
-    gates: torch.Tensor
-    keep: torch.Tensor | None
-    scores: torch.Tensor
-    aux_loss: torch.Tensor
-    z_loss: torch.Tensor
 
 
 def counting_forward() -> bool:
@@ -172,13 +161,11 @@ class Router(nn.Module):
         return Routing(indices, gates, keep, scores, aux_loss, z_loss)
 
     @torch.no_grad()
-    def update_expert_bias(self, all_reduce: Any = None) -> None:
+    def update_expert_bias(self) -> None:
         """bias += rate * sign(mean load - load), mean-centred, from the load counted since the last call
-        (`all_reduce(tensor)`, if given, sums it over data-parallel ranks first); then resets the count."""
+        (summed over the ranks that route other tokens by `MoE.update_bias`, if any); then resets it."""
         rate = self.config.bias_update_rate
         load = self.tokens_per_expert
-        if rate > 0 and all_reduce is not None:  # no collective when nothing is balanced this way
-            all_reduce(load)
         if rate > 0 and load.sum() > 0:
             delta = rate * torch.sign(load.mean() - load)
             self.expert_bias += delta - delta.mean()
@@ -235,37 +222,6 @@ def gather_rows(t: torch.Tensor, group: Any) -> tuple[int, torch.Tensor]:
     parts = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(parts, padded, group=group)  # equal sizes: shards of a sequence may differ by one
     return sum(n[:rank]), torch.cat([part[:size] for part, size in zip(parts, n, strict=True)])
-
-
-class LocalDispatcher:
-    """Permute the kept (token, choice) pairs so each expert's tokens are contiguous, and back.
-
-    dispatch -> (tokens (M, dim) sorted by expert, counts (E,) int, ctx); combine(out (M, dim), ctx) ->
-    (N, dim): each pair's output times its gate, summed over the token's k choices (dropped pairs add 0).
-    """
-
-    def dispatch(
-        self, x: torch.Tensor, routing: Routing, n_experts: int
-    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        n_tokens, k = routing.indices.shape
-        flat = routing.indices.flatten()
-        order = torch.argsort(flat, stable=True)  # pair ids sorted by expert (token order within an expert)
-        if routing.keep is not None:
-            order = order[routing.keep.flatten()[order]]
-        counts = torch.bincount(flat[order], minlength=n_experts)
-        tokens = x[order // k]
-        return tokens, counts, (order, n_tokens, k)
-
-    def combine(self, out: torch.Tensor, routing: Routing, ctx: Any) -> torch.Tensor:
-        order, n_tokens, k = ctx
-        weighted = out * routing.gates.flatten()[order].unsqueeze(-1).to(out.dtype)
-        pairs = out.new_zeros(n_tokens * k, out.shape[-1])
-        pairs = pairs.index_copy(0, order, weighted)  # each pair written once: deterministic
-        return pairs.view(n_tokens, k, -1).sum(1)
-
-    def load(self, counts: torch.Tensor, ctx: Any) -> torch.Tensor:
-        """This rank's kept (token, choice) pairs per expert (E,), for the layer's statistics."""
-        return counts
 
 
 GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -449,6 +405,17 @@ class MoE(nn.Module):
         """Start the statistics afresh (after each optimizer step)."""
         self.routed.zero_()
 
+    # ---- auxiliary-loss-free balancing, driven by the strategy after each optimizer step -------------
+    def balancing_load(self) -> torch.Tensor | None:
+        """The kept pairs per expert (E,) this rank routed since the last `update_bias`, which the strategy
+        sums over the ranks that route other tokens; None when this layer does not balance by bias."""
+        return self.router.tokens_per_expert if self.config.bias_update_rate > 0 else None
+
+    def update_bias(self, load: torch.Tensor) -> None:
+        """Move the expert bias by `load`, the summed `balancing_load()` of every rank, and count afresh."""
+        self.router.tokens_per_expert.copy_(load)
+        self.router.update_expert_bias()
+
     def init_weights(self, normal: Any, std: float, residual_std: float, seeds: list[int]) -> None:
         """Fill every weight with `normal(weight, std, seed)`; seeds: 7 distinct ints (router, w1, w3, w2,
         shared w1, w3, w2). The projections into the residual stream (w2) use residual_std."""
@@ -480,22 +447,6 @@ def reset_moe_stats(layers: list[MoE]) -> None:
     """Start every layer's router statistics afresh (after each optimizer step)."""
     for m in layers:
         m.reset_stats()
-
-
-def update_expert_biases(layers: list[MoE], all_reduce: Any = None) -> None:
-    """Auxiliary-loss-free balancing of `layers` from the loads counted since the last update, summed first
-    by `all_reduce(tensor)` (in place, over the data-parallel ranks) and over each layer's `token_group`:
-    one collective each for all the layers."""
-    if not layers or not layers[0].config.bias_update_rate:
-        return
-    loads = torch.stack([m.router.tokens_per_expert for m in layers])
-    if all_reduce is not None:
-        all_reduce(loads)
-    if layers[0].token_group is not None:
-        dist.all_reduce(loads, group=layers[0].token_group)
-    for m, load in zip(layers, loads, strict=True):
-        m.router.tokens_per_expert.copy_(load)
-        m.router.update_expert_bias()
 
 
 STAT_NAMES = (

@@ -1,0 +1,154 @@
+"""The one evaluation loop: a module's `validation_step`, `test_step` or `predict_step` over a loader,
+inside Lightning's hooks, without gradients, on its own RNG (evaluating never changes the training
+trajectory) and with its own metrics buffer (what it logs never mixes with a fit's aggregates). The
+sanity check, validation inside a fit, `validate`, `test` and `predict` are this loop with their own
+framing."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from strategies.base import unpack_loss
+from trainer import step_log
+from trainer.epochs import EpochBatches
+from trainer.metrics import MetricBuffer
+from trainer.module import TrainModule
+from trainer.rng import isolated_rng
+
+if TYPE_CHECKING:
+    from trainer.trainer import Trainer
+
+# a loop's step method, the prefix of the mean loss it reports, and the flag that limits its batches
+_STEP = {"validation": "validation_step", "test": "test_step", "predict": "predict_step"}
+_PREFIX = {"validation": "val", "test": "test"}
+_LIMIT = {"validation": "limit_val_batches", "test": "limit_test_batches", "predict": "limit_predict_batches"}
+
+
+@contextlib.contextmanager
+def metrics_buffer(trainer: Trainer, buffer: MetricBuffer) -> Iterator[MetricBuffer]:
+    """Route what `TrainModule.log` records to `buffer` while inside; the one outside comes back after."""
+    outside = trainer._eval_metrics
+    trainer._eval_metrics = buffer
+    try:
+        yield buffer
+    finally:
+        trainer._eval_metrics = outside
+
+
+def evaluate(
+    trainer: Trainer,
+    module: TrainModule,
+    loader: Iterable,
+    stage: str,
+    limit: Any,
+    report: Callable[[dict[str, float], set[str]], None] | None = None,
+) -> tuple[dict[str, float], set[str], list[Any]]:
+    """`stage`'s loop ("validation", "test", "predict") over at most `limit` batches of `loader`, in eval
+    mode from `on_<stage>_start` to `on_<stage>_end`: the means over batches (and ranks) of the returned
+    loss and of what the step logged, the names logged with logger=False, and every step's output.
+    `report(metrics, hidden)` runs before `on_<stage>_end`, so that its callbacks read them."""
+    dispatch, strategy, method = trainer._dispatch, trainer.strategy, _STEP[stage]
+    n_batches = EpochBatches(loader, limit, _LIMIT[stage]).epoch_length()
+    outputs: list[Any] = []  # predict's; the others keep only each step's loss
+    losses: list[torch.Tensor] = []
+    with _eval_mode(module, stage):
+        dispatch.all(f"on_{stage}_start")
+        with metrics_buffer(trainer, MetricBuffer()) as buffer:
+            trainer.evaluating = True
+            try:
+                dispatch.all(f"on_{stage}_epoch_start")
+                with isolated_rng(), torch.no_grad():
+                    for idx, batch in enumerate(loader):
+                        if n_batches is not None and idx >= n_batches:
+                            break
+                        batch = strategy.batch_to_device(batch)
+                        dispatch.all(f"on_{stage}_batch_start", batch, idx)
+                        output = strategy.eval_step(module, method, batch, idx)
+                        dispatch.all(f"on_{stage}_batch_end", output, batch, idx)
+                        if stage == "predict":
+                            outputs.append(output)
+                        elif output is not None:
+                            losses.append(unpack_loss(output, method)[0].float())
+                    dispatch.all(f"on_{stage}_epoch_end")  # what it logs belongs to this loop
+                metrics = {} if stage == "predict" else buffer.compute_epoch(trainer._reduce_logged)
+                hidden = buffer.not_for_loggers()
+            finally:
+                trainer.evaluating = False
+        if losses:
+            metrics[f"{_PREFIX[stage]}/loss"] = float(
+                strategy.reduce(torch.stack(losses).mean(), "mean", group="loss")
+            )
+        if report is not None:
+            report(metrics, hidden)
+        dispatch.all(f"on_{stage}_end")
+    return metrics, hidden, outputs
+
+
+def validate_in_fit(trainer: Trainer, module: TrainModule, loader: Iterable) -> dict[str, float]:
+    """A validation inside a fit: its metrics go to the loggers at the current step."""
+
+    def report(metrics: dict[str, float], hidden: set[str]) -> None:
+        step_log.log_metrics(trainer, metrics, hidden)
+        trainer._last_val_step = trainer.global_step
+        if trainer._progress is not None and "val/loss" in metrics:
+            trainer._progress.write(f"step {trainer.global_step}: val/loss {metrics['val/loss']:.4f}")
+
+    return evaluate(trainer, module, loader, "validation", trainer.limit_val_batches, report)[0]
+
+
+def sanity_check(trainer: Trainer, module: TrainModule, loader: Iterable) -> None:
+    """Lightning's sanity check: the first `num_sanity_val_steps` validation batches (-1: all) run
+    before training so that a broken `validation_step` fails now, not after an epoch; nothing it
+    logs is kept, and it draws no random numbers from the run's generators."""
+    n, limit = trainer.num_sanity_val_steps, trainer.limit_val_batches
+    if n != -1:
+        full = EpochBatches(loader, limit, "limit_val_batches").epoch_length()
+        limit = n if full is None else min(n, full)
+    trainer.sanity_checking = True
+    try:
+        trainer._dispatch.callbacks("on_sanity_check_start")
+        evaluate(trainer, module, loader, "validation", limit)
+        trainer._dispatch.callbacks("on_sanity_check_end")
+    finally:
+        trainer.sanity_checking = False
+
+
+def loss_on(trainer: Trainer, batch: Any) -> torch.Tensor | None:
+    """`Trainer.loss_on`: this rank's `validation_step` loss on `batch`, free of side effects."""
+    module = trainer.module
+    if type(module).validation_step is TrainModule.validation_step:
+        raise TypeError(
+            f"loss_on needs {type(module).__name__}.validation_step, which is not defined; "
+            "allowed: a module that overrides validation_step"
+        )
+    was_training = module.training
+    module.eval()
+    # what the step logs goes to a buffer that is dropped, leaving a step's pending metrics untouched
+    try:
+        with metrics_buffer(trainer, MetricBuffer()), isolated_rng(), torch.no_grad():
+            output = trainer.strategy.eval_step(
+                module, "validation_step", trainer.strategy.batch_to_device(batch), 0
+            )
+        return None if output is None else unpack_loss(output, "validation_step")[0].float()
+    finally:
+        module.train(was_training)
+
+
+@contextlib.contextmanager
+def _eval_mode(module: TrainModule, stage: str) -> Iterator[None]:
+    """Lightning's `on_<stage>_model_eval` around a whole loop (its start and end hooks included),
+    then `on_<stage>_model_train` if the module was training (predict, which Lightning gives no such
+    hook, puts the module's mode back)."""
+    was_training = module.training
+    getattr(module, f"on_{stage}_model_eval")()
+    try:
+        yield
+    finally:
+        if stage == "predict":
+            module.train(was_training)
+        elif was_training:
+            getattr(module, f"on_{stage}_model_train")()

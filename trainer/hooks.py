@@ -1,0 +1,64 @@
+"""The one place hooks are called: the callbacks' hook first, then the module's (Lightning's order)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from callbacks.base import Callback
+from trainer.module import TrainModule
+
+if TYPE_CHECKING:
+    from trainer.trainer import Trainer
+
+
+class HookDispatcher:
+    """Calls a trainer's hooks on its callbacks and module; for the hooks that run every step it remembers
+    who implements them, so a step pays nothing for the hooks nobody uses."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        # who implements each per-step hook, for the module and callbacks in `_owners_key`
+        self._owners_key: tuple = ()
+        self._owners: dict[str, tuple[list[Callback], bool]] = {}
+
+    def callbacks(self, hook: str, *args: Any) -> None:
+        """Every callback's `hook(trainer, module, *args)`."""
+        trainer = self.trainer
+        for cb in trainer.callbacks:
+            getattr(cb, hook)(trainer, trainer.module, *args)
+
+    def all(self, hook: str, *args: Any) -> None:
+        """The callbacks' `hook`, then the module's."""
+        self.callbacks(hook, *args)
+        getattr(self.trainer.module, hook)(*args)
+
+    def step(self, hook: str, args: tuple = (), module_args: tuple | None = None) -> None:
+        """A hook that runs every step, in `all`'s order (the module gets `module_args` where its signature
+        differs); the callbacks and module that leave it as the base class's no-op are skipped."""
+        trainer = self.trainer
+        module = trainer.module
+        key = (module, *trainer.callbacks)
+        owners = self._owners.get(hook) if key == self._owners_key else None
+        callbacks, module_too = owners or self._find_owners(key, hook)
+        for cb in callbacks:
+            getattr(cb, hook)(trainer, module, *args)
+        if module_too:
+            getattr(module, hook)(*(args if module_args is None else module_args))
+
+    def _find_owners(self, key: tuple, hook: str) -> tuple[list[Callback], bool]:
+        """The callbacks that implement `hook`, and whether the module does; remembered until the module or
+        the list of callbacks (`key`) changes."""
+        if key != self._owners_key:
+            self._owners_key, self._owners = key, {}
+        trainer = self.trainer
+        owners = self._owners[hook] = (
+            [cb for cb in trainer.callbacks if _implements(cb, hook, Callback)],
+            _implements(trainer.module, hook, TrainModule),
+        )
+        return owners
+
+
+def _implements(obj: Any, hook: str, base: type) -> bool:
+    """Whether `obj`'s `hook` may do something: its class overrides `base`'s no-op, or the instance has
+    its own (a function set on it)."""
+    return getattr(type(obj), hook, None) is not getattr(base, hook) or hook in getattr(obj, "__dict__", ())

@@ -1,0 +1,197 @@
+"""What a fit tells the loggers and the console: the step's row, rates, the start-up line and the
+effective-training-time line. Functions of the trainer; rank zero writes."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from trainer.logging import rank_zero_info
+
+if TYPE_CHECKING:
+    from trainer.module import TrainModule
+    from trainer.trainer import Trainer
+
+# the Trainer's flags that go into the loggers' hyperparameters, next to the run's shape
+_LOGGED_FLAGS = (
+    "max_steps",
+    "max_epochs",
+    "accumulate_grad_batches",
+    "gradient_clip_val",
+    "lr_schedule",
+    "warmup_steps",
+    "min_lr_ratio",
+    "seed",
+    "log_every_n_steps",
+)
+
+
+def log_metrics(trainer: Trainer, metrics: dict[str, float], hidden: set[str] = frozenset()) -> None:
+    """Send `metrics` to every logger at the current step, except the `hidden` names; all of them reach
+    `callback_metrics`, a `name_step`/`name_epoch` pair also under `name` (its latest value)."""
+    trainer.callback_metrics.update(metrics)
+    for key, value in metrics.items():
+        if key.endswith(("_step", "_epoch")):
+            trainer.callback_metrics[key[: key.rindex("_")]] = value
+    logged = {k: v for k, v in metrics.items() if k not in hidden}
+    trainer.logged_metrics.update(logged)
+    if trainer.is_global_zero and logged:
+        for lg in trainer.loggers:
+            lg.log_metrics(logged, trainer.global_step)
+
+
+def log_train(
+    trainer: Trainer,
+    loss: torch.Tensor,
+    num_tokens: torch.Tensor | None,
+    lr: float,
+    norm: Any,
+    meter: Throughput,
+) -> None:
+    """The step's row: loss, learning rate, grad norm, rates, and what the step logged per step."""
+    strategy, buffer = trainer.strategy, trainer._fit_metrics
+    if num_tokens is not None:  # token-weighted mean over ranks
+        total = strategy.reduce(torch.stack([loss * num_tokens, num_tokens]), "sum", group="loss")
+        loss = total[0] / total[1]
+    else:
+        loss = strategy.reduce(loss, "mean", group="loss")
+    metrics = {"train/loss": float(loss), "train/lr": lr, "epoch": trainer.state.epoch}
+    if norm is not None:
+        metrics["train/grad_norm"] = float(norm)
+    metrics.update(meter.rates(strategy.dp_size))
+    metrics.update(strategy.step_metrics())
+    metrics["train/effective_time"] = trainer.effective_training_time()["fraction"]
+    if trainer.state.skipped_steps:
+        metrics["train/skipped_steps"] = trainer.state.skipped_steps
+    user = buffer.compute_step(trainer._reduce_logged)
+    metrics.update(user)
+    log_metrics(trainer, metrics, hidden=buffer.not_for_loggers())
+    progress = trainer._progress
+    if progress is not None:  # rank zero's
+        shown = {"loss": metrics["train/loss"], "lr": lr}
+        if "train/tokens_per_s" in metrics:
+            shown["tok/s"] = metrics["train/tokens_per_s"]
+        shown.update({k: v for k, v in user.items() if k in buffer.prog_bar_names})
+        progress.show(shown)
+
+
+def log_epoch_metrics(trainer: Trainer) -> None:
+    """What training steps logged with on_epoch=True, aggregated over the epoch, then reset."""
+    buffer = trainer._fit_metrics
+    metrics = buffer.compute_epoch(trainer._reduce_logged)
+    if metrics:
+        log_metrics(trainer, metrics, hidden=buffer.not_for_loggers())
+    buffer.reset()
+
+
+def effective_time_line(trainer: Trainer) -> str:
+    """The line a fit ends with: how much of the run's wall-clock time went into kept steps."""
+    t, state = trainer.effective_training_time(), trainer.state
+    return (
+        f"effective training time {100 * t['fraction']:.1f}%: {t['productive_s']:.1f} s in kept steps of "
+        f"{t['wall_s']:.1f} s since the run started ({state.restarts} restart(s)/rollback(s), "
+        f"{state.skipped_steps} skipped step(s))"
+    )
+
+
+def announce(trainer: Trainer, module: TrainModule) -> None:
+    """One line on what is about to run: size, parallelism, precision and the global batch."""
+    strategy, accumulate = trainer.strategy, trainer.accumulate_grad_batches
+    # a pipeline stage holds some of the blocks: the model's size is the sum over the stages
+    local = torch.tensor(float(sum(p.numel() for p in module.parameters())), device=strategy.root_device)
+    params = float(strategy.reduce(local, "sum", group="pp"))
+    batch = getattr(trainer._train_batches.loader, "batch_size", None)
+    line = (
+        f"{trainer._module_name}: {params / 1e6:.2f}M parameters | strategy {strategy.name}, "
+        f"{strategy.world_size} process(es), precision {strategy.precision.name}"
+    )
+    if isinstance(batch, int):
+        line += (
+            f" | global batch = {batch} per micro-batch x {accumulate} accumulated x "
+            f"{strategy.dp_size} data-parallel = {batch * accumulate * strategy.dp_size} samples/step"
+        )
+    rank_zero_info(line)
+    report = strategy.startup_report(module)
+    if report:
+        rank_zero_info(report)
+
+
+def hyperparams(trainer: Trainer, module: TrainModule) -> dict[str, Any]:
+    """What the loggers record as the run's hyperparameters: the Trainer's flags, the run's shape and the
+    module's own `hparams`."""
+    strategy = trainer.strategy
+    params = {k: getattr(trainer, k) for k in _LOGGED_FLAGS}
+    params.update(
+        strategy=strategy.name,
+        precision=strategy.precision.name,
+        world_size=strategy.world_size,
+        module=trainer._module_name,
+        parameters=sum(p.numel() for p in module.parameters()),
+    )
+    if module.hparams:
+        params["hparams"] = plain(dict(module.hparams))
+    return params
+
+
+def plain(value: Any) -> Any:
+    """`value` in types a checkpoint loads with weights_only and a JSON log can hold; others as repr."""
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    return value if value is None or isinstance(value, (bool, int, float, str)) else repr(value)
+
+
+class Throughput:
+    """Samples and tokens consumed since the last logged step, turned into per-second rates."""
+
+    def __init__(self) -> None:
+        self.samples = self.tokens = self.steps = 0
+        self.has_tokens = True
+        self.since = time.perf_counter()
+
+    def count(self, batch: Any) -> tuple[int, int | None]:
+        """Count a micro-batch; returns its (samples, tokens)."""
+        samples, tokens = batch_size(batch)
+        self.samples += samples
+        if tokens is None:
+            self.has_tokens = False
+        else:
+            self.tokens += tokens
+        return samples, tokens
+
+    def step_done(self) -> None:
+        """One more optimizer step in the current window."""
+        self.steps += 1
+
+    def rates(self, dp_size: int) -> dict[str, float]:
+        """Global rates (this rank's count x data-parallel replicas) since the last call."""
+        elapsed = max(time.perf_counter() - self.since, 1e-9)
+        rates = {
+            "train/step_time_s": elapsed / max(self.steps, 1),
+            "train/samples_per_s": self.samples * dp_size / elapsed,
+        }
+        if self.has_tokens and self.tokens:
+            rates["train/tokens_per_s"] = self.tokens * dp_size / elapsed
+        self.samples = self.tokens = self.steps = 0
+        self.since = time.perf_counter()
+        return rates
+
+
+def batch_size(batch: Any) -> tuple[int, int | None]:
+    """(samples, tokens) of a batch: tokens are counted when it carries `input_ids` (a dict key, or a 2-D
+    integer tensor as the batch or its first element)."""
+    ids = None
+    if isinstance(batch, dict):
+        ids = batch.get("input_ids")
+        first = (
+            ids if ids is not None else next((v for v in batch.values() if isinstance(v, torch.Tensor)), None)
+        )
+    else:
+        first = batch[0] if isinstance(batch, (list, tuple)) and batch else batch
+        if isinstance(first, torch.Tensor) and first.dim() == 2 and not first.is_floating_point():
+            ids = first
+    samples = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() > 0 else 1
+    return samples, (ids.numel() if isinstance(ids, torch.Tensor) else None)
