@@ -93,9 +93,10 @@ def validate_in_fit(trainer: Trainer, module: TrainModule, loader: Iterable) -> 
 
     def report(metrics: dict[str, float], hidden: set[str]) -> None:
         step_log.log_metrics(trainer, metrics, hidden)
-        trainer._last_val_step = trainer.global_step
-        if trainer._progress is not None and "val/loss" in metrics:
-            trainer._progress.write(f"step {trainer.global_step}: val/loss {metrics['val/loss']:.4f}")
+        loop = trainer._fit_loop
+        loop.last_val_step = trainer.global_step
+        if loop.progress is not None and "val/loss" in metrics:
+            loop.progress.write(f"step {trainer.global_step}: val/loss {metrics['val/loss']:.4f}")
 
     return evaluate(trainer, module, loader, "validation", trainer.limit_val_batches, report)[0]
 

@@ -30,13 +30,14 @@ def save_checkpoint(
     path = Path(path) if path is not None else trainer.checkpoint_dir / step_dir_name(trainer.global_step)
     if trainer.run_id is None:  # a save outside a fit (one process): a run of its own
         trainer.run_id = run_folder.new_run_id()
+    loop = trainer._fit_loop
     owner = {"run_id": trainer.run_id, "writer": trainer._writer or run_folder.this_writer()}
     state: dict[str, Any] = {
         "loop": trainer.state.state_dict(),
         "rng": trainer.strategy.all_gather_object(rng_state(), group="world"),
         "scheduler": trainer.lr_scheduler.state_dict() if trainer.lr_scheduler is not None else {},
         "precision": trainer.strategy.precision.state_dict(),
-        "data": trainer._train_batches.state_dict() if trainer._train_batches is not None else {},
+        "data": loop.train_batches.state_dict() if loop is not None else {},
         "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks},
         "strategy": trainer.strategy.state_dict(),
         "module": {},
@@ -71,8 +72,9 @@ def rollback(trainer: Trainer, before_step: int | None = None) -> Path:
     trainer.state.restarts += 1
     restore_rng(trainer, state)
     restore_schedule(trainer, state)
-    if trainer._progress is not None:
-        trainer._progress.reset(trainer.global_step)
+    loop = trainer._fit_loop
+    if loop is not None and loop.progress is not None:
+        loop.progress.reset(trainer.global_step)
     trainer._dispatch.callbacks("on_load_checkpoint", state)
     return path
 
@@ -173,7 +175,7 @@ def restore(trainer: Trainer, path: Path) -> None:
     trainer.state.load_state_dict(state["loop"])
     restore_rng(trainer, state)
     restore_schedule(trainer, state)
-    trainer._train_batches.load_state_dict(state["data"])
+    trainer._fit_loop.train_batches.load_state_dict(state["data"])
     trainer.strategy.load_state_dict(state.get("strategy", {}))
     for cb in trainer.callbacks:
         if cb.state_key in state["callbacks"]:

@@ -68,7 +68,7 @@ def log_train(
     user = buffer.compute_step(trainer._reduce_logged)
     metrics.update(user)
     log_metrics(trainer, metrics, hidden=buffer.not_for_loggers())
-    progress = trainer._progress
+    progress = trainer._fit_loop.progress
     if progress is not None:  # rank zero's
         shown = {"loss": metrics["train/loss"], "lr": lr}
         if "train/tokens_per_s" in metrics:
@@ -102,7 +102,7 @@ def announce(trainer: Trainer, module: TrainModule) -> None:
     # a pipeline stage holds some of the blocks: the model's size is the sum over the stages
     local = torch.tensor(float(sum(p.numel() for p in module.parameters())), device=strategy.root_device)
     params = float(strategy.reduce(local, "sum", group="pp"))
-    batch = getattr(trainer._train_batches.loader, "batch_size", None)
+    batch = getattr(trainer._fit_loop.train_batches.loader, "batch_size", None)
     line = (
         f"{trainer._module_name}: {params / 1e6:.2f}M parameters | strategy {strategy.name}, "
         f"{strategy.world_size} process(es), precision {strategy.precision.name}"

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import datetime
-import itertools
-import math
 import sys
-import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -22,8 +19,7 @@ from strategies.registry import build_strategy
 from trainer import eval_loop, flags, resume, run_folder, step_log
 from trainer.data.loader import pin_for_device
 from trainer.datamodule import call_if_defined, check_source, has_loader, loaders_from
-from trainer.epochs import EpochBatches
-from trainer.fused_optim import prefer_fused
+from trainer.fit_loop import FitLoop, effective_training_time
 from trainer.hooks import HookDispatcher
 from trainer.logging import (
     JSONLLogger,
@@ -35,13 +31,11 @@ from trainer.logging import (
 )
 from trainer.metrics import MetricBuffer
 from trainer.module import TrainModule, uncalled_lightning_methods
-from trainer.optim_config import SchedulerConfig, parse_optimizers
+from trainer.optim_config import SchedulerConfig
 from trainer.precision import Precision
-from trainer.progress import ProgressBar
 from trainer.rng import seed_everything
-from trainer.schedules import SCHEDULES, LRSchedule, build_scheduler
+from trainer.schedules import SCHEDULES, LRSchedule
 from trainer.state import LoopState
-from trainer.step_log import Throughput
 from trainer.timing import PhaseClock
 
 
@@ -188,25 +182,14 @@ class Trainer:
         self.lr_scheduler: Any = None
         self._scheduler_config: SchedulerConfig | None = None  # a scheduler from configure_optimizers
         self._schedule: LRSchedule | None = None
-        self._train_batches: EpochBatches | None = None
-        self._progress: ProgressBar | None = None
-        self._last_val_step: int | None = None
+        # the running fit's state (the last fit's after it ends, so its views still read); None before
+        self._fit_loop: FitLoop | None = None
         self._module_name = ""
         self._was_deterministic = False
-        # what callbacks may read or steer during a fit (see the "steering" section below)
-        self.val_dataloaders: Iterable | None = None  # this rank's shard
-        self.first_train_batch: Any = None  # the fit's first micro-batch on this rank, as the loader gave it
-        self.step_loss: torch.Tensor | None = None  # this rank's loss of the step in progress
-        self._step_norm: torch.Tensor | None = None
-        self._skip_reason: str | None = None
-        self._epoch_ending = False
-        self._fit_start_step = 0
-        self._step_logged = False  # the step that just ran was logged: so is what on_train_batch_end logs
         self.run_id: str | None = None  # this fit's (a resumed run's own), written into each checkpoint
         self._writer: dict[str, Any] | None = None  # rank zero's host and pid: who writes this run's files
         self._run_folder: Path | None = None  # the folder this fit claimed (trainer/run_folder.py)
         self._locks: list[run_folder.FolderLock] = []
-        self._first_not_finite: torch.Tensor | None = None  # see not_finite_since
 
     # ---- public read-only views ------------------------------------------------------------------
     @property
@@ -216,7 +199,30 @@ class Trainer:
     @property
     def current_epoch(self) -> int:
         """The epoch in progress (at its end, through validation and on_train_epoch_end, still that one)."""
-        return self.state.epoch - self._epoch_ending
+        loop = self._fit_loop
+        return self.state.epoch - (loop is not None and loop.epoch_ending)
+
+    @property
+    def step_loss(self) -> torch.Tensor | None:
+        """This rank's loss of the optimizer step in progress (a callback may replace it before others read it)."""
+        loop = self._fit_loop
+        return None if loop is None else loop.step_loss
+
+    @step_loss.setter
+    def step_loss(self, loss: torch.Tensor | None) -> None:
+        self._fit_loop.step_loss = loss
+
+    @property
+    def first_train_batch(self) -> Any:
+        """The fit's first micro-batch on this rank, as the loader gave it (None before it is read)."""
+        loop = self._fit_loop
+        return None if loop is None else loop.first_train_batch
+
+    @property
+    def val_dataloaders(self) -> Iterable | None:
+        """The fit's validation loader, this rank's shard (None without one)."""
+        loop = self._fit_loop
+        return None if loop is None else loop.val_loader
 
     @property
     def logs_this_step(self) -> bool:
@@ -328,29 +334,16 @@ class Trainer:
     def step_grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the step's gradients (before clipping), computed once per step. Call on every
         rank from on_before_optimizer_step (sharded strategies reduce it over ranks)."""
-        if self._step_norm is None:
-            self._step_norm = self.strategy.grad_norm(self.module)
-        return self._step_norm
+        return self._fit_loop.step_grad_norm()
 
     def not_finite_since(self) -> int | None:
         """The first step of this fit whose loss was not finite on any rank, or None. Call on every rank."""
-        first = self._first_not_finite
-        mine = torch.tensor(math.inf) if first is None else first.detach().float().cpu()
-        found = float(self.strategy.reduce(mine, "min", group="world"))
-        return None if math.isinf(found) else int(found)
-
-    def _track_finite(self, loss: torch.Tensor, step: int) -> None:
-        """Remember the first step whose loss was not finite, on the device (no host sync per step)."""
-        first = self._first_not_finite
-        if first is None:
-            first = self._first_not_finite = torch.full((), math.inf, device=loss.device)
-        bad = ~torch.isfinite(loss.detach()) & torch.isinf(first)
-        self._first_not_finite = torch.where(bad, torch.full_like(first, step), first)
+        return self._fit_loop.not_finite_since()
 
     def skip_optimizer_step(self, reason: str) -> None:
         """Don't apply this step's update (call on every rank, from on_before_optimizer_step): parameters
         and optimizer state stay as they were; the data, the step counter and the LR schedule move on."""
-        self._skip_reason = reason
+        self._fit_loop.skip_reason = reason
 
     def rollback(self, before_step: int | None = None) -> Path:
         """Put model, optimizer, RNG streams, LR schedule and step counter back to the newest good checkpoint
@@ -386,9 +379,7 @@ class Trainer:
     def effective_training_time(self) -> dict[str, float]:
         """Productive step seconds over wall-clock seconds since the run first started (restarts,
         checkpoint and validation stalls, skipped and rolled-back steps are not productive)."""
-        s = self.state
-        wall = max(time.time() - s.started_at, 1e-9)
-        return {"fraction": min(s.productive_s / wall, 1.0), "productive_s": s.productive_s, "wall_s": wall}
+        return effective_training_time(self.state)
 
     # ---- fit -------------------------------------------------------------------------------------
     def _run_fit(
@@ -409,179 +400,17 @@ class Trainer:
                     _check_not_empty("val_dataloader()", val_loader)
             train_loader = self._loader(train_loader, train=True)
             val_loader = self._loader(val_loader, train=False) if val_loader is not None else None
-            self.val_dataloaders = val_loader
-            self._train_batches = EpochBatches(train_loader, self.limit_train_batches)
-            if self.limit_train_batches is not None and self._train_batches.epoch_length() == 0:
-                raise ValueError(
-                    f"limit_train_batches={self.limit_train_batches} leaves no batch of the train loader per "
-                    "epoch; allowed: a limit that keeps at least one batch"
-                )
-            self._setup_optimizer(module)
-            resume.claim_run_folders(self, ckpt_path)
-            resume_from = resume.load_checkpoint(self, ckpt_path, lambda path: resume.restore(self, path))
-            if resume_from is not None:
-                self.state.restarts += 1
-            else:
-                self.state.started_at = time.time()
-            if self.enable_model_summary:
-                step_log.announce(self, module)
-            if self.is_global_zero:
-                for lg in self.loggers:
-                    lg.setup(self.default_root_dir, self.global_step if resume_from is not None else None)
-                    lg.log_hyperparams(step_log.hyperparams(self, module))
-                if self.enable_progress_bar:
-                    self._progress = ProgressBar(self._total_steps(), self.global_step)
-            self._dispatch.all("on_fit_start")
-            if val_loader is not None and self.num_sanity_val_steps and not self._val_at_start_due():
-                eval_loop.sanity_check(self, module, val_loader)
-            self._dispatch.all("on_train_start")
-            self._train_loop(module, val_loader)
-            self._dispatch.all("on_train_end")
-            self._dispatch.all("on_fit_end")
-            rank_zero_info(step_log.effective_time_line(self))
+            self._fit_loop = FitLoop(self, module, train_loader, val_loader)
+            self._fit_loop.run(ckpt_path)
         except BaseException as exc:
             self._dispatch.callbacks("on_exception", exc)
             raise
         finally:
             self._finish("fit")
 
-    def _train_loop(self, module: TrainModule, val_loader: Iterable | None) -> None:
-        s = self.state
-        self._fit_started = time.time()  # max_time counts this fit (a resumed run starts afresh)
-        self._fit_start_step = s.global_step
-        self._first_not_finite = None
-        epoch_len = self._train_batches.epoch_length()
-        val_every = self._val_every_n_steps(epoch_len)
-        meter = Throughput()
-        if val_loader is not None and self._val_at_start_due():
-            # the baseline the run's progress is read against
-            eval_loop.validate_in_fit(self, module, val_loader)
-        while not self._done():
-            self._dispatch.all("on_train_epoch_start")
-            if not self._train_epoch(module, val_loader, epoch_len, val_every, meter):
-                if s.batches_in_epoch:  # stopped inside the epoch (max_steps or should_stop): it ends here
-                    self._dispatch.all("on_train_epoch_end")
-                break
-            if s.batches_in_epoch == 0:
-                raise ValueError(
-                    "the train loader yielded no batches in an epoch; it must yield at least one"
-                )
-            s.epoch += 1  # counted now, so a checkpoint written in what follows resumes at the next epoch
-            s.batches_in_epoch = 0
-            self._epoch_ending = True  # ...while current_epoch still names the one ending, as in Lightning
-            try:
-                if val_loader is not None and not val_every and s.epoch % self.check_val_every_n_epoch == 0:
-                    eval_loop.validate_in_fit(self, module, val_loader)
-                self._dispatch.all("on_train_epoch_end")
-                step_log.log_epoch_metrics(self)
-            finally:
-                self._epoch_ending = False
-            self._step_scheduler("epoch", s.epoch)  # after validation: ReduceLROnPlateau reads its metric
-        step_log.log_epoch_metrics(self)  # a run stopped inside an epoch ends its aggregates here
-        if val_loader is not None and self._last_val_step != s.global_step:
-            eval_loop.validate_in_fit(self, module, val_loader)
-
-    def _val_at_start_due(self) -> bool:
-        return self.val_at_start and self.state.global_step == 0
-
     def _reduce_logged(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         """`sync_dist`: over the ranks that hold different data (and sequence shards)."""
         return self.strategy.reduce(tensor, op, group="loss")
-
-    def _train_epoch(
-        self,
-        module: TrainModule,
-        val_loader: Iterable | None,
-        epoch_len: int | None,
-        val_every: int | None,
-        meter: Throughput,
-    ) -> bool:
-        """Optimizer steps until the epoch's data runs out (True) or the run is done (False)."""
-        s = self.state
-        iterator = self._train_batches.begin(s.epoch, s.batches_in_epoch)
-        while not self._done():
-            remaining = None if epoch_len is None else epoch_len - s.batches_in_epoch
-            started = time.perf_counter()
-            with self.clock.phase("data"):
-                window = _take(iterator, self.accumulate_grad_batches, remaining)
-            if not window:
-                return True
-            first_idx = s.batches_in_epoch
-            self._step_hooks = True
-            try:
-                outputs = self._optimizer_step(module, window, meter, started)
-                if val_loader is not None and val_every and s.global_step % val_every == 0:
-                    eval_loop.validate_in_fit(self, module, val_loader)
-                self._dispatch.step("on_train_batch_end", (outputs,), (outputs, window[0], first_idx))
-            finally:
-                self._step_hooks = False
-            self._end_step()
-        return False
-
-    def _optimizer_step(
-        self, module: TrainModule, window: list[Any], meter: Throughput, started: float
-    ) -> dict[str, Any]:
-        """Forward+backward every micro-batch of `window`, then clip and step once. The time since
-        `started` (the data fetch) is productive unless the update is skipped; what follows (logging,
-        validation, checkpoints in batch-end callbacks) is not."""
-        s, strategy = self.state, self.strategy
-        if self.first_train_batch is None:
-            self.first_train_batch = window[0]
-        self._dispatch.step("on_train_batch_start", (s.batches_in_epoch,), (window[0], s.batches_in_epoch))
-        for batch in window:
-            samples, tokens = meter.count(batch)
-            s.samples_seen += samples
-            s.tokens_seen += tokens or 0
-        out = strategy.train_step(module, window, s.batches_in_epoch)  # forward+backward of the window
-        if out is None:  # a training_step returned None (on some rank): no update, as in Lightning
-            return self._skip_returned_none(window)
-        loss, num_tokens = out.loss, out.num_tokens
-        self.step_loss, self._step_norm, self._skip_reason = loss, None, None
-        strategy.finish_gradients(module, self.optimizer, num_tokens)
-        self._dispatch.step("on_after_backward")
-        log_now = self.logs_this_step
-        if self.gradient_clip_val is not None:
-            self._step_norm = strategy.clip_gradients(
-                module, self.gradient_clip_val, self.gradient_clip_algorithm
-            )
-        elif log_now:
-            self.step_grad_norm()
-        self._dispatch.step("on_before_optimizer_step", (self.optimizer,))
-        lr = self.optimizer.param_groups[0]["lr"]
-        skipped = self._skip_reason is not None
-        with self.clock.phase("optimizer"):
-            if skipped:
-                strategy.precision.skip_step()
-            else:  # False: fp16's loss scaler dropped the update for inf/nan gradients
-                skipped = not strategy.optimizer_step(self.optimizer)
-            s.skipped_steps += skipped
-            self._dispatch.step("on_before_zero_grad", (self.optimizer,))
-            self.optimizer.zero_grad(set_to_none=True)
-            self._step_scheduler("step", s.global_step + 1)
-        strategy.after_optimizer_step()
-        if not skipped:
-            s.productive_s += time.perf_counter() - started
-        self._track_finite(loss, s.global_step)  # the model as of this step gave a non-finite loss
-        s.global_step += 1
-        s.batches_in_epoch += len(window)
-        meter.step_done()
-        if log_now:  # written now, before batch-end callbacks (a checkpoint, a stop) can interrupt
-            step_log.log_train(self, loss, num_tokens, lr, self._step_norm, meter)
-        self._fit_metrics.reset_step()
-        self._step_logged = log_now
-        return {"loss": loss, "skipped": skipped}
-
-    def _end_step(self) -> None:
-        """After on_train_batch_end: what it logged per step belongs to the step that just ended (as in
-        Lightning), so it is logged at that step when the step was; then the step's metrics clear."""
-        extra = self._fit_metrics.compute_step(self._reduce_logged) if self._step_logged else {}
-        if extra:
-            self.log_metrics(extra, hidden=self._fit_metrics.not_for_loggers())
-        self._step_logged = False
-        self._fit_metrics.reset_step()
-        if self._progress is not None:
-            self._progress.update()
-        self.step_loss = self._step_norm = None
 
     # ---- evaluation ------------------------------------------------------------------------------
     def _evaluate(
@@ -664,97 +493,11 @@ class Trainer:
                 owner.prepare_data()
         self.strategy.barrier()
 
-    def _setup_optimizer(self, module: TrainModule) -> None:
-        optimizer, self._scheduler_config = parse_optimizers(module.configure_optimizers())
-        self.optimizer = self.strategy.setup_optimizer(prefer_fused(optimizer))
-        if self._scheduler_config is not None:
-            if self.lr_schedule != "constant" or self.warmup_steps:
-                raise ValueError(
-                    f"configure_optimizers returned its own lr_scheduler and the Trainer has lr_schedule={self.lr_schedule!r}, "
-                    f"warmup_steps={self.warmup_steps}; allowed: one of the two (leave the Trainer's at 'constant', 0)"
-                )
-            self.lr_scheduler = self._scheduler_config.scheduler
-            return
-        total = self._total_steps()
-        if self.lr_schedule != "constant" and total is None:
-            raise ValueError(
-                f"lr_schedule={self.lr_schedule!r} needs the run length: set max_steps, or use a loader with len()"
-            )
-        self._schedule = LRSchedule(self.lr_schedule, self.warmup_steps, total or 1, self.min_lr_ratio)
-        self.lr_scheduler = build_scheduler(self.optimizer, self._schedule)
-
-    def _skip_returned_none(self, window: list[Any]) -> dict[str, Any]:
-        """training_step returned None: the step counts (as in Lightning, where the optimizer is still
-        called with no gradients) but updates nothing; what the window accumulated is dropped."""
-        s = self.state
-        if not self._warned_none_step:
-            self._warned_none_step = True
-            rank_zero_info(
-                f"training_step returned None at step {s.global_step + 1}: that optimizer step is skipped on "
-                "every rank (said once per run)"
-            )
-        self.optimizer.zero_grad(set_to_none=True)
-        s.global_step += 1
-        s.skipped_steps += 1
-        s.batches_in_epoch += len(window)
-        self._step_scheduler("step", s.global_step)
-        self._fit_metrics.reset_step()
-        return {"loss": None, "skipped": True}
-
-    def _step_scheduler(self, interval: str, count: int) -> None:
-        """The Trainer's own schedule steps every optimizer step; a module's scheduler at its interval."""
-        config = self._scheduler_config
-        if config is None:
-            if interval == "step":
-                self.lr_scheduler.step()
-        elif config.interval == interval:
-            config.step(count, self.callback_metrics)
-
-    def _total_steps(self) -> int | None:
-        """Optimizer steps the fit will take, if knowable."""
-        per_epoch = None
-        length = self._train_batches.epoch_length() if self._train_batches is not None else None
-        if length is not None:
-            per_epoch = math.ceil(length / self.accumulate_grad_batches)
-        by_epochs = per_epoch * self.max_epochs if per_epoch is not None and self.max_epochs else None
-        candidates = [n for n in (self.max_steps, by_epochs) if n is not None]
-        return min(candidates) if candidates else None
-
-    def _val_every_n_steps(self, epoch_len: int | None) -> int | None:
-        """Steps between validations; None = at the end of each epoch."""
-        interval = self.val_check_interval
-        if interval is None or isinstance(interval, int):
-            return interval
-        if epoch_len is None:
-            raise ValueError(
-                f"val_check_interval={interval} is a fraction of an epoch but the loader has no len(); pass an int"
-            )
-        return max(1, round(interval * math.ceil(epoch_len / self.accumulate_grad_batches)))
-
-    def _done(self) -> bool:
-        s = self.state
-        if self.max_time is not None and not self.should_stop:
-            # every rank must stop at the same step: one agreed flag (a collective only with processes)
-            if self.strategy.any_rank(time.time() - self._fit_started >= self.max_time):
-                self.should_stop = True
-                rank_zero_info(f"stopping at step {s.global_step}: max_time of {self.max_time:.0f} s reached")
-        reason = None if self.should_stop else self.strategy.stop_reason()
-        if reason is not None:
-            if s.global_step > self._fit_start_step:  # this fit trained: keep where it stopped
-                self.save_and_stop(reason, resumable=False)
-            else:
-                self.should_stop = True
-                rank_zero_info(f"stopping at step {s.global_step} before training: {reason}")
-        return (
-            self.should_stop
-            or (self.max_steps is not None and s.global_step >= self.max_steps)
-            or (self.max_epochs is not None and s.epoch >= self.max_epochs)
-        )
-
     def _finish(self, stage: str) -> None:
-        if self._progress is not None:
-            self._progress.close()
-            self._progress = None
+        loop = self._fit_loop
+        if loop is not None and loop.progress is not None:
+            loop.progress.close()
+            loop.progress = None
         self.strategy.teardown()  # first: it completes checkpoints still being written
         for lock in self._locks:  # then this fit's folders are free for the next one
             lock.release()
@@ -790,11 +533,6 @@ class Trainer:
     def _call(self, hook: str, *args: Any) -> None:
         """Every callback's `hook` (callbacks that define hooks of their own fire them through this)."""
         self._dispatch.callbacks(hook, *args)
-
-
-def _take(iterator: Any, k: int, remaining: int | None) -> list[Any]:
-    """Up to k next batches (fewer at the end of the epoch or of `remaining`)."""
-    return list(itertools.islice(iterator, k if remaining is None else max(0, min(k, remaining))))
 
 
 def _loader_source(module: TrainModule, stage: str, datamodule: Any, given: Any, own: bool) -> Any:

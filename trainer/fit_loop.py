@@ -1,0 +1,359 @@
+"""One fit's loop: epochs of optimizer steps, each a window of micro-batches, with validation, logging
+and the stop conditions between them. A `FitLoop` is made per fit and owns that fit's state (the step in
+progress, its loss and norm, the data position, the progress bar); the Trainer reads it through its
+views and steers it through its control methods."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from trainer import eval_loop, resume, step_log
+from trainer.epochs import EpochBatches
+from trainer.fused_optim import prefer_fused
+from trainer.logging import rank_zero_info
+from trainer.module import TrainModule
+from trainer.optim_config import parse_optimizers
+from trainer.progress import ProgressBar
+from trainer.schedules import LRSchedule, build_scheduler
+from trainer.state import LoopState
+from trainer.step_log import Throughput
+
+if TYPE_CHECKING:
+    from trainer.trainer import Trainer
+
+
+class FitLoop:
+    """The loop of one `Trainer.fit` on this rank: `run` sets up, then trains epoch by epoch until done."""
+
+    def __init__(
+        self, trainer: Trainer, module: TrainModule, train_loader: Iterable, val_loader: Iterable | None
+    ) -> None:
+        self.trainer, self.module, self.val_loader = trainer, module, val_loader
+        self.train_batches = EpochBatches(train_loader, trainer.limit_train_batches)
+        if trainer.limit_train_batches is not None and self.train_batches.epoch_length() == 0:
+            raise ValueError(
+                f"limit_train_batches={trainer.limit_train_batches} leaves no batch of the train loader per "
+                "epoch; allowed: a limit that keeps at least one batch"
+            )
+        self.progress: ProgressBar | None = None  # rank zero's, with enable_progress_bar
+        self.first_train_batch: Any = None  # the fit's first micro-batch on this rank, as the loader gave it
+        self.step_loss: torch.Tensor | None = None  # this rank's loss of the step in progress
+        self.step_norm: torch.Tensor | None = None  # its gradients' norm, once computed
+        self.skip_reason: str | None = None  # why a callback skips the step's update
+        self.step_logged = False  # the step that just ran was logged: so is what on_train_batch_end logs
+        self.epoch_ending = False  # through the epoch's validation and on_train_epoch_end
+        self.last_val_step: int | None = None
+        self.started = 0.0  # time.time() when training started: max_time counts this fit
+        self.start_step = 0
+        self.first_not_finite: torch.Tensor | None = None  # see not_finite_since
+
+    # ---- the run ---------------------------------------------------------------------------------
+    def run(self, ckpt_path: Any) -> None:
+        """Optimizer, run folders and resume; then Lightning's fit: its hooks around the epochs."""
+        trainer, module, val_loader = self.trainer, self.module, self.val_loader
+        dispatch = trainer._dispatch
+        self.setup_optimizer()
+        resume.claim_run_folders(trainer, ckpt_path)
+        resume_from = resume.load_checkpoint(trainer, ckpt_path, lambda path: resume.restore(trainer, path))
+        if resume_from is not None:
+            trainer.state.restarts += 1
+        else:
+            trainer.state.started_at = time.time()
+        if trainer.enable_model_summary:
+            step_log.announce(trainer, module)
+        if trainer.is_global_zero:
+            for lg in trainer.loggers:
+                lg.setup(trainer.default_root_dir, trainer.global_step if resume_from is not None else None)
+                lg.log_hyperparams(step_log.hyperparams(trainer, module))
+            if trainer.enable_progress_bar:
+                self.progress = ProgressBar(self.total_steps(), trainer.global_step)
+        dispatch.all("on_fit_start")
+        if val_loader is not None and trainer.num_sanity_val_steps and not self._val_at_start_due():
+            eval_loop.sanity_check(trainer, module, val_loader)
+        dispatch.all("on_train_start")
+        self._train()
+        dispatch.all("on_train_end")
+        dispatch.all("on_fit_end")
+        rank_zero_info(step_log.effective_time_line(trainer))
+
+    def _train(self) -> None:
+        trainer, s, val_loader = self.trainer, self.trainer.state, self.val_loader
+        self.started = time.time()  # max_time counts this fit (a resumed run starts afresh)
+        self.start_step = s.global_step
+        epoch_len = self.train_batches.epoch_length()
+        val_every = self._val_every_n_steps(epoch_len)
+        meter = Throughput()
+        if val_loader is not None and self._val_at_start_due():
+            # the baseline the run's progress is read against
+            eval_loop.validate_in_fit(trainer, self.module, val_loader)
+        while not self.done():
+            trainer._dispatch.all("on_train_epoch_start")
+            if not self._epoch(epoch_len, val_every, meter):
+                if s.batches_in_epoch:  # stopped inside the epoch (max_steps or should_stop): it ends here
+                    trainer._dispatch.all("on_train_epoch_end")
+                break
+            self._end_epoch(val_every)
+        step_log.log_epoch_metrics(trainer)  # a run stopped inside an epoch ends its aggregates here
+        if val_loader is not None and self.last_val_step != s.global_step:
+            eval_loop.validate_in_fit(trainer, self.module, val_loader)
+
+    def _end_epoch(self, val_every: int | None) -> None:
+        """An epoch whose data ran out: validation (at epoch ends), its hooks, aggregates, schedule."""
+        trainer, s = self.trainer, self.trainer.state
+        if s.batches_in_epoch == 0:
+            raise ValueError("the train loader yielded no batches in an epoch; it must yield at least one")
+        s.epoch += 1  # counted now, so a checkpoint written in what follows resumes at the next epoch
+        s.batches_in_epoch = 0
+        self.epoch_ending = True  # ...while current_epoch still names the one ending, as in Lightning
+        try:
+            if (
+                self.val_loader is not None
+                and not val_every
+                and s.epoch % trainer.check_val_every_n_epoch == 0
+            ):
+                eval_loop.validate_in_fit(trainer, self.module, self.val_loader)
+            trainer._dispatch.all("on_train_epoch_end")
+            step_log.log_epoch_metrics(trainer)
+        finally:
+            self.epoch_ending = False
+        self.step_scheduler("epoch", s.epoch)  # after validation: ReduceLROnPlateau reads its metric
+
+    def _epoch(self, epoch_len: int | None, val_every: int | None, meter: Throughput) -> bool:
+        """Optimizer steps until the epoch's data runs out (True) or the run is done (False)."""
+        trainer, s, module, val_loader = self.trainer, self.trainer.state, self.module, self.val_loader
+        iterator = self.train_batches.begin(s.epoch, s.batches_in_epoch)
+        while not self.done():
+            remaining = None if epoch_len is None else epoch_len - s.batches_in_epoch
+            started = time.perf_counter()
+            with trainer.clock.phase("data"):
+                window = _take(iterator, trainer.accumulate_grad_batches, remaining)
+            if not window:
+                return True
+            first_idx = s.batches_in_epoch
+            trainer._step_hooks = True
+            try:
+                outputs = self._optimizer_step(window, meter, started)
+                if val_loader is not None and val_every and s.global_step % val_every == 0:
+                    eval_loop.validate_in_fit(trainer, module, val_loader)
+                trainer._dispatch.step("on_train_batch_end", (outputs,), (outputs, window[0], first_idx))
+            finally:
+                trainer._step_hooks = False
+            self._end_step()
+        return False
+
+    # ---- one optimizer step ----------------------------------------------------------------------
+    def _optimizer_step(self, window: list[Any], meter: Throughput, started: float) -> dict[str, Any]:
+        """Forward+backward every micro-batch of `window`, then clip and step once. The time since
+        `started` (the data fetch) is productive unless the update is skipped; what follows (logging,
+        validation, checkpoints in batch-end callbacks) is not."""
+        trainer, module = self.trainer, self.module
+        s, strategy, dispatch, optimizer = (
+            trainer.state,
+            trainer.strategy,
+            trainer._dispatch,
+            trainer.optimizer,
+        )
+        if self.first_train_batch is None:
+            self.first_train_batch = window[0]
+        dispatch.step("on_train_batch_start", (s.batches_in_epoch,), (window[0], s.batches_in_epoch))
+        for batch in window:
+            samples, tokens = meter.count(batch)
+            s.samples_seen += samples
+            s.tokens_seen += tokens or 0
+        out = strategy.train_step(module, window, s.batches_in_epoch)  # forward+backward of the window
+        if out is None:  # a training_step returned None (on some rank): no update, as in Lightning
+            return self._skip_returned_none(window)
+        loss, num_tokens = out.loss, out.num_tokens
+        self.step_loss, self.step_norm, self.skip_reason = loss, None, None
+        strategy.finish_gradients(module, optimizer, num_tokens)
+        dispatch.step("on_after_backward")
+        log_now = trainer.logs_this_step
+        if trainer.gradient_clip_val is not None:
+            self.step_norm = strategy.clip_gradients(
+                module, trainer.gradient_clip_val, trainer.gradient_clip_algorithm
+            )
+        elif log_now:
+            self.step_grad_norm()
+        dispatch.step("on_before_optimizer_step", (optimizer,))
+        lr = optimizer.param_groups[0]["lr"]
+        skipped = self.skip_reason is not None
+        with trainer.clock.phase("optimizer"):
+            if skipped:
+                strategy.precision.skip_step()
+            else:  # False: fp16's loss scaler dropped the update for inf/nan gradients
+                skipped = not strategy.optimizer_step(optimizer)
+            s.skipped_steps += skipped
+            dispatch.step("on_before_zero_grad", (optimizer,))
+            optimizer.zero_grad(set_to_none=True)
+            self.step_scheduler("step", s.global_step + 1)
+        strategy.after_optimizer_step()
+        if not skipped:
+            s.productive_s += time.perf_counter() - started
+        self._track_finite(loss, s.global_step)  # the model as of this step gave a non-finite loss
+        s.global_step += 1
+        s.batches_in_epoch += len(window)
+        meter.step_done()
+        if log_now:  # written now, before batch-end callbacks (a checkpoint, a stop) can interrupt
+            step_log.log_train(trainer, loss, num_tokens, lr, self.step_norm, meter)
+        trainer._fit_metrics.reset_step()
+        self.step_logged = log_now
+        return {"loss": loss, "skipped": skipped}
+
+    def _skip_returned_none(self, window: list[Any]) -> dict[str, Any]:
+        """training_step returned None: the step counts (as in Lightning, where the optimizer is still
+        called with no gradients) but updates nothing; what the window accumulated is dropped."""
+        trainer = self.trainer
+        s = trainer.state
+        if not trainer._warned_none_step:
+            trainer._warned_none_step = True
+            rank_zero_info(
+                f"training_step returned None at step {s.global_step + 1}: that optimizer step is skipped on "
+                "every rank (said once per run)"
+            )
+        trainer.optimizer.zero_grad(set_to_none=True)
+        s.global_step += 1
+        s.skipped_steps += 1
+        s.batches_in_epoch += len(window)
+        self.step_scheduler("step", s.global_step)
+        trainer._fit_metrics.reset_step()
+        return {"loss": None, "skipped": True}
+
+    def _end_step(self) -> None:
+        """After on_train_batch_end: what it logged per step belongs to the step that just ended (as in
+        Lightning), so it is logged at that step when the step was; then the step's metrics clear."""
+        trainer = self.trainer
+        buffer = trainer._fit_metrics
+        extra = buffer.compute_step(trainer._reduce_logged) if self.step_logged else {}
+        if extra:
+            trainer.log_metrics(extra, hidden=buffer.not_for_loggers())
+        self.step_logged = False
+        buffer.reset_step()
+        if self.progress is not None:
+            self.progress.update()
+        self.step_loss = self.step_norm = None
+
+    # ---- what the Trainer's control methods reach ------------------------------------------------
+    def step_grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of the step's gradients (before clipping), computed once per step."""
+        if self.step_norm is None:
+            self.step_norm = self.trainer.strategy.grad_norm(self.module)
+        return self.step_norm
+
+    def not_finite_since(self) -> int | None:
+        """The first step of this fit whose loss was not finite on any rank, or None (every rank calls)."""
+        first = self.first_not_finite
+        mine = torch.tensor(math.inf) if first is None else first.detach().float().cpu()
+        found = float(self.trainer.strategy.reduce(mine, "min", group="world"))
+        return None if math.isinf(found) else int(found)
+
+    def _track_finite(self, loss: torch.Tensor, step: int) -> None:
+        """Remember the first step whose loss was not finite, on the device (no host sync per step)."""
+        first = self.first_not_finite
+        if first is None:
+            first = self.first_not_finite = torch.full((), math.inf, device=loss.device)
+        bad = ~torch.isfinite(loss.detach()) & torch.isinf(first)
+        self.first_not_finite = torch.where(bad, torch.full_like(first, step), first)
+
+    def done(self) -> bool:
+        """Whether the fit stops before the next step: should_stop, max_steps, max_epochs, max_time or the
+        strategy's stop reason (a signal, a lost peer), agreed by every rank."""
+        trainer = self.trainer
+        s = trainer.state
+        if trainer.max_time is not None and not trainer.should_stop:
+            # every rank must stop at the same step: one agreed flag (a collective only with processes)
+            if trainer.strategy.any_rank(time.time() - self.started >= trainer.max_time):
+                trainer.should_stop = True
+                rank_zero_info(
+                    f"stopping at step {s.global_step}: max_time of {trainer.max_time:.0f} s reached"
+                )
+        reason = None if trainer.should_stop else trainer.strategy.stop_reason()
+        if reason is not None:
+            if s.global_step > self.start_step:  # this fit trained: keep where it stopped
+                trainer.save_and_stop(reason, resumable=False)
+            else:
+                trainer.should_stop = True
+                rank_zero_info(f"stopping at step {s.global_step} before training: {reason}")
+        return (
+            trainer.should_stop
+            or (trainer.max_steps is not None and s.global_step >= trainer.max_steps)
+            or (trainer.max_epochs is not None and s.epoch >= trainer.max_epochs)
+        )
+
+    # ---- optimizer and schedule ------------------------------------------------------------------
+    def setup_optimizer(self) -> None:
+        """The module's optimizer (fused where it can be) and either its own scheduler or the Trainer's."""
+        trainer = self.trainer
+        optimizer, trainer._scheduler_config = parse_optimizers(self.module.configure_optimizers())
+        trainer.optimizer = trainer.strategy.setup_optimizer(prefer_fused(optimizer))
+        if trainer._scheduler_config is not None:
+            if trainer.lr_schedule != "constant" or trainer.warmup_steps:
+                raise ValueError(
+                    f"configure_optimizers returned its own lr_scheduler and the Trainer has lr_schedule={trainer.lr_schedule!r}, "
+                    f"warmup_steps={trainer.warmup_steps}; allowed: one of the two (leave the Trainer's at 'constant', 0)"
+                )
+            trainer.lr_scheduler = trainer._scheduler_config.scheduler
+            return
+        total = self.total_steps()
+        if trainer.lr_schedule != "constant" and total is None:
+            raise ValueError(
+                f"lr_schedule={trainer.lr_schedule!r} needs the run length: set max_steps, or use a loader with len()"
+            )
+        trainer._schedule = LRSchedule(
+            trainer.lr_schedule, trainer.warmup_steps, total or 1, trainer.min_lr_ratio
+        )
+        trainer.lr_scheduler = build_scheduler(trainer.optimizer, trainer._schedule)
+
+    def step_scheduler(self, interval: str, count: int) -> None:
+        """The Trainer's own schedule steps every optimizer step; a module's scheduler at its interval."""
+        trainer = self.trainer
+        config = trainer._scheduler_config
+        if config is None:
+            if interval == "step":
+                trainer.lr_scheduler.step()
+        elif config.interval == interval:
+            config.step(count, trainer.callback_metrics)
+
+    def total_steps(self) -> int | None:
+        """Optimizer steps the fit will take, if knowable."""
+        trainer, per_epoch = self.trainer, None
+        length = self.train_batches.epoch_length()
+        if length is not None:
+            per_epoch = math.ceil(length / trainer.accumulate_grad_batches)
+        by_epochs = per_epoch * trainer.max_epochs if per_epoch is not None and trainer.max_epochs else None
+        candidates = [n for n in (trainer.max_steps, by_epochs) if n is not None]
+        return min(candidates) if candidates else None
+
+    def _val_every_n_steps(self, epoch_len: int | None) -> int | None:
+        """Steps between validations; None = at the end of each epoch."""
+        interval = self.trainer.val_check_interval
+        if interval is None or isinstance(interval, int):
+            return interval
+        if epoch_len is None:
+            raise ValueError(
+                f"val_check_interval={interval} is a fraction of an epoch but the loader has no len(); pass an int"
+            )
+        return max(1, round(interval * math.ceil(epoch_len / self.trainer.accumulate_grad_batches)))
+
+    def _val_at_start_due(self) -> bool:
+        return self.trainer.val_at_start and self.trainer.state.global_step == 0
+
+
+def effective_training_time(state: LoopState) -> dict[str, float]:
+    """Productive step seconds over wall-clock seconds since the run first started."""
+    wall = max(time.time() - state.started_at, 1e-9)
+    return {
+        "fraction": min(state.productive_s / wall, 1.0),
+        "productive_s": state.productive_s,
+        "wall_s": wall,
+    }
+
+
+def _take(iterator: Any, k: int, remaining: int | None) -> list[Any]:
+    """Up to k next batches (fewer at the end of the epoch or of `remaining`)."""
+    return list(itertools.islice(iterator, k if remaining is None else max(0, min(k, remaining))))
