@@ -5,8 +5,10 @@ from strategies.ddp import DDPStrategy
 from strategies.dp_sgd import DPSGDStrategy  # the registry imports it anyway (its "dp_sgd" name)
 from strategies.fsdp import FSDPStrategy
 from strategies.mesh import MeshStrategy
+from strategies.parallel import ParallelStrategy
 from strategies.parallel3d import Parallel3DStrategy
 from strategies.parallel_dims import Group, ParallelDims
+from strategies.parallelize import ParallelOptions
 from strategies.registry import STRATEGIES, build_strategy
 from strategies.single import SingleDeviceStrategy
 
@@ -19,6 +21,8 @@ __all__ = [
     "MeshStrategy",
     "Parallel3DStrategy",
     "ParallelDims",
+    "ParallelOptions",
+    "ParallelStrategy",
     "SingleDeviceStrategy",
     "Strategy",
     "build_strategy",

@@ -8,7 +8,7 @@ overrides what differs (wrapping, collectives, gradient sync, which ranks write 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,8 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from strategies import sharded_checkpoint
 from strategies.activation_checkpointing import check_mode, checkpoint_blocks, transformer_blocks
+from strategies.checkpoint_io import LAYOUTS, CheckpointIO, layout_of
+from strategies.checkpoint_io.sharded import ShardedState
+from strategies.checkpoint_io.whole_files import WholeFiles
+from strategies.collectives import check_reduce_op
 from strategies.compile_blocks import compile_units
 from strategies.experts import expert_modules, update_expert_biases
 from strategies.parallel_dims import check_group_name
@@ -68,19 +71,6 @@ def combine_micro_batches(outputs: list[StepOutput]) -> StepOutput:
     return StepOutput((torch.stack([o.loss.float() for o in outputs]) * n).sum() / n.sum(), n.sum())
 
 
-class StepRunner(nn.Module):
-    """Holds the user's module; its forward runs one of the module's `*_step` methods. A wrapper that
-    hooks `forward` (DDP) wraps this, so the step runs inside the wrapper's forward while `self(x)` in the
-    step still reaches the module's own forward (Lightning's wrapper works the same way)."""
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        self.module = module
-
-    def forward(self, method: str, *args: Any) -> Any:
-        return getattr(self.module, method)(*args)
-
-
 class Strategy:
     """How the work of a run is spread over processes and devices (default: one process, one device)."""
 
@@ -99,6 +89,7 @@ class Strategy:
         self.activation_checkpointing: str | None = None  # None, "full" or "selective"
         self.compile: str | None = None  # a torch.compile mode, or None: eager
         self._expert_modules: list[nn.Module] = []  # the model's, recorded by prepare_blocks
+        self.checkpoint_io: CheckpointIO = WholeFiles()  # the layout it writes
 
     # ---- set-up ----------------------------------------------------------------------------------
     def configure(
@@ -411,22 +402,13 @@ class Strategy:
         """Wait for every rank of `group`."""
         check_group_name(group)
 
-    # ---- checkpoints -----------------------------------------------------------------------------
+    # ---- checkpoints: the layout this strategy writes, and those it reads (strategies/checkpoint_io/) --
     def save_checkpoint(
         self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]
     ) -> None:
-        """Write model, optimizer and `state` as one atomic checkpoint directory of whole files (one
-        process; strategies of several processes write each rank's own part: MeshStrategy)."""
-        model_sd = module.state_dict()
-        optim_sd = optimizer.state_dict() if optimizer is not None else None
-
-        def write(tmp: Path) -> ckpt.Entries:
-            entries = ckpt.save_model_file(model_sd, tmp / ckpt.MODEL_FILE)
-            if optim_sd is not None:
-                entries |= ckpt.save_torch_file(optim_sd, tmp / ckpt.OPTIMIZER_FILE)
-            return entries | ckpt.save_torch_file(state, tmp / ckpt.STATE_FILE)
-
-        ckpt.write_atomically(Path(path), write, ckpt.meta_for(state))
+        """Write model, optimizer and `state` as one atomic checkpoint directory in this strategy's
+        layout (one process: whole files; several: each rank its own part)."""
+        self.checkpoint_io.save(path, module, optimizer, state)
 
     # ---- waits on checkpoint I/O: sized to the work, not to a fixed timeout ------------------------
     def begin_io(self, nbytes: int) -> None:
@@ -461,52 +443,35 @@ class Strategy:
     @property
     def checkpoint_in_progress(self) -> bool:
         """True while a checkpoint is still being written in the background (async save)."""
-        return False
+        return self.checkpoint_io.in_progress
 
     def finish_checkpoint(self) -> None:
         """Block until a checkpoint written in the background is complete (call on every rank)."""
+        self.checkpoint_io.finish()
 
-    checkpoint_layout = "state_dict"  # of sharded checkpoints: torch's get_state_dict form (ZeRO-1: "zero1")
+    def checkpoint_readers(self) -> dict[str, Callable[..., dict[str, Any]]]:
+        """The layouts this strategy loads, each with its loader (the layout it writes first): whole
+        files, and sharded state dicts at any world size."""
+        readers = {"files": WholeFiles().load, "state_dict": ShardedState(self).load}
+        return dict(sorted(readers.items(), key=lambda item: item[0] != self.checkpoint_io.layout))
 
     def load_checkpoint(
         self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None
     ) -> dict[str, Any]:
-        """Load model (and optimizer) in place from `path`; returns the rest of the saved state. A sharded
-        checkpoint of this strategy's layout loads at any world size; whole files load everywhere."""
+        """Load model (and optimizer) in place from `path`; returns the rest of the saved state. A
+        one-line error names a layout this strategy cannot read and those it can."""
         path = Path(path)
-        meta = ckpt.read_meta(path)
-        if meta.get("format") == "dcp":
-            layout = meta.get("layout", "state_dict")  # sharded checkpoints before layouts were fsdp's
-            if layout != self.checkpoint_layout:
-                raise ckpt.CheckpointError(
-                    f"checkpoint '{path}' was {LAYOUTS[layout]}; this {type(self).__name__} reads checkpoints "
-                    f"{LAYOUTS[self.checkpoint_layout]}: resume with one of those (any world size), or "
-                    "`trainer export` its weights"
-                )
-            self.load_sharded(path, module, optimizer)
-            return _checked_state(path)
-        model_sd = ckpt.load_model_file(path / ckpt.MODEL_FILE)
-        load_module_state(module, model_sd, path)
-        if optimizer is not None:
-            optimizer.load_state_dict(ckpt.load_torch_file(path / ckpt.OPTIMIZER_FILE))
-        return _checked_state(path)
-
-    def load_sharded(self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-        """Fill `module` and `optimizer`, sharded as they are now, from a sharded checkpoint of this
-        strategy's layout, each rank reading what its shards need."""
-        self.reshard(module)  # gathered copies from an earlier forward would hide what is loaded
-        self.begin_io(ckpt.manifest_bytes(path) // self.world_size)
-        sharded_checkpoint.load_state_dict_layout(path, module, optimizer, self.io_group)
+        layout, readers = layout_of(path), self.checkpoint_readers()
+        if layout not in readers:
+            reads = " or ".join(LAYOUTS[name] for name in readers)
+            raise ckpt.CheckpointError(
+                f"checkpoint '{path}' was {LAYOUTS[layout]}; this {type(self).__name__} reads checkpoints "
+                f"{reads}: resume with one of those (any world size), or `trainer export` its weights"
+            )
+        return readers[layout](path, module, optimizer)
 
     def teardown(self) -> None:
         """Release processes groups and devices."""
-
-
-def _checked_state(path: Path) -> dict[str, Any]:
-    """A checkpoint's trainer state, whose step must be the one its meta.json announces."""
-    state = ckpt.load_torch_file(path / ckpt.STATE_FILE)
-    ckpt.check_step(path, state)
-    return state
 
 
 def _grads(module: nn.Module) -> list[torch.Tensor]:
@@ -521,40 +486,3 @@ def scale_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
         by_mesh.setdefault(getattr(t, "device_mesh", None), []).append(t)
     for group in by_mesh.values():
         torch._foreach_mul_(group, factor)
-
-
-def load_module_state(module: nn.Module, state_dict: dict[str, torch.Tensor], source: Path) -> None:
-    """`load_state_dict(strict=True)` whose error names the checkpoint and the keys that don't match."""
-    own = module.state_dict()
-    missing = sorted(set(own) - set(state_dict))
-    unexpected = sorted(set(state_dict) - set(own))
-    wrong_shape = sorted(k for k in set(own) & set(state_dict) if own[k].shape != state_dict[k].shape)
-    if missing or unexpected or wrong_shape:
-        parts = [
-            f"{label} {keys[:3]}{' ...' if len(keys) > 3 else ''}"
-            for label, keys in (
-                ("missing", missing),
-                ("unexpected", unexpected),
-                ("wrong shape", wrong_shape),
-            )
-            if keys
-        ]
-        raise ckpt.CheckpointError(
-            f"checkpoint '{source}' does not fit {type(module).__name__}: {'; '.join(parts)}"
-        )
-    module.load_state_dict(state_dict)
-
-
-LAYOUTS = {  # the layouts of sharded checkpoints, by who writes them
-    "state_dict": "written by ddp, dp_sgd, fsdp with zero_stage 2/3 or parallel3d",
-    "zero1": "written by fsdp with zero_stage=1",
-}
-REDUCE_OPS = ("mean", "sum", "max", "min")
-
-
-def check_reduce_op(op: str) -> str:
-    """`op` if `Strategy.reduce` knows it; a ValueError listing the ops otherwise. One process checks it
-    too, so a typo fails on a laptop rather than on the first multi-GPU run."""
-    if op not in REDUCE_OPS:
-        raise ValueError(f"reduce op {op!r} is unknown; allowed: {', '.join(REDUCE_OPS)}")
-    return op

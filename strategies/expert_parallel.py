@@ -9,7 +9,7 @@ receives, by an all-to-all, the (token, choice) pairs routed to them from every 
   compute uses their local E/ep experts), so FSDP2, DCP and the DTensor gradient norm handle them as
   any other sharded parameter.
 
-The MoE layers are the model's `expert_modules()` (strategies/experts.py); no model is imported.
+strategies/apply/ep.py applies both to the model's `expert_modules()` (strategies/experts.py); no model is imported.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from strategies.experts import expert_modules
 from trainer.models.moe_dispatch import LocalDispatcher, Routing
 
 
@@ -108,13 +107,3 @@ def shard_experts(experts: nn.Module, mesh: DeviceMesh) -> None:
             raise ValueError(f"{param.shape[0]} experts are not divisible by ep={mesh.size()}")
         sharded = distribute_tensor(param.detach(), mesh, [Shard(0)], src_data_rank=None)
         experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-
-
-def apply_expert_parallel(module: nn.Module, ep_mesh: DeviceMesh, group: Any) -> list[nn.Module]:
-    """Every one of `module.expert_modules()`: its experts sharded over `ep_mesh`, its dispatcher an
-    all-to-all over `group` (the same ranks). Returns the layers."""
-    layers = expert_modules(module)
-    for layer in layers:
-        shard_experts(layer.experts, ep_mesh)
-        layer.dispatcher = AllToAllDispatcher(group)
-    return layers

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from strategies.experts import expert_modules
 
 if TYPE_CHECKING:
-    from strategies.fsdp import FSDPStrategy
+    from strategies.parallel import ParallelStrategy
 
 GIB = 2**30
 
@@ -63,7 +63,7 @@ class RankMemory:
 
 
 def plan_memory(
-    strategy: FSDPStrategy,
+    strategy: ParallelStrategy,
     make_module: Callable[[], nn.Module],
     world_size: int,
     ranks: list[int] | None = None,

@@ -10,25 +10,20 @@ from __future__ import annotations
 
 import atexit
 import datetime
-import functools
 import os
 import re
-import shutil
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from strategies.base import Strategy, check_reduce_op
+from strategies import collectives
+from strategies.base import Strategy
+from strategies.checkpoint_io import CheckpointIO
+from strategies.checkpoint_io.sharded import ShardedState
 from strategies.parallel_dims import ParallelDims, ParallelMesh
-from strategies.sharded_checkpoint import HashingWriter
-from trainer import checkpoint as ckpt
 from trainer import flags
 from trainer.launch import (
     World,
@@ -41,12 +36,6 @@ from trainer.launch import (
 )
 from trainer.logging import rank_zero_info, set_rank
 
-_REDUCE_OPS = {
-    "mean": dist.ReduceOp.SUM,
-    "sum": dist.ReduceOp.SUM,
-    "max": dist.ReduceOp.MAX,
-    "min": dist.ReduceOp.MIN,
-}
 IO_FLOOR_BYTES_PER_S = 20e6  # a disk slower than 20 MB/s per rank is broken, not slow
 _TIMEOUT = re.compile(r"timed? ?out|timeout", re.IGNORECASE)
 
@@ -67,8 +56,7 @@ class MeshStrategy(Strategy):
         self.timeout_s = float(timeout_s)
         self._io: tuple[Any, float] | None = None  # (the gloo group of checkpoint I/O waits, its timeout)
         self.async_save = False  # strategies that offer it set it from their argument
-        self._pending_save: Any = None  # (future, finish) of a checkpoint written in the background
-        self._save_group: Any = None
+        self.checkpoint_io: CheckpointIO = ShardedState(self)  # each rank writes its own part
         self.world: World | None = None
         self.mesh: ParallelMesh | None = None  # the named groups, built in setup_environment
         self._store: dist.Store | None = None
@@ -171,129 +159,18 @@ class MeshStrategy(Strategy):
     def group_size(self, name: str) -> int:
         return self.mesh.size(name)
 
-    # ---- collectives: each over a named group; on a group of one rank they are no-ops ----------------
+    # ---- collectives (strategies/collectives.py) --------------------------------------------------
     def reduce(self, tensor: torch.Tensor, op: str = "mean", *, group: str) -> torch.Tensor:
-        check_reduce_op(op)
-        out = tensor.detach().clone().to(self.root_device)
-        size = self.group_size(group)
-        if size > 1:
-            dist.all_reduce(out, op=_REDUCE_OPS[op], group=self.mesh.group(group))
-        return out / size if op == "mean" else out
+        return collectives.reduce(self.mesh, tensor, op, group, self.root_device)
 
     def all_gather_object(self, obj: Any, *, group: str = "world") -> list[Any]:
-        if self.group_size(group) == 1:
-            return [obj]
-        gathered: list[Any] = [None] * self.group_size(group)
-        dist.all_gather_object(gathered, obj, group=self.mesh.group(group))
-        return gathered
+        return collectives.all_gather_object(self.mesh, obj, group)
 
     def broadcast_object(self, obj: Any, src: int = 0, *, group: str = "world") -> Any:
-        if src not in self.mesh.ranks(group):
-            raise ValueError(
-                f"src={src} is not in this rank's {group!r} group; allowed: {self.mesh.ranks(group)}"
-            )
-        if self.group_size(group) == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=src, group=self.mesh.group(group))
-        return box[0]
+        return collectives.broadcast_object(self.mesh, obj, src, group)
 
     def barrier(self, *, group: str = "world") -> None:
-        if self.group_size(group) > 1:
-            dist.barrier(group=self.mesh.group(group))
-
-    # ---- checkpoints: each rank writes its own part (strategies/sharded_checkpoint.py) ---------------
-    def checkpoint_payload(
-        self, module: nn.Module, optimizer: torch.optim.Optimizer | None
-    ) -> dict[str, Any]:
-        """What the ranks write: model and optimizer state as torch's `get_state_dict` gives them (keyed by
-        parameter name; DTensor shards under sharding). Replicated tensors are written once, spread over
-        the ranks by DCP."""
-        model_sd, optim_sd = get_state_dict(module, optimizer or [])
-        return {"model": model_sd, **({"optim": optim_sd} if optimizer is not None else {})}
-
-    def save_checkpoint(
-        self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]
-    ) -> None:
-        """Every rank writes its part into `dcp/`, hashed as written; rank zero then adds the trainer state
-        and the manifest of every rank's files, and renames the directory into place. With `async_save`
-        the files are written in the background and the checkpoint completes at `finish_checkpoint`."""
-        self.finish_checkpoint()
-        path = Path(path)
-        meta = ckpt.meta_for(state, format="dcp", layout=self.checkpoint_layout)
-        tmp = ckpt.staging_dir(path, meta)  # named for its owner: a concurrent or dead writer's is another
-        refused = None
-        if self.is_global_zero:
-            try:
-                ckpt.refuse_foreign(path, meta)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                shutil.rmtree(tmp, ignore_errors=True)
-            except (ckpt.CheckpointError, OSError) as err:
-                refused = str(err)
-        payload = self.checkpoint_payload(module, optimizer)
-        self.begin_io(ckpt.tensor_bytes(payload))
-        refused = self.agree(refused)  # also the barrier: the directory is clean before anyone writes
-        if refused is not None:
-            raise ckpt.CheckpointError(refused)
-        writer = HashingWriter(tmp)
-        finish = functools.partial(self._finish_save, tmp, path, state, meta, writer)
-        if not self.async_save:
-            try:
-                dcp.save(payload, storage_writer=writer, process_group=self.io_group)
-            except BaseException as err:
-                self._abandon_save(tmp, path, err)
-            return finish()
-        if self._save_group is None:  # its own: the writer's collectives must not interleave with training's
-            self._save_group = dist.new_group(backend="gloo")
-        future = dcp.async_save(payload, storage_writer=writer, process_group=self._save_group)
-        self._pending_save = (future, finish, tmp, path)
-
-    def _finish_save(
-        self, tmp: Path, path: Path, state: dict, meta: dict[str, Any], writer: HashingWriter
-    ) -> None:
-        written = {k: v for entries in self.io_gather(writer.entries) for k, v in entries.items()}
-        failed = None
-        if self.is_global_zero:
-            try:  # it removes the staged directory itself when it fails
-                ckpt.write_atomically(
-                    path,
-                    lambda d: ckpt.save_torch_file(state, d / ckpt.STATE_FILE),
-                    meta,
-                    staged=tmp,
-                    written=written,
-                )
-            except Exception as err:
-                failed = err
-        problem = self.agree(None if failed is None else str(failed))  # every rank fails together
-        if failed is not None:
-            raise failed
-        if problem is not None:
-            raise ckpt.CheckpointError(problem)
-
-    def _abandon_save(self, tmp: Path, path: Path, err: BaseException) -> None:
-        """After DCP's write failed (on every rank at once: it gathers the ranks' results), rank zero
-        removes the staged directory; the error is raised as the user should read it (a full disk: one line)."""
-        reached = ckpt.dir_bytes(tmp)
-        if self.is_global_zero:
-            shutil.rmtree(tmp, ignore_errors=True)
-        said = ckpt.save_error(err, path, reached)
-        if said is err:
-            raise err
-        raise said from err
-
-    @property
-    def checkpoint_in_progress(self) -> bool:
-        return self._pending_save is not None
-
-    def finish_checkpoint(self) -> None:
-        if self._pending_save is not None:
-            future, finish, tmp, path = self._pending_save
-            self._pending_save = None
-            try:
-                future.result()
-            except BaseException as err:
-                self._abandon_save(tmp, path, err)
-            finish()
+        collectives.barrier(self.mesh, group)
 
     # ---- waits on checkpoint I/O ------------------------------------------------------------------
     def begin_io(self, nbytes: int) -> None:

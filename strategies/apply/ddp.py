@@ -1,0 +1,72 @@
+"""Data parallel by replication: DistributedDataParallel over the batch group, with an optional
+gradient-compression comm hook."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+COMPRESSION = (None, "fp16", "bf16", "powersgd")
+
+
+class StepRunner(nn.Module):
+    """Holds the user's module; its forward runs one of the module's `*_step` methods. A wrapper that
+    hooks `forward` (DDP) wraps this, so the step runs inside the wrapper's forward while `self(x)` in the
+    step still reaches the module's own forward (Lightning's wrapper works the same way)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, method: str, *args: Any) -> Any:
+        return getattr(self.module, method)(*args)
+
+
+def check_compression(value: Any) -> str | None:
+    """`value` if DDP's comm hooks know it; a one-line ValueError otherwise."""
+    if value not in COMPRESSION:
+        raise ValueError(
+            f"gradient_compression={value!r} is unknown; allowed: None, 'fp16', 'bf16', 'powersgd'"
+        )
+    return value
+
+
+def apply_ddp(
+    module: nn.Module,
+    group: Any,
+    device: torch.device,
+    ddp_kwargs: dict[str, Any],
+    compression: str | None = None,
+    powersgd_rank: int = 1,
+    powersgd_start_iter: int = 10,
+) -> DistributedDataParallel:
+    """DDP over `group` around a StepRunner of `module` (the module itself is left unwrapped, so the
+    Trainer and the user keep calling it); DDP's constructor broadcasts rank 0's parameters and buffers,
+    so every replica starts equal."""
+    device_ids = [device.index] if device.type == "cuda" else None
+    model = DistributedDataParallel(
+        StepRunner(module), device_ids=device_ids, process_group=group, **ddp_kwargs
+    )
+    _register_compression(model, group, compression, powersgd_rank, powersgd_start_iter)
+    return model
+
+
+def _register_compression(
+    model: DistributedDataParallel, group: Any, compression: str | None, rank: int, start_iter: int
+) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if compression == "fp16":
+        model.register_comm_hook(group, default_hooks.fp16_compress_hook)
+    elif compression == "bf16":
+        model.register_comm_hook(group, default_hooks.bf16_compress_hook)
+    elif compression == "powersgd":
+        state = powerSGD_hook.PowerSGDState(
+            process_group=group,  # PowerSGD's own all-reduces: over DDP's replicas only
+            matrix_approximation_rank=rank,
+            start_powerSGD_iter=start_iter,
+        )
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)

@@ -1,0 +1,53 @@
+"""Checkpoint layouts: how a strategy's ranks write a checkpoint directory and read it back. Each layout
+is one CheckpointIO (whole files, DCP state dict, ZeRO-1 slices); a strategy writes one and reads those
+it can (`Strategy.checkpoint_io`, `Strategy.checkpoint_readers`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from trainer import checkpoint as ckpt
+
+LAYOUTS = {  # every layout, by who writes it
+    "files": "written as whole files (one process)",
+    "state_dict": "written by ddp, dp_sgd, fsdp with zero_stage 2/3 or parallel3d",
+    "zero1": "written by fsdp with zero_stage=1",
+}
+
+
+class CheckpointIO(Protocol):
+    """One checkpoint layout: save on every rank (each writes its part), load in place on every rank."""
+
+    layout: str  # a key of LAYOUTS, recorded in meta.json
+
+    def save(
+        self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]
+    ) -> None:
+        """Write model, optimizer and the trainer `state` as one atomic checkpoint directory."""
+
+    def load(self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+        """Fill `module` and `optimizer` in place from `path`; returns the trainer state."""
+
+    @property
+    def in_progress(self) -> bool:
+        """True while a checkpoint is still being written in the background."""
+
+    def finish(self) -> None:
+        """Block until a checkpoint written in the background is complete (every rank calls it)."""
+
+
+def layout_of(path: Path) -> str:
+    """The layout of the checkpoint at `path`, from its meta.json (sharded ones before layouts were fsdp's)."""
+    meta = ckpt.read_meta(path)
+    return meta.get("layout", "state_dict") if meta.get("format") == "dcp" else "files"
+
+
+def checked_state(path: Path) -> dict[str, Any]:
+    """A checkpoint's trainer state, whose step must be the one its meta.json announces."""
+    state = ckpt.load_torch_file(path / ckpt.STATE_FILE)
+    ckpt.check_step(path, state)
+    return state
