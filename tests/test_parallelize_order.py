@@ -53,7 +53,10 @@ def test_the_pipeline_cut_comes_first_and_fsdp_shards_each_stage(monkeypatch):
 
 def test_fsdp_alone_applies_only_blocks_then_fsdp(monkeypatch):
     config = LlamaConfig.preset("tiny", vocab_size=64, max_seq_len=16)
-    assert applied_order(monkeypatch, FSDPStrategy(zero_stage=3), config, world=2) == ["ac+compile", "apply_fsdp"]
+    assert applied_order(monkeypatch, FSDPStrategy(zero_stage=3), config, world=2) == [
+        "ac+compile",
+        "apply_fsdp",
+    ]
 
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
