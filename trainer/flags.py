@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from trainer.schedules import SCHEDULES, LRSchedule
 
 
 def check_int(name: str, value: Any, minimum: int, allow_none: bool = False) -> int | None:
@@ -152,3 +157,103 @@ def check_max_time(value: Any) -> float | None:
             f"max_time={value!r} is invalid; allowed: 'DD:HH:MM:SS', a dict like {{'hours': 2}}, or a timedelta > 0"
         )
     return value.total_seconds()
+
+
+@dataclass(frozen=True)
+class LoopFlags:
+    """The Trainer's loop flags, checked, with their derived settings: `fast_dev_run`'s limits applied and
+    the stop default (neither max_steps nor max_epochs: one epoch). The Trainer keeps each as an attribute
+    of the same name (`trainer.max_steps`, ...), as Lightning's does."""
+
+    max_steps: int | None
+    max_epochs: int | None
+    val_check_interval: int | float | None
+    val_at_start: bool
+    num_sanity_val_steps: int
+    enable_model_summary: bool
+    check_val_every_n_epoch: int
+    max_time: float | None  # seconds
+    limit_train_batches: int | float | None
+    limit_val_batches: int | float | None
+    limit_test_batches: int | float | None
+    limit_predict_batches: int | float | None
+    accumulate_grad_batches: int
+    gradient_clip_val: float | None
+    gradient_clip_algorithm: str
+    lr_schedule: str
+    warmup_steps: int
+    min_lr_ratio: float
+    deterministic: bool
+    log_every_n_steps: int
+    default_root_dir: Path
+    enable_progress_bar: bool
+    enable_checkpointing: bool  # whether a ModelCheckpoint is added when the callbacks have none
+    # a checkpoint without a manifest (or an empty one) loads only when asked, with a warning
+    allow_unverified_checkpoints: bool
+
+
+LOOP_FLAGS = (
+    *(f.name for f in dataclasses.fields(LoopFlags)),
+    "fast_dev_run",
+)  # the Trainer's arguments read
+
+
+def check_loop_flags(fast_dev_run: bool | int = False, **given: Any) -> LoopFlags:
+    """Every loop flag of the Trainer checked (a one-line error names the first bad one), `given` by the
+    names of `LoopFlags`' fields."""
+    if fast_dev_run:  # Lightning's smoke run: n batches of each loop (True: 1), no checkpoints
+        n = check_int("fast_dev_run", 1 if fast_dev_run is True else fast_dev_run, 1)
+        given.update(max_steps=n, max_epochs=1, val_check_interval=None, enable_checkpointing=False)
+        given.update(num_sanity_val_steps=0, log_every_n_steps=1)
+        given.update(dict.fromkeys(_LIMITS, n))
+    max_steps = check_int("max_steps", given["max_steps"], 1, allow_none=True)
+    max_epochs = check_int("max_epochs", given["max_epochs"], 1, allow_none=True)
+    if max_steps is None and max_epochs is None:
+        max_epochs = 1
+    val_check_interval = check_val_interval(given["val_check_interval"])
+    num_sanity_val_steps = check_int("num_sanity_val_steps", given["num_sanity_val_steps"], -1)
+    check_val_every_n_epoch = check_int("check_val_every_n_epoch", given["check_val_every_n_epoch"], 1)
+    max_time = check_max_time(given["max_time"])
+    limits = {name: check_limit(name, given[name]) for name in _LIMITS}
+    accumulate = check_int("accumulate_grad_batches", given["accumulate_grad_batches"], 1)
+    clip_val = check_clip(given["gradient_clip_val"])
+    clip_algorithm = check_choice(
+        "gradient_clip_algorithm", given["gradient_clip_algorithm"], ("norm", "value")
+    )
+    lr_schedule = check_choice("lr_schedule", given["lr_schedule"], SCHEDULES)
+    warmup_steps = check_int("warmup_steps", given["warmup_steps"], 0)
+    min_lr_ratio = given["min_lr_ratio"]
+    if (
+        isinstance(min_lr_ratio, bool)
+        or not isinstance(min_lr_ratio, (int, float))
+        or not 0 <= min_lr_ratio <= 1
+    ):
+        raise ValueError(f"min_lr_ratio={min_lr_ratio!r} is invalid; allowed: a number in [0, 1]")
+    if max_steps is not None:  # the schedule's own checks, now, before any process starts
+        LRSchedule(lr_schedule, warmup_steps, max_steps, float(min_lr_ratio))
+    return LoopFlags(
+        max_steps=max_steps,
+        max_epochs=max_epochs,
+        val_check_interval=val_check_interval,
+        val_at_start=bool(given["val_at_start"]),
+        num_sanity_val_steps=num_sanity_val_steps,
+        enable_model_summary=bool(given["enable_model_summary"]),
+        check_val_every_n_epoch=check_val_every_n_epoch,
+        max_time=max_time,
+        **limits,
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=clip_val,
+        gradient_clip_algorithm=clip_algorithm,
+        lr_schedule=lr_schedule,
+        warmup_steps=warmup_steps,
+        min_lr_ratio=float(min_lr_ratio),
+        deterministic=bool(given["deterministic"]),
+        log_every_n_steps=check_int("log_every_n_steps", given["log_every_n_steps"], 1),
+        default_root_dir=Path(given["default_root_dir"]),
+        enable_progress_bar=bool(given["enable_progress_bar"]),
+        enable_checkpointing=bool(given["enable_checkpointing"]),
+        allow_unverified_checkpoints=bool(given["allow_unverified_checkpoints"]),
+    )
+
+
+_LIMITS = ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches")

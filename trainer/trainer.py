@@ -1,9 +1,11 @@
-"""Trainer: fit / validate / test. It owns the loop and nothing else; the strategy owns the parallelism."""
+"""Trainer: the flags, the entry points (fit / validate / test / predict), read-only views of the run and the
+control methods callbacks use. The loop lives in trainer/fit_loop.py and trainer/eval_loop.py, each
+process's set-up around it in trainer/stages.py; the strategy owns the parallelism."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
-import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -16,25 +18,16 @@ from callbacks.compile_report import CompileReport
 from strategies.base import Strategy
 from strategies.compile_blocks import check_compile
 from strategies.registry import build_strategy
-from trainer import eval_loop, flags, resume, run_folder, step_log
-from trainer.data.loader import pin_for_device
-from trainer.datamodule import call_if_defined, check_source, has_loader, loaders_from
+from trainer import entry_checks, eval_loop, flags, resume, run_folder, stages, step_log
 from trainer.fit_loop import FitLoop, effective_training_time
 from trainer.hooks import HookDispatcher
-from trainer.logging import (
-    JSONLLogger,
-    Logger,
-    build_logger,
-    configure_console_logging,
-    rank_zero_info,
-    set_rank,
-)
+from trainer.logging import JSONLLogger, Logger, build_logger, configure_console_logging, rank_zero_info
 from trainer.metrics import MetricBuffer
-from trainer.module import TrainModule, uncalled_lightning_methods
+from trainer.module import TrainModule
 from trainer.optim_config import SchedulerConfig
 from trainer.precision import Precision
 from trainer.rng import seed_everything
-from trainer.schedules import SCHEDULES, LRSchedule
+from trainer.schedules import LRSchedule
 from trainer.state import LoopState
 from trainer.timing import PhaseClock
 
@@ -94,12 +87,10 @@ class Trainer:
         allow_unverified_checkpoints: bool = False,
     ) -> None:
         configure_console_logging()
-        if fast_dev_run:  # Lightning's smoke run: n batches of each loop (True: 1), no checkpoints
-            n = flags.check_int("fast_dev_run", 1 if fast_dev_run is True else fast_dev_run, 1)
-            max_steps, max_epochs, val_check_interval, enable_checkpointing = n, 1, None, False
-            num_sanity_val_steps = 0
-            limit_train_batches = limit_val_batches = limit_test_batches = limit_predict_batches = n
-            log_every_n_steps = 1
+        given = dict(locals())  # the flags as passed (a copy: some names are rebound below)
+        checked = flags.check_loop_flags(**{name: given[name] for name in flags.LOOP_FLAGS})
+        vars(self).update(dataclasses.asdict(checked))  # trainer.max_steps, ...: the checked loop flags
+        self.seed = seed if seed is None else seed_everything(seed)
         if logger is not None:  # Lightning's name; False: no logger but the always-on JSONL file
             if loggers is not None:
                 raise ValueError("Trainer got both logger= and loggers=; allowed: one of the two")
@@ -107,44 +98,6 @@ class Trainer:
                 [] if logger is False or logger is True else logger if isinstance(logger, list) else [logger]
             )
         accelerator = flags.resolve_accelerator(accelerator)
-        self.max_steps = flags.check_int("max_steps", max_steps, 1, allow_none=True)
-        self.max_epochs = flags.check_int("max_epochs", max_epochs, 1, allow_none=True)
-        if self.max_steps is None and self.max_epochs is None:
-            self.max_epochs = 1
-        self.val_check_interval = flags.check_val_interval(val_check_interval)
-        self.val_at_start = bool(val_at_start)
-        self.num_sanity_val_steps = flags.check_int("num_sanity_val_steps", num_sanity_val_steps, -1)
-        self.enable_model_summary = bool(enable_model_summary)
-        self.check_val_every_n_epoch = flags.check_int("check_val_every_n_epoch", check_val_every_n_epoch, 1)
-        self.max_time = flags.check_max_time(max_time)
-        self.limit_train_batches = flags.check_limit("limit_train_batches", limit_train_batches)
-        self.limit_val_batches = flags.check_limit("limit_val_batches", limit_val_batches)
-        self.limit_test_batches = flags.check_limit("limit_test_batches", limit_test_batches)
-        self.limit_predict_batches = flags.check_limit("limit_predict_batches", limit_predict_batches)
-        self.accumulate_grad_batches = flags.check_int("accumulate_grad_batches", accumulate_grad_batches, 1)
-        self.gradient_clip_val = flags.check_clip(gradient_clip_val)
-        self.gradient_clip_algorithm = flags.check_choice(
-            "gradient_clip_algorithm", gradient_clip_algorithm, ("norm", "value")
-        )
-        self.lr_schedule = flags.check_choice("lr_schedule", lr_schedule, SCHEDULES)
-        self.warmup_steps = flags.check_int("warmup_steps", warmup_steps, 0)
-        if (
-            isinstance(min_lr_ratio, bool)
-            or not isinstance(min_lr_ratio, (int, float))
-            or not 0 <= min_lr_ratio <= 1
-        ):
-            raise ValueError(f"min_lr_ratio={min_lr_ratio!r} is invalid; allowed: a number in [0, 1]")
-        self.min_lr_ratio = float(min_lr_ratio)
-        if self.max_steps is not None:  # checked now, before any process starts
-            LRSchedule(self.lr_schedule, self.warmup_steps, self.max_steps, self.min_lr_ratio)
-        self.seed = seed if seed is None else seed_everything(seed)
-        self.deterministic = bool(deterministic)
-        self.log_every_n_steps = flags.check_int("log_every_n_steps", log_every_n_steps, 1)
-        self.default_root_dir = Path(default_root_dir)
-        self.enable_progress_bar = bool(enable_progress_bar)
-        # a checkpoint without a manifest (or an empty one) loads only when asked, with a warning
-        self.allow_unverified_checkpoints = bool(allow_unverified_checkpoints)
-
         device_ids = list(devices) if isinstance(devices, (list, tuple)) else None  # Lightning's devices=[i]
         devices = flags.resolve_devices(devices, accelerator)
         num_nodes = flags.check_int("num_nodes", num_nodes, 1)
@@ -159,7 +112,7 @@ class Trainer:
                 raise TypeError(f"callbacks must be Callback instances; got {type(cb).__name__}")
         if self.strategy.compile:
             self.callbacks.append(CompileReport())
-        if enable_checkpointing and not any(isinstance(cb, ModelCheckpoint) for cb in self.callbacks):
+        if self.enable_checkpointing and not any(isinstance(cb, ModelCheckpoint) for cb in self.callbacks):
             self.callbacks.append(ModelCheckpoint())
         self.loggers = [build_logger(lg) for lg in (loggers or [])]
         if not any(isinstance(lg, JSONLLogger) for lg in self.loggers):
@@ -268,19 +221,10 @@ class Trainer:
         """Train `module`; `ckpt_path` "last" resumes from the newest good checkpoint (damaged or never
         validated ones are skipped with a warning; none at all: a fresh start), a path resumes from that
         checkpoint after its checksums are verified. `datamodule` (Lightning's) supplies the loaders."""
-        _check_module(module)
-        given = train_dataloaders if val_dataloaders is None else val_dataloaders
-        source = _loader_source(module, "fit", datamodule, given, own=train_dataloaders is None)
-        if source is None:
-            if train_dataloaders is None:
-                raise ValueError("fit needs train_dataloaders; got None")
-            _check_not_empty("train_dataloaders", train_dataloaders)
-            if val_dataloaders is not None:
-                _check_not_empty("val_dataloaders", val_dataloaders)
-        _check_ckpt_path(ckpt_path)
+        entry_checks.check_fit(module, train_dataloaders, val_dataloaders, ckpt_path, datamodule)
         self.strategy.check_module(module)
         return self.strategy.launch(
-            self._run_fit, module, train_dataloaders, val_dataloaders, ckpt_path, datamodule
+            stages.run_fit, self, module, train_dataloaders, val_dataloaders, ckpt_path, datamodule
         )
 
     def validate(
@@ -381,134 +325,16 @@ class Trainer:
         checkpoint and validation stalls, skipped and rolled-back steps are not productive)."""
         return effective_training_time(self.state)
 
-    # ---- fit -------------------------------------------------------------------------------------
-    def _run_fit(
-        self,
-        module: TrainModule,
-        train_loader: Iterable | None,
-        val_loader: Iterable | None,
-        ckpt_path: Any,
-        datamodule: Any,
-    ) -> None:
-        self._setup(module, "fit", datamodule)
-        try:
-            if train_loader is None:  # the datamodule's, or the module's own, read after their setup
-                train_loader, own_val = loaders_from(datamodule or module, "fit")
-                val_loader = own_val if val_loader is None else val_loader
-                _check_not_empty("train_dataloader()", train_loader)
-                if val_loader is not None:
-                    _check_not_empty("val_dataloader()", val_loader)
-            train_loader = self._loader(train_loader, train=True)
-            val_loader = self._loader(val_loader, train=False) if val_loader is not None else None
-            self._fit_loop = FitLoop(self, module, train_loader, val_loader)
-            self._fit_loop.run(ckpt_path)
-        except BaseException as exc:
-            self._dispatch.callbacks("on_exception", exc)
-            raise
-        finally:
-            self._finish("fit")
-
     def _reduce_logged(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         """`sync_dist`: over the ranks that hold different data (and sequence shards)."""
         return self.strategy.reduce(tensor, op, group="loss")
 
-    # ---- evaluation ------------------------------------------------------------------------------
     def _evaluate(
         self, module: TrainModule, loader: Iterable | None, ckpt_path: Any, stage: str, datamodule: Any
     ) -> Any:
-        _check_module(module)
-        source = _loader_source(module, stage, datamodule, loader, own=loader is None)
-        if source is None:
-            if loader is None:
-                raise ValueError(f"{stage} needs dataloaders or a datamodule; got neither")
-            _check_not_empty("dataloaders", loader)
-        _check_ckpt_path(ckpt_path)
+        entry_checks.check_evaluate(module, loader, ckpt_path, stage, datamodule)
         self.strategy.check_module(module)
-        return self.strategy.launch(self._run_evaluate, module, loader, ckpt_path, stage, datamodule)
-
-    def _run_evaluate(
-        self, module: TrainModule, loader: Iterable | None, ckpt_path: Any, stage: str, datamodule: Any
-    ) -> dict[str, float]:
-        self._setup(module, stage, datamodule)
-        try:
-            if loader is None:
-                loader, _ = loaders_from(datamodule or module, stage)
-                _check_not_empty(f"{stage} dataloader", loader)
-            loader = self._loader(loader, train=False)
-            resume.load_checkpoint(
-                self, ckpt_path, lambda path: self.strategy.load_checkpoint(path, module, None)
-            )
-            if stage == "predict":
-                return eval_loop.evaluate(self, module, loader, "predict", self.limit_predict_batches)[2]
-            loop = "validation" if stage == "validate" else "test"
-            limit = self.limit_val_batches if stage == "validate" else self.limit_test_batches
-            metrics, _, _ = eval_loop.evaluate(self, module, loader, loop, limit)
-            if self.is_global_zero and self.enable_progress_bar:
-                print("  ".join(f"{k} {v:.4f}" for k, v in metrics.items()), file=sys.stderr)
-            return metrics
-        finally:
-            self._finish(stage)
-
-    # ---- set-up and tear-down --------------------------------------------------------------------
-    def _setup(self, module: TrainModule, stage: str, datamodule: Any) -> None:
-        strategy = self.strategy
-        strategy.setup_environment()
-        set_rank(strategy.global_rank)
-        self.datamodule = datamodule
-        self._prepare_data(module, datamodule)
-        call_if_defined(datamodule, "setup", stage)
-        if self.seed is not None:
-            seed_everything(self.seed)
-        self._was_deterministic = torch.are_deterministic_algorithms_enabled()
-        if self.deterministic:
-            torch.use_deterministic_algorithms(True)  # for this run only: _finish restores the setting
-        module._trainer = self
-        self.module = module
-        self._module_name = type(module).__name__  # before wrapping (FSDP2 renames the class)
-        uncalled = uncalled_lightning_methods(module)
-        if uncalled and type(module) not in _WARNED_UNCALLED:
-            _WARNED_UNCALLED.add(type(module))
-            rank_zero_info(
-                f"warning: {type(module).__name__} defines Lightning hook(s) this Trainer never calls: "
-                f"{', '.join(uncalled)} (see README, 'Coming from Lightning')"
-            )
-        self._dispatch.callbacks("setup", stage)
-        module.setup(stage)
-        with strategy.module_init_context():
-            module.configure_model()
-        if not any(True for _ in module.parameters()):
-            raise ValueError(
-                f"{type(module).__name__} has no parameters; build layers in __init__ or configure_model()"
-            )
-        strategy.setup_module(module)
-
-    def _prepare_data(self, module: TrainModule, datamodule: Any) -> None:
-        """Lightning's `prepare_data`: once per node (local rank 0; global rank 0 when the owner sets
-        `prepare_data_per_node = False`) while the other processes wait, so none reads a half-written file."""
-        for owner in (datamodule, module):
-            if owner is None or not callable(getattr(owner, "prepare_data", None)):
-                continue
-            per_node = getattr(owner, "prepare_data_per_node", True)
-            if (self.strategy.local_rank if per_node else self.strategy.global_rank) == 0:
-                owner.prepare_data()
-        self.strategy.barrier()
-
-    def _finish(self, stage: str) -> None:
-        loop = self._fit_loop
-        if loop is not None and loop.progress is not None:
-            loop.progress.close()
-            loop.progress = None
-        self.strategy.teardown()  # first: it completes checkpoints still being written
-        for lock in self._locks:  # then this fit's folders are free for the next one
-            lock.release()
-        self._locks = []
-        self._dispatch.callbacks("teardown", stage)
-        self.module.teardown(stage)
-        call_if_defined(self.datamodule, "teardown", stage)
-        if self.is_global_zero and stage == "fit":  # last: callbacks may still log in teardown
-            for lg in self.loggers:
-                lg.finalize()
-        torch.use_deterministic_algorithms(self._was_deterministic)
+        return self.strategy.launch(stages.run_evaluate, self, module, loader, ckpt_path, stage, datamodule)
 
     # ---- checkpoints -----------------------------------------------------------------------------
     @property
@@ -523,49 +349,6 @@ class Trainer:
         return resume.checkpoint_dir(self)
 
     # ---- small helpers ---------------------------------------------------------------------------
-    def _loader(self, loader: Iterable, train: bool) -> Iterable:
-        """The loader this rank reads, as the strategy decides (by default: its share of the batch group);
-        ours pins its batches for a GPU, so that their copies there don't wait for the step in flight."""
-        loader = self.strategy.process_dataloader(loader, self.seed or 0, train=train)
-        pin_for_device(loader, self.strategy.root_device)
-        return loader
-
     def _call(self, hook: str, *args: Any) -> None:
         """Every callback's `hook` (callbacks that define hooks of their own fire them through this)."""
         self._dispatch.callbacks(hook, *args)
-
-
-def _loader_source(module: TrainModule, stage: str, datamodule: Any, given: Any, own: bool) -> Any:
-    """What supplies `stage`'s loaders inside each process: the datamodule (checked now, before any
-    process starts), the module's own `*_dataloader()` when none were `given`, or None (passed loaders)."""
-    if datamodule is not None:
-        check_source(datamodule, stage, given)
-        return datamodule
-    return module if own and has_loader(module, stage) else None
-
-
-def _check_ckpt_path(ckpt_path: Any) -> None:
-    if ckpt_path is not None and ckpt_path != "last" and not Path(ckpt_path).exists():
-        raise FileNotFoundError(
-            f"ckpt_path '{ckpt_path}' does not exist; allowed: an existing checkpoint directory, 'last' or None"
-        )
-
-
-def _check_not_empty(name: str, loader: Any) -> None:
-    """A loader that says it has no batches is refused before anything starts (it would end the run later)."""
-    try:
-        length = len(loader)
-    except TypeError:  # an iterable without len(): known only once read
-        return
-    if length == 0:
-        raise ValueError(
-            f"{name} is empty (len 0); allowed: a loader that yields at least one batch, or None"
-        )
-
-
-_WARNED_UNCALLED: set[type] = set()  # module classes told about their uncalled Lightning hooks
-
-
-def _check_module(module: Any) -> None:
-    if not isinstance(module, TrainModule):
-        raise TypeError(f"expected a TrainModule, got {type(module).__name__}")

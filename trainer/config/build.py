@@ -1,0 +1,201 @@
+"""Objects from a resolved recipe: the Trainer, the module and its loaders (a Llama preset, a class_path
+model or a Hugging Face one), and the memory plan of a sharded Llama recipe."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from trainer.config.checks import check_init_args, import_path
+from trainer.config.load import build_llama_config
+from trainer.config.schema import NEW_HF, ConfigError
+
+
+def build_run(config: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
+    """(trainer, module, train_loader, val_loader) described by a resolved config; the Trainer (whose
+    flags are checked on construction) comes first so a bad flag fails before data is read."""
+    import torch
+
+    from strategies.registry import build_strategy
+    from trainer.data import lm_dataloaders
+    from trainer.models.causal_lm import CausalLM
+    from trainer.module import TrainModule
+    from trainer.trainer import Trainer
+
+    model, data, optim = config["model"], config["data"], config["optimizer"]
+    trainer_args, strategy = dict(config["trainer"]), dict(config["strategy"])
+    try:
+        built_strategy = build_strategy(strategy.pop("name"), processes=_processes(trainer_args), **strategy)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"strategy: {err}") from err
+    callbacks = [_instantiate(c, f"callbacks[{i}]") for i, c in enumerate(config["callbacks"])]
+    loggers = [_instantiate(c, f"loggers[{i}]") for i, c in enumerate(config["loggers"])]
+    try:
+        trainer = Trainer(strategy=built_strategy, callbacks=callbacks, loggers=loggers, **trainer_args)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"trainer: {err}") from err
+    batch_size = _micro_batch(data, trainer_args, trainer.strategy.planned_group_size("batch"))
+    try:
+        trainer.strategy.check_batch(batch_size, data["seq_len"])
+    except ValueError as err:
+        raise ConfigError(f"strategy: {err}") from err
+    optim_args = {**optim, "betas": tuple(optim["betas"])}
+    causal_lm_args = {**optim_args, "loss_chunk_tokens": model["loss_chunk_tokens"]}
+    if model["hf"] is not None:
+        module, train_loader, val_loader = _build_hf(
+            model, data, optim, batch_size, trainer_args.get("seed") or 0
+        )
+        return trainer, module, train_loader, val_loader
+    llama = build_llama_config(model) if model["class_path"] is None else None
+    if llama is not None and data["seq_len"] > llama.max_seq_len:
+        raise ConfigError(f"data.seq_len={data['seq_len']} exceeds model.max_seq_len={llama.max_seq_len}")
+    try:
+        train_loader, val_loader, tokenizer = lm_dataloaders(
+            data["path"],
+            tokenizer=data["tokenizer"],
+            seq_len=data["seq_len"],
+            batch_size=batch_size,
+            val_fraction=data["val_fraction"],
+            seed=trainer_args.get("seed") or 0,
+            cache_dir=data["cache_dir"],
+            text_field=data["text_field"],
+        )
+    except (ValueError, FileNotFoundError) as err:
+        raise ConfigError(f"data: {err}") from err
+    if llama is not None:
+        module = CausalLM(
+            dataclasses.replace(llama, vocab_size=max(llama.vocab_size, tokenizer.vocab_size)),
+            **causal_lm_args,
+        )
+    else:
+        cls = import_path(model["class_path"], "model.class_path")
+        check_init_args(cls, model["init_args"], "model.init_args")
+        built = cls(**model["init_args"])
+        if not isinstance(built, torch.nn.Module):
+            raise ConfigError(
+                f"model.class_path {model['class_path']} built a {type(built).__name__}; allowed: a TrainModule or nn.Module"
+            )
+        if isinstance(built, TrainModule) and model["loss_chunk_tokens"] is not None:
+            raise ConfigError(
+                f"model.loss_chunk_tokens is set but model.class_path {model['class_path']} is a TrainModule "
+                "with its own loss; allowed: null, or a class_path nn.Module (trained by CausalLM)"
+            )
+        module = built if isinstance(built, TrainModule) else CausalLM(built, **causal_lm_args)
+    return trainer, module, train_loader, val_loader
+
+
+def _build_hf(
+    model: dict[str, Any], data: dict[str, Any], optim: dict[str, Any], batch_size: int, seed: int
+) -> tuple[Any, Any, Any]:
+    """An HFModule and its loaders (trainer.data.hf_data) for a recipe whose model is `hf`."""
+    from trainer.data.hf_data import hf_dataloaders, load_hf_dataset
+    from trainer.models.hf import HFModule
+    from trainer.models.hf_create import ensure_hf_llama
+
+    path = model["hf"]
+    if path.startswith("py:"):
+        path = str(import_path(path[3:], "model.hf")())
+    elif path.startswith(NEW_HF):
+        try:
+            path = str(ensure_hf_llama(path[len(NEW_HF) :], model["hf_config"]))
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
+    if not Path(path).is_dir():
+        raise ConfigError(
+            f"model.hf={path!r} is not a directory; allowed: a local Hugging Face model directory"
+        )
+    try:
+        module = HFModule(
+            path, task=model["task"], num_labels=model["num_labels"], lr=optim["lr"],
+            weight_decay=optim["weight_decay"], betas=tuple(optim["betas"]), freeze=model["freeze"],
+            lora=model["lora"],
+        )  # fmt: skip
+        source = data["path"]
+        if source is None:
+            raise ConfigError(
+                "data.path is required with model.hf; allowed: a local data file or save_to_disk folder"
+            )
+        if data["val_path"] is not None:
+            import datasets
+
+            source = datasets.DatasetDict(
+                train=load_hf_dataset(data["path"], split="train"),
+                validation=load_hf_dataset(data["val_path"], split="train"),
+            )
+        train_loader, val_loader = hf_dataloaders(
+            source, module.tokenizer, model["task"], seq_len=data["seq_len"], batch_size=batch_size,
+            val_fraction=data["val_fraction"], seed=seed, text_field=data["text_field"],
+            prompt_field=data["prompt_field"], response_field=data["response_field"],
+            messages_field=data["messages_field"], label_field=data["label_field"], packing=data["packing"],
+            cache_dir=data["cache_dir"],
+        )  # fmt: skip
+    except (ValueError, FileNotFoundError, ImportError) as err:
+        raise ConfigError(f"model.hf: {err}") from err
+    return module, train_loader, val_loader
+
+
+def memory_lines(config: dict[str, Any]) -> str:
+    """Per-GPU weights, gradients and AdamW state of a resolved Llama recipe under its sharding
+    strategy, one line per pipeline stage (strategies/memory_plan.py), without any GPU or process."""
+    from strategies.memory_plan import plan_memory
+    from strategies.registry import build_strategy
+    from trainer.models.causal_lm import CausalLM
+    from trainer.precision import Precision
+
+    trainer_args, strategy_args = config["trainer"], dict(config["strategy"])
+    name = strategy_args.pop("name")
+    if not isinstance(trainer_args["devices"], int) or config["model"]["class_path"] is not None:
+        raise ConfigError("trainer memory needs trainer.devices as a number and a Llama preset model")
+    world = trainer_args["devices"] * trainer_args["num_nodes"]
+    try:
+        strategy = build_strategy(name, processes=world, **strategy_args)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"strategy: {err}") from err
+    if not callable(getattr(strategy, "shard", None)) or getattr(strategy, "zero_stage", 1) < 2:
+        raise ConfigError(
+            f"trainer memory plans sharded layouts; strategy {name!r} is not one (allowed: fsdp with zero_stage 2 "
+            "or 3, parallel3d)"
+        )
+    strategy.precision = Precision(trainer_args["precision"])
+    llama = build_llama_config(config["model"])
+    try:
+        reports = plan_memory(strategy, lambda: CausalLM(llama), world)
+    except ValueError as err:
+        raise ConfigError(f"strategy: {err}") from err
+    head = (
+        f"{llama.n_layers}-layer Llama, {world} GPUs as {strategy.parallel_dims().resolve(world)}, precision "
+        f"{trainer_args['precision']} (fp32 master weights unless '-true'); activations not included:"
+    )
+    return "\n".join([head, *(r.line() for r in reports)])
+
+
+def _micro_batch(data: dict[str, Any], trainer_args: dict[str, Any], readers: int) -> int:
+    """data.batch_size, or data.global_batch_size split exactly over the `readers` (the ranks that read
+    different data: the mesh's batch group, not the process count) and the accumulation steps."""
+    total = data["global_batch_size"]
+    if total is None:
+        return data["batch_size"]
+    accumulate = trainer_args["accumulate_grad_batches"]
+    if total % (readers * accumulate):
+        raise ConfigError(
+            f"data.global_batch_size={total} does not divide by {readers} data-parallel ranks x "
+            f"accumulate_grad_batches={accumulate}; allowed: a multiple of {readers * accumulate}"
+        )
+    return total // (readers * accumulate)
+
+
+def _processes(trainer_args: dict[str, Any]) -> int:
+    """How many processes the run will have (for strategy 'auto')."""
+    from trainer import flags
+
+    accelerator = flags.resolve_accelerator(trainer_args["accelerator"])
+    return flags.resolve_devices(trainer_args["devices"], accelerator) * trainer_args["num_nodes"]
+
+
+def _instantiate(entry: dict[str, Any], where: str) -> Any:
+    """Build a callback or logger; a bad argument's error names the list entry and the class."""
+    try:
+        return import_path(entry["class_path"], where)(**entry["init_args"])
+    except (ValueError, TypeError) as err:
+        raise ConfigError(f"{where} ({entry['class_path']}): {err}") from err

@@ -1,0 +1,154 @@
+"""What each entry point runs in every process: set-up (the process group, data preparation, seeds, the
+module built and wrapped by the strategy), the stage itself (one `FitLoop`, or the evaluation loop for
+validate/test/predict) and the tear-down that follows it even when the stage fails."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from trainer import eval_loop, resume
+from trainer.data.loader import pin_for_device
+from trainer.datamodule import call_if_defined, loaders_from
+from trainer.entry_checks import check_not_empty
+from trainer.fit_loop import FitLoop
+from trainer.logging import rank_zero_info, set_rank
+from trainer.module import TrainModule, uncalled_lightning_methods
+from trainer.rng import seed_everything
+
+if TYPE_CHECKING:
+    from trainer.trainer import Trainer
+
+_WARNED_UNCALLED: set[type] = set()  # module classes told about their uncalled Lightning hooks
+
+
+def run_fit(
+    trainer: Trainer,
+    module: TrainModule,
+    train_loader: Iterable | None,
+    val_loader: Iterable | None,
+    ckpt_path: Any,
+    datamodule: Any,
+) -> None:
+    """`Trainer.fit` in this process: set up, then one new `FitLoop` (the trainer's `_fit_loop`) runs."""
+    _setup(trainer, module, "fit", datamodule)
+    try:
+        if train_loader is None:  # the datamodule's, or the module's own, read after their setup
+            train_loader, own_val = loaders_from(datamodule or module, "fit")
+            val_loader = own_val if val_loader is None else val_loader
+            check_not_empty("train_dataloader()", train_loader)
+            if val_loader is not None:
+                check_not_empty("val_dataloader()", val_loader)
+        train_loader = _rank_loader(trainer, train_loader, train=True)
+        val_loader = _rank_loader(trainer, val_loader, train=False) if val_loader is not None else None
+        trainer._fit_loop = FitLoop(trainer, module, train_loader, val_loader)
+        trainer._fit_loop.run(ckpt_path)
+    except BaseException as exc:
+        trainer._dispatch.callbacks("on_exception", exc)
+        raise
+    finally:
+        _finish(trainer, "fit")
+
+
+def run_evaluate(
+    trainer: Trainer,
+    module: TrainModule,
+    loader: Iterable | None,
+    ckpt_path: Any,
+    stage: str,
+    datamodule: Any,
+) -> Any:
+    """`validate`/`test` (their metrics) or `predict` (every step's output) in this process."""
+    _setup(trainer, module, stage, datamodule)
+    try:
+        if loader is None:
+            loader, _ = loaders_from(datamodule or module, stage)
+            check_not_empty(f"{stage} dataloader", loader)
+        loader = _rank_loader(trainer, loader, train=False)
+        resume.load_checkpoint(
+            trainer, ckpt_path, lambda path: trainer.strategy.load_checkpoint(path, module, None)
+        )
+        if stage == "predict":
+            return eval_loop.evaluate(trainer, module, loader, "predict", trainer.limit_predict_batches)[2]
+        loop = "validation" if stage == "validate" else "test"
+        limit = trainer.limit_val_batches if stage == "validate" else trainer.limit_test_batches
+        metrics, _, _ = eval_loop.evaluate(trainer, module, loader, loop, limit)
+        if trainer.is_global_zero and trainer.enable_progress_bar:
+            print("  ".join(f"{k} {v:.4f}" for k, v in metrics.items()), file=sys.stderr)
+        return metrics
+    finally:
+        _finish(trainer, stage)
+
+
+def _setup(trainer: Trainer, module: TrainModule, stage: str, datamodule: Any) -> None:
+    strategy = trainer.strategy
+    strategy.setup_environment()
+    set_rank(strategy.global_rank)
+    trainer.datamodule = datamodule
+    _prepare_data(trainer, module, datamodule)
+    call_if_defined(datamodule, "setup", stage)
+    if trainer.seed is not None:
+        seed_everything(trainer.seed)
+    trainer._was_deterministic = torch.are_deterministic_algorithms_enabled()
+    if trainer.deterministic:
+        torch.use_deterministic_algorithms(True)  # for this run only: _finish restores the setting
+    module._trainer = trainer
+    trainer.module = module
+    trainer._module_name = type(module).__name__  # before wrapping (FSDP2 renames the class)
+    uncalled = uncalled_lightning_methods(module)
+    if uncalled and type(module) not in _WARNED_UNCALLED:
+        _WARNED_UNCALLED.add(type(module))
+        rank_zero_info(
+            f"warning: {type(module).__name__} defines Lightning hook(s) this Trainer never calls: "
+            f"{', '.join(uncalled)} (see README, 'Coming from Lightning')"
+        )
+    trainer._dispatch.callbacks("setup", stage)
+    module.setup(stage)
+    with strategy.module_init_context():
+        module.configure_model()
+    if not any(True for _ in module.parameters()):
+        raise ValueError(
+            f"{type(module).__name__} has no parameters; build layers in __init__ or configure_model()"
+        )
+    strategy.setup_module(module)
+
+
+def _prepare_data(trainer: Trainer, module: TrainModule, datamodule: Any) -> None:
+    """Lightning's `prepare_data`: once per node (local rank 0; global rank 0 when the owner sets
+    `prepare_data_per_node = False`) while the other processes wait, so none reads a half-written file."""
+    for owner in (datamodule, module):
+        if owner is None or not callable(getattr(owner, "prepare_data", None)):
+            continue
+        per_node = getattr(owner, "prepare_data_per_node", True)
+        if (trainer.strategy.local_rank if per_node else trainer.strategy.global_rank) == 0:
+            owner.prepare_data()
+    trainer.strategy.barrier()
+
+
+def _finish(trainer: Trainer, stage: str) -> None:
+    loop = trainer._fit_loop
+    if loop is not None and loop.progress is not None:
+        loop.progress.close()
+        loop.progress = None
+    trainer.strategy.teardown()  # first: it completes checkpoints still being written
+    for lock in trainer._locks:  # then this fit's folders are free for the next one
+        lock.release()
+    trainer._locks = []
+    trainer._dispatch.callbacks("teardown", stage)
+    trainer.module.teardown(stage)
+    call_if_defined(trainer.datamodule, "teardown", stage)
+    if trainer.is_global_zero and stage == "fit":  # last: callbacks may still log in teardown
+        for lg in trainer.loggers:
+            lg.finalize()
+    torch.use_deterministic_algorithms(trainer._was_deterministic)
+
+
+def _rank_loader(trainer: Trainer, loader: Iterable, train: bool) -> Iterable:
+    """The loader this rank reads, as the strategy decides (by default: its share of the batch group);
+    ours pins its batches for a GPU, so that their copies there don't wait for the step in flight."""
+    loader = trainer.strategy.process_dataloader(loader, trainer.seed or 0, train=train)
+    pin_for_device(loader, trainer.strategy.root_device)
+    return loader
