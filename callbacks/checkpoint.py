@@ -1,4 +1,7 @@
-"""ModelCheckpoint: periodic, atomic, validated checkpoints of the whole training state, keeping the best/newest k."""
+"""ModelCheckpoint: periodic, atomic, validated checkpoints of the whole training state, keeping the best/newest k.
+
+It decides when to save, whether and how to validate, and which checkpoints to keep; the files are the
+Trainer's CheckpointManager's (trainer/checkpoint_manager.py: save, verify, set aside, prune own run only)."""
 
 from __future__ import annotations
 
