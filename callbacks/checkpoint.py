@@ -1,9 +1,11 @@
-"""ModelCheckpoint: periodic, atomic, validated checkpoints of the whole training state, keeping the best/newest k."""
+"""ModelCheckpoint: periodic, atomic, validated checkpoints of the whole training state, keeping the best/newest k.
+
+It decides when to save, whether and how to validate, and which checkpoints to keep; the files are the
+Trainer's CheckpointManager's (trainer/checkpoint_manager.py: save, verify, set aside, prune own run only)."""
 
 from __future__ import annotations
 
 import math
-import shutil
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -129,23 +131,7 @@ class ModelCheckpoint(Callback):
         return self._requested or Path(trainer.default_root_dir) / "checkpoints"
 
     def on_fit_start(self, trainer: Trainer, module: TrainModule) -> None:
-        self.saved = self._own_checkpoints(trainer)
-
-    def _own_checkpoints(self, trainer: Trainer) -> list[dict[str, Any]]:
-        """The kept checkpoints of this run, as its folder holds them: those whose meta.json names this
-        run's id (a resumed run's earlier saves), never ones of another run or from another folder."""
-        own = []
-        for path in reversed(ckpt.completed(self.dirpath)):
-            try:
-                meta = ckpt.read_meta(path)
-            except ckpt.CheckpointError:
-                continue  # incomplete: not this run's to count (or delete)
-            if meta.get("run_id") is None or meta.get("run_id") != trainer.run_id:
-                continue
-            good = (path / ckpt.VALIDATED_FILE).exists() or not meta.get("pending_validation")
-            own.append({"path": str(path), "step": meta["step"], "score": meta.get("score"), "good": good})
-            own[-1]["pending"] = not good
-        return own
+        self.saved = trainer.checkpoint_manager.own(self.dirpath)
 
     def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: dict[str, Any]) -> None:
         due = bool(self.every_n_steps) and trainer.global_step % self.every_n_steps == 0
@@ -159,7 +145,7 @@ class ModelCheckpoint(Callback):
     def on_fit_end(self, trainer: Trainer, module: TrainModule) -> None:
         if self.save_last and not self._saved_already(trainer.global_step):
             self.save(trainer)
-        trainer.strategy.finish_checkpoint()
+        trainer.checkpoint_manager.finish_writing()
         self._validate_written(trainer)
 
     def save(self, trainer: Trainer) -> Path:
@@ -170,11 +156,12 @@ class ModelCheckpoint(Callback):
                 f"ModelCheckpoint(monitor={self.monitor!r}) found no such metric; logged: "
                 f"{', '.join(sorted(trainer.callback_metrics)) or 'none yet'}"
             )
-        path = self.dirpath / ckpt.step_dir_name(trainer.global_step)
+        manager = trainer.checkpoint_manager
+        path = manager.path_for(trainer.global_step, self.dirpath)
         if self._saved_already(trainer.global_step):
             return path  # saved already (say, by a Timer and by the schedule at the same step)
         self._attempted_step = trainer.global_step
-        trainer.strategy.finish_checkpoint()  # a background write still running completes first
+        manager.finish_writing()  # a background write still running completes first
         self._validate_written(trainer)
         reload = self._validation_due(trainer)
         entry = {"path": str(path), "step": trainer.global_step, "score": score, "good": not reload}
@@ -191,7 +178,7 @@ class ModelCheckpoint(Callback):
         self.saved = [c for c in self.saved if c["path"] != str(path)] + [entry]
         start = time.monotonic()
         try:
-            trainer.save_checkpoint(path, pending_validation=reload, meta={"score": _plain_score(score)})
+            manager.save(path, pending_validation=reload, meta={"score": _plain_score(score)})
         except (ckpt.CheckpointError, OSError) as err:
             self.saved.remove(entry)
             if self.on_save_error == "stop":
@@ -233,7 +220,7 @@ class ModelCheckpoint(Callback):
     # ---- validation ------------------------------------------------------------------------------
     def _validate_written(self, trainer: Trainer) -> None:
         """Validate every checkpoint that is completely written and not yet validated, then prune."""
-        if not trainer.strategy.checkpoint_in_progress:
+        if not trainer.checkpoint_manager.writing:
             for entry in [c for c in self.saved if not c["good"]]:
                 self._validate(trainer, entry)
         self._prune(trainer)
@@ -251,10 +238,9 @@ class ModelCheckpoint(Callback):
         self._last_validation_s = seconds
         if problem is None:
             checked = ["checksums", "reload"] + (["loss"] if loss is not None else [])
-            if trainer.is_global_zero:
-                report = {"step": entry["step"], "checked": checked, "loss": loss, "atol": self.validate_atol}
-                report.update(seconds=seconds, interval_s=entry.get("interval_s"))
-                ckpt.mark_validated(path, report)
+            report = {"step": entry["step"], "checked": checked, "loss": loss, "atol": self.validate_atol}
+            report.update(seconds=seconds, interval_s=entry.get("interval_s"))
+            trainer.checkpoint_manager.mark_validated(path, report)
             entry["good"], entry["pending"] = True, False
             entry.pop("reference", None)
             entry.pop("not_finite", None)
@@ -263,11 +249,7 @@ class ModelCheckpoint(Callback):
             )
         else:
             self.saved.remove(entry)
-            if trainer.is_global_zero:
-                bad = ckpt.mark_bad(path) if path.exists() else path
-                log.error(
-                    f"checkpoint {path.name} {problem}; moved to {bad.name}, the older good checkpoints are kept"
-                )
+            trainer.checkpoint_manager.mark_bad(path, problem)
         trainer.strategy.barrier(group="world")
         weights = not_finite is not None and self._not_finite(trainer, self._state_not_finite(trainer))
         if (
@@ -287,22 +269,17 @@ class ModelCheckpoint(Callback):
     ) -> tuple[str | None, float | None]:
         """("failed validation (why)", agreed over ranks, or None when good; the reloaded model's loss, None
         when `reference` is None and only the checksums and the reload are checked)."""
-        strategy = trainer.strategy
-        strategy.begin_io(ckpt.manifest_bytes(path) // strategy.world_size)
-        problem = strategy.agree(ckpt.problem(path, strategy.io_part, validated=False))
+        strategy, manager = trainer.strategy, trainer.checkpoint_manager
+        problem = manager.verify(path, validated=False)
         if problem is not None:
             return f"failed validation ({problem})", None
         loss = None
-        stash = _stash(trainer.module)
         try:
-            strategy.load_checkpoint(path, trainer.module, None)
-            if reference is not None:
-                loss = float(trainer.loss_on(self._held_out_batch(trainer)))
+            with manager.trial_load(path):
+                if reference is not None:
+                    loss = float(trainer.loss_on(self._held_out_batch(trainer)))
         except ckpt.CheckpointError as err:
             problem = f"failed validation ({err})"
-        finally:
-            _unstash(stash)
-            strategy.reshard(trainer.module)
         differs = (
             problem is None and reference is not None and not abs(loss - reference) <= self.validate_atol
         )
@@ -385,14 +362,7 @@ class ModelCheckpoint(Callback):
         one, a rollback): rename them `discarded-step-...` so that "last" can never go back to them."""
         self.saved = [c for c in self.saved if c["step"] <= trainer.global_step]
         self._attempted_step = None  # the steps after the restored one will be trained (and saved) again
-        if trainer.is_global_zero:
-            for path in ckpt.newer_than(self.dirpath, trainer.global_step):
-                if ckpt.run_of(path) is None or ckpt.run_of(path) != trainer.run_id:
-                    continue  # another run's (or unreadable): not this run's future to discard
-                target = ckpt.move_aside(path, "discarded")
-                log.warning(
-                    f"{path.name} is newer than the restored step {trainer.global_step}: moved to {target.name}"
-                )
+        trainer.checkpoint_manager.discard_newer(trainer.global_step, self.dirpath)
 
     # ---- retention -------------------------------------------------------------------------------
     def teardown(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
@@ -401,15 +371,11 @@ class ModelCheckpoint(Callback):
     def _prune(self, trainer: Trainer) -> None:
         """Delete what falls outside the top k, counting only good checkpoints: one still being written
         or validated never pushes a good one out."""
-        good = [c for c in self.saved if c["good"] and (Path(c["path"]) / ckpt.META_FILE).exists()]
+        manager = trainer.checkpoint_manager
+        good = [c for c in self.saved if c["good"] and manager.is_complete(c["path"])]
         stale = self._beyond_top_k(good)
-        if trainer.is_global_zero:
-            for entry in stale:
-                path = Path(entry["path"])
-                # the folder's word, not this list's: only a checkpoint of this run, in this run's folder
-                owner = ckpt.run_of(path)
-                if path.parent == self.dirpath and owner is not None and owner == trainer.run_id:
-                    shutil.rmtree(path, ignore_errors=True)
+        # the manager deletes only checkpoints of this run in this folder (the folder's word, not this list's)
+        manager.prune([Path(c["path"]) for c in stale], self.dirpath)
         self.saved = [c for c in self.saved if c not in stale]
 
     def _beyond_top_k(self, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -424,18 +390,6 @@ class ModelCheckpoint(Callback):
             ranked = sorted(entries, key=lambda c: -c["step"])
         keep = ranked[: self.save_top_k] + [newest]
         return [c for c in entries if c not in keep]
-
-
-def _stash(module: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """CPU copies of this rank's part of every state-dict tensor, to put back after a trial load."""
-    local = [_local(t) for t in module.state_dict().values()]
-    return [(t, t.detach().to("cpu", copy=True)) for t in local]
-
-
-def _unstash(stash: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    with torch.no_grad():
-        for target, saved in stash:
-            target.copy_(saved)
 
 
 def _plain_score(score: Any) -> float | None:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainer import eval_loop, resume, step_log
+from trainer import eval_loop, step_log
 from trainer.epochs import EpochBatches
 from trainer.fused_optim import prefer_fused
 from trainer.logging import rank_zero_info
@@ -59,8 +59,8 @@ class FitLoop:
         trainer, module, val_loader = self.trainer, self.module, self.val_loader
         dispatch = trainer._dispatch
         self.setup_optimizer()
-        resume.claim_run_folders(trainer, ckpt_path)
-        resume_from = resume.load_checkpoint(trainer, ckpt_path, lambda path: resume.restore(trainer, path))
+        trainer.checkpoint_manager.claim(ckpt_path)
+        resume_from = trainer.checkpoint_manager.resume(ckpt_path)
         if resume_from is not None:
             trainer.state.restarts += 1
         else:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainer import eval_loop, resume
+from trainer import eval_loop
 from trainer.data.loader import pin_for_device
 from trainer.datamodule import call_if_defined, loaders_from
 from trainer.entry_checks import check_not_empty
@@ -68,9 +68,7 @@ def run_evaluate(
             loader, _ = loaders_from(datamodule or module, stage)
             check_not_empty(f"{stage} dataloader", loader)
         loader = _rank_loader(trainer, loader, train=False)
-        resume.load_checkpoint(
-            trainer, ckpt_path, lambda path: trainer.strategy.load_checkpoint(path, module, None)
-        )
+        trainer.checkpoint_manager.load_model(ckpt_path)
         if stage == "predict":
             return eval_loop.evaluate(trainer, module, loader, "predict", trainer.limit_predict_batches)[2]
         loop = "validation" if stage == "validate" else "test"
@@ -134,9 +132,7 @@ def _finish(trainer: Trainer, stage: str) -> None:
         loop.progress.close()
         loop.progress = None
     trainer.strategy.teardown()  # first: it completes checkpoints still being written
-    for lock in trainer._locks:  # then this fit's folders are free for the next one
-        lock.release()
-    trainer._locks = []
+    trainer.checkpoint_manager.release()  # then this fit's folders are free for the next one
     trainer._dispatch.callbacks("teardown", stage)
     trainer.module.teardown(stage)
     call_if_defined(trainer.datamodule, "teardown", stage)

@@ -18,7 +18,8 @@ from callbacks.compile_report import CompileReport
 from strategies.base import Strategy
 from strategies.compile_blocks import check_compile
 from strategies.registry import build_strategy
-from trainer import entry_checks, eval_loop, flags, resume, run_folder, stages, step_log
+from trainer import entry_checks, eval_loop, flags, stages, step_log
+from trainer.checkpoint_manager import CheckpointManager
 from trainer.fit_loop import FitLoop, effective_training_time
 from trainer.hooks import HookDispatcher
 from trainer.logging import JSONLLogger, Logger, build_logger, configure_console_logging, rank_zero_info
@@ -139,10 +140,8 @@ class Trainer:
         self._fit_loop: FitLoop | None = None
         self._module_name = ""
         self._was_deterministic = False
-        self.run_id: str | None = None  # this fit's (a resumed run's own), written into each checkpoint
-        self._writer: dict[str, Any] | None = None  # rank zero's host and pid: who writes this run's files
-        self._run_folder: Path | None = None  # the folder this fit claimed (trainer/run_folder.py)
-        self._locks: list[run_folder.FolderLock] = []
+        # the one owner of the run's checkpoint folders: run id, folders, and every file operation on them
+        self.checkpoint_manager = CheckpointManager(self)
 
     # ---- public read-only views ------------------------------------------------------------------
     @property
@@ -272,7 +271,7 @@ class Trainer:
         callbacks) to `path` (default: this run's folder, `step-N`), atomically; a checkpoint of another run
         is never replaced. Call on every rank. `pending_validation`: "last" will not pick it until
         `checkpoint.mark_validated` was called; `meta`: more fields for its meta.json."""
-        return resume.save_checkpoint(self, path, pending_validation=pending_validation, meta=meta)
+        return self.checkpoint_manager.save(path, pending_validation=pending_validation, meta=meta)
 
     # ---- steering: what callbacks may call during a fit ------------------------------------------
     def step_grad_norm(self) -> torch.Tensor:
@@ -293,7 +292,7 @@ class Trainer:
         """Put model, optimizer, RNG streams, LR schedule and step counter back to the newest good checkpoint
         (of a step < `before_step`). The data stream goes on from where it is, so the batches since that
         checkpoint are not replayed (as PaLM does after a loss spike). Call on every rank between steps."""
-        return resume.rollback(self, before_step)
+        return self.checkpoint_manager.rollback(before_step)
 
     def save_and_stop(self, why: str, *, resumable: bool = True) -> Path:
         """Save a checkpoint of this step (through the run's ModelCheckpoint, validated, when there is one)
@@ -340,13 +339,18 @@ class Trainer:
     @property
     def checkpoint_callback(self) -> ModelCheckpoint | None:
         """The run's ModelCheckpoint (callbacks that save, e.g. on a signal, go through it), or None."""
-        return next((cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)), None)
+        return self.checkpoint_manager.saver
+
+    @property
+    def run_id(self) -> str | None:
+        """This fit's run id (a resumed run's own), written into each checkpoint; None before any."""
+        return self.checkpoint_manager.run_id
 
     @property
     def checkpoint_dir(self) -> Path:
         """This run's checkpoint folder: the one this fit claimed (trainer/run_folder.py), else the newest
         run's under the ModelCheckpoint's dirpath or `<default_root_dir>/checkpoints` (what "last" reads)."""
-        return resume.checkpoint_dir(self)
+        return self.checkpoint_manager.folder
 
     # ---- small helpers ---------------------------------------------------------------------------
     def _call(self, hook: str, *args: Any) -> None:

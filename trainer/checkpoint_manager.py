@@ -1,0 +1,386 @@
+"""CheckpointManager: the one owner of a run's checkpoint folders and of every file operation on them.
+
+It knows the run (its id, its writer) and the folders it claimed; it saves the training state through the
+strategy, lists this run's checkpoints, resolves "last" and "best", verifies, marks validated or sets
+aside, prunes, resumes and rolls back. ModelCheckpoint decides *when* to save and *what* to keep and asks
+this object to do it; the strategy writes and reads a checkpoint's layout (whole files, DCP shards,
+ZeRO-1 slices). What it guarantees: nothing it deletes or renames was written by another run, and nothing
+it deletes lies outside the folder it was asked about (the folder's word, never a path from loaded state).
+Every method is called on every rank (the checks are split over the ranks); rank zero touches the files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from callbacks.checkpoint import ModelCheckpoint
+from trainer import checkpoint as ckpt
+from trainer import run_folder
+from trainer.checkpoint import CheckpointError, step_dir_name
+from trainer.logging import log, rank_zero_info
+from trainer.rng import rng_state, set_rng_state
+from trainer.step_log import plain
+
+if TYPE_CHECKING:
+    from trainer.trainer import Trainer
+
+
+class CheckpointManager:
+    """The checkpoints of the Trainer's runs: one per Trainer, its folders and run id set by each fit's `claim`."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self._trainer = trainer
+        self.run_id: str | None = None  # this fit's (a resumed run's own), written into each checkpoint
+        self._writer: dict[str, Any] | None = None  # rank zero's host and pid: who writes this run's files
+        self._claimed: Path | None = None  # the folder this fit claimed (trainer/run_folder.py)
+        self._locks: list[run_folder.FolderLock] = []
+
+    # ---- the run's folders -----------------------------------------------------------------------
+    @property
+    def savers(self) -> list[ModelCheckpoint]:
+        """The run's ModelCheckpoints, each writing to a folder of its own."""
+        return [cb for cb in self._trainer.callbacks if isinstance(cb, ModelCheckpoint)]
+
+    @property
+    def saver(self) -> ModelCheckpoint | None:
+        """The first ModelCheckpoint: its folder is the run's (`folder`)."""
+        return next(iter(self.savers), None)
+
+    @property
+    def folder(self) -> Path:
+        """The folder this fit claimed, else the newest run's under the ModelCheckpoint's dirpath or
+        `<default_root_dir>/checkpoints` (what "last" reads)."""
+        if self._claimed is not None:
+            return self._claimed
+        saver = self.saver
+        trainer = self._trainer
+        return run_folder.newest(
+            saver.base_dir(trainer) if saver is not None else trainer.default_root_dir / "checkpoints"
+        )
+
+    def claim(self, ckpt_path: Any) -> None:
+        """Rank zero picks and locks the folder of each ModelCheckpoint, before anything is trained (a fresh
+        run never shares one with an earlier run; a second live fit is refused); every rank learns the
+        folders and the run id."""
+        trainer, savers = self._trainer, self.savers
+        claimed: Any = None
+        if trainer.is_global_zero:
+            try:
+                claimed = run_folder.claim([cb.base_dir(trainer) for cb in savers], ckpt_path, self._locks)
+            except (run_folder.FolderInUse, OSError) as err:
+                claimed = str(err)
+        claimed = trainer.strategy.broadcast_object(claimed)
+        if isinstance(claimed, str):
+            raise run_folder.FolderInUse(claimed)
+        for cb, folder in zip(savers, claimed.folders, strict=True):
+            cb.dirpath = Path(folder)
+        self._claimed = Path(claimed.folders[0]) if savers else None
+        self.run_id, self._writer = claimed.run_id, claimed.writer
+        for line in claimed.notes if trainer.is_global_zero else ():
+            log.warning(line)
+
+    def release(self) -> None:
+        """Unlock this fit's folders (after the strategy completed the checkpoints still being written)."""
+        for lock in self._locks:
+            lock.release()
+        self._locks = []
+
+    # ---- this run's checkpoints ------------------------------------------------------------------
+    def path_for(self, step: int, folder: Path | None = None) -> Path:
+        """Where the checkpoint of `step` goes in `folder` (default: the run's)."""
+        return (self.folder if folder is None else Path(folder)) / step_dir_name(step)
+
+    def own(self, folder: Path) -> list[dict[str, Any]]:
+        """{"path", "step", "score", "good", "pending"} of each completed checkpoint of this run in `folder`,
+        oldest first: those whose meta.json names this run's id (a resumed run's earlier saves), never
+        ones of another run or from another folder. Good: validated, or never awaiting validation."""
+        own = []
+        for path in reversed(ckpt.completed(folder)):
+            try:
+                meta = ckpt.read_meta(path)
+            except CheckpointError:
+                continue  # incomplete: not this run's to count (or delete)
+            if meta.get("run_id") is None or meta.get("run_id") != self.run_id:
+                continue
+            good = (path / ckpt.VALIDATED_FILE).exists() or not meta.get("pending_validation")
+            own.append({"path": str(path), "step": meta["step"], "score": meta.get("score"), "good": good})
+            own[-1]["pending"] = not good
+        return own
+
+    @staticmethod
+    def is_complete(path: Path) -> bool:
+        """Whether the checkpoint directory is complete (it has its meta.json)."""
+        return (Path(path) / ckpt.META_FILE).exists()
+
+    def resolve(
+        self, which: str = "last", before_step: int | None = None, mode: str = "min"
+    ) -> tuple[Path | None, list[str]]:
+        """(the checkpoint `which` names in the run's folder, verified, or None; one line per newer or
+        better one skipped and why). "last": the newest good one (of a step < `before_step`); "best": this
+        run's good one with the best score meta.json records (`mode` "min"/"max"); unscored ones are not
+        candidates."""
+        if which == "last":
+            return self._last_good(self.folder, before_step)
+        if which != "best" or mode not in ("min", "max"):
+            raise ValueError(
+                f"resolve({which!r}, mode={mode!r}); allowed: 'last' or 'best', mode 'min' or 'max'"
+            )
+        sign = 1.0 if mode == "min" else -1.0
+        scored = [c for c in self.own(self.folder) if c["good"] and c["score"] is not None]
+        skipped = []
+        for entry in sorted(scored, key=lambda c: (sign * c["score"], -c["step"])):
+            path = Path(entry["path"])
+            if before_step is not None and entry["step"] >= before_step:
+                continue
+            why = self.verify(path, allow_unverified=self._trainer.allow_unverified_checkpoints)
+            if why is None:
+                return path, skipped
+            skipped.append(f"{path.name}: {why}")
+        return None, skipped
+
+    def verify(self, path: Path, validated: bool = True, allow_unverified: bool = False) -> str | None:
+        """Why the checkpoint is not good (each rank hashes its share; the answer is agreed), or None.
+        `validated` False: a checkpoint still awaiting its validation may pass."""
+        why = ckpt.problem(path, self._trainer.strategy.io_part, validated, allow_unverified)
+        return self._agreement(path)(why)
+
+    def _last_good(self, folder: Path, before_step: int | None) -> tuple[Path | None, list[str]]:
+        return ckpt.find_last_good(
+            folder,
+            before_step,
+            self._trainer.strategy.io_part,
+            self._agreement(ckpt.find_last(folder)),
+            self._trainer.allow_unverified_checkpoints,
+        )
+
+    def _agreement(self, sized_by: Path | None) -> ckpt.Agree:
+        """How the ranks combine their verdicts on a checkpoint, each having hashed its share; the waits
+        are sized to that share of `sized_by`'s bytes (the newest candidate)."""
+        strategy = self._trainer.strategy
+        strategy.begin_io(ckpt.manifest_bytes(sized_by) // strategy.world_size)
+        return strategy.agree
+
+    # ---- writing ---------------------------------------------------------------------------------
+    def save(
+        self,
+        path: str | Path | None = None,
+        *,
+        pending_validation: bool = False,
+        meta: dict[str, Any] | None = None,
+    ) -> Path:
+        """The whole training state (model, optimizer, schedule, loop, RNG, data position, callbacks) to
+        `path` (default: the run's folder, `step-N`), atomically, through the strategy."""
+        trainer = self._trainer
+        path = Path(path) if path is not None else self.path_for(trainer.global_step)
+        if self.run_id is None:  # a save outside a fit (one process): a run of its own
+            self.run_id = run_folder.new_run_id()
+        loop = trainer._fit_loop
+        owner = {"run_id": self.run_id, "writer": self._writer or run_folder.this_writer()}
+        state: dict[str, Any] = {
+            "loop": trainer.state.state_dict(),
+            "rng": trainer.strategy.all_gather_object(rng_state(), group="world"),
+            "scheduler": trainer.lr_scheduler.state_dict() if trainer.lr_scheduler is not None else {},
+            "precision": trainer.strategy.precision.state_dict(),
+            "data": loop.train_batches.state_dict() if loop is not None else {},
+            "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks},
+            "strategy": trainer.strategy.state_dict(),
+            "module": {},
+            "hyper_parameters": plain(dict(trainer.module.hparams)),
+            "meta": {**owner, **({"pending_validation": True} if pending_validation else {}), **(meta or {})},
+        }
+        trainer.module.on_save_checkpoint(state["module"])
+        trainer._dispatch.callbacks("on_save_checkpoint", state)
+        trainer.strategy.save_checkpoint(path, trainer.module, trainer.optimizer, state)
+        return path
+
+    @property
+    def writing(self) -> bool:
+        """Whether a checkpoint is still being written in the background (an async-saving strategy)."""
+        return self._trainer.strategy.checkpoint_in_progress
+
+    def finish_writing(self) -> None:
+        """Wait for a checkpoint still being written in the background to complete."""
+        self._trainer.strategy.finish_checkpoint()
+
+    def mark_validated(self, path: Path, report: dict[str, Any]) -> None:
+        """Record that the checkpoint passed validation (rank zero writes `validated.json`)."""
+        if self._trainer.is_global_zero:
+            ckpt.mark_validated(path, report)
+
+    def mark_bad(self, path: Path, problem: str) -> None:
+        """Set a checkpoint that failed validation aside as `bad-step-...` (kept for inspection), in one line."""
+        if self._trainer.is_global_zero:
+            bad = ckpt.mark_bad(path) if path.exists() else path
+            log.error(
+                f"checkpoint {path.name} {problem}; moved to {bad.name}, the older good checkpoints are kept"
+            )
+
+    def prune(self, paths: list[Path], folder: Path) -> None:
+        """Delete those of `paths` that are this run's checkpoints in `folder` (the folder's word: meta.json's
+        run id); any other is left alone."""
+        if not self._trainer.is_global_zero:
+            return
+        for path in map(Path, paths):
+            owner = ckpt.run_of(path)
+            if path.parent == folder and owner is not None and owner == self.run_id:
+                shutil.rmtree(path, ignore_errors=True)
+
+    def discard_newer(self, step: int, folder: Path) -> None:
+        """This run's checkpoints in `folder` newer than `step` belong to a discarded future (a resume from an
+        older one, a rollback): rename them `discarded-step-...` so that "last" can never go back to them."""
+        if not self._trainer.is_global_zero:
+            return
+        for path in ckpt.newer_than(folder, step):
+            if ckpt.run_of(path) is None or ckpt.run_of(path) != self.run_id:
+                continue  # another run's (or unreadable): not this run's future to discard
+            target = ckpt.move_aside(path, "discarded")
+            log.warning(f"{path.name} is newer than the restored step {step}: moved to {target.name}")
+
+    # ---- reading ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def trial_load(self, path: Path) -> Iterator[None]:
+        """Load the checkpoint's weights into the live module for the body of the `with`, then put the live
+        values back (stashed on the CPU) and reshard: the module ends as it began."""
+        trainer = self._trainer
+        stash = _stash(trainer.module)
+        try:
+            trainer.strategy.load_checkpoint(path, trainer.module, None)
+            yield
+        finally:
+            _unstash(stash)
+            trainer.strategy.reshard(trainer.module)
+
+    def resume(self, ckpt_path: Any) -> Path | None:
+        """Everything a fit continues from (model, optimizer, loop, RNG, schedule, data, callbacks), out of
+        the checkpoint `ckpt_path` names; returns it, or None (nothing to resume)."""
+        return self._load(ckpt_path, self._restore)
+
+    def load_model(self, ckpt_path: Any) -> Path | None:
+        """The module's weights (for validate/test/predict) out of the checkpoint `ckpt_path` names."""
+        trainer = self._trainer
+        return self._load(
+            ckpt_path, lambda path: trainer.strategy.load_checkpoint(path, trainer.module, None)
+        )
+
+    def _load(self, ckpt_path: Any, load: Callable[[Path], Any]) -> Path | None:
+        """Verify (every rank hashes its share) and `load(path)` the checkpoint `ckpt_path` names; "last" is
+        the newest good one of this run's folder, falling back past any that fails to load, each named."""
+        if ckpt_path is None:
+            return None
+        trainer = self._trainer
+        strategy, allow = trainer.strategy, trainer.allow_unverified_checkpoints
+        if ckpt_path != "last":  # fail early, on every rank, with what is wrong with the files
+            ckpt.check_good(ckpt_path, strategy.io_part, self._agreement(Path(ckpt_path)), allow)
+            load(Path(ckpt_path))
+            return Path(ckpt_path)
+        folder, before, refused, failed = self.folder, None, [], False
+        while True:
+            found, skipped = self._last_good(folder, before)
+            refused += skipped
+            if found is None:
+                break
+            problem = None
+            try:
+                load(found)
+            except CheckpointError as err:
+                problem = str(err)
+            problem = strategy.agree(problem)
+            if problem is None:
+                break
+            refused.append(f"{found.name}: failed to load ({problem})")
+            before, failed = ckpt.read_meta(found)["step"], True
+        if found is None and failed:  # the model is half-loaded now: starting from scratch would be wrong
+            raise CheckpointError(f"ckpt_path='last': no checkpoint in {folder} loads; " + "; ".join(refused))
+        if found is None:
+            why = f"no checkpoint in {folder} is good" if refused else f"no checkpoint in {folder} yet"
+            line = f"ckpt_path='last': {why}, starting from scratch"
+        else:  # the line is rank zero's, read from its files (every meta has a step)
+            meta = ckpt.read_meta(found)
+            saved = (
+                time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(meta["time"])) if "time" in meta else "?"
+            )
+            line = f"resuming from {found}: step {meta['step']}, saved {saved}"
+        if not refused:
+            rank_zero_info(line)
+        elif trainer.is_global_zero:  # what was refused, and why, is worth a warning
+            log.warning("".join(f"ckpt_path='last': skipped {s}\n" for s in refused) + line)
+        return found
+
+    def rollback(self, before_step: int | None = None) -> Path:
+        """The training state (not the data stream) back to the newest good checkpoint (of a step <
+        `before_step`): model, optimizer, RNG streams, LR schedule and step counter."""
+        trainer = self._trainer
+        path, skipped = self.resolve("last", before_step)
+        if skipped and trainer.is_global_zero:
+            log.warning("".join(f"rollback: skipped {line}\n" for line in skipped).rstrip())
+        if path is None:
+            raise CheckpointError(
+                f"rollback needs a good checkpoint{'' if before_step is None else f' before step {before_step}'}; "
+                f"there is none in {self.folder}"
+            )
+        state = trainer.strategy.load_checkpoint(path, trainer.module, trainer.optimizer)
+        loop = state["loop"]
+        trainer.state.global_step = loop["global_step"]
+        trainer.state.productive_s = loop.get("productive_s", 0.0)
+        trainer.state.restarts += 1
+        self._restore_rng(state)
+        self._restore_schedule(state)
+        fit = trainer._fit_loop
+        if fit is not None and fit.progress is not None:
+            fit.progress.reset(trainer.global_step)
+        trainer._dispatch.callbacks("on_load_checkpoint", state)
+        return path
+
+    def _restore(self, path: Path) -> None:
+        """Everything a resumed fit continues from: model, optimizer, loop, RNG, schedule, data, callbacks."""
+        trainer = self._trainer
+        state = trainer.strategy.load_checkpoint(path, trainer.module, trainer.optimizer)
+        trainer.state.load_state_dict(state["loop"])
+        self._restore_rng(state)
+        self._restore_schedule(state)
+        trainer._fit_loop.train_batches.load_state_dict(state["data"])
+        trainer.strategy.load_state_dict(state.get("strategy", {}))
+        for cb in trainer.callbacks:
+            if cb.state_key in state["callbacks"]:
+                cb.load_state_dict(state["callbacks"][cb.state_key])
+        trainer.module.on_load_checkpoint(state["module"])
+        trainer._dispatch.callbacks("on_load_checkpoint", state)
+
+    def _restore_rng(self, state: dict[str, Any]) -> None:
+        """This rank's RNG streams as saved (rank 0's when the world size changed)."""
+        rngs, strategy = state["rng"], self._trainer.strategy
+        set_rng_state(rngs[strategy.global_rank] if len(rngs) == strategy.world_size else rngs[0])
+
+    def _restore_schedule(self, state: dict[str, Any]) -> None:
+        """The LR schedule's position and the gradient scaler, from a checkpoint's state."""
+        trainer = self._trainer
+        if trainer._schedule is not None:
+            # our schedule is rebuilt from this run's flags (a run may be extended); only its position is restored
+            trainer.lr_scheduler.load_state_dict(
+                {**state["scheduler"], "lr_lambdas": [None] * len(trainer.optimizer.param_groups)}
+            )
+            scheduler = trainer.lr_scheduler
+            for group, base in zip(trainer.optimizer.param_groups, scheduler.base_lrs, strict=True):
+                group["lr"] = base * trainer._schedule(scheduler.last_epoch)
+        elif state["scheduler"]:
+            trainer.lr_scheduler.load_state_dict(state["scheduler"])
+        trainer.strategy.precision.load_state_dict(state["precision"])
+
+
+def _stash(module: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """CPU copies of this rank's part of every state-dict tensor, to put back after a trial load."""
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in module.state_dict().values()]
+    return [(t, t.detach().to("cpu", copy=True)) for t in local]
+
+
+def _unstash(stash: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for target, saved in stash:
+            target.copy_(saved)
