@@ -86,7 +86,10 @@ class LitClassifier(LightningModule):
         self.val_accuracy = MulticlassAccuracy(num_classes=3)
         self.test_accuracy = MulticlassAccuracy(num_classes=3)
         self.val_metrics = MetricCollection(
-            {"acc": MulticlassAccuracy(num_classes=3, average="micro"), "f1": MulticlassF1Score(num_classes=3)},
+            {
+                "acc": MulticlassAccuracy(num_classes=3, average="micro"),
+                "f1": MulticlassF1Score(num_classes=3),
+            },
             prefix="val_tm_",
         )
         self.steps: list[dict] = []

@@ -113,6 +113,19 @@ def test_log_refuses_what_is_neither_a_number_a_tensor_nor_a_metric(tmp_path):
         Trainer(max_steps=1, default_root_dir=tmp_path, **quiet()).fit(LogsAString(), regression_loader())
 
 
+def test_a_metric_whose_compute_is_not_a_scalar_is_named(tmp_path):
+    class PerClass(Frozen):
+        def __init__(self):
+            super().__init__()
+            self.train_acc = MulticlassAccuracy(num_classes=3, average=None)  # one value per class
+
+    trainer = Trainer(max_steps=2, default_root_dir=tmp_path, enable_checkpointing=False, **quiet())
+    with pytest.raises(
+        ValueError, match=r"log\('train_acc'\): MulticlassAccuracy.compute\(\) returned a tensor of shape \(3,\)"
+    ):
+        trainer.fit(PerClass(), DataLoader(blobs(), batch_size=8))
+
+
 class Recorded(Regression):
     """Records, inside configure_optimizers, what Lightning users read there."""
 

@@ -177,9 +177,14 @@ class MetricBuffer:
         computed = {n: m.compute() for n, m in self._metrics.items() if self.options[n].on_epoch}
         for name, value in computed.items():
             if not isinstance(value, torch.Tensor) or value.numel() != 1:
+                got = (
+                    f"a tensor of shape {tuple(value.shape)}"
+                    if isinstance(value, torch.Tensor)
+                    else type(value).__name__
+                )
                 raise ValueError(
-                    f"log({name!r}): {type(self._metrics[name]).__name__}.compute() returned "
-                    f"{type(value).__name__}; allowed: a metric whose compute() is a scalar tensor"
+                    f"log({name!r}): {type(self._metrics[name]).__name__}.compute() returned {got}; allowed: a "
+                    "metric whose compute() is a scalar tensor"
                 )
         out.update(self._named({n: float(v) for n, v in computed.items()}, "_epoch"))
         return out
@@ -201,6 +206,7 @@ class MetricBuffer:
         self._metrics.clear()
 
     def _named(self, values: dict[str, float], suffix: str) -> dict[str, float]:
+        """`values` under their logged names: `name`, or `name` + `suffix` when logged both per step and epoch."""
         return {
             n + suffix if self.options[n].on_step and self.options[n].on_epoch else n: v
             for n, v in values.items()
@@ -220,8 +226,8 @@ class MetricBuffer:
                     value = reduce(value, opts.reduce_fx)
             if opts.reduce_fx == "mean":
                 value = value / weight
-            out[name + suffix if opts.on_step and opts.on_epoch else name] = float(value)
-        return out
+            out[name] = float(value)
+        return self._named(out, suffix)
 
 
 def _keys(name: str, options: _Options) -> list[str]:
