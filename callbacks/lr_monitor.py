@@ -13,13 +13,28 @@ if TYPE_CHECKING:
 
 
 class LearningRateMonitor(Callback):
-    """On logged steps (`log_every_n_steps` of the Trainer, or `every_n_steps`), log `lr/group<i>` (or
-    `lr/<name>` when a group has a "name") for the step just taken; with `log_momentum`, also Adam's
-    beta1 or SGD's momentum as `momentum/...`."""
+    """Log `lr/group<i>` (or `lr/<name>` when a group has a "name"); with `log_momentum`, also Adam's beta1
+    or SGD's momentum as `momentum/...`. `logging_interval` is Lightning's: "step" logs on logged steps
+    (`log_every_n_steps` of the Trainer, or `every_n_steps`) the rate that step used; "epoch" logs at each
+    epoch's start the rate it begins with; None follows the scheduler (`configure_optimizers`' "interval",
+    per step without one)."""
 
-    def __init__(self, every_n_steps: int | None = None, log_momentum: bool = False) -> None:
+    def __init__(
+        self,
+        logging_interval: str | None = None,
+        log_momentum: bool = False,
+        every_n_steps: int | None = None,
+    ) -> None:
+        if logging_interval not in (None, "step", "epoch"):
+            raise ValueError(
+                f"logging_interval={logging_interval!r} is invalid; allowed: 'step', 'epoch' or None"
+            )
         flags.check_int("every_n_steps", every_n_steps, 1, allow_none=True)
-        self.every_n_steps, self.log_momentum = every_n_steps, log_momentum
+        self.logging_interval, self.every_n_steps, self.log_momentum = (
+            logging_interval,
+            every_n_steps,
+            log_momentum,
+        )
         self._lrs: list[float] = []
 
     def on_before_optimizer_step(self, trainer: Trainer, module: TrainModule, optimizer: Any) -> None:
@@ -27,14 +42,26 @@ class LearningRateMonitor(Callback):
 
     def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: dict[str, Any]) -> None:
         every = self.every_n_steps or trainer.log_every_n_steps
-        if trainer.global_step % every:
-            return
+        if self._interval(trainer) == "step" and trainer.global_step % every == 0:
+            trainer.log_metrics(self._stats(trainer, self._lrs))
+
+    def on_train_epoch_start(self, trainer: Trainer, module: TrainModule) -> None:
+        if self._interval(trainer) == "epoch":
+            trainer.log_metrics(self._stats(trainer, [g["lr"] for g in trainer.optimizer.param_groups]))
+
+    def _interval(self, trainer: Trainer) -> str:
+        if self.logging_interval is not None:
+            return self.logging_interval
+        configs = trainer.lr_scheduler_configs  # none: the Trainer's own schedule, which steps per step
+        return configs[0].interval if configs else "step"
+
+    def _stats(self, trainer: Trainer, lrs: list[float]) -> dict[str, float]:
         metrics: dict[str, float] = {}
-        for i, (group, lr) in enumerate(zip(trainer.optimizer.param_groups, self._lrs, strict=True)):
+        for i, (group, lr) in enumerate(zip(trainer.optimizer.param_groups, lrs, strict=True)):
             name = group.get("name", f"group{i}")
             metrics[f"lr/{name}"] = lr
             if self.log_momentum:
                 momentum = group["betas"][0] if "betas" in group else group.get("momentum")
                 if momentum is not None:
                     metrics[f"momentum/{name}"] = float(momentum)
-        trainer.log_metrics(metrics)
+        return metrics

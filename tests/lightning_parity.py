@@ -4,11 +4,14 @@ on this project with the import as the only difference:
     python lightning_parity.py {lightning|trainer} OUT DEVICES FORM[,FORM...]
 
 A classifier with `save_hyperparameters`, `self.log(on_step, on_epoch, sync_dist, batch_size,
-reduce_fx)`, `log_dict`, epoch-end hooks, a datamodule with `prepare_data`, `configure_optimizers` in the
-return form FORM, then fit, validate, test and predict, for each FORM in turn. DEVICES > 1 runs DDP on
+reduce_fx)`, `log_dict`, torchmetrics metrics (a `Metric` called per batch, one only updated, a
+`MetricCollection` through `log_dict`), epoch-end hooks, a datamodule with `prepare_data` and
+`save_hyperparameters`, `configure_optimizers` in the return form FORM ("onecycle": OneCycleLR over
+`trainer.estimated_stepping_batches`), then fit, validate, test and predict through Lightning's keywords
+(a DataModule passed positionally too), for each FORM in turn. DEVICES > 1 runs DDP on
 that many CPU processes. Each rank writes OUT/FORM/rank<R>.json: every hook call (module and a callback) in order, the learning rate
 and loss of every optimizer step, the logged metric series, `callback_metrics`, `logged_metrics`, the
-results of validate/test/predict and the final weights."""
+trainer's attributes as the module reads them, the results of validate/test/predict and the final weights."""
 
 from __future__ import annotations
 
@@ -20,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics import MetricCollection
+from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 
 FRAMEWORK, OUT, DEVICES, FORMS = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4].split(",")
 if FRAMEWORK == "lightning":
@@ -77,7 +82,18 @@ class LitClassifier(LightningModule):
         self.save_hyperparameters()
         self.layer_1 = nn.Linear(8, self.hparams.hidden_dim)
         self.layer_2 = nn.Linear(self.hparams.hidden_dim, 3)
+        self.train_accuracy = MulticlassAccuracy(num_classes=3)
+        self.val_accuracy = MulticlassAccuracy(num_classes=3)
+        self.test_accuracy = MulticlassAccuracy(num_classes=3)
+        self.val_metrics = MetricCollection(
+            {
+                "acc": MulticlassAccuracy(num_classes=3, average="micro"),
+                "f1": MulticlassF1Score(num_classes=3),
+            },
+            prefix="val_tm_",
+        )
         self.steps: list[dict] = []
+        self.attrs: dict = {}
 
     def forward(self, x):
         return self.layer_2(torch.relu(self.layer_1(x)))
@@ -90,6 +106,8 @@ class LitClassifier(LightningModule):
         self.log("train_loss", loss, on_step=True, on_epoch=True, prog_bar=True, sync_dist=True)
         self.log("train_acc", acc, on_epoch=True, batch_size=len(y))
         self.log("batch_max", x.abs().max(), on_step=False, on_epoch=True, reduce_fx="max")
+        self.train_accuracy(logits, y)
+        self.log("train_accuracy", self.train_accuracy, on_step=True, on_epoch=True)
         lr = self.optimizers().param_groups[0]["lr"]
         self.steps.append(
             {"epoch": self.current_epoch, "step": self.global_step, "lr": lr, "loss": loss.item()}
@@ -101,10 +119,17 @@ class LitClassifier(LightningModule):
         logits = self(x)
         self.log("val_loss", F.cross_entropy(logits, y), sync_dist=True)
         self.log_dict({"val_acc": (logits.argmax(-1) == y).float().mean()}, sync_dist=True)
+        self.val_accuracy.update(logits, y)
+        self.log("val_accuracy", self.val_accuracy, prog_bar=True)
+        self.val_metrics.update(logits, y)
+        self.log_dict(self.val_metrics)
 
     def test_step(self, batch, batch_idx):
         x, y = batch
-        self.log("test_loss", F.cross_entropy(self(x), y), sync_dist=True)
+        logits = self(x)
+        self.log("test_loss", F.cross_entropy(logits, y), sync_dist=True)
+        self.test_accuracy(logits, y)
+        self.log_dict({"test_accuracy": self.test_accuracy})
 
     def predict_step(self, batch, batch_idx):
         x, _ = batch
@@ -113,10 +138,24 @@ class LitClassifier(LightningModule):
     def on_train_epoch_end(self):
         self.log("epochs_done", float(self.current_epoch + 1), sync_dist=True)
 
+    def on_train_start(self):
+        trainer = self.trainer
+        self.attrs.update(
+            optimizers=len(trainer.optimizers),
+            intervals=[config.interval for config in trainer.lr_scheduler_configs],
+            world_size=trainer.world_size,
+            num_devices=trainer.num_devices,
+            precision=trainer.precision,
+            max_epochs=trainer.max_epochs,
+            num_training_batches=trainer.num_training_batches,
+            checkpoint_callbacks=len(trainer.checkpoint_callbacks),
+        )
+
     def configure_optimizers(self):
         opt = torch.optim.SGD(self.parameters(), lr=self.hparams.learning_rate)
         sched = torch.optim.lr_scheduler
         form = self.hparams.form
+        self.attrs["estimated_stepping_batches"] = self.trainer.estimated_stepping_batches
         if form == "plain":
             return opt
         if form == "list":
@@ -135,6 +174,10 @@ class LitClassifier(LightningModule):
         if form == "plateau":
             plateau = sched.ReduceLROnPlateau(opt, mode="min", factor=0.5, patience=0, threshold=0.5)
             return {"optimizer": opt, "lr_scheduler": {"scheduler": plateau, "monitor": "val_loss"}}
+        if form == "onecycle":
+            total = self.trainer.estimated_stepping_batches  # OneCycleLR refuses to step beyond it
+            onecycle = sched.OneCycleLR(opt, max_lr=0.5, total_steps=total)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": onecycle, "interval": "step"}}
         raise ValueError(form)
 
 
@@ -143,7 +186,8 @@ class ToyData(LightningDataModule):
 
     def __init__(self, root: Path, batch_size: int = 8, shuffle: bool = False):
         super().__init__()
-        self.root, self.batch_size, self.shuffle = root, batch_size, shuffle
+        self.save_hyperparameters("batch_size", "shuffle")
+        self.root = root
 
     def prepare_data(self):
         CALLS.append("dm.prepare_data")
@@ -160,16 +204,16 @@ class ToyData(LightningDataModule):
         self.test = TensorDataset(data["x"][128:], data["y"][128:])
 
     def train_dataloader(self):
-        return DataLoader(self.train, batch_size=self.batch_size, shuffle=self.shuffle)
+        return DataLoader(self.train, batch_size=self.hparams.batch_size, shuffle=self.hparams.shuffle)
 
     def val_dataloader(self):
-        return DataLoader(self.val, batch_size=self.batch_size)
+        return DataLoader(self.val, batch_size=self.hparams.batch_size)
 
     def test_dataloader(self):
-        return DataLoader(self.test, batch_size=self.batch_size)
+        return DataLoader(self.test, batch_size=self.hparams.batch_size)
 
     def predict_dataloader(self):
-        return DataLoader(self.test, batch_size=self.batch_size)
+        return DataLoader(self.test, batch_size=self.hparams.batch_size)
 
 
 @recording(CALLBACK_HOOKS, "cb.")
@@ -201,22 +245,24 @@ def run(form: str, out: Path) -> None:
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         log_every_n_steps=1, default_root_dir=out, callbacks=[Recorder()],
     )  # fmt: skip
-    trainer.fit(model, datamodule=data)
+    trainer.fit(model, data)  # a DataModule where the loaders go: Lightning takes it as the datamodule
     fit_calls = list(CALLS)
     CALLS.clear()
     record = {
         "fit_calls": fit_calls,
         "steps": model.steps,
         "hparams": dict(model.hparams),
+        "datamodule_hparams": dict(data.hparams),
+        "attrs": model.attrs,
         "callback_metrics": plain(dict(trainer.callback_metrics)),
         "logged_metrics": plain(dict(trainer.logged_metrics)),
         "weights": {k: v.flatten().tolist() for k, v in model.state_dict().items()},
     }
-    record["validate"] = plain(trainer.validate(model, datamodule=data))
+    record["validate"] = plain(trainer.validate(model, data))
     record["validate_calls"], CALLS[:] = list(CALLS), []
-    record["test"] = plain(trainer.test(model, datamodule=data))
+    record["test"] = plain(trainer.test(model=model, datamodule=data))
     record["test_calls"], CALLS[:] = list(CALLS), []
-    record["predict"] = plain(trainer.predict(model, datamodule=data))
+    record["predict"] = plain(trainer.predict(model=model, dataloaders=data))
     record["predict_calls"] = list(CALLS)
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
 

@@ -1,7 +1,7 @@
 """Lightning's documented examples (tests/lightning_parity.py) run on PyTorch Lightning and here with only
 the import changed, on 1 process (every `configure_optimizers` form) and under DDP on 2 processes: the
-same hooks in the same order, learning rates, losses, logged metrics, validate/test/predict results and
-final weights. The one difference on purpose (README, "Coming from Lightning") is applied to Lightning's
+same hooks in the same order, learning rates, losses, logged metrics (torchmetrics ones included, synced
+over the ranks), the trainer's attributes, validate/test/predict results and final weights. The one difference on purpose (README, "Coming from Lightning") is applied to Lightning's
 hook order before comparing: `on_before_zero_grad` fires after the optimizer step here."""
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ import pytest
 from helpers import TESTS, launch_env
 
 SCRIPT = TESTS / "lightning_parity.py"
-FORMS = ["plain", "list", "lists", "dict", "step_interval", "plateau"]
+FORMS = ["plain", "list", "lists", "dict", "step_interval", "plateau", "onecycle"]
+UNSYNCED_WARNING = "log('train_acc') aggregates over the epoch without sync_dist=True under 2 processes"
 
 
 def run_both(tmp_path: Path, devices: int, forms: list[str]) -> dict[str, dict[str, list[dict]]]:
-    """{framework: {form: [rank 0's record, rank 1's, ...]}}."""
-    results = {}
+    """{framework: {form: [rank 0's record, rank 1's, ...]}}; our run's stderr under "stderr"."""
+    results: dict = {}
     for framework in ("lightning", "trainer"):
         out = tmp_path / framework
         proc = subprocess.run(
@@ -36,6 +37,7 @@ def run_both(tmp_path: Path, devices: int, forms: list[str]) -> dict[str, dict[s
             form: [json.loads((out / form / f"rank{r}.json").read_text()) for r in range(devices)]
             for form in forms
         }
+    results["stderr"] = proc.stderr
     return results
 
 
@@ -66,6 +68,8 @@ def assert_same_run(lightning: dict, here: dict) -> None:
         [s["loss"] for s in lightning["steps"]], abs=1e-6
     )
     assert here["hparams"] == lightning["hparams"]
+    assert here["datamodule_hparams"] == lightning["datamodule_hparams"]
+    assert here["attrs"] == lightning["attrs"]
     for kind in ("logged_metrics", "callback_metrics"):  # every name Lightning has, with its value
         theirs, ours = lightning[kind], here[kind]
         assert {k: ours.get(k) for k in theirs} == pytest.approx(theirs, abs=1e-6), kind
@@ -87,15 +91,36 @@ def test_every_configure_optimizers_form_runs_as_under_lightning(tmp_path):
     lrs = {form: {s["lr"] for s in results["trainer"][form][0]["steps"]} for form in FORMS}
     assert len(lrs["plain"]) == len(lrs["list"]) == 1  # no scheduler
     assert all(
-        len(lrs[f]) > 1 for f in ("lists", "dict", "step_interval", "plateau")
+        len(lrs[f]) > 1 for f in ("lists", "dict", "step_interval", "plateau", "onecycle")
     )  # each one moved the lr
+    # 96 samples in batches of 8 for 3 epochs; OneCycleLR would refuse a 37th step
+    attrs = results["trainer"]["onecycle"][0]["attrs"]
+    assert (attrs["estimated_stepping_batches"], attrs["num_training_batches"]) == (36, 12)
+    assert attrs["intervals"] == ["step"] and attrs["precision"] == "32-true"
+    metrics = results["trainer"]["onecycle"][0]["callback_metrics"]
+    torchmetrics_names = {
+        "train_accuracy_step",
+        "train_accuracy_epoch",
+        "val_accuracy",
+        "val_tm_acc",
+        "val_tm_f1",
+    }
+    assert torchmetrics_names <= set(metrics)
+    assert metrics["val_accuracy"] != metrics["val_tm_acc"]  # macro (torchmetrics' default) vs micro average
 
 
 @pytest.mark.slow
 def test_under_ddp_on_two_processes_each_rank_runs_as_under_lightning(tmp_path):
-    results = run_both(tmp_path, 2, ["plateau"])
-    for rank in range(2):
-        assert_same_run(results["lightning"]["plateau"][rank], results["trainer"]["plateau"][rank])
+    results = run_both(tmp_path, 2, ["plateau", "onecycle"])
+    for form in ("plateau", "onecycle"):
+        for rank in range(2):
+            assert_same_run(results["lightning"][form][rank], results["trainer"][form][rank])
+    first, second = results["trainer"]["onecycle"]
+    # torchmetrics synced its states over the ranks; a value logged without sync_dist is each rank's own
+    assert first["callback_metrics"]["val_accuracy"] == second["callback_metrics"]["val_accuracy"]
+    assert first["callback_metrics"]["train_acc_epoch"] != second["callback_metrics"]["train_acc_epoch"]
+    assert first["attrs"]["world_size"] == 2 and first["attrs"]["estimated_stepping_batches"] == 18
+    assert results["stderr"].count(UNSYNCED_WARNING) == 2  # once per fit (of the two forms), from rank 0
     ranks = results["trainer"]["plateau"]
     assert ranks[0]["weights"] == ranks[1]["weights"]  # replicas stayed in sync
     assert ranks[0]["steps"] != ranks[1]["steps"]  # on different halves of the data

@@ -59,7 +59,14 @@ def test_early_stopping_stops_at_once_on_a_non_finite_metric(tmp_path):
 
 
 def test_early_stopping_names_a_missing_metric(tmp_path):
-    trainer = Trainer(max_steps=2, default_root_dir=tmp_path, callbacks=[EarlyStopping("val/acc")], **quiet())
+    # checked where Lightning checks it: at the end of the (validated) training epoch
+    trainer = Trainer(
+        max_epochs=1,
+        limit_train_batches=2,
+        default_root_dir=tmp_path,
+        callbacks=[EarlyStopping("val/acc")],
+        **quiet(),
+    )
     with pytest.raises(
         KeyError, match="EarlyStopping\\(monitor='val/acc'\\) found no such metric; logged: .*val/loss"
     ):

@@ -7,8 +7,11 @@ tokenise: work that writes files) runs once per node, on local rank 0, before an
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 from typing import Any
+
+from trainer.module import HyperParameters, init_arguments
 
 # the loaders each stage reads: (required, optional)
 _METHODS = {
@@ -33,6 +36,25 @@ class DataModule:
 
     def teardown(self, stage: str) -> None:
         """In every process after the stage, also after an exception."""
+
+    def save_hyperparameters(self, *names: str, ignore: str | list[str] | None = None) -> None:
+        """Keep the arguments of the calling `__init__` (all, or `names`, minus `ignore`) in `self.hparams`."""
+        frame = inspect.currentframe().f_back
+        self.hparams.update(init_arguments(frame, type(self).__name__, names, ignore))
+
+    @property
+    def hparams(self) -> HyperParameters:
+        """What `save_hyperparameters` kept: a dict that also reads as attributes (`dm.hparams.batch_size`)."""
+        return self.__dict__.setdefault("_hparams", HyperParameters())
+
+
+def is_datamodule(value: Any) -> bool:
+    """A DataModule, or an object that supplies loaders without being one (no `__iter__`)."""
+    if isinstance(value, DataModule):
+        return True
+    return (
+        value is not None and not hasattr(value, "__iter__") and any(has_loader(value, s) for s in _METHODS)
+    )
 
 
 def has_loader(source: Any, stage: str) -> bool:

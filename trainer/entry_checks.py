@@ -7,8 +7,20 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from trainer.datamodule import check_source, has_loader
+from trainer.datamodule import check_source, has_loader, is_datamodule
 from trainer.module import TrainModule
+
+
+def split_datamodule(loaders: Any, datamodule: Any, stage: str) -> tuple[Any, Any]:
+    """Lightning's `fit(model, dm)` / `test(model, dm)`: a DataModule passed where the loaders go is the
+    datamodule; (loaders, datamodule) as the stage reads them."""
+    if not is_datamodule(loaders):
+        return loaders, datamodule
+    if datamodule is not None:
+        raise ValueError(
+            f"{stage} got a datamodule twice (in place of the dataloaders and as datamodule=); allowed: one"
+        )
+    return None, loaders
 
 
 def check_fit(

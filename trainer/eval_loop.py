@@ -15,7 +15,7 @@ import torch
 from strategies.base import unpack_loss
 from trainer import step_log
 from trainer.epochs import EpochBatches
-from trainer.metrics import MetricBuffer
+from trainer.metrics import MetricBuffer, kept_metric_states
 from trainer.module import TrainModule
 from trainer.rng import isolated_rng
 
@@ -76,6 +76,7 @@ def evaluate(
                     dispatch.all(f"on_{stage}_epoch_end")  # what it logs belongs to this loop
                 metrics = {} if stage == "predict" else buffer.compute_epoch(trainer._reduce_logged)
                 hidden = buffer.not_for_loggers()
+                buffer.reset()  # the loop's torchmetrics Metrics start the next loop empty, as in Lightning
             finally:
                 trainer.evaluating = False
         if losses:
@@ -128,9 +129,15 @@ def loss_on(trainer: Trainer, batch: Any) -> torch.Tensor | None:
         )
     was_training = module.training
     module.eval()
-    # what the step logs goes to a buffer that is dropped, leaving a step's pending metrics untouched
+    # what the step logs goes to a buffer that is dropped, leaving a step's pending metrics untouched, and
+    # torchmetrics Metrics it updates get their states back
     try:
-        with metrics_buffer(trainer, MetricBuffer()), isolated_rng(), torch.no_grad():
+        with (
+            metrics_buffer(trainer, MetricBuffer()),
+            kept_metric_states(module),
+            isolated_rng(),
+            torch.no_grad(),
+        ):
             output = trainer.strategy.eval_step(
                 module, "validation_step", trainer.strategy.batch_to_device(batch), 0
             )

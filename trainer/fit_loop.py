@@ -96,7 +96,7 @@ class FitLoop:
             trainer._dispatch.all("on_train_epoch_start")
             if not self._epoch(epoch_len, val_every, meter):
                 if s.batches_in_epoch:  # stopped inside the epoch (max_steps or should_stop): it ends here
-                    trainer._dispatch.all("on_train_epoch_end")
+                    trainer._dispatch.train_epoch_end(lambda: step_log.log_epoch_metrics(trainer))
                 break
             self._end_epoch(val_every)
         step_log.log_epoch_metrics(trainer)  # a run stopped inside an epoch ends its aggregates here
@@ -118,8 +118,7 @@ class FitLoop:
                 and s.epoch % trainer.check_val_every_n_epoch == 0
             ):
                 eval_loop.validate_in_fit(trainer, self.module, self.val_loader)
-            trainer._dispatch.all("on_train_epoch_end")
-            step_log.log_epoch_metrics(trainer)
+            trainer._dispatch.train_epoch_end(lambda: step_log.log_epoch_metrics(trainer))
         finally:
             self.epoch_ending = False
         self.step_scheduler("epoch", s.epoch)  # after validation: ReduceLROnPlateau reads its metric

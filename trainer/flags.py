@@ -79,8 +79,9 @@ def resolve_accelerator(value: Any) -> str:
 
 
 def resolve_devices(value: Any, accelerator: str) -> int:
-    """Processes per node: an int, a list of GPU indices (one process each, see `check_device_ids`), or
-    "auto" = what torchrun/SLURM started, else every GPU, else 1 on the CPU."""
+    """Processes per node: an int (or its digits as a string), a list of GPU indices (one process each, see
+    `check_device_ids`), -1 = every GPU, or "auto" = what torchrun/SLURM started, else every GPU, else 1
+    on the CPU. Lightning's CPU accelerator refuses -1 (a CPU has no device count to take), and so does this."""
     if value == "auto":
         from trainer.launch import detect_world
 
@@ -90,10 +91,19 @@ def resolve_devices(value: Any, accelerator: str) -> int:
         return torch.cuda.device_count() if accelerator == "cuda" else 1
     if isinstance(value, (list, tuple)):
         return len(check_device_ids(value, accelerator))
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        value = int(value)
     if isinstance(value, str):
         raise ValueError(
-            f"devices={value!r} is invalid; allowed: an int >= 1, a list of GPU indices or 'auto'"
+            f"devices={value!r} is invalid; allowed: an int >= 1, -1 (every GPU), a list of GPU indices or 'auto'"
         )
+    if value == -1 and not isinstance(value, bool):
+        if accelerator != "cuda":
+            raise ValueError(
+                f"devices=-1 (every GPU) with accelerator={accelerator!r} is invalid, as under Lightning; "
+                "allowed on the CPU: an int >= 1 (gloo processes) or 'auto' (1)"
+            )
+        return torch.cuda.device_count()
     return check_int("devices", value, 1)  # type: ignore[return-value]
 
 

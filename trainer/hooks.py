@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from callbacks.base import Callback
+from callbacks.checkpoint import ModelCheckpoint
+from callbacks.early_stopping import EarlyStopping
 from trainer.module import TrainModule
 
 if TYPE_CHECKING:
@@ -31,6 +34,20 @@ class HookDispatcher:
         """The callbacks' `hook`, then the module's."""
         self.callbacks(hook, *args)
         getattr(self.trainer.module, hook)(*args)
+
+    def train_epoch_end(self, compute_metrics: Callable[[], None]) -> None:
+        """Lightning's order at a training epoch's end: the other callbacks, the module, then, once the epoch's
+        aggregates are in `callback_metrics` (`compute_metrics`), the monitoring callbacks (EarlyStopping,
+        ModelCheckpoint), so that they read what the epoch and its hooks logged."""
+        trainer = self.trainer
+        monitors = [cb for cb in trainer.callbacks if isinstance(cb, (EarlyStopping, ModelCheckpoint))]
+        for cb in trainer.callbacks:
+            if cb not in monitors:
+                cb.on_train_epoch_end(trainer, trainer.module)
+        trainer.module.on_train_epoch_end()
+        compute_metrics()
+        for cb in monitors:
+            cb.on_train_epoch_end(trainer, trainer.module)
 
     def step(self, hook: str, args: tuple = (), module_args: tuple | None = None) -> None:
         """A hook that runs every step, in `all`'s order (the module gets `module_args` where its signature

@@ -6,17 +6,61 @@ weighted by `batch_size`; "sum", "max", "min"). With both on, Lightning's names:
 `name_epoch`. `sync_dist` reduces over the data-parallel ranks with the same function (a weighted mean
 as sums of values and weights). `logger=False` keeps a value out of the loggers but not out of
 `trainer.callback_metrics`; `prog_bar` shows it in the progress bar.
+
+A torchmetrics `Metric` is logged as Lightning logs one: the user's step updates it (`self.acc(preds, y)`
+or `self.acc.update(...)`); per step its value is the last `forward`'s (the batch's), per epoch
+`metric.compute()` (torchmetrics' own sync over the default process group), then `metric.reset()`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 REDUCE_FX = ("mean", "sum", "max", "min")
 _TORCH_FX = {torch.mean: "mean", torch.sum: "sum", torch.max: "max", torch.min: "min"}
+
+
+def is_torchmetric(value: object) -> bool:
+    """Whether `value` is a torchmetrics `Metric` (torchmetrics is imported only by code that made one)."""
+    torchmetrics = sys.modules.get("torchmetrics")
+    return torchmetrics is not None and isinstance(value, torchmetrics.Metric)
+
+
+def metric_items(dictionary: Any) -> Any:
+    """The (name, value) pairs of a `log_dict` argument: a mapping, or a torchmetrics `MetricCollection`
+    under its prefixed names (without copying states shared by compute groups, as Lightning reads it)."""
+    torchmetrics = sys.modules.get("torchmetrics")
+    if torchmetrics is not None and isinstance(dictionary, torchmetrics.MetricCollection):
+        return dictionary.items(keep_base=False, copy_state=not dictionary._enable_compute_groups)
+    return dictionary.items()
+
+
+@contextlib.contextmanager
+def kept_metric_states(module: Any) -> Iterator[None]:
+    """Every torchmetrics `Metric` inside `module` ends the block with the state it began with: a step run
+    for its loss alone (`Trainer.loss_on`) must not count its batch into an epoch's metric."""
+    metrics = [m for m in module.modules() if is_torchmetric(m)]
+    saved = [
+        (m, {k: _copied(getattr(m, k)) for k in m._defaults}, m._update_count, m._computed, m._forward_cache)
+        for m in metrics
+    ]
+    try:
+        yield
+    finally:
+        for metric, states, count, computed, cache in saved:
+            for key, value in states.items():
+                setattr(metric, key, value)
+            metric._update_count, metric._computed, metric._forward_cache = count, computed, cache
+
+
+def _copied(state: Any) -> Any:
+    return state.clone() if isinstance(state, torch.Tensor) else list(state)
 
 
 def check_reduce_fx(name: str, reduce_fx: object) -> str:
@@ -64,6 +108,8 @@ class MetricBuffer:
         self.options: dict[str, _Options] = {}
         self._step: dict[str, _Accumulator] = {}
         self._epoch: dict[str, _Accumulator] = {}
+        self._metrics: dict[str, Any] = {}  # torchmetrics Metrics logged since the last reset, by name
+        self._metric_steps: dict[str, torch.Tensor] = {}  # their batch values (forward's) of this step
 
     @property
     def prog_bar_names(self) -> set[str]:
@@ -82,6 +128,19 @@ class MetricBuffer:
         prog_bar: bool = False,
         logger: bool = True,
     ) -> None:
+        if not (on_step or on_epoch):
+            raise ValueError(
+                f"log({name!r}) has on_step=False and on_epoch=False; allowed: at least one True"
+            )
+        if is_torchmetric(
+            value
+        ):  # it aggregates (and syncs) itself: reduce_fx, batch_size and sync_dist unused
+            self.options[name] = _Options("mean", False, prog_bar, logger, on_step, on_epoch)
+            self._metrics[name] = value
+            cache = value._forward_cache  # None when only update() ran: no step value, as in Lightning
+            if on_step and isinstance(cache, torch.Tensor) and cache.numel() == 1:
+                self._metric_steps[name] = cache.detach()
+            return
         if isinstance(value, torch.Tensor):
             if value.numel() != 1:
                 raise ValueError(
@@ -89,17 +148,16 @@ class MetricBuffer:
                 )
             value = value.detach().float().reshape(())
         elif isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"log({name!r}) got a {type(value).__name__}; allowed: a number or scalar tensor")
+            raise TypeError(
+                f"log({name!r}) got a {type(value).__name__}; allowed: a number, a scalar tensor or a "
+                "torchmetrics Metric"
+            )
         else:
             value = torch.tensor(float(value))
         if batch_size is not None and (
             isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1
         ):
             raise ValueError(f"log({name!r}) batch_size={batch_size!r} is invalid; allowed: an int >= 1")
-        if not (on_step or on_epoch):
-            raise ValueError(
-                f"log({name!r}) has on_step=False and on_epoch=False; allowed: at least one True"
-            )
         options = _Options(check_reduce_fx(name, reduce_fx), sync_dist, prog_bar, logger, on_step, on_epoch)
         self.options[name] = options
         for on, store in ((on_step, self._step), (on_epoch, self._epoch)):
@@ -108,11 +166,28 @@ class MetricBuffer:
 
     def compute_step(self, reduce: Callable[[torch.Tensor, str], torch.Tensor]) -> dict[str, float]:
         """The step's values under their logged names (`name`, or `name_step` when also on_epoch)."""
-        return self._compute(self._step, reduce, "_step")
+        out = self._compute(self._step, reduce, "_step")
+        out.update(self._named({n: float(v) for n, v in self._metric_steps.items()}, "_step"))
+        return out
 
     def compute_epoch(self, reduce: Callable[[torch.Tensor, str], torch.Tensor]) -> dict[str, float]:
         """The epoch's values under their logged names (`name`, or `name_epoch` when also on_step)."""
-        return self._compute(self._epoch, reduce, "_epoch")
+        out = self._compute(self._epoch, reduce, "_epoch")
+        # compute() is a collective under torchmetrics' sync: every rank calls it, in the same order
+        computed = {n: m.compute() for n, m in self._metrics.items() if self.options[n].on_epoch}
+        for name, value in computed.items():
+            if not isinstance(value, torch.Tensor) or value.numel() != 1:
+                got = (
+                    f"a tensor of shape {tuple(value.shape)}"
+                    if isinstance(value, torch.Tensor)
+                    else type(value).__name__
+                )
+                raise ValueError(
+                    f"log({name!r}): {type(self._metrics[name]).__name__}.compute() returned {got}; allowed: a "
+                    "metric whose compute() is a scalar tensor"
+                )
+        out.update(self._named({n: float(v) for n, v in computed.items()}, "_epoch"))
+        return out
 
     def not_for_loggers(self) -> set[str]:
         """Logged names (with their suffixes) that were logged with logger=False."""
@@ -120,10 +195,22 @@ class MetricBuffer:
 
     def reset_step(self) -> None:
         self._step.clear()
+        self._metric_steps.clear()
 
     def reset(self) -> None:
-        self._step.clear()
+        """End of an epoch or loop: aggregates cleared, logged torchmetrics Metrics reset."""
+        self.reset_step()
         self._epoch.clear()
+        for metric in self._metrics.values():
+            metric.reset()
+        self._metrics.clear()
+
+    def _named(self, values: dict[str, float], suffix: str) -> dict[str, float]:
+        """`values` under their logged names: `name`, or `name` + `suffix` when logged both per step and epoch."""
+        return {
+            n + suffix if self.options[n].on_step and self.options[n].on_epoch else n: v
+            for n, v in values.items()
+        }
 
     def _compute(
         self, store: dict[str, _Accumulator], reduce: Callable[[torch.Tensor, str], torch.Tensor], suffix: str
@@ -139,8 +226,8 @@ class MetricBuffer:
                     value = reduce(value, opts.reduce_fx)
             if opts.reduce_fx == "mean":
                 value = value / weight
-            out[name + suffix if opts.on_step and opts.on_epoch else name] = float(value)
-        return out
+            out[name] = float(value)
+        return self._named(out, suffix)
 
 
 def _keys(name: str, options: _Options) -> list[str]:

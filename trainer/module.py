@@ -8,6 +8,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from trainer.logging import rank_zero_info
+from trainer.metrics import is_torchmetric, metric_items
+
 if TYPE_CHECKING:
     from trainer.trainer import Trainer
 
@@ -183,7 +186,7 @@ class TrainModule(nn.Module):
     def log(
         self,
         name: str,
-        value: float | torch.Tensor,
+        value: float | torch.Tensor | Any,
         prog_bar: bool = False,
         logger: bool = True,
         on_step: bool | None = None,
@@ -197,15 +200,21 @@ class TrainModule(nn.Module):
         epoch or loop; `on_step`/`on_epoch`
         choose (both: `name_step` and `name_epoch`), `reduce_fx` aggregates ("mean" weighted by
         `batch_size`, "sum", "max", "min"), `sync_dist` reduces over the data-parallel ranks,
-        `logger=False` keeps it to `trainer.callback_metrics`, `prog_bar` shows it."""
-        if self._trainer is None:
+        `logger=False` keeps it to `trainer.callback_metrics`, `prog_bar` shows it. A torchmetrics `Metric`
+        (updated by your step) logs its batch value per step and `compute()` per epoch, then resets."""
+        trainer = self._trainer
+        if trainer is None:
             raise RuntimeError(f"{type(self).__name__}.log({name!r}) called outside of a Trainer run")
-        per_step = self._trainer.in_training_step
-        self._trainer.metrics.add(
+        per_step = trainer.in_training_step
+        on_step = per_step if on_step is None else on_step
+        on_epoch = (not per_step) if on_epoch is None else on_epoch
+        if on_epoch and not sync_dist and not is_torchmetric(value):
+            warn_unsynced_once(trainer, name)
+        trainer.metrics.add(
             name,
             value,
-            on_step=per_step if on_step is None else on_step,
-            on_epoch=(not per_step) if on_epoch is None else on_epoch,
+            on_step=on_step,
+            on_epoch=on_epoch,
             reduce_fx=reduce_fx,
             batch_size=batch_size,
             sync_dist=sync_dist,
@@ -213,33 +222,16 @@ class TrainModule(nn.Module):
             logger=logger,
         )
 
-    def log_dict(self, dictionary: dict[str, float | torch.Tensor], **kwargs: Any) -> None:
-        """`log` each entry with the same options."""
-        for name, value in dictionary.items():
+    def log_dict(self, dictionary: dict[str, float | torch.Tensor | Any], **kwargs: Any) -> None:
+        """`log` each entry (of a dict or a torchmetrics `MetricCollection`) with the same options."""
+        for name, value in metric_items(dictionary):
             self.log(name, value, **kwargs)
 
     def save_hyperparameters(self, *names: str, ignore: str | list[str] | None = None) -> None:
         """Keep the arguments of the calling `__init__` (all, or `names`, minus `ignore`) in
         `self.hparams`; the Trainer writes them to the run's logs and into every checkpoint."""
         frame = inspect.currentframe().f_back
-        code, values = frame.f_code, frame.f_locals
-        count = code.co_argcount + code.co_kwonlyargcount
-        arguments = list(code.co_varnames[:count])
-        varkw = None
-        if code.co_flags & inspect.CO_VARKEYWORDS:  # after *args, when there is one
-            varkw = code.co_varnames[count + bool(code.co_flags & inspect.CO_VARARGS)]
-        skipped = {"self", *([ignore] if isinstance(ignore, str) else ignore or [])}
-        unknown = sorted(set(names) - set(arguments))
-        if unknown:
-            raise ValueError(
-                f"save_hyperparameters{tuple(unknown)}: not arguments of {type(self).__name__}.__init__; "
-                f"allowed: {', '.join(a for a in arguments if a != 'self')}"
-            )
-        for name in arguments:
-            if name not in skipped and (not names or name in names):
-                self._hparams[name] = values[name]
-        if varkw is not None and not names:  # **kwargs: under their own names
-            self._hparams.update({k: v for k, v in values[varkw].items() if k not in skipped})
+        self._hparams.update(init_arguments(frame, type(self).__name__, names, ignore))
 
     @property
     def hparams(self) -> HyperParameters:
@@ -311,6 +303,43 @@ LIGHTNING_ONLY = (
 def uncalled_lightning_methods(module: TrainModule) -> list[str]:
     """The Lightning hooks `module` defines that this Trainer never calls."""
     return [name for name in LIGHTNING_ONLY if callable(getattr(type(module), name, None))]
+
+
+def init_arguments(
+    frame: Any, owner: str, names: tuple[str, ...], ignore: str | list[str] | None
+) -> dict[str, Any]:
+    """The arguments of the `__init__` running in `frame` (all, or `names`, minus `ignore`; **kwargs under
+    their own names): what `save_hyperparameters` keeps, for modules and datamodules alike."""
+    code, values = frame.f_code, frame.f_locals
+    count = code.co_argcount + code.co_kwonlyargcount
+    arguments = list(code.co_varnames[:count])
+    varkw = None
+    if code.co_flags & inspect.CO_VARKEYWORDS:  # after *args, when there is one
+        varkw = code.co_varnames[count + bool(code.co_flags & inspect.CO_VARARGS)]
+    skipped = {"self", *([ignore] if isinstance(ignore, str) else ignore or [])}
+    unknown = sorted(set(names) - set(arguments))
+    if unknown:
+        raise ValueError(
+            f"save_hyperparameters{tuple(unknown)}: not arguments of {owner}.__init__; "
+            f"allowed: {', '.join(a for a in arguments if a != 'self')}"
+        )
+    kept = {name: values[name] for name in arguments if name not in skipped and (not names or name in names)}
+    if varkw is not None and not names:
+        kept.update({k: v for k, v in values[varkw].items() if k not in skipped})
+    return kept
+
+
+def warn_unsynced_once(trainer: Trainer, name: str) -> None:
+    """Lightning's warning, once per name and Trainer, for an epoch-level value logged without `sync_dist`
+    under several processes: each rank aggregates its own batches, and rank 0's value is the one shown."""
+    if trainer.world_size < 2 or name in trainer._warned_unsynced:
+        return
+    trainer._warned_unsynced.add(name)
+    rank_zero_info(
+        f"warning: log({name!r}) aggregates over the epoch without sync_dist=True under {trainer.world_size} "
+        "processes: each rank keeps its own value and rank 0's is the one logged, shown and monitored; "
+        f"pass sync_dist=True to reduce it over the data-parallel ranks (said once per name)"
+    )
 
 
 class HyperParameters(dict):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -10,15 +11,54 @@ from typing import Any
 import numpy as np
 import torch
 
+# set by seed_everything(workers=True): an environment variable, as Lightning's, so that the processes a
+# launch starts (which inherit the environment) seed their loaders' workers too
+SEED_WORKERS_ENV = "TRAINER_SEED_WORKERS"
 
-def seed_everything(seed: int) -> int:
-    """Seed python, numpy and torch (all devices) with `seed`; returns it."""
+
+def seed_everything(seed: int, workers: bool = False) -> int:
+    """Seed python, numpy and torch (all devices) with `seed`; returns it. `workers=True` (Lightning's): the
+    Trainer gives each DataLoader without a `worker_init_fn` one that seeds every worker from the seed, the
+    worker id and the rank (`worker_init_function`)."""
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32:
         raise ValueError(f"seed={seed!r} is invalid; allowed: an int in [0, 2**32)")
+    os.environ[SEED_WORKERS_ENV] = str(int(bool(workers)))
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)  # also seeds every CUDA device
     return seed
+
+
+def seeds_workers() -> bool:
+    """Whether the last `seed_everything` asked for seeded loader workers."""
+    return os.environ.get(SEED_WORKERS_ENV, "0") == "1"
+
+
+def worker_init_function(worker_id: int, rank: int = 0) -> None:
+    """Lightning's `pl_worker_init_function`: torch, python and numpy of a loader worker seeded from its base
+    seed, its id and the global rank, so that no two workers of any rank draw the same numbers."""
+    base_seed = torch.initial_seed() - worker_id  # torch gives worker i base_seed + i
+    seeds = _seed_sequence(base_seed, worker_id, rank, count=4)
+    torch.manual_seed(seeds[0])
+    random.seed((seeds[1] << 32) | seeds[2])
+    np.random.seed(np.random.SeedSequence([base_seed, worker_id, rank]).generate_state(4))
+
+
+def _seed_sequence(base_seed: int, worker_id: int, rank: int, count: int) -> list[int]:
+    """`count` 64-bit seeds: the three numbers packed into one, mixed by MurmurHash3's finalizer (so small
+    seeds still fill the low bits), then drawn from a 64-bit LCG with Knuth's multiplier (Lightning's)."""
+    mask = (1 << 64) - 1
+    x = (base_seed << 32) | (worker_id << 16) | rank
+    x ^= x >> 33
+    x = (x * 0xFF51AFD7ED558CCD) & mask
+    x ^= x >> 33
+    x = (x * 0xC4CEB9FE1A85EC53) & mask
+    x ^= x >> 33
+    seeds = []
+    for _ in range(count):
+        x = (x * 6364136223846793005 + 1) & mask
+        seeds.append(x)
+    return seeds
 
 
 def rng_state() -> dict[str, Any]:

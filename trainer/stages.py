@@ -4,6 +4,7 @@ validate/test/predict) and the tear-down that follows it even when the stage fai
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -17,7 +18,7 @@ from trainer.entry_checks import check_not_empty
 from trainer.fit_loop import FitLoop
 from trainer.logging import rank_zero_info, set_rank
 from trainer.module import TrainModule, uncalled_lightning_methods
-from trainer.rng import seed_everything
+from trainer.rng import seed_everything, seeds_workers, worker_init_function
 
 if TYPE_CHECKING:
     from trainer.trainer import Trainer
@@ -34,6 +35,7 @@ def run_fit(
     datamodule: Any,
 ) -> None:
     """`Trainer.fit` in this process: set up, then one new `FitLoop` (the trainer's `_fit_loop`) runs."""
+    trainer.fitting = True
     _setup(trainer, module, "fit", datamodule)
     try:
         if train_loader is None:  # the datamodule's, or the module's own, read after their setup
@@ -89,7 +91,7 @@ def _setup(trainer: Trainer, module: TrainModule, stage: str, datamodule: Any) -
     _prepare_data(trainer, module, datamodule)
     call_if_defined(datamodule, "setup", stage)
     if trainer.seed is not None:
-        seed_everything(trainer.seed)
+        seed_everything(trainer.seed, workers=seeds_workers())
     trainer._was_deterministic = torch.are_deterministic_algorithms_enabled()
     if trainer.deterministic:
         torch.use_deterministic_algorithms(True)  # for this run only: _finish restores the setting
@@ -127,6 +129,7 @@ def _prepare_data(trainer: Trainer, module: TrainModule, datamodule: Any) -> Non
 
 
 def _finish(trainer: Trainer, stage: str) -> None:
+    trainer.fitting = False
     loop = trainer._fit_loop
     if loop is not None and loop.progress is not None:
         loop.progress.close()
@@ -147,4 +150,6 @@ def _rank_loader(trainer: Trainer, loader: Iterable, train: bool) -> Iterable:
     ours pins its batches for a GPU, so that their copies there don't wait for the step in flight."""
     loader = trainer.strategy.process_dataloader(loader, trainer.seed or 0, train=train)
     pin_for_device(loader, trainer.strategy.root_device)
+    if seeds_workers() and getattr(loader, "worker_init_fn", False) is None:  # as Lightning adds it
+        loader.worker_init_fn = functools.partial(worker_init_function, rank=trainer.global_rank)
     return loader

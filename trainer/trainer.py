@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,7 @@ class Trainer:
         device_ids = list(devices) if isinstance(devices, (list, tuple)) else None  # Lightning's devices=[i]
         devices = flags.resolve_devices(devices, accelerator)
         num_nodes = flags.check_int("num_nodes", num_nodes, 1)
+        self.num_devices, self.num_nodes = devices, num_nodes  # Lightning's: processes per node, nodes
         self.strategy = build_strategy(strategy, processes=devices * num_nodes)
         self.strategy.set_block_options(activation_checkpointing, check_compile(compile))
         self.strategy.configure(
@@ -125,10 +127,12 @@ class Trainer:
         self._eval_metrics: MetricBuffer | None = None  # the running evaluation loop's, inside one
         self.callback_metrics: dict[str, float] = {}  # every metric's latest value, for callbacks
         self.logged_metrics: dict[str, float] = {}  # what was sent to the loggers
+        self.fitting = False  # inside fit (its validations included), as Lightning's state.fn == "fit"
         self.evaluating = False  # inside a validation/test loop
         self._step_hooks = False  # from on_train_batch_start to on_train_batch_end of a step
         self.sanity_checking = False  # inside the few validation batches before training (nothing logged)
         self._warned_none_step = False
+        self._warned_unsynced: set[str] = set()  # names told about sync_dist (TrainModule.log)
         self.should_stop = False
         self.module: TrainModule | None = None
         self.datamodule: Any = None  # the datamodule of the running fit/validate/test/predict
@@ -203,6 +207,47 @@ class Trainer:
         return self.strategy.is_global_zero
 
     @property
+    def world_size(self) -> int:
+        return self.strategy.world_size
+
+    @property
+    def precision(self) -> str:
+        """Lightning's name of the run's precision: "32-true", "16-mixed", "bf16-mixed" or "bf16-true"."""
+        name = self.strategy.precision.name
+        return "32-true" if name == "32" else name
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """Lightning's list of the fit's optimizers (one here; empty before `configure_optimizers` ran)."""
+        return [] if self.optimizer is None else [self.optimizer]
+
+    @property
+    def lr_scheduler_configs(self) -> list[SchedulerConfig]:
+        """The scheduler `configure_optimizers` returned with its settings (`.scheduler`, `.interval`,
+        `.frequency`, `.monitor`, ...), as Lightning's list; empty without one (the Trainer's own schedule)."""
+        return [] if self._scheduler_config is None else [self._scheduler_config]
+
+    @property
+    def num_training_batches(self) -> int | float:
+        """Train batches (micro-batches) per epoch on this rank, after `limit_train_batches`; inf when the
+        loader has no len() or before a fit has its loader, as in Lightning."""
+        length = None if self._fit_loop is None else self._fit_loop.train_batches.epoch_length()
+        return math.inf if length is None else length
+
+    @property
+    def estimated_stepping_batches(self) -> int | float:
+        """Optimizer steps the fit will take (Lightning's: from max_steps/max_epochs, the loader's length on
+        this rank, `limit_train_batches` and accumulation); known from `configure_optimizers` on, e.g. for
+        OneCycleLR's `total_steps`. inf when neither max_steps nor the loader's length bounds it."""
+        if self._fit_loop is None:
+            raise RuntimeError(
+                "estimated_stepping_batches needs the fit's train loader; allowed: read it from "
+                "configure_optimizers (or later in a fit)"
+            )
+        total = self._fit_loop.total_steps()
+        return math.inf if total is None else total
+
+    @property
     def clock(self) -> PhaseClock:
         """Seconds per phase (data/forward/backward/optimizer) of this rank's steps; see trainer.timing."""
         return self.strategy.clock
@@ -210,55 +255,57 @@ class Trainer:
     # ---- entry points ----------------------------------------------------------------------------
     def fit(
         self,
-        module: TrainModule,
-        train_dataloaders: Iterable | None = None,
+        model: TrainModule,
+        train_dataloaders: Iterable | Any = None,
         val_dataloaders: Iterable | None = None,
-        ckpt_path: str | Path | None = None,
-        *,
         datamodule: Any = None,
+        ckpt_path: str | Path | None = None,
     ) -> None:
-        """Train `module`; `ckpt_path` "last" resumes from the newest good checkpoint (damaged or never
+        """Train `model` (Lightning's arguments; a DataModule in place of `train_dataloaders` is taken as the
+        `datamodule`); `ckpt_path` "last" resumes from the newest good checkpoint (damaged or never
         validated ones are skipped with a warning; none at all: a fresh start), a path resumes from that
         checkpoint after its checksums are verified. `datamodule` (Lightning's) supplies the loaders."""
-        entry_checks.check_fit(module, train_dataloaders, val_dataloaders, ckpt_path, datamodule)
-        self.strategy.check_module(module)
+        train_dataloaders, datamodule = entry_checks.split_datamodule(train_dataloaders, datamodule, "fit")
+        entry_checks.check_fit(model, train_dataloaders, val_dataloaders, ckpt_path, datamodule)
+        self.strategy.check_module(model)
         return self.strategy.launch(
-            stages.run_fit, self, module, train_dataloaders, val_dataloaders, ckpt_path, datamodule
+            stages.run_fit, self, model, train_dataloaders, val_dataloaders, ckpt_path, datamodule
         )
 
     def validate(
         self,
-        module: TrainModule,
-        dataloaders: Iterable | None = None,
+        model: TrainModule | None = None,
+        dataloaders: Iterable | Any = None,
         ckpt_path: str | Path | None = None,
         *,
         datamodule: Any = None,
     ) -> dict[str, float]:
-        """Run `validation_step` over `dataloaders`; returns the metrics (means over batches and ranks)."""
-        return self._evaluate(module, dataloaders, ckpt_path, "validate", datamodule)
+        """Run `validation_step` over `dataloaders`; returns the metrics (means over batches and ranks).
+        Without `model`, the last fit's (as in Lightning); a DataModule as `dataloaders` is the datamodule."""
+        return self._evaluate(model, dataloaders, ckpt_path, "validate", datamodule)
 
     def test(
         self,
-        module: TrainModule,
-        dataloaders: Iterable | None = None,
+        model: TrainModule | None = None,
+        dataloaders: Iterable | Any = None,
         ckpt_path: str | Path | None = None,
         *,
         datamodule: Any = None,
     ) -> dict[str, float]:
         """Run `test_step` over `dataloaders`; returns the metrics (means over batches and ranks)."""
-        return self._evaluate(module, dataloaders, ckpt_path, "test", datamodule)
+        return self._evaluate(model, dataloaders, ckpt_path, "test", datamodule)
 
     def predict(
         self,
-        module: TrainModule,
-        dataloaders: Iterable | None = None,
+        model: TrainModule | None = None,
+        dataloaders: Iterable | Any = None,
         ckpt_path: str | Path | None = None,
         *,
         datamodule: Any = None,
     ) -> list[Any]:
         """`predict_step` of every batch of this rank's share of `dataloaders`, in order (rank zero's
         list is returned to a self-spawning script, as Lightning returns each process its own)."""
-        return self._evaluate(module, dataloaders, ckpt_path, "predict", datamodule)
+        return self._evaluate(model, dataloaders, ckpt_path, "predict", datamodule)
 
     def save_checkpoint(
         self,
@@ -329,8 +376,13 @@ class Trainer:
         return self.strategy.reduce(tensor, op, group="loss")
 
     def _evaluate(
-        self, module: TrainModule, loader: Iterable | None, ckpt_path: Any, stage: str, datamodule: Any
+        self, module: TrainModule | None, loader: Any, ckpt_path: Any, stage: str, datamodule: Any
     ) -> Any:
+        if module is None:  # Lightning's: the module of the last fit
+            if self.module is None:
+                raise TypeError(f"{stage} got no model and this Trainer ran no fit; allowed: a TrainModule")
+            module = self.module
+        loader, datamodule = entry_checks.split_datamodule(loader, datamodule, stage)
         entry_checks.check_evaluate(module, loader, ckpt_path, stage, datamodule)
         self.strategy.check_module(module)
         return self.strategy.launch(stages.run_evaluate, self, module, loader, ckpt_path, stage, datamodule)
@@ -345,6 +397,11 @@ class Trainer:
     def run_id(self) -> str | None:
         """This fit's run id (a resumed run's own), written into each checkpoint; None before any."""
         return self.checkpoint_manager.run_id
+
+    @property
+    def checkpoint_callbacks(self) -> list[ModelCheckpoint]:
+        """Every ModelCheckpoint among the callbacks, in order (Lightning's list)."""
+        return [cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)]
 
     @property
     def checkpoint_dir(self) -> Path:
