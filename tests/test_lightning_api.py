@@ -121,7 +121,8 @@ def test_a_metric_whose_compute_is_not_a_scalar_is_named(tmp_path):
 
     trainer = Trainer(max_steps=2, default_root_dir=tmp_path, enable_checkpointing=False, **quiet())
     with pytest.raises(
-        ValueError, match=r"log\('train_acc'\): MulticlassAccuracy.compute\(\) returned a tensor of shape \(3,\)"
+        ValueError,
+        match=r"log\('train_acc'\): MulticlassAccuracy.compute\(\) returned a tensor of shape \(3,\)",
     ):
         trainer.fit(PerClass(), DataLoader(blobs(), batch_size=8))
 
