@@ -244,9 +244,11 @@ def test_bad_inputs_are_refused_in_one_line(tmp_path, tok_dir):
     with pytest.raises(ValueError) as error:
         hf_dataloaders(data, tok_dir, text_field="body")
     assert one_line(error) == "field 'body' is not in the dataset; available columns: ['text', 'label']"
-    with pytest.raises(ValueError) as error:
-        hf_dataloaders(data, tok_dir, "seq-classification")
-    assert "dataset.class_encode_column('label')" in one_line(error)
+    with pytest.raises(ValueError) as error:  # string labels are encoded (test_hf_labels.py); floats are not
+        hf_dataloaders(
+            data.remove_columns("label").add_column("label", [0.5] * 5), tok_dir, "seq-classification"
+        )
+    assert "allowed: ints, strings or a ClassLabel" in one_line(error)
     bare = make_tokenizer(tmp_path / "bare", pad=False, eos=False)
     with pytest.raises(ValueError) as error:
         hf_dataloaders(data, bare, packing=False)

@@ -93,6 +93,7 @@ def hf_dataloaders(
     label_field: str = "label",
     packing: bool = True,
     cache_dir: str | os.PathLike[str] | None = None,
+    labels: Sequence[str] | None = None,
 ) -> tuple[DataLoader, DataLoader | None]:
     """(train, validation or None) DataLoaders of `data` (a path for `load_hf_dataset`, a Dataset or a
     DatasetDict) tokenised by `tokenizer` (an object, or a local save_pretrained folder).
@@ -107,9 +108,12 @@ def hf_dataloaders(
       a prompt/response pair goes through it as one user/assistant exchange when the tokenizer has one,
       else as prompt tokens, response tokens, EOS. Never packed; examples are truncated to seq_len + 1
       tokens and dropped when no response token is left.
-    task="seq-classification": `text_field` with int labels `label_field`, labels LongTensor[B];
-    task="token-classification": `text_field` holds word lists and `label_field` one int per word, the
+    task="seq-classification": `text_field` with labels `label_field`, labels LongTensor[B];
+    task="token-classification": `text_field` holds word lists and `label_field` one label per word, the
     label on each word's first token, -100 on special and continuation tokens (needs a fast tokenizer).
+    Labels are ints (kept), strings or a ClassLabel's: those become the index of their name in `labels`
+    (the class names in id order; default `class_names(data)`: a ClassLabel's names, else the sorted
+    distinct strings of the train split), so give the model the same `HFModule(labels=...)`.
 
     Padding is to the longest example of the batch: pad id, label -100, attention_mask 0. A tokenizer
     without a pad token pads with its EOS id (warned once; the tokenizer is not changed).
@@ -150,7 +154,9 @@ def hf_dataloaders(
             "tokenizer (one with a tokenizer.json)"
         )
     pack = mode == "text" and packing
-    encoder = _Encoder(tok, mode, fields, seq_len, pack, chat)
+    encoder = _Encoder(
+        tok, mode, fields, seq_len, pack, chat, _label_ids(train_raw, label_field, mode, labels)
+    )
     collate = None if pack else PadCollator(_pad_id(tok))
     train = _loader("train", train_raw, encoder, cache_dir, batch_size, collate, seed)
     val = (
@@ -235,20 +241,34 @@ class _Encoder:
         seq_len: int,
         pack: bool,
         chat: bool,
+        label_ids: tuple[dict[str, int], list[str] | None] | None = None,
     ) -> None:
         self.tokenizer, self.mode, self.fields = tokenizer, mode, fields
         self.seq_len, self.pack, self.chat = seq_len, pack, chat
+        self.label_ids = label_ids  # (name -> id, a ClassLabel's names of its ints or None); None: ints kept
 
     def settings(self) -> list[Any]:
         """What the tokenised columns depend on besides the source data and the tokenizer (the cache key)."""
-        return [_CACHE_VERSION, self.mode, self.fields, self.seq_len, self.pack, self.chat]
+        return [_CACHE_VERSION, self.mode, self.fields, self.seq_len, self.pack, self.chat, self.label_ids]
+
+    def _label(self, value: Any) -> int:
+        """A label's class id: an int as it is, else the index of its name (a string, a ClassLabel's int)."""
+        if self.label_ids is None:
+            return int(value)
+        label2id, source_names = self.label_ids
+        name = source_names[value] if source_names is not None else value
+        if name not in label2id:
+            raise ValueError(
+                f"label {name!r} is not one of the classes {list(label2id)}; allowed: one of those"
+            )
+        return label2id[name]
 
     def __call__(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
         if self.mode == "seq-classification":
             encoded = self.tokenizer(batch[self.fields[0]], truncation=True, max_length=self.seq_len)
             return {
                 "input_ids": encoded["input_ids"],
-                "labels": [int(label) for label in batch[self.fields[1]]],
+                "labels": [self._label(label) for label in batch[self.fields[1]]],
             }
         if self.mode == "token-classification":
             return self._word_labels(batch[self.fields[0]], batch[self.fields[1]])
@@ -318,7 +338,7 @@ class _Encoder:
         for row, tags in enumerate(word_labels):
             previous, aligned = None, []
             for word in encoded.word_ids(row):
-                aligned.append(IGNORE_INDEX if word is None or word == previous else int(tags[word]))
+                aligned.append(IGNORE_INDEX if word is None or word == previous else self._label(tags[word]))
                 previous = word
             labels.append(aligned)
         return {"input_ids": encoded["input_ids"], "labels": labels}
@@ -415,19 +435,82 @@ def _check_columns(data: Dataset, fields: list[str], mode: str, label_field: str
             raise ValueError(f"field {field!r} is not in the dataset; available columns: {data.column_names}")
     if mode not in ("seq-classification", "token-classification"):
         return
-    feature = data.features[label_field]
-    if mode == "token-classification":
-        feature = getattr(feature, "feature", None)
-    if not (isinstance(feature, ClassLabel) or (isinstance(feature, Value) and "int" in feature.dtype)):
+    feature = _label_feature(data, label_field, mode)
+    if not (
+        isinstance(feature, ClassLabel)
+        or (
+            isinstance(feature, Value)
+            and ("int" in feature.dtype or feature.dtype in ("string", "large_string"))
+        )
+    ):
         raise ValueError(
-            f"labels {label_field!r} are {data.features[label_field]}; allowed: ints"
-            f"{' (one list per example)' if mode == 'token-classification' else ''}, e.g. from "
-            f"dataset.class_encode_column({label_field!r}) for strings"
+            f"labels {label_field!r} are {data.features[label_field]}; allowed: ints, strings or a ClassLabel"
+            f"{' (one list per example)' if mode == 'token-classification' else ''}"
         )
 
 
+def _label_feature(data: Dataset, label_field: str, mode: str) -> Any:
+    """The feature of one label (of one word's, for token classification)."""
+    feature = data.features[label_field]
+    return getattr(feature, "feature", None) if mode == "token-classification" else feature
+
+
+def class_names(
+    data: str | os.PathLike[str] | Dataset | DatasetDict,
+    label_field: str = "label",
+    task: str = "seq-classification",
+) -> list[str] | None:
+    """The class names of classification data, in id order: a ClassLabel's names, else the sorted distinct
+    strings of its train split (what `class_encode_column` would make); None for int labels."""
+    source = load_hf_dataset(data) if isinstance(data, (str, os.PathLike)) else data
+    train, _ = _splits(source, 0, 0)
+    _check_columns(train, [label_field], task, label_field)
+    return _names(train, label_field, task)
+
+
+def _names(train: Dataset, label_field: str, mode: str) -> list[str] | None:
+    from datasets import ClassLabel
+
+    feature = _label_feature(train, label_field, mode)
+    if isinstance(feature, ClassLabel):
+        return list(feature.names)
+    if "int" in feature.dtype:
+        return None
+    column = train[label_field]
+    values = {v for row in column for v in row} if mode == "token-classification" else set(column)
+    return sorted(values)
+
+
+def _label_ids(
+    train: Dataset, label_field: str, mode: str, labels: Sequence[str] | None
+) -> tuple[dict[str, int], list[str] | None] | None:
+    """How the encoder turns labels into class ids: (name -> id, a ClassLabel's names or None), or None
+    when the labels are ids already (ints, or a ClassLabel's own order with no other `labels` asked)."""
+    from datasets import ClassLabel
+
+    if mode not in ("seq-classification", "token-classification"):
+        return None
+    if labels is not None and (isinstance(labels, str) or len(set(labels)) != len(labels) or not labels):
+        raise ValueError(f"labels={labels!r} is invalid; allowed: a list of distinct class names")
+    feature = _label_feature(train, label_field, mode)
+    if isinstance(feature, ClassLabel):
+        names = list(feature.names)
+        return (
+            None if labels is None or list(labels) == names else ({n: i for i, n in enumerate(labels)}, names)
+        )
+    names = _names(train, label_field, mode)
+    if names is None:
+        return None
+    return {n: i for i, n in enumerate(labels if labels is not None else names)}, None
+
+
+def padding_id(tokenizer: PreTrainedTokenizerBase) -> int | None:
+    """The id the loaders pad batches with: the tokenizer's pad token, else its EOS (None: neither)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
 def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
-    """The id batches are padded with: the pad token, else EOS (its value is masked out either way)."""
+    """`padding_id`, warned about once when it is EOS (its value is masked out either way)."""
     if tokenizer.pad_token_id is not None:
         return tokenizer.pad_token_id
     if tokenizer.eos_token_id is None:
