@@ -94,6 +94,8 @@ def hf_dataloaders(
     packing: bool = True,
     cache_dir: str | os.PathLike[str] | None = None,
     labels: Sequence[str] | None = None,
+    val_path: str | os.PathLike[str] | Dataset | None = None,
+    eval_split: str | None = None,
 ) -> tuple[DataLoader, DataLoader | None]:
     """(train, validation or None) DataLoaders of `data` (a path for `load_hf_dataset`, a Dataset or a
     DatasetDict) tokenised by `tokenizer` (an object, or a local save_pretrained folder).
@@ -117,8 +119,9 @@ def hf_dataloaders(
 
     Padding is to the longest example of the batch: pad id, label -100, attention_mask 0. A tokenizer
     without a pad token pads with its EOS id (warned once; the tokenizer is not changed).
-    Splits: a DatasetDict's "train" and its "validation" (else "test") split; otherwise `val_fraction`
-    of the examples, chosen with `seed`, is validation (0: no validation loader). The train loader
+    Splits: `val_path` (a data file, a save_to_disk Dataset or a Dataset) is the validation data when
+    given; else a DatasetDict's "train" and its `eval_split` (default: "validation", else "test"); otherwise
+    `val_fraction` of the examples, chosen with `seed`, is validation (0: no validation loader). The train loader
     shuffles with a generator seeded by `seed` and drops its last incomplete batch.
     Tokenised data is cached by the source's fingerprint, the tokenizer and these settings: under
     `cache_dir` when given, else beside a file-backed dataset's own cache (in-memory data: not cached).
@@ -126,7 +129,11 @@ def hf_dataloaders(
     _check_settings(task, seq_len, batch_size, val_fraction, prompt_field, response_field, messages_field)
     tok = _load_tokenizer(tokenizer)
     source = load_hf_dataset(data) if isinstance(data, (str, os.PathLike)) else data
-    train_raw, val_raw = _splits(source, val_fraction, seed)
+    if val_path is not None:
+        if eval_split is not None:
+            raise ValueError("val_path and eval_split are both set; allowed: one of them")
+        source, eval_split = _with_validation(source, val_path), "validation"
+    train_raw, val_raw = _splits(source, val_fraction, seed, eval_split)
     mode = _mode(task, prompt_field, response_field, messages_field)
     fields = {
         "text": [text_field],
@@ -400,17 +407,43 @@ def _load_tokenizer(tokenizer: str | os.PathLike[str] | PreTrainedTokenizerBase)
     return AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
 
 
-def _splits(data: Any, val_fraction: float, seed: int) -> tuple[Dataset, Dataset | None]:
+def _with_validation(source: Any, val_path: Any) -> DatasetDict:
+    """`source`'s train split with `val_path`'s examples as its "validation" split."""
+    from datasets import Dataset, DatasetDict
+
+    val = load_hf_dataset(val_path) if isinstance(val_path, (str, os.PathLike)) else val_path
+    if not isinstance(val, Dataset):
+        raise ValueError(
+            f"val_path holds a {type(val).__name__}; allowed: one split (a data file, a save_to_disk Dataset or "
+            "a datasets.Dataset), or eval_split to pick one of a DatasetDict"
+        )
+    train = source["train"] if isinstance(source, DatasetDict) and "train" in source else source
+    return DatasetDict(train=train, validation=val)
+
+
+def _splits(
+    data: Any, val_fraction: float, seed: int, eval_split: str | None = None
+) -> tuple[Dataset, Dataset | None]:
     """(train, validation or None): a DatasetDict's own splits, else `val_fraction` split off with `seed`."""
     from datasets import Dataset, DatasetDict
 
     if isinstance(data, DatasetDict):
         if "train" not in data:
             raise ValueError(f"the DatasetDict has splits {list(data)}; allowed: one with a 'train' split")
-        val_name = next((name for name in VALIDATION_SPLITS if name in data), None)
+        if eval_split is not None and eval_split not in data:
+            raise ValueError(
+                f"eval_split={eval_split!r} is not a split of the data; allowed: one of {list(data)}"
+            )
+        names = (eval_split,) if eval_split is not None else VALIDATION_SPLITS
+        val_name = next((name for name in names if name in data), None)
         if val_name is not None:
             return data["train"], data[val_name]
         data = data["train"]
+    elif eval_split is not None:
+        raise ValueError(
+            f"eval_split={eval_split!r} picks a split of a DatasetDict, and the data is one Dataset; allowed: "
+            "val_path or val_fraction"
+        )
     if not isinstance(data, Dataset):
         raise TypeError(
             f"data is a {type(data).__name__}; allowed: a path, a datasets.Dataset or a DatasetDict (map-style)"
