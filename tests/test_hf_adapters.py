@@ -123,7 +123,26 @@ def test_adapters_in_peft_layout_load_with_peft_to_the_trained_logits(bases, tra
         want - logits(AutoModelForSequenceClassification.from_pretrained(bases[0], num_labels=3), batch)
     ).abs().max() > 1e-3
 
-    with pytest.raises(ValueError, match=r"save_pretrained\(merged=False\) writes LoRA adapters.*allowed: merged=True"):
+    with pytest.raises(
+        ValueError, match=r"save_pretrained\(merged=False\) writes LoRA adapters.*allowed: merged=True"
+    ):
         HFModule(bases[0], task="seq-classification", num_labels=3).save_pretrained(
             tmp_path / "x", merged=False
         )
+
+
+def test_the_start_line_counts_trainable_parameters_as_peft_does(bases, tmp_path, caplog):
+    lora = HFModule(bases[0], task="seq-classification", num_labels=3, lora=LORA)
+    frozen = HFModule(bases[0], task="seq-classification", num_labels=3, freeze=["bert.embeddings.*"])
+    train = DataLoader(class_data(16, 0), batch_size=16)
+    caplog.set_level("INFO", logger="trainer")
+    for name, module in (("lora", lora), ("frozen", frozen)):
+        caplog.clear()
+        Trainer(**trainer_kwargs(tmp_path / name, 1)).fit(module, train)
+        trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in module.parameters())
+        assert trainable < total
+        if module is lora:
+            assert (trainable, total) == lora.model.get_nb_trainable_parameters()  # PEFT's own count
+        line = f"HFModule: trainable params: {trainable:,} || all params: {total:,} || trainable%: {100 * trainable / total:.4f} |"
+        assert line in caplog.text, name
