@@ -4,6 +4,7 @@ manual class_encode_column, and their names reach the exported config."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import datasets
@@ -24,11 +25,13 @@ from transformers import (
 from callbacks import ModelCheckpoint
 from trainer import Trainer
 from trainer.checkpoint import find_last
+from trainer.config import build_run, load_recipe
 from trainer.data.hf_data import class_names, hf_dataloaders
 from trainer.export import export_checkpoint
 from trainer.models.hf import HFModule
 
 WORDS = [f"w{i}" for i in range(40)]
+REPO = Path(__file__).parents[1]
 
 
 def texts(n: int, seed: int) -> list[str]:
@@ -131,3 +134,16 @@ def test_string_labels_become_class_ids_and_the_exported_config_names_them(bert_
 def in_order(loader):
     """The loader's examples in dataset order (the train loader shuffles)."""
     return torch.utils.data.DataLoader(loader.dataset, batch_size=8, collate_fn=loader.collate_fn)
+
+
+def test_a_recipe_with_string_labels_names_its_classes(bert_dir, tmp_path):
+    rows = [{"text": t, "label": ["tech", "sport"][i % 2]} for i, t in enumerate(texts(16, 3))]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = load_recipe(
+        REPO / "recipes" / "hf_classify_minilm.yaml",
+        [f"model.hf={bert_dir}", "model.num_labels=2", f"data.path={tmp_path / 'train.jsonl'}", "data.val_path=null",
+         "data.batch_size=4", f"trainer.default_root_dir={tmp_path / 'run'}"],
+    )  # fmt: skip
+    _, module, train, _ = build_run(config)
+    assert module.hf_model().config.id2label == {0: "sport", 1: "tech"}
+    assert sorted({int(x) for b in in_order(train) for x in b["labels"]}) == [0, 1]

@@ -657,7 +657,11 @@ def _best_checkpoint(saver: Any) -> tuple[str, float] | None:
     path = getattr(saver, "best_model_path", None)  # Lightning's attributes, where ModelCheckpoint has them
     if path:
         return str(path), float(getattr(saver, "best_model_score", float("nan")))
-    scored = [c for c in saver.saved if c["good"] and c["score"] is not None and Path(c["path"]).is_dir()]
+    scored = [
+        c
+        for c in getattr(saver, "saved", ())
+        if c["good"] and c["score"] is not None and Path(c["path"]).is_dir()
+    ]
     if not scored:
         return None
     sign = 1.0 if saver.mode == "min" else -1.0
