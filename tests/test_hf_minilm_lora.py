@@ -48,7 +48,6 @@ def test_minilm_lora_under_ddp_saves_adapters_that_peft_reloads_to_the_trained_l
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads((root / "report.json").read_text())
 
-    base = lambda: AutoModelForSequenceClassification.from_pretrained(MINILM, num_labels=4)  # noqa: E731
     reference = peft.get_peft_model(base(), peft.LoraConfig(task_type="SEQ_CLS", **LORA))
     trainable, total = reference.get_nb_trainable_parameters()
     assert (
@@ -85,6 +84,11 @@ def test_minilm_lora_under_ddp_saves_adapters_that_peft_reloads_to_the_trained_l
     )
     rows = [json.loads(line) for line in (root / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "val_f1" in r] == [4, 8]
+
+
+def base() -> AutoModelForSequenceClassification:
+    """The pretrained encoder with a new 4-class head, as transformers builds it."""
+    return AutoModelForSequenceClassification.from_pretrained(MINILM, num_labels=4)
 
 
 def reference_tokenizer():
