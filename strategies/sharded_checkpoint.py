@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from strategies.checkpoint_io import checks_frozen_parameters
 from trainer import checkpoint as ckpt
 from trainer.integrity import HashingFile
 from trainer.safe_dcp import SafeLoadPlanner, SafeReader
@@ -84,8 +85,12 @@ def load_state_dict_layout(
     path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None, group: Any
 ) -> None:
     """Load a checkpoint of the "state_dict" layout (DDP, FSDP stages 2/3, 3D) into `module` and
-    `optimizer` as they are sharded now, by any strategy and world size (`group` None: one process)."""
-    model_sd, optim_sd = get_state_dict(module, optimizer or [])
+    `optimizer` as they are sharded now, by any strategy and world size (`group` None: one process). A module
+    that does not checkpoint its frozen parameters gets the others (every one of them, or DCP's load fails)."""
+    skip_frozen = not checks_frozen_parameters(module)
+    model_sd, optim_sd = get_state_dict(
+        module, optimizer or [], options=StateDictOptions(ignore_frozen_params=skip_frozen)
+    )
     payload = {"model": model_sd, "optim": optim_sd} if optimizer is not None else {"model": model_sd}
     load(payload, path, group)
     set_state_dict(
@@ -93,7 +98,7 @@ def load_state_dict_layout(
         optimizer or [],
         model_state_dict=payload["model"],
         optim_state_dict=payload.get("optim", {}),
-        options=StateDictOptions(strict=True),
+        options=StateDictOptions(strict=not skip_frozen, ignore_frozen_params=skip_frozen),
     )
 
 

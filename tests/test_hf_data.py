@@ -233,6 +233,37 @@ def test_classification_batches(tmp_path, tok_dir):
     assert batch["labels"].tolist() == [[X, 1, X, 2, X], [X, 0, 2, X, 1]]
 
 
+def test_validation_comes_from_val_path_or_the_eval_split_asked_for(tmp_path, tok_dir):
+    train = datasets.Dataset.from_dict({"text": ["good", "bad play", "the cat"], "label": [1, 0, 2]})
+    held_out = datasets.Dataset.from_dict({"text": ["the cat sat"], "label": [2]})
+    dev = datasets.Dataset.from_dict({"text": ["good play"], "label": [1]})
+    write_jsonl(tmp_path / "val.jsonl", [{"text": "hello world", "label": 0}])
+
+    def val_texts(**options) -> list[list[int]]:
+        _, val = hf_dataloaders(
+            options.pop("data", train), tok_dir, "seq-classification", batch_size=1, **options
+        )
+        return [row for batch in val for row in batch["input_ids"].tolist()]
+
+    assert val_texts(val_path=tmp_path / "val.jsonl") == [[BOS, *ids("hello world")]]
+    assert val_texts(val_path=held_out) == [[BOS, *ids("the cat sat")]]
+    splits = datasets.DatasetDict(train=train, validation=held_out, dev=dev)
+    assert val_texts(data=splits) == [[BOS, *ids("the cat sat")]]
+    assert val_texts(data=splits, eval_split="dev") == [[BOS, *ids("good play")]]
+    with pytest.raises(ValueError) as error:
+        val_texts(data=splits, eval_split="tests")
+    assert (
+        one_line(error)
+        == "eval_split='tests' is not a split of the data; allowed: one of ['train', 'validation', 'dev']"
+    )
+    with pytest.raises(ValueError) as error:
+        val_texts(eval_split="dev")
+    assert "allowed: val_path or val_fraction" in one_line(error)
+    with pytest.raises(ValueError) as error:
+        val_texts(val_path=held_out, eval_split="dev")
+    assert one_line(error) == "val_path and eval_split are both set; allowed: one of them"
+
+
 def test_bad_inputs_are_refused_in_one_line(tmp_path, tok_dir):
     data = datasets.Dataset.from_dict({"text": DOCS, "label": ["a", "b", "a", "b", "a"]})
     with pytest.raises(FileNotFoundError) as error:
@@ -244,9 +275,11 @@ def test_bad_inputs_are_refused_in_one_line(tmp_path, tok_dir):
     with pytest.raises(ValueError) as error:
         hf_dataloaders(data, tok_dir, text_field="body")
     assert one_line(error) == "field 'body' is not in the dataset; available columns: ['text', 'label']"
-    with pytest.raises(ValueError) as error:
-        hf_dataloaders(data, tok_dir, "seq-classification")
-    assert "dataset.class_encode_column('label')" in one_line(error)
+    with pytest.raises(ValueError) as error:  # string labels are encoded (test_hf_labels.py); floats are not
+        hf_dataloaders(
+            data.remove_columns("label").add_column("label", [0.5] * 5), tok_dir, "seq-classification"
+        )
+    assert "allowed: ints, strings or a ClassLabel" in one_line(error)
     bare = make_tokenizer(tmp_path / "bare", pad=False, eos=False)
     with pytest.raises(ValueError) as error:
         hf_dataloaders(data, bare, packing=False)

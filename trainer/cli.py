@@ -18,8 +18,12 @@ from trainer.models.llama import Llama
 from trainer.run_folder import FolderInUse
 
 EPILOG = f"""recipe sections: {", ".join(SECTIONS)}
-  model      a Llama preset (tiny, 1b, 8b, 70b) with any LlamaConfig field, or class_path + init_args
-  data       path (none: the embedded corpus), tokenizer (byte or a local path), seq_len, batch_size, val_fraction
+  model      a Llama preset (tiny, 1b, 8b, 70b) with any LlamaConfig field, or class_path + init_args,
+             or hf: a local Hugging Face model folder fine-tuned for task (causal-lm, seq-classification,
+             token-classification, seq2seq) with num_labels, freeze patterns and lora (peft.LoraConfig
+             fields: checkpoints then hold the adapters only)
+  data       path (none: the embedded corpus), tokenizer (byte or a local path), seq_len, batch_size, val_fraction;
+             with model.hf also val_path, text_field, label_field, prompt_field + response_field or messages_field
   optimizer  AdamW lr, betas, weight_decay, eps
   trainer    every Trainer flag (max_steps, precision, lr_schedule, warmup_steps, default_root_dir, ...)
   strategy   name (auto, single, ...) and the strategy's arguments
@@ -32,6 +36,8 @@ examples:
   trainer fit recipes/llama_tiny.yaml --ckpt-path last      # resume (or start) the run
   trainer config recipes/llama_tiny.yaml data.seq_len=128   # print the resolved recipe
   trainer export runs/llama_tiny/checkpoints/step-00000300 out/  # weights for transformers
+  trainer export runs/NAME/checkpoints/step-N out/ --adapter     # LoRA as PEFT's adapter files
+  trainer fit recipes/hf_classify_minilm.yaml model.lora='{{r: 8, target_modules: [query, value]}}'
   trainer memory recipes/llama_70b.yaml                     # weights+grads+AdamW per GPU of the layout
   trainer memory recipes/moe_deepseek_v3_like.yaml          # MoE: experts split over ep and the expert mesh
 """
@@ -78,12 +84,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     export.add_argument("checkpoint", type=Path, help="a checkpoint directory (runs/NAME/checkpoints/step-N)")
     export.add_argument("out", type=Path, help="output directory")
+    export.add_argument(
+        "--adapter",
+        action="store_true",
+        help="an HFModule's LoRA run: write PEFT's adapter_config.json + adapter_model.safetensors "
+        "(peft.PeftModel.from_pretrained(base, OUT)) instead of the merged model",
+    )
     args = _parse(parser, argv)
     configure_console_logging()
     if args.command == "export":
         try:
-            print(f"wrote {export_checkpoint(args.checkpoint, args.out)}")
-        except (CheckpointError, FileNotFoundError) as err:
+            print(f"wrote {export_checkpoint(args.checkpoint, args.out, merged=not args.adapter)}")
+        except (CheckpointError, FileNotFoundError, ValueError) as err:
             print(f"trainer: error: {err}", file=sys.stderr)
             return 2
         return 0

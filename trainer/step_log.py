@@ -100,11 +100,16 @@ def announce(trainer: Trainer, module: TrainModule) -> None:
     """One line on what is about to run: size, parallelism, precision and the global batch."""
     strategy, accumulate = trainer.strategy, trainer.accumulate_grad_batches
     # a pipeline stage holds some of the blocks: the model's size is the sum over the stages
-    local = torch.tensor(float(sum(p.numel() for p in module.parameters())), device=strategy.root_device)
-    params = float(strategy.reduce(local, "sum", group="pp"))
+    params = list(module.parameters())
+    local = [sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)]
+    counts = strategy.reduce(
+        torch.tensor(local, dtype=torch.float64, device=strategy.root_device), "sum", group="pp"
+    )
+    trainable, total = counts.tolist()
     batch = getattr(trainer._fit_loop.train_batches.loader, "batch_size", None)
-    line = (
-        f"{trainer._module_name}: {params / 1e6:.2f}M parameters | strategy {strategy.name}, "
+    line = (  # the counts as PEFT's print_trainable_parameters gives them
+        f"{trainer._module_name}: trainable params: {trainable:,.0f} || all params: {total:,.0f} || "
+        f"trainable%: {100 * trainable / max(total, 1):.4f} | strategy {strategy.name}, "
         f"{strategy.world_size} process(es), precision {strategy.precision.name}"
     )
     if isinstance(batch, int):

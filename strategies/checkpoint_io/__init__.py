@@ -46,6 +46,23 @@ def layout_of(path: Path) -> str:
     return meta.get("layout", "state_dict") if meta.get("format") == "dcp" else "files"
 
 
+def checks_frozen_parameters(module: nn.Module) -> bool:
+    """Whether `module`'s checkpoints hold its frozen parameters (requires_grad False): True unless the module
+    declares `checkpoint_frozen_parameters() -> False`, as one whose frozen weights come back from elsewhere
+    (LoRA adapters over a base model read from its folder) does."""
+    declared = getattr(module, "checkpoint_frozen_parameters", None)
+    return bool(declared()) if callable(declared) else True
+
+
+def checkpointed_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """`module.state_dict()` less the frozen parameters when the module declares they are not checkpointed."""
+    state = module.state_dict()
+    if checks_frozen_parameters(module):
+        return state
+    frozen = {name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in state.items() if k not in frozen}
+
+
 def checked_state(path: Path) -> dict[str, Any]:
     """A checkpoint's trainer state, whose step must be the one its meta.json announces."""
     state = ckpt.load_torch_file(path / ckpt.STATE_FILE)

@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from strategies import sharded_checkpoint
-from strategies.checkpoint_io import checked_state
+from strategies.checkpoint_io import checked_state, checks_frozen_parameters
 from strategies.sharded_checkpoint import HashingWriter
 from trainer import checkpoint as ckpt
 
@@ -35,8 +35,10 @@ class ShardedState:
         self._save_group: Any = None  # the background writer's own process group
 
     def payload(self, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-        """What the ranks write: replicated tensors are written once, spread over the ranks by DCP."""
-        model_sd, optim_sd = get_state_dict(module, optimizer or [])
+        """What the ranks write: replicated tensors are written once, spread over the ranks by DCP (frozen
+        parameters only when the module checkpoints them)."""
+        options = StateDictOptions(ignore_frozen_params=not checks_frozen_parameters(module))
+        model_sd, optim_sd = get_state_dict(module, optimizer or [], options=options)
         return {"model": model_sd, **({"optim": optim_sd} if optimizer is not None else {})}
 
     def save(

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from strategies.checkpoint_io import checked_state
+from strategies.checkpoint_io import checked_state, checkpointed_state_dict, checks_frozen_parameters
 from trainer import checkpoint as ckpt
 
 
@@ -22,7 +22,7 @@ class WholeFiles:
         self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]
     ) -> None:
         """Write model, optimizer and `state` as one atomic checkpoint directory of whole files."""
-        model_sd = module.state_dict()
+        model_sd = checkpointed_state_dict(module)
         optim_sd = optimizer.state_dict() if optimizer is not None else None
 
         def write(tmp: Path) -> ckpt.Entries:
@@ -45,8 +45,9 @@ class WholeFiles:
 
 
 def load_module_state(module: nn.Module, state_dict: dict[str, torch.Tensor], source: Path) -> None:
-    """`load_state_dict(strict=True)` whose error names the checkpoint and the keys that don't match."""
-    own = module.state_dict()
+    """`load_state_dict(strict=True)` of what the module checkpoints, whose error names the checkpoint and the
+    keys that don't match."""
+    own = checkpointed_state_dict(module)
     missing = sorted(set(own) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(own))
     wrong_shape = sorted(k for k in set(own) & set(state_dict) if own[k].shape != state_dict[k].shape)
@@ -63,4 +64,4 @@ def load_module_state(module: nn.Module, state_dict: dict[str, torch.Tensor], so
         raise ckpt.CheckpointError(
             f"checkpoint '{source}' does not fit {type(module).__name__}: {'; '.join(parts)}"
         )
-    module.load_state_dict(state_dict)
+    module.load_state_dict(state_dict, strict=checks_frozen_parameters(module))  # the keys were checked above

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from strategies import sharded_checkpoint
-from strategies.checkpoint_io import checked_state
+from strategies.checkpoint_io import checked_state, checkpointed_state_dict
 from strategies.checkpoint_io.sharded import ShardedState
 from strategies.checkpoint_io.whole_files import load_module_state
 from strategies.zero1 import SlicedParameters
@@ -33,14 +33,17 @@ class Zero1Slices(ShardedState):
 
     def payload(self, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
         if optimizer is None:
-            return {"model": module.state_dict()}
-        return {"model": module.state_dict(), "optim": self.sliced().sharded_state_dict(self._mesh)}
+            return {"model": checkpointed_state_dict(module)}
+        return {
+            "model": checkpointed_state_dict(module),
+            "optim": self.sliced().sharded_state_dict(self._mesh),
+        }
 
     def load_parts(self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         strategy = self.strategy
         strategy.begin_io(ckpt.manifest_bytes(path) // strategy.world_size)
         load = functools.partial(sharded_checkpoint.load, path=path, group=strategy.io_group)
-        load({"model": module.state_dict()})
+        load({"model": checkpointed_state_dict(module)})
         if optimizer is not None:
             self.sliced().load_sharded(sharded_checkpoint.saved_entries(path), load, self._mesh)
 

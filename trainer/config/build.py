@@ -85,11 +85,14 @@ def build_run(config: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
     return trainer, module, train_loader, val_loader
 
 
+CLASSIFY = ("seq-classification", "token-classification")  # the tasks whose labels may be class names
+
+
 def _build_hf(
     model: dict[str, Any], data: dict[str, Any], optim: dict[str, Any], batch_size: int, seed: int
 ) -> tuple[Any, Any, Any]:
     """An HFModule and its loaders (trainer.data.hf_data) for a recipe whose model is `hf`."""
-    from trainer.data.hf_data import hf_dataloaders, load_hf_dataset
+    from trainer.data.hf_data import class_names, hf_dataloaders, load_hf_dataset
     from trainer.models.hf import HFModule
     from trainer.models.hf_create import ensure_hf_llama
 
@@ -106,11 +109,6 @@ def _build_hf(
             f"model.hf={path!r} is not a directory; allowed: a local Hugging Face model directory"
         )
     try:
-        module = HFModule(
-            path, task=model["task"], num_labels=model["num_labels"], lr=optim["lr"],
-            weight_decay=optim["weight_decay"], betas=tuple(optim["betas"]), freeze=model["freeze"],
-            lora=model["lora"],
-        )  # fmt: skip
         source = data["path"]
         if source is None:
             raise ConfigError(
@@ -123,12 +121,19 @@ def _build_hf(
                 train=load_hf_dataset(data["path"], split="train"),
                 validation=load_hf_dataset(data["val_path"], split="train"),
             )
+        # string or ClassLabel labels: their names become the head's id2label (and the export's)
+        names = class_names(source, data["label_field"], model["task"]) if model["task"] in CLASSIFY else None
+        module = HFModule(
+            path, task=model["task"], num_labels=model["num_labels"], lr=optim["lr"],
+            weight_decay=optim["weight_decay"], betas=tuple(optim["betas"]), freeze=model["freeze"],
+            lora=model["lora"], labels=names,
+        )  # fmt: skip
         train_loader, val_loader = hf_dataloaders(
             source, module.tokenizer, model["task"], seq_len=data["seq_len"], batch_size=batch_size,
             val_fraction=data["val_fraction"], seed=seed, text_field=data["text_field"],
             prompt_field=data["prompt_field"], response_field=data["response_field"],
             messages_field=data["messages_field"], label_field=data["label_field"], packing=data["packing"],
-            cache_dir=data["cache_dir"],
+            cache_dir=data["cache_dir"], labels=names,
         )  # fmt: skip
     except (ValueError, FileNotFoundError, ImportError) as err:
         raise ConfigError(f"model.hf: {err}") from err

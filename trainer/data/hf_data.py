@@ -93,6 +93,9 @@ def hf_dataloaders(
     label_field: str = "label",
     packing: bool = True,
     cache_dir: str | os.PathLike[str] | None = None,
+    labels: Sequence[str] | None = None,
+    val_path: str | os.PathLike[str] | Dataset | None = None,
+    eval_split: str | None = None,
 ) -> tuple[DataLoader, DataLoader | None]:
     """(train, validation or None) DataLoaders of `data` (a path for `load_hf_dataset`, a Dataset or a
     DatasetDict) tokenised by `tokenizer` (an object, or a local save_pretrained folder).
@@ -107,14 +110,18 @@ def hf_dataloaders(
       a prompt/response pair goes through it as one user/assistant exchange when the tokenizer has one,
       else as prompt tokens, response tokens, EOS. Never packed; examples are truncated to seq_len + 1
       tokens and dropped when no response token is left.
-    task="seq-classification": `text_field` with int labels `label_field`, labels LongTensor[B];
-    task="token-classification": `text_field` holds word lists and `label_field` one int per word, the
+    task="seq-classification": `text_field` with labels `label_field`, labels LongTensor[B];
+    task="token-classification": `text_field` holds word lists and `label_field` one label per word, the
     label on each word's first token, -100 on special and continuation tokens (needs a fast tokenizer).
+    Labels are ints (kept), strings or a ClassLabel's: those become the index of their name in `labels`
+    (the class names in id order; default `class_names(data)`: a ClassLabel's names, else the sorted
+    distinct strings of the train split), so give the model the same `HFModule(labels=...)`.
 
     Padding is to the longest example of the batch: pad id, label -100, attention_mask 0. A tokenizer
     without a pad token pads with its EOS id (warned once; the tokenizer is not changed).
-    Splits: a DatasetDict's "train" and its "validation" (else "test") split; otherwise `val_fraction`
-    of the examples, chosen with `seed`, is validation (0: no validation loader). The train loader
+    Splits: `val_path` (a data file, a save_to_disk Dataset or a Dataset) is the validation data when
+    given; else a DatasetDict's "train" and its `eval_split` (default: "validation", else "test"); otherwise
+    `val_fraction` of the examples, chosen with `seed`, is validation (0: no validation loader). The train loader
     shuffles with a generator seeded by `seed` and drops its last incomplete batch.
     Tokenised data is cached by the source's fingerprint, the tokenizer and these settings: under
     `cache_dir` when given, else beside a file-backed dataset's own cache (in-memory data: not cached).
@@ -122,7 +129,11 @@ def hf_dataloaders(
     _check_settings(task, seq_len, batch_size, val_fraction, prompt_field, response_field, messages_field)
     tok = _load_tokenizer(tokenizer)
     source = load_hf_dataset(data) if isinstance(data, (str, os.PathLike)) else data
-    train_raw, val_raw = _splits(source, val_fraction, seed)
+    if val_path is not None:
+        if eval_split is not None:
+            raise ValueError("val_path and eval_split are both set; allowed: one of them")
+        source, eval_split = _with_validation(source, val_path), "validation"
+    train_raw, val_raw = _splits(source, val_fraction, seed, eval_split)
     mode = _mode(task, prompt_field, response_field, messages_field)
     fields = {
         "text": [text_field],
@@ -150,7 +161,9 @@ def hf_dataloaders(
             "tokenizer (one with a tokenizer.json)"
         )
     pack = mode == "text" and packing
-    encoder = _Encoder(tok, mode, fields, seq_len, pack, chat)
+    encoder = _Encoder(
+        tok, mode, fields, seq_len, pack, chat, _label_ids(train_raw, label_field, mode, labels)
+    )
     collate = None if pack else PadCollator(_pad_id(tok))
     train = _loader("train", train_raw, encoder, cache_dir, batch_size, collate, seed)
     val = (
@@ -235,20 +248,34 @@ class _Encoder:
         seq_len: int,
         pack: bool,
         chat: bool,
+        label_ids: tuple[dict[str, int], list[str] | None] | None = None,
     ) -> None:
         self.tokenizer, self.mode, self.fields = tokenizer, mode, fields
         self.seq_len, self.pack, self.chat = seq_len, pack, chat
+        self.label_ids = label_ids  # (name -> id, a ClassLabel's names of its ints or None); None: ints kept
 
     def settings(self) -> list[Any]:
         """What the tokenised columns depend on besides the source data and the tokenizer (the cache key)."""
-        return [_CACHE_VERSION, self.mode, self.fields, self.seq_len, self.pack, self.chat]
+        return [_CACHE_VERSION, self.mode, self.fields, self.seq_len, self.pack, self.chat, self.label_ids]
+
+    def _label(self, value: Any) -> int:
+        """A label's class id: an int as it is, else the index of its name (a string, a ClassLabel's int)."""
+        if self.label_ids is None:
+            return int(value)
+        label2id, source_names = self.label_ids
+        name = source_names[value] if source_names is not None else value
+        if name not in label2id:
+            raise ValueError(
+                f"label {name!r} is not one of the classes {list(label2id)}; allowed: one of those"
+            )
+        return label2id[name]
 
     def __call__(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
         if self.mode == "seq-classification":
             encoded = self.tokenizer(batch[self.fields[0]], truncation=True, max_length=self.seq_len)
             return {
                 "input_ids": encoded["input_ids"],
-                "labels": [int(label) for label in batch[self.fields[1]]],
+                "labels": [self._label(label) for label in batch[self.fields[1]]],
             }
         if self.mode == "token-classification":
             return self._word_labels(batch[self.fields[0]], batch[self.fields[1]])
@@ -318,7 +345,7 @@ class _Encoder:
         for row, tags in enumerate(word_labels):
             previous, aligned = None, []
             for word in encoded.word_ids(row):
-                aligned.append(IGNORE_INDEX if word is None or word == previous else int(tags[word]))
+                aligned.append(IGNORE_INDEX if word is None or word == previous else self._label(tags[word]))
                 previous = word
             labels.append(aligned)
         return {"input_ids": encoded["input_ids"], "labels": labels}
@@ -380,17 +407,43 @@ def _load_tokenizer(tokenizer: str | os.PathLike[str] | PreTrainedTokenizerBase)
     return AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
 
 
-def _splits(data: Any, val_fraction: float, seed: int) -> tuple[Dataset, Dataset | None]:
+def _with_validation(source: Any, val_path: Any) -> DatasetDict:
+    """`source`'s train split with `val_path`'s examples as its "validation" split."""
+    from datasets import Dataset, DatasetDict
+
+    val = load_hf_dataset(val_path) if isinstance(val_path, (str, os.PathLike)) else val_path
+    if not isinstance(val, Dataset):
+        raise ValueError(
+            f"val_path holds a {type(val).__name__}; allowed: one split (a data file, a save_to_disk Dataset or "
+            "a datasets.Dataset), or eval_split to pick one of a DatasetDict"
+        )
+    train = source["train"] if isinstance(source, DatasetDict) and "train" in source else source
+    return DatasetDict(train=train, validation=val)
+
+
+def _splits(
+    data: Any, val_fraction: float, seed: int, eval_split: str | None = None
+) -> tuple[Dataset, Dataset | None]:
     """(train, validation or None): a DatasetDict's own splits, else `val_fraction` split off with `seed`."""
     from datasets import Dataset, DatasetDict
 
     if isinstance(data, DatasetDict):
         if "train" not in data:
             raise ValueError(f"the DatasetDict has splits {list(data)}; allowed: one with a 'train' split")
-        val_name = next((name for name in VALIDATION_SPLITS if name in data), None)
+        if eval_split is not None and eval_split not in data:
+            raise ValueError(
+                f"eval_split={eval_split!r} is not a split of the data; allowed: one of {list(data)}"
+            )
+        names = (eval_split,) if eval_split is not None else VALIDATION_SPLITS
+        val_name = next((name for name in names if name in data), None)
         if val_name is not None:
             return data["train"], data[val_name]
         data = data["train"]
+    elif eval_split is not None:
+        raise ValueError(
+            f"eval_split={eval_split!r} picks a split of a DatasetDict, and the data is one Dataset; allowed: "
+            "val_path or val_fraction"
+        )
     if not isinstance(data, Dataset):
         raise TypeError(
             f"data is a {type(data).__name__}; allowed: a path, a datasets.Dataset or a DatasetDict (map-style)"
@@ -415,19 +468,82 @@ def _check_columns(data: Dataset, fields: list[str], mode: str, label_field: str
             raise ValueError(f"field {field!r} is not in the dataset; available columns: {data.column_names}")
     if mode not in ("seq-classification", "token-classification"):
         return
-    feature = data.features[label_field]
-    if mode == "token-classification":
-        feature = getattr(feature, "feature", None)
-    if not (isinstance(feature, ClassLabel) or (isinstance(feature, Value) and "int" in feature.dtype)):
+    feature = _label_feature(data, label_field, mode)
+    if not (
+        isinstance(feature, ClassLabel)
+        or (
+            isinstance(feature, Value)
+            and ("int" in feature.dtype or feature.dtype in ("string", "large_string"))
+        )
+    ):
         raise ValueError(
-            f"labels {label_field!r} are {data.features[label_field]}; allowed: ints"
-            f"{' (one list per example)' if mode == 'token-classification' else ''}, e.g. from "
-            f"dataset.class_encode_column({label_field!r}) for strings"
+            f"labels {label_field!r} are {data.features[label_field]}; allowed: ints, strings or a ClassLabel"
+            f"{' (one list per example)' if mode == 'token-classification' else ''}"
         )
 
 
+def _label_feature(data: Dataset, label_field: str, mode: str) -> Any:
+    """The feature of one label (of one word's, for token classification)."""
+    feature = data.features[label_field]
+    return getattr(feature, "feature", None) if mode == "token-classification" else feature
+
+
+def class_names(
+    data: str | os.PathLike[str] | Dataset | DatasetDict,
+    label_field: str = "label",
+    task: str = "seq-classification",
+) -> list[str] | None:
+    """The class names of classification data, in id order: a ClassLabel's names, else the sorted distinct
+    strings of its train split (what `class_encode_column` would make); None for int labels."""
+    source = load_hf_dataset(data) if isinstance(data, (str, os.PathLike)) else data
+    train, _ = _splits(source, 0, 0)
+    _check_columns(train, [label_field], task, label_field)
+    return _names(train, label_field, task)
+
+
+def _names(train: Dataset, label_field: str, mode: str) -> list[str] | None:
+    from datasets import ClassLabel
+
+    feature = _label_feature(train, label_field, mode)
+    if isinstance(feature, ClassLabel):
+        return list(feature.names)
+    if "int" in feature.dtype:
+        return None
+    column = train[label_field]
+    values = {v for row in column for v in row} if mode == "token-classification" else set(column)
+    return sorted(values)
+
+
+def _label_ids(
+    train: Dataset, label_field: str, mode: str, labels: Sequence[str] | None
+) -> tuple[dict[str, int], list[str] | None] | None:
+    """How the encoder turns labels into class ids: (name -> id, a ClassLabel's names or None), or None
+    when the labels are ids already (ints, or a ClassLabel's own order with no other `labels` asked)."""
+    from datasets import ClassLabel
+
+    if mode not in ("seq-classification", "token-classification"):
+        return None
+    if labels is not None and (isinstance(labels, str) or len(set(labels)) != len(labels) or not labels):
+        raise ValueError(f"labels={labels!r} is invalid; allowed: a list of distinct class names")
+    feature = _label_feature(train, label_field, mode)
+    if isinstance(feature, ClassLabel):
+        names = list(feature.names)
+        return (
+            None if labels is None or list(labels) == names else ({n: i for i, n in enumerate(labels)}, names)
+        )
+    names = _names(train, label_field, mode)
+    if names is None:
+        return None
+    return {n: i for i, n in enumerate(labels if labels is not None else names)}, None
+
+
+def padding_id(tokenizer: PreTrainedTokenizerBase) -> int | None:
+    """The id the loaders pad batches with: the tokenizer's pad token, else its EOS (None: neither)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
 def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
-    """The id batches are padded with: the pad token, else EOS (its value is masked out either way)."""
+    """`padding_id`, warned about once when it is EOS (its value is masked out either way)."""
     if tokenizer.pad_token_id is not None:
         return tokenizer.pad_token_id
     if tokenizer.eos_token_id is None:

@@ -16,7 +16,7 @@ import copy
 import fnmatch
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer.data.hf_data import padding_id
+from trainer.logging import rank_zero_info
+from trainer.models import hf_adapters, hf_init, hf_metrics
 from trainer.module import TrainModule
 
 if TYPE_CHECKING:
@@ -76,9 +79,24 @@ class HFModule(TrainModule):
     - `freeze`: fnmatch patterns of parameter names (as `model.named_parameters()` names them; with LoRA
       also without PEFT's "base_model.model." prefix) whose parameters are not trained.
     - `lora`: `peft.LoraConfig` keyword arguments (`task_type` defaults to the task's); the model is
-      wrapped by `peft.get_peft_model` (the optional dependency: `pip install .[peft]`). Its A matrices are
-      drawn from torch's RNG as the module is built: seed before, the same on every rank (FSDP does not
-      broadcast rank 0's weights as DDP does).
+      wrapped by `peft.get_peft_model` (the optional dependency: `pip install .[peft]`). Checkpoints of a
+      base read from a folder then hold only the trainable weights (adapters, a new head) and the base's
+      identity (its folder and config hash): a resume onto another base is refused.
+      `save_pretrained(out, merged=False)` writes PEFT's own layout.
+    - `labels`: the class names of a classification head, in id order (`hf_data.class_names` reads them
+      from string or ClassLabel labels): its `num_labels`, and `id2label`/`label2id` in the exported config.
+    - `metrics`: computed over the whole validation/test set across ranks and logged as `val_<name>` /
+      `test_<name>` (on the console's validation line too): "accuracy", "f1" (macro), or callables
+      `compute_metrics(predictions, labels) -> dict` (trainer/models/hf_metrics.py says what they get).
+    - `load_best_model_at_end`: at the end of fit, load the best good checkpoint of the Trainer's
+      `ModelCheckpoint(monitor=...)` into the module (Hugging Face Trainer's option of that name).
+
+    Randomly initialised weights (a model built from a config, a new head, LoRA's A matrices) are drawn
+    again under `Trainer(seed=...)` when a fit sets the model up (`configure_model`), the same on every rank,
+    unless they were changed since the module was built. Without a Trainer seed they stay as built: seed
+    before building then (FSDP does not broadcast rank 0's weights as DDP does).
+    With a tokenizer that has no pad token (the loaders then pad with EOS), a model config without
+    `pad_token_id` gets the EOS id for the tasks whose models look for padding (all but causal-lm).
 
     Under FSDP each layer `_no_split_modules` names is its own shard unit (`transformer_blocks()`), and
     the Trainer's `activation_checkpointing` and `compile` take the same layers; `save_pretrained` must then be
@@ -96,6 +114,9 @@ class HFModule(TrainModule):
         betas: tuple[float, float] = (0.9, 0.999),
         freeze: Sequence[str] = (),
         lora: dict[str, Any] | None = None,
+        labels: Sequence[str] | None = None,
+        metrics: str | Callable | Sequence[str | Callable] | None = None,
+        load_best_model_at_end: bool = False,
     ) -> None:
         super().__init__()
         if task not in TASKS:
@@ -104,14 +125,60 @@ class HFModule(TrainModule):
             isinstance(num_labels, bool) or not isinstance(num_labels, int) or num_labels < 1
         ):
             raise ValueError(f"num_labels={num_labels!r} is invalid; allowed: an int >= 1 or None")
+        num_labels = _num_labels(labels, num_labels, task)
         self.task, self.lr, self.weight_decay, self.betas = task, lr, weight_decay, tuple(betas)
-        self.model = _build(model, task, num_labels)
+        self._metrics = hf_metrics.EvalCollector(hf_metrics.resolve(metrics))
+        self.load_best_model_at_end = bool(load_best_model_at_end)
+        self.model, missing = _build(model, task, num_labels)
+        self._base = hf_adapters.base_identity(model, self.model.config)
         self.tokenizer = _load_tokenizer(tokenizer, model)
+        self._configure_head(labels)
+        fresh = hf_init.fresh_modules(self.model, missing)
         self.lora = dict(lora) if lora is not None else None
         if self.lora is not None:
             self.model = _wrap_lora(self.model, self.lora, task)
         self._freeze(freeze)
+        # what configure_model draws again under the Trainer's seed, and how it was as built
+        self._fresh = fresh
+        self._fresh_print = hf_init.fingerprint(self._fresh_tensors())
+        self._redraw_pending = True
         self.train()  # from_pretrained returns its model in eval mode; a module starts in training mode
+
+    def _configure_head(self, labels: Sequence[str] | None) -> None:
+        """Class names into the config; the pad id the loaders pad with, where the model looks for padding."""
+        config = self.model.config
+        if labels is not None:
+            config.id2label = dict(enumerate(labels))
+            config.label2id = {name: i for i, name in enumerate(labels)}
+        if self.task != "causal-lm" and self.tokenizer is not None and config.pad_token_id is None:
+            config.pad_token_id = padding_id(self.tokenizer)
+
+    def _fresh_tensors(self) -> list[torch.Tensor]:
+        return hf_init.fresh_tensors(self._fresh, self.model if self.lora is not None else None)
+
+    def configure_model(self) -> None:
+        """Draw the randomly initialised weights again under the Trainer's seed (set just before), once:
+        a later fit of the same module continues from its trained weights."""
+        trainer = self._trainer
+        if not self._redraw_pending or trainer is None or trainer.seed is None:
+            return
+        self._redraw_pending = False
+        if hf_init.fingerprint(self._fresh_tensors()) != self._fresh_print:
+            rank_zero_info(
+                f"{type(self).__name__}: its new weights were changed since it was built; kept as they are "
+                f"(not drawn again under seed={trainer.seed})"
+            )
+            return
+        hf_init.redraw(self.hf_model(), self._fresh, self.model if self.lora is not None else None)
+
+    def checkpoint_frozen_parameters(self) -> bool:
+        """Whether checkpoints hold the frozen weights too: not for LoRA over a base read from a folder
+        (they come back from that folder; the checkpoint names it)."""
+        return not self._adapters_only
+
+    @property
+    def _adapters_only(self) -> bool:
+        return self.lora is not None and self._base["path"] is not None
 
     # ---- the model -------------------------------------------------------------------------------
     def hf_model(self) -> nn.Module:
@@ -228,9 +295,33 @@ class HFModule(TrainModule):
     def test_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
         return self._evaluate(batch, "test_step", "test_acc")
 
+    def on_validation_epoch_start(self) -> None:
+        self._metrics.reset()
+
+    def on_test_epoch_start(self) -> None:
+        self._metrics.reset()
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_metrics("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._log_metrics("test")
+
+    def _log_metrics(self, prefix: str) -> None:
+        """The metrics over what every rank of the batch group evaluated (the same numbers on each)."""
+        if not self._metrics.functions:
+            return
+        strategy = self.trainer.strategy
+        results = self._metrics.compute(lambda obj: strategy.all_gather_object(obj, group="batch"))
+        for name, value in results.items():
+            self.log(f"{prefix}_{name}", value, prog_bar=True)
+
     def _evaluate(self, batch: Any, method: str, metric: str) -> dict[str, torch.Tensor]:
         loss, outputs = self._outputs(batch, method)
         labels = batch["labels"]
+        if self._metrics.functions:
+            self._collect(outputs.logits, labels)
+            return loss
         if self.task in ("seq-classification", "token-classification") and not labels.is_floating_point():
             valid = labels != -100
             correct = ((outputs.logits.argmax(-1) == labels) & valid).sum()
@@ -238,6 +329,18 @@ class HFModule(TrainModule):
             if count:
                 self.log(metric, correct.float() / count, batch_size=count)
         return loss
+
+    def _collect(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        """Keep what `compute_metrics` gets of this batch: the logits of labelled examples or tokens (the
+        classification tasks), the predicted ids of the labelled tokens (the generative ones)."""
+        if self.task == "seq-classification":
+            self._metrics.add(logits, labels)
+            return
+        valid = labels != -100
+        if self.task == "token-classification":
+            self._metrics.add(logits[valid], labels[valid])
+        else:  # one vocabulary-wide row per token would not fit: the ids the model predicts
+            self._metrics.add(logits.argmax(-1)[valid], labels[valid])
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         """The logits of the batch (a causal LM's labels, if any, are not given to the model)."""
@@ -284,13 +387,90 @@ class HFModule(TrainModule):
             "tokenizer": getattr(self.tokenizer, "name_or_path", None)
             if self.tokenizer is not None
             else None,
+            "base": self._base,
+            "adapters_only": self._adapters_only,
         }
 
-    def save_pretrained(self, out_dir: str | os.PathLike, max_shard_size: int | str = "2GB") -> Path:
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Refuse adapters trained on another base model."""
+        saved = checkpoint.get("hf", {})
+        if saved.get("adapters_only"):
+            hf_adapters.check_same_base(saved.get("base"), self._base)
+
+    def on_fit_start(self) -> None:
+        if self.load_best_model_at_end:
+            saver = self.trainer.checkpoint_callback
+            if saver is None or not saver.monitor:
+                raise ValueError(
+                    "HFModule(load_best_model_at_end=True) needs the Trainer's ModelCheckpoint(monitor=...) "
+                    "to say which checkpoint is best; allowed: add one, or load_best_model_at_end=False"
+                )
+
+    def on_fit_end(self) -> None:
+        """With `load_best_model_at_end`, the best good checkpoint's weights into the module (every rank)."""
+        if not self.load_best_model_at_end:
+            return
+        saver = self.trainer.checkpoint_callback
+        best = _best_checkpoint(saver)
+        if best is None:
+            rank_zero_info(
+                f"load_best_model_at_end: no good checkpoint scored by {saver.monitor}; kept the last weights"
+            )
+            return
+        path, score = best
+        self.trainer.strategy.load_checkpoint(Path(path), self, None)
+        rank_zero_info(f"load_best_model_at_end: loaded {path} ({saver.monitor} {score:.6g})")
+
+    @classmethod
+    def from_checkpoint(cls, hf: dict[str, Any], weights: dict[str, torch.Tensor]) -> HFModule:
+        """The module a checkpoint was saved from, rebuilt from its "hf" record (on_save_checkpoint's) and
+        its model weights: LoRA adapters go onto their base, read from its folder again."""
+        from transformers import AutoConfig
+
+        fields = dict(hf["config"])
+        tokenizer = hf.get("tokenizer")
+        tokenizer = tokenizer if tokenizer and Path(tokenizer).is_dir() else None
+        if hf.get("adapters_only"):
+            base = hf["base"]
+            if not Path(base["path"]).is_dir():
+                raise FileNotFoundError(
+                    f"the checkpoint holds LoRA adapters only and their base model folder '{base['path']}' is "
+                    "gone; allowed: put that folder back to export them"
+                )
+            classes = len(fields["id2label"]) if hf["task"] != "causal-lm" and "id2label" in fields else None
+            module = cls(
+                base["path"], task=hf["task"], tokenizer=tokenizer, num_labels=classes, lora=hf["lora"]
+            )
+            hf_adapters.check_same_base(base, module._base)
+            config = module.hf_model().config
+            config.id2label = {int(k): v for k, v in fields.get("id2label", config.id2label).items()}
+            config.label2id = dict(fields.get("label2id", config.label2id))
+            config.pad_token_id = fields.get("pad_token_id", config.pad_token_id)
+        else:
+            config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+            module = cls(config, task=hf["task"], tokenizer=tokenizer, lora=hf.get("lora"))
+        frozen = {n for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        missing, unexpected = module.load_state_dict(weights, strict=False)
+        missing = [k for k in missing if not (module._adapters_only and k in frozen)]
+        if missing or unexpected:
+            raise ValueError(
+                f"the checkpoint's weights do not fit its HFModule: missing {missing[:3]}, unexpected {unexpected[:3]}"
+            )
+        return module
+
+    def save_pretrained(
+        self, out_dir: str | os.PathLike, max_shard_size: int | str = "2GB", merged: bool = True
+    ) -> Path:
         """Write the model in Hugging Face's layout to `out_dir` (config.json, model.safetensors or
         shards with their index above `max_shard_size`, the tokenizer's files when there is a tokenizer);
-        LoRA adapters are merged into the written weights, the module keeps them. Sharded (FSDP) weights
-        are gathered to rank 0, so call it on every rank then; rank 0 writes. Returns `out_dir`."""
+        LoRA adapters are merged into the written weights (the module keeps them), or with `merged=False`
+        written as PEFT's adapter_config.json + adapter_model.safetensors, which
+        `peft.PeftModel.from_pretrained(base, out_dir)` loads. Sharded (FSDP) weights are gathered to
+        rank 0, so call it on every rank then; rank 0 writes. Returns `out_dir`."""
+        if not merged and self.lora is None:
+            raise ValueError(
+                "save_pretrained(merged=False) writes LoRA adapters, and this HFModule has none; allowed: merged=True"
+            )
         out_dir = Path(out_dir)
         sharded = _is_sharded(self)
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
@@ -304,7 +484,12 @@ class HFModule(TrainModule):
             state = {k[len("model.") :]: v for k, v in full.items() if k.startswith("model.")}
         else:
             state = self.model.state_dict()
-        if rank == 0:
+        if rank == 0 and not merged:
+            state = {k.replace(_WRAPPER_PREFIX, ""): v for k, v in state.items()}
+            hf_adapters.write_adapter(self.model, state, out_dir)
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(out_dir)
+        elif rank == 0:
             self._write(out_dir, state, max_shard_size)
         if sharded:
             torch.distributed.barrier()  # no rank returns before the files are there
@@ -392,7 +577,8 @@ def _check_task(task: str, config: Any, name: str | None = None) -> None:
     )
 
 
-def _build(model: Any, task: str, num_labels: int | None) -> nn.Module:
+def _build(model: Any, task: str, num_labels: int | None) -> tuple[nn.Module, list[str] | None]:
+    """The model, and the names of its randomly initialised weights (None: all of them)."""
     from transformers import PretrainedConfig
 
     if isinstance(model, (str, os.PathLike)):
@@ -416,13 +602,16 @@ def _build(model: Any, task: str, num_labels: int | None) -> nn.Module:
 
         dtype_key = "dtype" if Version(__version__) >= Version("4.56") else "torch_dtype"  # renamed in 4.56
         extra[dtype_key] = torch.float32
-        return _auto(task).from_pretrained(path, local_files_only=True, **extra)
+        built, info = _auto(task).from_pretrained(
+            path, local_files_only=True, output_loading_info=True, **extra
+        )
+        return built, [*info["missing_keys"], *(key for key, *_ in info["mismatched_keys"])]
     if isinstance(model, PretrainedConfig):
         _check_task(task, model)
         config = copy.deepcopy(model)
         if num_labels is not None:
             config.num_labels = num_labels
-        return _auto(task).from_config(config)
+        return _auto(task).from_config(config), None
     if isinstance(model, nn.Module) and isinstance(getattr(model, "config", None), PretrainedConfig):
         base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
         expected = _model_class(task, base.config)
@@ -439,11 +628,45 @@ def _build(model: Any, task: str, num_labels: int | None) -> nn.Module:
                 f"num_labels={num_labels} but the given model has {base.config.num_labels}; "
                 "allowed: None or the model's own"
             )
-        return model
+        return model, []
     raise TypeError(
         f"model is a {type(model).__name__}; allowed: a local folder path, a transformers PretrainedConfig "
         "or a PreTrainedModel"
     )
+
+
+def _num_labels(labels: Sequence[str] | None, num_labels: int | None, task: str) -> int | None:
+    """`num_labels`, or the number of class `labels` (which must agree with it)."""
+    if labels is None:
+        return num_labels
+    if task not in ("seq-classification", "token-classification") or isinstance(labels, str):
+        raise ValueError(
+            f"labels={labels!r} is invalid for task {task!r}; allowed: a list of class names with "
+            "seq-classification or token-classification"
+        )
+    names = list(labels)
+    if not names or len(set(names)) != len(names) or (num_labels is not None and num_labels != len(names)):
+        raise ValueError(
+            f"labels={names!r} with num_labels={num_labels!r}; allowed: distinct class names, as many as num_labels"
+        )
+    return len(names)
+
+
+def _best_checkpoint(saver: Any) -> tuple[str, float] | None:
+    """(path, score) of the best good checkpoint a ModelCheckpoint with `monitor` kept, or None."""
+    path = getattr(saver, "best_model_path", None)  # Lightning's attributes, where ModelCheckpoint has them
+    if path:
+        return str(path), float(getattr(saver, "best_model_score", float("nan")))
+    scored = [
+        c
+        for c in getattr(saver, "saved", ())
+        if c["good"] and c["score"] is not None and Path(c["path"]).is_dir()
+    ]
+    if not scored:
+        return None
+    sign = 1.0 if saver.mode == "min" else -1.0
+    best = min(scored, key=lambda c: (sign * c["score"], -c["step"]))
+    return best["path"], float(best["score"])
 
 
 def _load_tokenizer(tokenizer: str | os.PathLike | None, model: Any) -> Any:
