@@ -109,7 +109,7 @@ def _build_hf(
         module = HFModule(
             path, task=model["task"], num_labels=model["num_labels"], lr=optim["lr"],
             weight_decay=optim["weight_decay"], betas=tuple(optim["betas"]), freeze=model["freeze"],
-            lora=model["lora"],
+            lora=model["lora"], reference=model["reference"], beta=model["beta"],
         )  # fmt: skip
         source = data["path"]
         if source is None:
@@ -128,7 +128,7 @@ def _build_hf(
             val_fraction=data["val_fraction"], seed=seed, text_field=data["text_field"],
             prompt_field=data["prompt_field"], response_field=data["response_field"],
             messages_field=data["messages_field"], label_field=data["label_field"], packing=data["packing"],
-            cache_dir=data["cache_dir"],
+            sft_packing=data["sft_packing"], cache_dir=data["cache_dir"],
         )  # fmt: skip
     except (ValueError, FileNotFoundError, ImportError) as err:
         raise ConfigError(f"model.hf: {err}") from err
