@@ -101,7 +101,9 @@ def test_a_packed_batch_gives_every_example_its_unpacked_loss(tokenizer, attn_im
     module = tiny_llama(tokenizer, attn_implementation)
     unpacked, packed = loaders(tokenizer, False).dataset, loaders(tokenizer, True).dataset
     batch = {"input_ids": packed.input_ids, "labels": packed.labels, "position_ids": packed.position_ids}
-    inputs = packed_inputs(module.hf_model(), {k: v for k, v in batch.items() if k != "labels"}, explicit_mask)
+    inputs = packed_inputs(
+        module.hf_model(), {k: v for k, v in batch.items() if k != "labels"}, explicit_mask
+    )
     assert ("attention_mask" in inputs) == explicit_mask
     assert builds_packed_masks(module.hf_model())  # so HFModule's default for a Llama is the position ids
     with torch.no_grad():
