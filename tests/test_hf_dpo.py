@@ -147,3 +147,27 @@ def test_dpo_under_ddp_and_fsdp_trains_as_one_process(tmp_path):
                 assert abs(got[step] - value) <= 1e-5, (
                     f"{tag} step {step} {key}: {got[step]} vs one process {value}"
                 )
+
+
+# ---- the recipe ----------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_dpo_recipe_raises_the_chosen_over_rejected_reward_margin(tmp_path):
+    import json
+
+    from helpers import run_cli
+
+    repo = SCRIPT.parents[1]
+    root = tmp_path / "dpo"
+    done = run_cli(
+        "fit", str(repo / "recipes" / "hf_dpo_tiny.yaml"), f"trainer.default_root_dir={root}",
+        f"model.hf=new:{tmp_path / 'base'}", "trainer.max_steps=10", "trainer.log_every_n_steps=5",
+        "trainer.val_check_interval=10", "trainer.limit_val_batches=1", cwd=repo,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (root / "logs" / "metrics.jsonl").read_text().splitlines()]
+    margins = {r["step"]: r["rewards/margin"] for r in rows if "rewards/margin" in r}
+    print(f"recipe margins by step: {margins}")
+    assert sorted(margins) == [5, 10]
+    # the reference is the initial policy, so the margin starts at 0 and a step's margin is its own batch's
+    assert margins[10] > margins[5] + 0.2 > 0.2, margins
+    assert [r["val_rewards/accuracy"] for r in rows if "val_rewards/accuracy" in r][-1] > 0.9
