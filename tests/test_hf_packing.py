@@ -54,8 +54,9 @@ def loaders(tokenizer, sft_packing: bool):
 
 
 def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Per-token negative log-likelihood of the labels (0 where the label is -100), written out."""
-    logp = logits.log_softmax(-1)
+    """Per-token negative log-likelihood of the labels (0 where the label is -100), written out; in float64
+    from the model's float32 logits, so what is compared is the model's arithmetic, not this function's."""
+    logp = logits.double().log_softmax(-1)
     return -logp.gather(-1, labels.clamp(min=0)[..., None])[..., 0] * (labels != -100)
 
 
