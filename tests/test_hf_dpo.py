@@ -17,7 +17,7 @@ from hf_script import trainer_kwargs
 from torch.utils.data import DataLoader
 
 from trainer import Trainer
-from trainer.data.hf_data import hf_dataloaders
+from trainer.data.hf_preference import preference_dataloaders
 from trainer.models.hf import HFModule
 
 SCRIPT = __import__("pathlib").Path(__file__).parent / "hf_dpo_script.py"
@@ -29,8 +29,8 @@ CHECK_BETA = 0.1
 
 def one_batch(records: list[dict[str, str]]) -> dict[str, torch.Tensor]:
     """All `records` as one batch of trainer.data.hf_preference, in their order."""
-    train, _ = hf_dataloaders(datasets.Dataset.from_list(records), tokenizer(), "dpo", seq_len=32, val_fraction=0,
-                              batch_size=1)  # fmt: skip
+    data = datasets.Dataset.from_list(records)
+    train, _ = preference_dataloaders(data, tokenizer(), seq_len=32, val_fraction=0, batch_size=1)
     return next(iter(DataLoader(train.dataset, batch_size=len(records), collate_fn=train.collate_fn)))
 
 

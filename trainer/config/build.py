@@ -123,6 +123,15 @@ def _build_hf(
                 train=load_hf_dataset(data["path"], split="train"),
                 validation=load_hf_dataset(data["val_path"], split="train"),
             )
+        if model["task"] == "dpo":  # preference pairs: data.prompt_field names the prompt column
+            from trainer.data.hf_preference import preference_dataloaders
+
+            train_loader, val_loader = preference_dataloaders(
+                source, module.tokenizer, seq_len=data["seq_len"], batch_size=batch_size,
+                val_fraction=data["val_fraction"], seed=seed, prompt_field=data["prompt_field"] or "prompt",
+                cache_dir=data["cache_dir"],
+            )  # fmt: skip
+            return module, train_loader, val_loader
         train_loader, val_loader = hf_dataloaders(
             source, module.tokenizer, model["task"], seq_len=data["seq_len"], batch_size=batch_size,
             val_fraction=data["val_fraction"], seed=seed, text_field=data["text_field"],

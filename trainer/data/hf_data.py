@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-TASKS = ("causal-lm", "seq-classification", "token-classification", "dpo")  # dpo: trainer.data.hf_preference
+TASKS = ("causal-lm", "seq-classification", "token-classification")
 IGNORE_INDEX = -100  # a label no loss counts (cross_entropy's default ignore_index)
 # data-file suffix -> the datasets builder that reads it
 DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
@@ -114,8 +114,6 @@ def hf_dataloaders(
     task="seq-classification": `text_field` with int labels `label_field`, labels LongTensor[B];
     task="token-classification": `text_field` holds word lists and `label_field` one int per word, the
     label on each word's first token, -100 on special and continuation tokens (needs a fast tokenizer).
-    task="dpo": {"prompt", "chosen", "rejected"} records (`prompt_field` renames the first) as preference
-    pairs, see `trainer.data.hf_preference.preference_dataloaders`.
 
     Padding is to the longest example of the batch: pad id, label -100, attention_mask 0. A tokenizer
     without a pad token pads with its EOS id (warned once; the tokenizer is not changed).
@@ -125,13 +123,6 @@ def hf_dataloaders(
     Tokenised data is cached by the source's fingerprint, the tokenizer and these settings: under
     `cache_dir` when given, else beside a file-backed dataset's own cache (in-memory data: not cached).
     """
-    if task == "dpo":
-        from trainer.data.hf_preference import preference_dataloaders
-
-        return preference_dataloaders(
-            data, tokenizer, seq_len=seq_len, batch_size=batch_size, val_fraction=val_fraction, seed=seed,
-            prompt_field=prompt_field or "prompt", cache_dir=cache_dir,
-        )  # fmt: skip
     _check_settings(task, seq_len, batch_size, val_fraction, prompt_field, response_field, messages_field)
     tok = _load_tokenizer(tokenizer)
     source = load_hf_dataset(data) if isinstance(data, (str, os.PathLike)) else data
