@@ -126,14 +126,23 @@ def _build_hf(
         module = HFModule(
             path, task=model["task"], num_labels=model["num_labels"], lr=optim["lr"],
             weight_decay=optim["weight_decay"], betas=tuple(optim["betas"]), freeze=model["freeze"],
-            lora=model["lora"], labels=names,
+            lora=model["lora"], labels=names, reference=model["reference"], beta=model["beta"],
         )  # fmt: skip
+        if model["task"] == "dpo":  # preference pairs: data.prompt_field names the prompt column
+            from trainer.data.hf_preference import preference_dataloaders
+
+            train_loader, val_loader = preference_dataloaders(
+                source, module.tokenizer, seq_len=data["seq_len"], batch_size=batch_size,
+                val_fraction=data["val_fraction"], seed=seed, prompt_field=data["prompt_field"] or "prompt",
+                cache_dir=data["cache_dir"],
+            )  # fmt: skip
+            return module, train_loader, val_loader
         train_loader, val_loader = hf_dataloaders(
             source, module.tokenizer, model["task"], seq_len=data["seq_len"], batch_size=batch_size,
             val_fraction=data["val_fraction"], seed=seed, text_field=data["text_field"],
             prompt_field=data["prompt_field"], response_field=data["response_field"],
             messages_field=data["messages_field"], label_field=data["label_field"], packing=data["packing"],
-            cache_dir=data["cache_dir"], labels=names,
+            cache_dir=data["cache_dir"], labels=names, sft_packing=data["sft_packing"],
         )  # fmt: skip
     except (ValueError, FileNotFoundError, ImportError) as err:
         raise ConfigError(f"model.hf: {err}") from err

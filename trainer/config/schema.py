@@ -27,6 +27,8 @@ ModelSection = make_dataclass(
         ("freeze", list[str], field(default_factory=list)),
         ("lora", dict | None, field(default=None)),
         ("hf_config", dict | None, field(default=None)),
+        ("reference", str | None, field(default=None)),  # task dpo: the frozen reference model's folder
+        ("beta", float, field(default=0.1)),  # task dpo: the DPO loss's beta
         ("loss_chunk_tokens", int | None, field(default=None)),
     ]
     + [
@@ -41,12 +43,13 @@ ModelSection.__doc__ = (
     "'py:package.function' returning one) fine-tuned for `task` (trainer.models.hf.HFModule, with `num_labels`, "
     "`freeze` patterns and `lora` options); `moe` overrides fields of a MoE preset's MoEConfig; `hf: 'new:PATH'` "
     "with `hf_config` (a transformers LlamaConfig's fields) first creates PATH, when missing, with a new model of "
-    "that config and a byte-level tokenizer. "
+    "that config and a byte-level tokenizer; task `dpo` trains on preference pairs with `beta` against `reference` "
+    "(a model folder; null: the initial weights, frozen). "
     "`loss_chunk_tokens`: CausalLM's fused output projection and loss over chunks of that many tokens."
 )
 NOT_LLAMA = (
     "preset", "class_path", "init_args", "hf", "task", "num_labels", "freeze", "lora", "hf_config",
-    "loss_chunk_tokens",
+    "loss_chunk_tokens", "reference", "beta",
 )  # fmt: skip
 
 
@@ -69,6 +72,7 @@ class DataSection:
     messages_field: str | None = None  # chat records, formatted with the tokenizer's chat template
     label_field: str = "label"  # classification
     packing: bool = True  # causal-lm plain text: packed windows (else padded per batch)
+    sft_packing: bool = False  # SFT: whole examples packed into rows, attention kept inside each
 
 
 @dataclass
@@ -110,6 +114,7 @@ MODEL_RANGES = {
     **dict.fromkeys(("ffn_dim_multiplier", "norm_eps", "rope_theta", "init_std"), _POSITIVE),
     "num_labels": _AT_LEAST_1,
     "loss_chunk_tokens": _AT_LEAST_1,
+    "beta": _POSITIVE,
 }  # fmt: skip
 MOE_RANGES = {
     **dict.fromkeys(("n_experts", "top_k", "moe_ffn_dim", "moe_every"), _AT_LEAST_1),

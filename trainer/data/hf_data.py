@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from trainer.data.packing import PackedDataset
+from trainer.data.sft_packing import PackedExamples
 
 if TYPE_CHECKING:
     from datasets import Dataset, DatasetDict
@@ -92,6 +93,7 @@ def hf_dataloaders(
     messages_field: str | None = None,
     label_field: str = "label",
     packing: bool = True,
+    sft_packing: bool = False,
     cache_dir: str | os.PathLike[str] | None = None,
     labels: Sequence[str] | None = None,
     val_path: str | os.PathLike[str] | Dataset | None = None,
@@ -108,8 +110,10 @@ def hf_dataloaders(
     - SFT (`prompt_field` + `response_field`, or `messages_field` holding [{"role", "content"}] lists):
       only response tokens are targets, all others -100. Messages need the tokenizer's chat template;
       a prompt/response pair goes through it as one user/assistant exchange when the tokenizer has one,
-      else as prompt tokens, response tokens, EOS. Never packed; examples are truncated to seq_len + 1
-      tokens and dropped when no response token is left.
+      else as prompt tokens, response tokens, EOS. Examples are truncated to seq_len + 1 tokens and
+      dropped when no response token is left. sft_packing=True packs whole examples into rows of seq_len
+      tokens with "position_ids" restarting at each example and no attention_mask (PackedExamples; HFModule
+      keeps attention inside each example); sft_packing=False (the default) pads each batch.
     task="seq-classification": `text_field` with labels `label_field`, labels LongTensor[B];
     task="token-classification": `text_field` holds word lists and `label_field` one label per word, the
     label on each word's first token, -100 on special and continuation tokens (needs a fast tokenizer).
@@ -160,7 +164,7 @@ def hf_dataloaders(
             f"{mode} with this data needs token offsets, which only fast tokenizers give; allowed: a fast "
             "tokenizer (one with a tokenizer.json)"
         )
-    pack = mode == "text" and packing
+    pack = (mode == "text" and packing) or (mode == "sft" and sft_packing)
     encoder = _Encoder(
         tok, mode, fields, seq_len, pack, chat, _label_ids(train_raw, label_field, mode, labels)
     )
@@ -185,7 +189,14 @@ def _loader(
 ) -> DataLoader:
     """`raw` tokenised (and packed) in a DataLoader: training shuffles (seeded) and drops a short last batch."""
     tokenised = _tokenise(raw, encoder, split, cache_dir)
-    dataset: Dataset | PackedDataset = _pack(tokenised, encoder.seq_len) if encoder.pack else tokenised
+    dataset: Dataset | PackedDataset | PackedExamples = tokenised
+    if encoder.pack and encoder.mode == "text":
+        dataset = _pack(tokenised, encoder.seq_len)
+    elif encoder.pack:  # whole SFT examples, several to a row
+        rows = tokenised.with_format(None)
+        dataset = PackedExamples(
+            list(rows["input_ids"]), list(rows["labels"]), encoder.seq_len, _pad_id(encoder.tokenizer)
+        )
     _check_size(split, dataset, len(raw), batch_size, encoder.pack)
     if len(tokenised) < len(raw):
         logger.warning(
@@ -198,7 +209,7 @@ def _loader(
         "%s: %d %s from %d examples (%s)",
         split,
         len(dataset),
-        "blocks" if encoder.pack else "examples",
+        ("blocks" if encoder.mode == "text" else "packed rows") if encoder.pack else "examples",
         len(raw),
         encoder.mode,
     )
@@ -294,12 +305,31 @@ class _Encoder:
             ]
         out: dict[str, list[Any]] = {"input_ids": [], "labels": []}
         for ids, is_target in examples:
-            ids, is_target = ids[: self.seq_len + 1], is_target[: self.seq_len + 1]
-            labels = [t if target else IGNORE_INDEX for t, target in zip(ids[1:], is_target[1:], strict=True)]
-            if any(label != IGNORE_INDEX for label in labels):
-                out["input_ids"].append(ids[:-1])
-                out["labels"].append(labels)
+            shifted = self._shift(ids, is_target)
+            if shifted is not None:
+                out["input_ids"].append(shifted[0])
+                out["labels"].append(shifted[1])
         return out
+
+    def example(self, prompt: str, response: str) -> tuple[list[int], list[int]] | None:
+        """One prompt/response pair as (input_ids, shifted labels), as SFT encodes it (through the chat
+        template when there is one); None when truncation leaves no response token."""
+        if self.chat:
+            encoded = self._chat(
+                [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+            )
+        else:
+            encoded = self._prompt_response(prompt, response)
+        return self._shift(*encoded)
+
+    def _shift(self, ids: list[int], is_target: list[bool]) -> tuple[list[int], list[int]] | None:
+        """(input_ids, labels) of the first seq_len + 1 tokens, labels shifted and -100 where not a target;
+        None when no target is left."""
+        ids, is_target = ids[: self.seq_len + 1], is_target[: self.seq_len + 1]
+        labels = [t if target else IGNORE_INDEX for t, target in zip(ids[1:], is_target[1:], strict=True)]
+        if all(label == IGNORE_INDEX for label in labels):
+            return None
+        return ids[:-1], labels
 
     def _conversations(self, batch: dict[str, list[Any]]) -> list[list[dict[str, str]]]:
         if len(self.fields) == 1:
@@ -596,7 +626,9 @@ def _check_size(
     """Refuse a split with too little data: training needs one full batch, validation one sample."""
     needed = batch_size if split == "train" else 1
     if len(dataset) < needed:
-        unit = "blocks of seq_len + 1 tokens" if pack else "examples with a target token"
+        unit = "examples with a target token"
+        if pack:
+            unit = "blocks of seq_len + 1 tokens" if isinstance(dataset, PackedDataset) else "packed rows"
         raise ValueError(
             f"{split} split too small: {examples} examples give {len(dataset)} {unit}; allowed: at least "
             f"{needed} (more data, or a smaller seq_len, batch_size or val_fraction)"

@@ -27,30 +27,35 @@ from torch import nn
 from trainer.data.hf_data import padding_id
 from trainer.logging import rank_zero_info
 from trainer.models import hf_adapters, hf_init, hf_metrics
+from trainer.models.hf_dpo import dpo_step, reference_model
+from trainer.models.hf_packing import packed_inputs
 from trainer.module import TrainModule
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
-TASKS = ("causal-lm", "seq-classification", "token-classification", "seq2seq")
+TASKS = ("causal-lm", "seq-classification", "token-classification", "seq2seq", "dpo")
 # the Auto class of each task, and the task type PEFT gives the model it wraps
 _AUTO = {
     "causal-lm": "AutoModelForCausalLM",
     "seq-classification": "AutoModelForSequenceClassification",
     "token-classification": "AutoModelForTokenClassification",
     "seq2seq": "AutoModelForSeq2SeqLM",
+    "dpo": "AutoModelForCausalLM",  # a causal LM trained on preference pairs (trainer.models.hf_dpo)
 }
 _MAPPINGS = {
     "causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING",
     "seq-classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING",
     "token-classification": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING",
     "seq2seq": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING",
+    "dpo": "MODEL_FOR_CAUSAL_LM_MAPPING",
 }
 _PEFT_TASK_TYPE = {
     "causal-lm": "CAUSAL_LM",
     "seq-classification": "SEQ_CLS",
     "token-classification": "TOKEN_CLS",
     "seq2seq": "SEQ_2_SEQ_LM",
+    "dpo": "CAUSAL_LM",
 }
 # files one of which a folder holding a tokenizer has
 _TOKENIZER_FILES = (
@@ -72,7 +77,10 @@ class HFModule(TrainModule):
     - `model`: a local folder written by `save_pretrained` (loaded with `local_files_only=True`, in
       float32: the Trainer's `precision` decides the compute dtype), a `PretrainedConfig` (a fresh model,
       `from_config`) or a `PreTrainedModel` instance (used as is).
-    - `task`: "causal-lm", "seq-classification", "token-classification" or "seq2seq".
+    - `task`: "causal-lm", "seq-classification", "token-classification", "seq2seq" or "dpo" (a causal LM
+      on {"prompt", "chosen", "rejected"} pairs, trainer.models.hf_dpo: the sigmoid loss with `beta` against
+      `reference`, a frozen model given in any of `model`'s forms; None: a frozen copy of the initial
+      weights, or under LoRA the model with its adapters disabled).
     - `tokenizer`: a local tokenizer folder; else the model folder's tokenizer when it has one; else None.
     - `num_labels`: the classes of a classification head.
     - `lr`, `weight_decay`, `betas`: AdamW over the trainable parameters, decay on matrices only.
@@ -117,6 +125,8 @@ class HFModule(TrainModule):
         labels: Sequence[str] | None = None,
         metrics: str | Callable | Sequence[str | Callable] | None = None,
         load_best_model_at_end: bool = False,
+        reference: str | os.PathLike | PreTrainedModel | PretrainedConfig | None = None,
+        beta: float = 0.1,
     ) -> None:
         super().__init__()
         if task not in TASKS:
@@ -135,6 +145,17 @@ class HFModule(TrainModule):
         self._configure_head(labels)
         fresh = hf_init.fresh_modules(self.model, missing)
         self.lora = dict(lora) if lora is not None else None
+        self.reference, self.beta = None, beta
+        self._reference_is_copy = task == "dpo" and reference is None and self.lora is None
+        if task == "dpo":
+            if isinstance(beta, bool) or not isinstance(beta, (int, float)) or beta <= 0:
+                raise ValueError(f"beta={beta!r} is invalid; allowed: a number > 0")
+            given = None if reference is None else _build(reference, task, None)[0]
+            self.reference = reference_model(self.model, given, lora=self.lora is not None)
+        elif reference is not None:
+            raise ValueError(
+                f"reference= is DPO's reference model; allowed: it with task='dpo', not {task!r}"
+            )
         if self.lora is not None:
             self.model = _wrap_lora(self.model, self.lora, task)
         self._freeze(freeze)
@@ -170,6 +191,8 @@ class HFModule(TrainModule):
             )
             return
         hf_init.redraw(self.hf_model(), self._fresh, self.model if self.lora is not None else None)
+        if self.task == "dpo" and self._reference_is_copy:  # the reference is the policy's initial weights
+            self.reference = reference_model(self.model, None, lora=False)
 
     def checkpoint_frozen_parameters(self) -> bool:
         """Whether checkpoints hold the frozen weights too: not for LoRA over a base read from a folder
@@ -271,6 +294,8 @@ class HFModule(TrainModule):
             raise TypeError(
                 f"{method} got a {type(batch).__name__} batch; allowed: a dict of tensors (input_ids, labels, ...)"
             )
+        if self.task == "dpo":
+            return dpo_step(self, self.model, self.reference, batch, self.beta, method), None
         if "labels" not in batch:
             raise ValueError(
                 f"{method}: the batch has no 'labels' (keys: {', '.join(batch)}); allowed: a batch with labels"
@@ -278,7 +303,7 @@ class HFModule(TrainModule):
         labels = batch["labels"]
         if self.task == "causal-lm":
             inputs = {k: v for k, v in batch.items() if k != "labels"}  # the model would shift them again
-            outputs = self.model(**inputs, use_cache=False)
+            outputs = self.model(**packed_inputs(self.hf_model(), inputs), use_cache=False)
             loss = F.cross_entropy(outputs.logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
             return {"loss": loss, "num_tokens": (labels != -100).sum()}, outputs
         outputs = self.model(**batch)
@@ -318,8 +343,8 @@ class HFModule(TrainModule):
 
     def _evaluate(self, batch: Any, method: str, metric: str) -> dict[str, torch.Tensor]:
         loss, outputs = self._outputs(batch, method)
-        labels = batch["labels"]
-        if self._metrics.functions:
+        labels = batch.get("labels")  # DPO's pairs have none
+        if self._metrics.functions and labels is not None:
             self._collect(outputs.logits, labels)
             return loss
         if self.task in ("seq-classification", "token-classification") and not labels.is_floating_point():
@@ -346,9 +371,9 @@ class HFModule(TrainModule):
         """The logits of the batch (a causal LM's labels, if any, are not given to the model)."""
         if not isinstance(batch, Mapping):
             raise TypeError(f"predict_step got a {type(batch).__name__} batch; allowed: a dict of tensors")
-        if self.task == "causal-lm":
+        if self.task in ("causal-lm", "dpo"):
             inputs = {k: v for k, v in batch.items() if k != "labels"}
-            return self.model(**inputs, use_cache=False).logits
+            return self.model(**packed_inputs(self.hf_model(), inputs), use_cache=False).logits
         return self.model(**batch).logits
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -559,7 +584,7 @@ def _can_do(task: str, config: Any) -> bool:
     otherwise see the very tokens it is to predict."""
     if _model_class(task, config) is None:
         return False
-    return task != "causal-lm" or getattr(config, "is_decoder", True) is not False
+    return task not in ("causal-lm", "dpo") or getattr(config, "is_decoder", True) is not False
 
 
 def _check_task(task: str, config: Any, name: str | None = None) -> None:
