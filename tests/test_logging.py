@@ -62,13 +62,15 @@ def test_tensorboard_logger_writes_scalars(tmp_path):
     Trainer(max_steps=4, loggers=[TensorBoardLogger()], default_root_dir=tmp_path, **quiet()).fit(
         Regression(), regression_loader()
     )
-    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events = EventAccumulator(str(tmp_path / "lightning_logs" / "version_0"))  # Lightning's layout
     events.Reload()
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4]
 
 
 def test_tensorboard_missing_is_said_clearly(monkeypatch):
-    monkeypatch.setattr("trainer.logging._TENSORBOARD_AVAILABLE", False)  # the RequirementCache's answer
+    monkeypatch.setattr(
+        "trainer.loggers.tensorboard._TENSORBOARD_AVAILABLE", False
+    )  # the RequirementCache's answer
     with pytest.raises(
         ImportError, match="TensorBoardLogger needs the 'tensorboard' package, which is not installed"
     ):

@@ -45,12 +45,13 @@ def evaluate(
     loader: Iterable,
     stage: str,
     limit: Any,
-    report: Callable[[dict[str, float], set[str]], None] | None = None,
+    report: Callable[[dict[str, float], set[str], set[str]], None] | None = None,
 ) -> tuple[dict[str, float], set[str], list[Any]]:
     """`stage`'s loop ("validation", "test", "predict") over at most `limit` batches of `loader`, in eval
     mode from `on_<stage>_start` to `on_<stage>_end`: the means over batches (and ranks) of the returned
     loss and of what the step logged, the names logged with logger=False, and every step's output.
-    `report(metrics, hidden)` runs before `on_<stage>_end`, so that its callbacks read them."""
+    `report(metrics, hidden, prog_bar)` (the names logged with prog_bar=True) runs before
+    `on_<stage>_end`, so that its callbacks read them."""
     dispatch, strategy, method = trainer._dispatch, trainer.strategy, _STEP[stage]
     n_batches = EpochBatches(loader, limit, _LIMIT[stage]).epoch_length()
     outputs: list[Any] = []  # predict's; the others keep only each step's loss
@@ -75,7 +76,7 @@ def evaluate(
                             losses.append(unpack_loss(output, method)[0].float())
                     dispatch.all(f"on_{stage}_epoch_end")  # what it logs belongs to this loop
                 metrics = {} if stage == "predict" else buffer.compute_epoch(trainer._reduce_logged)
-                hidden = buffer.not_for_loggers()
+                hidden, prog_bar = buffer.not_for_loggers(), buffer.prog_bar_names
             finally:
                 trainer.evaluating = False
         if losses:
@@ -83,7 +84,7 @@ def evaluate(
                 strategy.reduce(torch.stack(losses).mean(), "mean", group="loss")
             )
         if report is not None:
-            report(metrics, hidden)
+            report(metrics, hidden, prog_bar)
         dispatch.all(f"on_{stage}_end")
     return metrics, hidden, outputs
 
@@ -91,12 +92,10 @@ def evaluate(
 def validate_in_fit(trainer: Trainer, module: TrainModule, loader: Iterable) -> dict[str, float]:
     """A validation inside a fit: its metrics go to the loggers at the current step."""
 
-    def report(metrics: dict[str, float], hidden: set[str]) -> None:
+    def report(metrics: dict[str, float], hidden: set[str], prog_bar: set[str]) -> None:
         step_log.log_metrics(trainer, metrics, hidden)
-        loop = trainer._fit_loop
-        loop.last_val_step = trainer.global_step
-        if loop.progress is not None and "val/loss" in metrics:
-            loop.progress.write(f"step {trainer.global_step}: val/loss {metrics['val/loss']:.4f}")
+        trainer._fit_loop.last_val_step = trainer.global_step
+        step_log.show_validation(trainer, metrics, prog_bar)
 
     return evaluate(trainer, module, loader, "validation", trainer.limit_val_batches, report)[0]
 
