@@ -93,7 +93,7 @@ def validate_in_fit(trainer: Trainer, module: TrainModule, loader: Iterable) -> 
     """A validation inside a fit: its metrics go to the loggers at the current step."""
 
     def report(metrics: dict[str, float], hidden: set[str], prog_bar: set[str]) -> None:
-        step_log.log_metrics(trainer, metrics, hidden)
+        step_log.log_metrics(trainer, metrics, hidden, own={"val/loss"})  # the returned loss: ours
         trainer._fit_loop.last_val_step = trainer.global_step
         step_log.show_validation(trainer, metrics, prog_bar)
 

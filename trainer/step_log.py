@@ -33,9 +33,12 @@ _LOGGED_FLAGS = (
 )
 
 
-def log_metrics(trainer: Trainer, metrics: dict[str, float], hidden: set[str] = frozenset()) -> None:
-    """Send `metrics` to every logger at the current step, except the `hidden` names; all of them reach
-    `callback_metrics`, a `name_step`/`name_epoch` pair also under `name` (its latest value)."""
+def log_metrics(
+    trainer: Trainer, metrics: dict[str, float], hidden: set[str] = frozenset(), own: set[str] = frozenset()
+) -> None:
+    """Send `metrics` to every logger at the current step, except the `hidden` names, and the Trainer's
+    `own` ones (train/loss, rates, a returned val/loss) only to loggers that take them (not Lightning's
+    CSV); all of them reach `callback_metrics`, a `name_step`/`name_epoch` pair also under `name`."""
     trainer.callback_metrics.update(metrics)
     for key, value in metrics.items():
         if key.endswith(("_step", "_epoch")):
@@ -43,10 +46,12 @@ def log_metrics(trainer: Trainer, metrics: dict[str, float], hidden: set[str] = 
     logged = {k: v for k, v in metrics.items() if k not in hidden}
     trainer.logged_metrics.update(logged)
     if trainer.is_global_zero and logged:
-        row = {**logged}
-        row.setdefault("epoch", trainer.current_epoch)  # every row names its epoch, as Lightning's do
+        epoch = {"epoch": logged.get("epoch", trainer.current_epoch)}  # every row names it, as Lightning's
+        users = {k: v for k, v in logged.items() if k not in own}
         for lg in trainer.loggers:
-            lg.log_metrics(row, trainer.global_step)
+            row = logged if lg.trainer_metrics else users
+            if row.keys() - {"epoch"}:
+                lg.log_metrics({**row, **epoch}, trainer.global_step)
 
 
 def start_loggers(trainer: Trainer, module: TrainModule, resumed: bool) -> None:
@@ -118,8 +123,9 @@ def log_train(
     if trainer.state.skipped_steps:
         metrics["train/skipped_steps"] = trainer.state.skipped_steps
     user = buffer.compute_step(trainer._reduce_logged)
+    own = set(metrics) - {"epoch"}
     metrics.update(user)
-    log_metrics(trainer, metrics, hidden=buffer.not_for_loggers())
+    log_metrics(trainer, metrics, buffer.not_for_loggers(), own - set(user))
     progress = trainer._fit_loop.progress
     if progress is not None:  # rank zero's
         shown = {"loss": metrics["train/loss"], "lr": lr}

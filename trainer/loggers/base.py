@@ -27,6 +27,9 @@ class Logger:
 
     # what rank zero decides at setup and the other ranks adopt, so that `version`/`log_dir` read the same
     _SHARED: tuple[str, ...] = ()
+    # whether it also gets the Trainer's own metrics (train/loss, lr, grad norm, rates, a returned
+    # val/loss) next to what the module logs; Lightning's CSV file holds only the latter
+    trainer_metrics = True
 
     def setup(self, run: LoggerRun) -> None:
         """Open files for the fit `run` describes (rank zero)."""

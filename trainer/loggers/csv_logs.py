@@ -14,12 +14,13 @@ from trainer.loggers.versions import VersionedLogger
 
 
 class CSVLogger(VersionedLogger):
-    """Metrics to `<log_dir>/metrics.csv`, hyperparameters to `<log_dir>/hparams.yaml`. Each row is written
+    """What the module logs (and `epoch`) to `<log_dir>/metrics.csv`, hyperparameters to `<log_dir>/hparams.yaml`. Each row is written
     when logged (a metric seen for the first time rewrites the file with the wider header, as Lightning);
     a resumed run continuing its folder drops the rows after the restored step. `prefix` is put before
     every metric name, joined with "-" (Lightning's)."""
 
     NAME_METRICS_FILE = "metrics.csv"
+    trainer_metrics = False  # what the module logs, as Lightning's file (set True for train/loss, rates...)
     NAME_HPARAMS_FILE = "hparams.yaml"
 
     def __init__(
