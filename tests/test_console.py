@@ -4,9 +4,12 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 SCRIPT = textwrap.dedent(
     """
@@ -24,7 +27,7 @@ SCRIPT = textwrap.dedent(
 
         def training_step(self, batch, batch_idx):
             x, y = batch
-            if batch_idx == 1:
+            if batch_idx == 2:
                 self.print("PRINTED from training_step")
             return nn.functional.mse_loss(self.layer(x), y)
 
@@ -38,7 +41,7 @@ SCRIPT = textwrap.dedent(
 
     class Warns(Callback):
         def on_train_batch_end(self, trainer, module, outputs):
-            if trainer.global_step == 3:
+            if trainer.global_step == 1:  # the bar has just been drawn
                 logging.getLogger("trainer").warning("a warning in the middle of the epoch")
 
     torch.manual_seed(0)
@@ -67,14 +70,27 @@ def test_screen_keeps_what_a_shorter_overwrite_leaves_standing():
     assert screen("train 1/8\r         \r[trainer] x\n") == ["[trainer] x", ""]
 
 
-def test_a_fits_console_shows_validation_metrics_and_no_line_over_the_bar(tmp_path):
-    script = tmp_path / "fit.py"
+@pytest.fixture(scope="module")
+def console(tmp_path_factory):
+    """What a terminal shows of a short fit: stdout and stderr on one screen, unbuffered, so in the order
+    a terminal gets them (one run for the tests below)."""
+    root = tmp_path_factory.mktemp("console")
+    script = root / "fit.py"
     script.write_text(SCRIPT)
     out = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "run")], capture_output=True, text=True, timeout=240
+        [sys.executable, str(script), str(root / "run")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=240,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
-    assert out.returncode == 0, out.stderr[-2000:]
-    lines = screen(out.stderr) + screen(out.stdout)
+    assert out.returncode == 0, out.stdout[-2000:]
+    return screen(out.stdout)
+
+
+def test_each_validation_prints_its_metrics_and_keeps_prog_bar_ones_on_the_bar(console):
+    lines = console
     validations = [line for line in lines if line.startswith("validation at step")]
     assert [v.split(":")[0] for v in validations] == [
         "validation at step 4 (epoch 0)",
@@ -83,9 +99,12 @@ def test_a_fits_console_shows_validation_metrics_and_no_line_over_the_bar(tmp_pa
     assert all("val_loss=" in v and "val_acc=0.5" in v for v in validations)
     bar = [line for line in lines if "8/8" in line]
     assert bar and "val_acc=0.5" in bar[-1] and "val_loss" not in bar[-1]  # prog_bar ones only
-    for marker in ("[trainer]", "PRINTED", "validation at step"):
-        found = [line for line in lines if marker in line]
+
+
+def test_log_and_print_lines_go_above_the_bar_never_over_it(console):
+    for marker in ("[trainer]", "PRINTED"):
+        found = [line for line in console if marker in line]
         assert found, marker
         assert all(line.startswith(marker) for line in found), found  # nothing of the bar before it
-    assert "[trainer] a warning in the middle of the epoch" in lines
-    assert "PRINTED from training_step" in screen(out.stdout)
+    assert "[trainer] a warning in the middle of the epoch" in console
+    assert "PRINTED from training_step" in console  # self.print (to stdout, as Lightning's)

@@ -97,15 +97,21 @@ def test_a_lightning_users_pandas_code_reads_the_csv(tmp_path):
 
 
 def test_the_module_and_the_trainer_see_the_first_logger_and_all_loggers(tmp_path):
-    csv, tb = CSVLogger(tmp_path / "logs"), TensorBoardLogger(tmp_path / "tb", name="exp")
-    trainer, module = fit(tmp_path, [csv, tb], max_epochs=1)
-    assert trainer.logger is csv and trainer.loggers[:2] == [csv, tb]
+    first, second = Recorder(), Recorder()
+    trainer, module = fit(tmp_path, [first, second], max_epochs=1)
+    assert trainer.logger is first and trainer.loggers[:2] == [first, second]
     assert type(trainer.loggers[-1]).__name__ == "JSONLLogger"  # the always-on log comes last
-    first, every = module.seen_loggers[0]
-    assert first is csv and every == trainer.loggers
-    assert trainer.log_dir == csv.log_dir
+    seen_first, seen_all = module.seen_loggers[0]
+    assert seen_first is first and seen_all == trainer.loggers
+    assert first.hparams == {"lr": 0.1, "hidden": 4}  # log_hyperparams: the module's, as Lightning's
+
+
+def test_tensorboard_logger_takes_lightnings_arguments(tmp_path):
+    tb = TensorBoardLogger(tmp_path / "tb", name="exp")
+    trainer, _ = fit(tmp_path, tb, max_epochs=1)
     assert (tb.name, tb.version, tb.save_dir) == ("exp", 0, str(tmp_path / "tb"))
-    assert tb.log_dir == str(tmp_path / "tb" / "exp" / "version_0")
+    assert tb.log_dir == trainer.log_dir == str(tmp_path / "tb" / "exp" / "version_0")
+    assert list((tmp_path / "tb" / "exp" / "version_0").glob("events.out.tfevents.*"))
     assert yaml.safe_load((tmp_path / "tb" / "exp" / "version_0" / "hparams.yaml").read_text()) == {
         "lr": 0.1,
         "hidden": 4,
