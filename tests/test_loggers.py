@@ -1,7 +1,8 @@
 """Loggers as Lightning's docs use them: `CSVLogger(save_dir, name=, version=)`, `TensorBoardLogger`,
 `WandbLogger` from `trainer.loggers`, versioned `version_N` folders that follow the run-folder ownership
 rules, `log_hyperparams`, and `self.logger` / `trainer.logger(s)`. The CSV file is compared with the one
-PyTorch Lightning's CSVLogger writes for the same logged values."""
+PyTorch Lightning's CSVLogger writes for the same logged values. (Under DDP, every rank's `self.logger`
+reads rank zero's version: tests/test_lightning_module.py's DDP run.)"""
 
 from __future__ import annotations
 

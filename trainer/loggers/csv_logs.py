@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from trainer.loggers.base import LoggerRun, plain
+from trainer.loggers.base import LoggerRun, NoExperiment, plain
 from trainer.loggers.versions import VersionedLogger
 
 
@@ -38,9 +38,10 @@ class CSVLogger(VersionedLogger):
         self._rows = 0  # rows in the file: the step of a row logged without one, as Lightning numbers it
 
     @property
-    def experiment(self) -> CSVLogger:
-        """Lightning's experiment writer is the logger itself here (`log_metrics`, `log_hyperparams`)."""
-        return self
+    def experiment(self) -> Any:
+        """Lightning's experiment writer: the logger itself here (`log_metrics`, `log_hyperparams`); a
+        do-nothing one off rank zero."""
+        return self if self._path is not None else NoExperiment()
 
     def setup(self, run: LoggerRun) -> None:
         folder = self.claim(run)
