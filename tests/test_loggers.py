@@ -194,10 +194,22 @@ def test_wandb_logger_with_lightnings_arguments_runs_offline_without_an_api_key(
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: no key, so no network and no prompt
-    logger = WandbLogger(project="lit", name="first")  # save_dir: the Trainer's default_root_dir
+    import wandb
+
+    logged = []  # the artifacts the run was given (the offline record is written by wandb's service)
+    log_artifact = wandb.sdk.wandb_run.Run.log_artifact
+    monkeypatch.setattr(
+        wandb.sdk.wandb_run.Run,
+        "log_artifact",
+        lambda run, artifact, **kw: logged.append(artifact) or log_artifact(run, artifact, **kw),
+    )
+    logger = WandbLogger(project="lit", name="first", log_model=True)  # save_dir: default_root_dir
     trainer, _ = fit(tmp_path, logger, max_epochs=1)
     assert trainer.logger is logger and logger.name == "lit" and logger.save_dir == str(tmp_path / "root")
     runs = list((tmp_path / "root" / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and runs[0].name.endswith(logger.version) and list(runs[0].glob("*.wandb"))
+    (artifact,) = logged  # log_model: the run's checkpoint folder as one "model" artifact at the end
+    assert (artifact.name, artifact.type) == (f"model-{logger.version}", "model")
+    assert "step-00000003/model.safetensors" in artifact.manifest.entries
     with pytest.raises(ValueError, match=r"WandbLogger\(offline=True, log_model=True\): an offline run"):
         WandbLogger(offline=True, log_model=True)

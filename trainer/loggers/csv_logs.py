@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from lightning_utilities.core.rank_zero import rank_zero_only
 
 from trainer.loggers.base import LoggerRun, NoExperiment, plain
 from trainer.loggers.versions import VersionedLogger
@@ -55,11 +56,13 @@ class CSVLogger(VersionedLogger):
             self._write(kept, "w")
             self._rows = len(kept)
 
+    @rank_zero_only  # as Lightning's: a call on another rank does nothing
     def log_hyperparams(self, params: dict[str, Any]) -> None:
         self.hparams.update(plain(dict(params)))
         with open(Path(self.log_dir) / self.NAME_HPARAMS_FILE, "w") as file:
             yaml.safe_dump(self.hparams, file)
 
+    @rank_zero_only  # as Lightning's: a call on another rank does nothing
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         row = {(f"{self.prefix}-{k}" if self.prefix else k): v for k, v in metrics.items()}
         row["step"] = step if step is not None else self._rows

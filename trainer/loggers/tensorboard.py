@@ -8,6 +8,7 @@ from typing import Any
 
 import yaml
 from lightning_utilities.core.imports import RequirementCache
+from lightning_utilities.core.rank_zero import rank_zero_only
 
 from trainer.loggers.base import LoggerRun, NoExperiment, plain
 from trainer.loggers.versions import VersionedLogger
@@ -50,6 +51,7 @@ class TensorBoardLogger(VersionedLogger):
         purge = run.resume_step + 1 if self.continues else None
         self._writer = SummaryWriter(log_dir=str(folder), purge_step=purge, **self._kwargs)
 
+    @rank_zero_only  # as Lightning's: a call on another rank does nothing
     def log_hyperparams(self, params: dict[str, Any]) -> None:
         from torch.utils.tensorboard.summary import hparams
 
@@ -61,6 +63,7 @@ class TensorBoardLogger(VersionedLogger):
         for summary in hparams(flat, {}):  # the HPARAMS tab, as Lightning writes it
             writer.add_summary(summary)
 
+    @rank_zero_only  # as Lightning's: a call on another rank does nothing
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         for name, value in metrics.items():
             self._writer.add_scalar(name, value, step)

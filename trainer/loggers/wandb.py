@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from lightning_utilities.core.rank_zero import rank_zero_only
+
 from trainer.loggers.base import Logger, LoggerRun, NoExperiment
 from trainer.logging import rank_zero_info
 
@@ -98,9 +100,11 @@ class WandbLogger(Logger):
         id_file.write_text(f"{run.run_id} {self._run.id}")
         self._checkpoint_dir = run.checkpoint_dir
 
+    @rank_zero_only  # as Lightning's: a call on another rank does nothing
     def log_hyperparams(self, params: dict[str, Any]) -> None:
         self._run.config.update(dict(params), allow_val_change=True)
 
+    @rank_zero_only  # as Lightning's: a call on another rank does nothing
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         named = {(f"{self.prefix}-{k}" if self.prefix else k): v for k, v in metrics.items()}
         self._run.log(named, step=step)
