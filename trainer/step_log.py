@@ -65,18 +65,19 @@ def start_loggers(trainer: Trainer, module: TrainModule, resumed: bool) -> None:
         trainer._run_folder,
     )
     outcome: Any = None
+    error: Exception | None = None
     if trainer.is_global_zero:
         try:
             for lg in trainer.loggers:
                 lg.setup(run)
             outcome = [lg.shared() for lg in trainer.loggers]
         except (run_folder.FolderInUse, ValueError, OSError) as err:
-            outcome = (type(err).__name__, str(err))
+            error, outcome = err, (isinstance(err, run_folder.FolderInUse), str(err))
     outcome = trainer.strategy.broadcast_object(outcome)
-    if isinstance(outcome, tuple):  # every rank fails with rank zero's one line
-        raise {"FolderInUse": run_folder.FolderInUse, "ValueError": ValueError}.get(outcome[0], OSError)(
-            outcome[1]
-        )
+    if error is not None:
+        raise error
+    if isinstance(outcome, tuple):  # the other ranks fail with rank zero's one line
+        raise (run_folder.FolderInUse if outcome[0] else ValueError)(outcome[1])
     if not trainer.is_global_zero:
         for lg, shared in zip(trainer.loggers, outcome, strict=True):
             lg.adopt(shared)
