@@ -113,6 +113,8 @@ def test_tensorboard_logger_takes_lightnings_arguments(tmp_path):
     assert (tb.name, tb.version, tb.save_dir) == ("exp", 0, str(tmp_path / "tb"))
     assert tb.log_dir == trainer.log_dir == str(tmp_path / "tb" / "exp" / "version_0")
     assert list((tmp_path / "tb" / "exp" / "version_0").glob("events.out.tfevents.*"))
+    with pytest.raises(ValueError, match=r"TensorBoardLogger log_graph=True is not supported"):
+        TensorBoardLogger(tmp_path, log_graph=True)
     assert yaml.safe_load((tmp_path / "tb" / "exp" / "version_0" / "hparams.yaml").read_text()) == {
         "lr": 0.1,
         "hidden": 4,

@@ -18,7 +18,9 @@ _TENSORBOARD_AVAILABLE = RequirementCache("tensorboard")  # read from package me
 
 class TensorBoardLogger(VersionedLogger):
     """A `SummaryWriter` on `log_dir` (`**kwargs` go to it, as in Lightning); a resumed run continuing its
-    folder purges the events after the restored step, so the curves read as one uninterrupted run."""
+    folder purges the events after the restored step, so the curves read as one uninterrupted run.
+    `default_hp_metric` logs Lightning's placeholder `hp_metric` -1 with the hyperparameters; `prefix` is
+    put before every metric name, joined with "-"."""
 
     NAME_HPARAMS_FILE = "hparams.yaml"
 
@@ -27,8 +29,16 @@ class TensorBoardLogger(VersionedLogger):
         save_dir: str | Path | None = None,
         name: str | None = "lightning_logs",
         version: int | str | None = None,
+        log_graph: bool = False,
+        default_hp_metric: bool = True,
+        prefix: str = "",
         **kwargs: Any,
     ) -> None:
+        if log_graph:
+            raise ValueError(
+                "TensorBoardLogger log_graph=True is not supported (the graph is not traced here); allowed: "
+                "False, or self.logger.experiment.add_graph(model, example) in a hook of yours"
+            )
         if not _TENSORBOARD_AVAILABLE:
             raise ImportError(
                 "TensorBoardLogger needs the 'tensorboard' package, which is not installed: "
@@ -36,7 +46,7 @@ class TensorBoardLogger(VersionedLogger):
             )
         super().__init__(save_dir, name, version)
         self.hparams: dict[str, Any] = {}
-        self._kwargs = kwargs
+        self.default_hp_metric, self.prefix, self._kwargs = default_hp_metric, prefix, kwargs
         self._writer = None
 
     @property
@@ -59,14 +69,17 @@ class TensorBoardLogger(VersionedLogger):
         with open(Path(self.log_dir) / self.NAME_HPARAMS_FILE, "w") as file:
             yaml.safe_dump(self.hparams, file)
         flat = {k: (v if isinstance(v, (bool, int, float, str)) else str(v)) for k, v in _flat(self.hparams)}
+        metrics = {"hp_metric": -1} if self.default_hp_metric else {}
+        if metrics:
+            self.log_metrics(metrics, 0)
         writer = self._writer._get_file_writer()
-        for summary in hparams(flat, {}):  # the HPARAMS tab, as Lightning writes it
+        for summary in hparams(flat, metrics):  # the HPARAMS tab, as Lightning writes it
             writer.add_summary(summary)
 
     @rank_zero_only  # as Lightning's: a call on another rank does nothing
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         for name, value in metrics.items():
-            self._writer.add_scalar(name, value, step)
+            self._writer.add_scalar(f"{self.prefix}-{name}" if self.prefix else name, value, step)
 
     def finalize(self, status: str = "success") -> None:
         if self._writer is not None:
