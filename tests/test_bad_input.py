@@ -45,7 +45,7 @@ from trainer.checkpoint import CheckpointError
         (
             {"loggers": ["mlflow"]},
             ValueError,
-            r"logger 'mlflow' is unknown; allowed: jsonl, tensorboard, wandb",
+            r"logger 'mlflow' is unknown; allowed: jsonl, csv, tensorboard, wandb",
         ),
         ({"callbacks": [object()]}, TypeError, r"callbacks must be Callback instances; got object"),
         ({"seed": -1}, ValueError, r"seed=-1 is invalid"),

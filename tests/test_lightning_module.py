@@ -216,6 +216,10 @@ def test_under_ddp_a_none_on_one_rank_skips_the_step_on_both_and_sync_dist_avera
     synced = [r["rank_synced"] for r in rows if "rank_synced" in r]
     assert synced and all(v == 0.5 for v in synced)  # mean of ranks 0 and 1
     assert all(r["rank_local"] == 0.0 for r in rows if "rank_local" in r)  # rank zero's own value
+    # every rank's logger reads the version rank zero took (the next free one), and only rank zero wrote
+    assert result["log_dirs"] == [str(tmp_path / "csv" / "lightning_logs" / "version_1")] * 2
+    csv_rows = (tmp_path / "csv" / "lightning_logs" / "version_1" / "metrics.csv").read_text().splitlines()
+    assert csv_rows == ["epoch,rank_local,rank_synced,step", "0,0.0,0.5,1", "0,0.0,0.5,3"]  # 2: skipped
 
 
 @pytest.mark.parametrize("clip", [0, None])

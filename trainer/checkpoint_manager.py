@@ -54,6 +54,11 @@ class CheckpointManager:
         return next(iter(self.savers), None)
 
     @property
+    def claimed(self) -> Path | None:
+        """The folder this fit claimed (None before the claim, or without a ModelCheckpoint)."""
+        return self._claimed
+
+    @property
     def folder(self) -> Path:
         """The folder this fit claimed, else the newest run's under the ModelCheckpoint's dirpath or
         `<default_root_dir>/checkpoints` (what "last" reads)."""

@@ -50,7 +50,7 @@ def evaluate(
     """`stage`'s loop ("validation", "test", "predict") over at most `limit` batches of `loader`, in eval
     mode from `on_<stage>_start` to `on_<stage>_end`: the means over batches (and ranks) of the returned
     loss and of what the step logged, the names logged with logger=False, and every step's output.
-    `report(metrics, hidden, shown)` (`shown`: the names logged with prog_bar=True) runs before
+    `report(metrics, hidden, prog_bar)` (the names logged with prog_bar=True) runs before
     `on_<stage>_end`, so that its callbacks read them."""
     dispatch, strategy, method = trainer._dispatch, trainer.strategy, _STEP[stage]
     n_batches = EpochBatches(loader, limit, _LIMIT[stage]).epoch_length()
@@ -76,8 +76,7 @@ def evaluate(
                             losses.append(unpack_loss(output, method)[0].float())
                     dispatch.all(f"on_{stage}_epoch_end")  # what it logs belongs to this loop
                 metrics = {} if stage == "predict" else buffer.compute_epoch(trainer._reduce_logged)
-                hidden = buffer.not_for_loggers()
-                shown = set(buffer.prog_bar_names)
+                hidden, prog_bar = buffer.not_for_loggers(), set(buffer.prog_bar_names)
                 buffer.reset()  # the loop's torchmetrics Metrics start the next loop empty, as in Lightning
             finally:
                 trainer.evaluating = False
@@ -86,7 +85,7 @@ def evaluate(
                 strategy.reduce(torch.stack(losses).mean(), "mean", group="loss")
             )
         if report is not None:
-            report(metrics, hidden, shown)
+            report(metrics, hidden, prog_bar)
         dispatch.all(f"on_{stage}_end")
     return metrics, hidden, outputs
 
@@ -94,13 +93,10 @@ def evaluate(
 def validate_in_fit(trainer: Trainer, module: TrainModule, loader: Iterable) -> dict[str, float]:
     """A validation inside a fit: its metrics go to the loggers at the current step."""
 
-    def report(metrics: dict[str, float], hidden: set[str], shown: set[str]) -> None:
-        step_log.log_metrics(trainer, metrics, hidden)
-        loop = trainer._fit_loop
-        loop.last_val_step = trainer.global_step
-        line = [f"{name} {metrics[name]:.4f}" for name in ("val/loss", *sorted(shown)) if name in metrics]
-        if loop.progress is not None and line:  # the loss, and what the module logged with prog_bar=True
-            loop.progress.write(f"step {trainer.global_step}: {', '.join(line)}")
+    def report(metrics: dict[str, float], hidden: set[str], prog_bar: set[str]) -> None:
+        step_log.log_metrics(trainer, metrics, hidden, own={"val/loss"})  # the returned loss: ours
+        trainer._fit_loop.last_val_step = trainer.global_step
+        step_log.show_validation(trainer, metrics, prog_bar)
 
     return evaluate(trainer, module, loader, "validation", trainer.limit_val_batches, report)[0]
 

@@ -67,12 +67,9 @@ class FitLoop:
             trainer.state.started_at = time.time()
         if trainer.enable_model_summary:
             step_log.announce(trainer, module)
-        if trainer.is_global_zero:
-            for lg in trainer.loggers:
-                lg.setup(trainer.default_root_dir, trainer.global_step if resume_from is not None else None)
-                lg.log_hyperparams(step_log.hyperparams(trainer, module))
-            if trainer.enable_progress_bar:
-                self.progress = ProgressBar(self.total_steps(), trainer.global_step)
+        step_log.start_loggers(trainer, module, resume_from is not None)
+        if trainer.is_global_zero and trainer.enable_progress_bar:
+            self.progress = ProgressBar(self.total_steps(), trainer.global_step)
         dispatch.all("on_fit_start")
         if val_loader is not None and trainer.num_sanity_val_steps and not self._val_at_start_due():
             eval_loop.sanity_check(trainer, module, val_loader)

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from trainer.logging import rank_zero_info
+from trainer.logging import console_write, rank_zero_info
 from trainer.metrics import is_torchmetric, metric_items
 
 if TYPE_CHECKING:
+    from trainer.loggers import Logger
     from trainer.trainer import Trainer
 
 
@@ -275,9 +277,20 @@ class TrainModule(nn.Module):
         return self.trainer.lr_scheduler
 
     def print(self, *args: Any, **kwargs: Any) -> None:
-        """`print` on global rank zero only."""
+        """`print` on global rank zero only; to the terminal above the progress bar, as Lightning's."""
         if self.global_rank == 0:
-            print(*args, **kwargs)
+            line = kwargs.get("sep", " ").join(map(str, args))
+            console_write(line, end=kwargs.get("end", "\n"), file=kwargs.get("file") or sys.stdout)
+
+    @property
+    def logger(self) -> Logger | None:
+        """The Trainer's first logger (Lightning's `self.logger`), None outside a Trainer run."""
+        return self._trainer.logger if self._trainer is not None else None
+
+    @property
+    def loggers(self) -> list[Logger]:
+        """Every logger of the Trainer (Lightning's `self.loggers`), empty outside a Trainer run."""
+        return self._trainer.loggers if self._trainer is not None else []
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in ("_trainer", "_hparams"):  # never a submodule or part of the state dict

@@ -21,6 +21,8 @@ class ProgressBar:
             mininterval=0.5 if sys.stderr.isatty() else 10.0,
             file=sys.stderr,
         )
+        self._shown: dict[str, float] = {}
+        self._kept: dict[str, float] = {}
 
     def update(self, steps: int = 1) -> None:
         self._bar.update(steps)
@@ -31,9 +33,17 @@ class ProgressBar:
         self._bar.refresh()
 
     def show(self, metrics: dict[str, float]) -> None:
-        """The metrics after the bar, drawn at its next refresh: the text tqdm's `set_postfix` would make,
-        without its per-call work (an OrderedDict, type checks)."""
-        self._bar.postfix = ", ".join(f"{k}={_fmt(v)}" for k, v in metrics.items())
+        """The step's metrics after the bar (then the kept ones), drawn at its next refresh: the text tqdm's
+        `set_postfix` would make, without its per-call work (an OrderedDict, type checks)."""
+        self._shown = metrics
+        self._bar.postfix = ", ".join(f"{k}={fmt(v)}" for k, v in {**metrics, **self._kept}.items())
+
+    def keep(self, metrics: dict[str, float]) -> None:
+        """Values that stay after the step's metrics until replaced (a validation's `prog_bar=True` ones,
+        as Lightning's bar keeps them), drawn now."""
+        self._kept.update(metrics)
+        self.show(self._shown)
+        self._bar.refresh()
 
     def write(self, line: str) -> None:
         """Print a line above the bar (e.g. a validation result)."""
@@ -43,7 +53,8 @@ class ProgressBar:
         self._bar.close()
 
 
-def _fmt(value: float) -> str:
+def fmt(value: float) -> str:
+    """A metric as the console shows it: 4 significant digits, exponent notation when tiny or huge."""
     if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e5):
         return f"{value:.2e}"
     return f"{value:.4g}"

@@ -1,14 +1,19 @@
-"""What a fit tells the loggers and the console: the step's row, rates, the start-up line and the
-effective-training-time line. Functions of the trainer; rank zero writes."""
+"""What a fit tells the loggers and the console: the loggers' start, the step's row, rates, the
+validation line, the start-up line and the effective-training-time line. Functions of the trainer; rank
+zero writes. (`plain` is re-exported here for the checkpoint code that imports it from this module.)"""
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trainer import run_folder
+from trainer.loggers.base import LoggerRun, plain
 from trainer.logging import rank_zero_info
+from trainer.progress import fmt
 
 if TYPE_CHECKING:
     from trainer.module import TrainModule
@@ -28,9 +33,12 @@ _LOGGED_FLAGS = (
 )
 
 
-def log_metrics(trainer: Trainer, metrics: dict[str, float], hidden: set[str] = frozenset()) -> None:
-    """Send `metrics` to every logger at the current step, except the `hidden` names; all of them reach
-    `callback_metrics`, a `name_step`/`name_epoch` pair also under `name` (its latest value)."""
+def log_metrics(
+    trainer: Trainer, metrics: dict[str, float], hidden: set[str] = frozenset(), own: set[str] = frozenset()
+) -> None:
+    """Send `metrics` to every logger at the current step, except the `hidden` names, and the Trainer's
+    `own` ones (train/loss, rates, a returned val/loss) only to loggers that take them (not Lightning's
+    CSV); all of them reach `callback_metrics`, a `name_step`/`name_epoch` pair also under `name`."""
     trainer.callback_metrics.update(metrics)
     for key, value in metrics.items():
         if key.endswith(("_step", "_epoch")):
@@ -38,8 +46,58 @@ def log_metrics(trainer: Trainer, metrics: dict[str, float], hidden: set[str] = 
     logged = {k: v for k, v in metrics.items() if k not in hidden}
     trainer.logged_metrics.update(logged)
     if trainer.is_global_zero and logged:
+        epoch = {"epoch": logged.get("epoch", trainer.current_epoch)}  # every row names it, as Lightning's
+        users = {k: v for k, v in logged.items() if k not in own}
         for lg in trainer.loggers:
-            lg.log_metrics(logged, trainer.global_step)
+            row = logged if lg.trainer_metrics else users
+            if row.keys() - {"epoch"}:
+                lg.log_metrics({**row, **epoch}, trainer.global_step)
+
+
+def start_loggers(trainer: Trainer, module: TrainModule, resumed: bool) -> None:
+    """At fit start: rank zero sets up every logger (each versioned one claims its `version_N` folder)
+    and gives it the module's hyperparameters (merged with the datamodule's, as Lightning) and the run's
+    record; the other ranks adopt what it chose (the versions, so `log_dir` reads the same), or its error."""
+    run = LoggerRun(
+        Path(trainer.default_root_dir),
+        trainer.run_id,
+        trainer.global_step if resumed else None,
+        trainer.checkpoint_manager.claimed,
+    )
+    outcome: Any = None
+    error: Exception | None = None
+    if trainer.is_global_zero:
+        try:
+            for lg in trainer.loggers:
+                lg.setup(run)
+            outcome = [lg.shared() for lg in trainer.loggers]
+        except (run_folder.FolderInUse, ValueError, OSError) as err:
+            error, outcome = err, (isinstance(err, run_folder.FolderInUse), str(err))
+    outcome = trainer.strategy.broadcast_object(outcome)
+    if error is not None:
+        raise error
+    if isinstance(outcome, tuple):  # the other ranks fail with rank zero's one line
+        raise (run_folder.FolderInUse if outcome[0] else ValueError)(outcome[1])
+    if not trainer.is_global_zero:
+        for lg, shared in zip(trainer.loggers, outcome, strict=True):
+            lg.adopt(shared)
+        return
+    params = plain({**dict(getattr(trainer.datamodule, "hparams", None) or {}), **dict(module.hparams)})
+    record = hyperparams(trainer, module)
+    for lg in trainer.loggers:
+        lg.log_hyperparams(params)
+        lg.log_run(record)
+
+
+def show_validation(trainer: Trainer, metrics: dict[str, float], prog_bar: set[str]) -> None:
+    """After a validation inside a fit, on rank zero's bar: a line with what it logged, and its
+    `prog_bar=True` values kept on the bar until the next validation."""
+    progress = trainer._fit_loop.progress
+    if progress is None or not metrics:
+        return
+    values = ", ".join(f"{k}={fmt(v)}" for k, v in metrics.items())
+    progress.write(f"validation at step {trainer.global_step} (epoch {trainer.current_epoch}): {values}")
+    progress.keep({k: v for k, v in metrics.items() if k in prog_bar})
 
 
 def log_train(
@@ -66,8 +124,9 @@ def log_train(
     if trainer.state.skipped_steps:
         metrics["train/skipped_steps"] = trainer.state.skipped_steps
     user = buffer.compute_step(trainer._reduce_logged)
+    own = set(metrics) - {"epoch"}
     metrics.update(user)
-    log_metrics(trainer, metrics, hidden=buffer.not_for_loggers())
+    log_metrics(trainer, metrics, buffer.not_for_loggers(), own - set(user))
     progress = trainer._fit_loop.progress
     if progress is not None:  # rank zero's
         shown = {"loss": metrics["train/loss"], "lr": lr}
@@ -138,15 +197,6 @@ def hyperparams(trainer: Trainer, module: TrainModule) -> dict[str, Any]:
     if module.hparams:
         params["hparams"] = plain(dict(module.hparams))
     return params
-
-
-def plain(value: Any) -> Any:
-    """`value` in types a checkpoint loads with weights_only and a JSON log can hold; others as repr."""
-    if isinstance(value, dict):
-        return {str(k): plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [plain(v) for v in value]
-    return value if value is None or isinstance(value, (bool, int, float, str)) else repr(value)
 
 
 class Throughput:

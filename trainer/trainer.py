@@ -23,7 +23,8 @@ from trainer import entry_checks, eval_loop, flags, stages, step_log
 from trainer.checkpoint_manager import CheckpointManager
 from trainer.fit_loop import FitLoop, effective_training_time
 from trainer.hooks import HookDispatcher
-from trainer.logging import JSONLLogger, Logger, build_logger, configure_console_logging, rank_zero_info
+from trainer.loggers import JSONLLogger, Logger, build_logger
+from trainer.logging import configure_console_logging, rank_zero_info
 from trainer.metrics import MetricBuffer
 from trainer.module import TrainModule
 from trainer.optim_config import SchedulerConfig
@@ -117,9 +118,11 @@ class Trainer:
             self.callbacks.append(CompileReport())
         if self.enable_checkpointing and not any(isinstance(cb, ModelCheckpoint) for cb in self.callbacks):
             self.callbacks.append(ModelCheckpoint())
-        self.loggers = [build_logger(lg) for lg in (loggers or [])]
+        # the user's loggers first (`trainer.logger`, `self.logger` is the first, as in Lightning), then the
+        # always-on JSONL log
+        self.loggers: list[Logger] = [build_logger(lg) for lg in (loggers or [])]
         if not any(isinstance(lg, JSONLLogger) for lg in self.loggers):
-            self.loggers.insert(0, JSONLLogger())
+            self.loggers.append(JSONLLogger())
 
         self.state = LoopState()
         self._dispatch = HookDispatcher(self)
@@ -197,6 +200,18 @@ class Trainer:
         """Where `TrainModule.log` records: the running evaluation loop's buffer inside one, else the fit's."""
         buffer = self._eval_metrics
         return self._fit_metrics if buffer is None else buffer
+
+    @property
+    def logger(self) -> Logger | None:
+        """The first logger (Lightning's `trainer.logger`); `loggers` holds them all, the JSONL log last."""
+        return self.loggers[0] if self.loggers else None
+
+    @property
+    def log_dir(self) -> str | None:
+        """Lightning's: the first logger's `log_dir` (its `save_dir` when it has none), the same on every
+        rank once a fit has started."""
+        logger = self.logger
+        return logger.log_dir or logger.save_dir if logger is not None else str(self.default_root_dir)
 
     @property
     def global_rank(self) -> int:
