@@ -80,7 +80,9 @@ def name(path: str) -> str:
 
 
 def weights(module: nn.Module) -> dict[str, list[float]]:
-    return {k: v.flatten().tolist() for k, v in module.state_dict().items()}
+    """The full weights (a sharded DTensor gathered: every rank calls this)."""
+    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in module.state_dict().items()}
+    return {k: v.flatten().tolist() for k, v in full.items()}
 
 
 def main() -> None:
