@@ -109,7 +109,8 @@ def main() -> None:
         "best_model_score": float(checkpoint.best_model_score),
         "kth_best_model_path": name(checkpoint.kth_best_model_path),
         "final_weights": weights(model),
-        "test": trainer.test(model, val, ckpt_path="best"),
+        # a module FSDP already sharded is not sharded twice (torch's fully_shard): test a fresh one there
+        "test": trainer.test(model if STRATEGY != "fsdp" else LitAutoEncoder(), val, ckpt_path="best"),
     }
     best = LitAutoEncoder.load_from_checkpoint(checkpoint.best_model_path)
     record["loaded_hparams"] = dict(best.hparams)

@@ -19,7 +19,6 @@ from helpers import TESTS, launch_env, quiet, regression_loader
 from callbacks import ModelCheckpoint
 from trainer import Trainer, TrainModule
 from trainer import checkpoint as ckpt
-from trainer.checkpoint_weights import read_checkpoint
 
 SCRIPT = TESTS / "lightning_checkpoint_script.py"
 
@@ -127,6 +126,8 @@ def test_under_ddp_and_fsdp_on_two_processes_the_best_checkpoints_load_into_one_
     ddp = results["trainer"][0]
     best = Path(fsdp["best_model_dir"])
     assert ckpt.read_meta(best)["format"] == "dcp" and len(list((best / "dcp").glob("*.distcp"))) == 2
+    from trainer.checkpoint_weights import read_checkpoint
+
     weights, state = read_checkpoint(best)  # here: one process, no process group
     assert state["hyper_parameters"] == ddp["loaded_hparams"]
     assert fsdp["best_k_models"].keys() == ddp["best_k_models"].keys()
