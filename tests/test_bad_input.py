@@ -197,7 +197,9 @@ def test_bad_model_checkpoint_arguments():
         ModelCheckpoint(save_top_k=-2)
     with pytest.raises(ValueError, match="^filename='a/b' is invalid; allowed: None or a template of one"):
         ModelCheckpoint(filename="a/b")
-    with pytest.raises(ValueError, match="^save_last='copy' is invalid; allowed: True, False, None or 'link'"):
+    with pytest.raises(
+        ValueError, match="^save_last='copy' is invalid; allowed: True, False, None or 'link'"
+    ):
         ModelCheckpoint(save_last="copy")
     with pytest.raises(ValueError, match="^every_n_epochs=1 with a step or time interval; allowed: one of"):
         ModelCheckpoint(every_n_epochs=1, every_n_train_steps=5)
