@@ -5,6 +5,7 @@ Trainer's CheckpointManager's (trainer/checkpoint_manager.py: save, verify, set 
 
 from __future__ import annotations
 
+import datetime
 import math
 import time
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from callbacks import checkpoint_names as names
 from callbacks.base import Callback
 from trainer import checkpoint as ckpt
 from trainer import flags
@@ -68,32 +70,68 @@ class ModelCheckpoint(Callback):
     and the last good checkpoint. A save that fails (a full disk: one line with the bytes needed and free)
     stops the fit (`on_save_error="stop"`, the default) or is reported and training goes on without that
     checkpoint (`"continue"`); the previous checkpoint is intact either way.
+
+    Lightning's arguments mean what they mean there. With `monitor` and no step or time interval it saves
+    after each validation (or each epoch's end, `every_n_epochs`, `save_on_train_epoch_end` as Lightning
+    decides), keeping the top `save_top_k` by that value (0: none; -1: all) in `best_k_models`;
+    `every_n_train_steps` is `every_n_steps`, `train_time_interval` is `every_n_minutes`. `filename`
+    (`"{epoch}-{val_loss:.2f}"`, `auto_insert_metric_name`) names the checkpoint *directory*, `-v1`... when
+    taken. `save_last`: True also saves at the end of fit and `last_model_path` is the newest checkpoint
+    (always kept: it is what "last" resumes); "link" also keeps a `last` link to it. `save_weights_only`
+    leaves the optimizer out (such a checkpoint loads for validate/test/predict and `load_from_checkpoint`,
+    not to resume a fit). `best_model_path`, `best_model_score`, `best_k_models`, `kth_best_model_path`,
+    `last_model_path` and `state_dict()` read as Lightning's, from this run's good checkpoints.
     """
+
+    CHECKPOINT_NAME_LAST = "last"
+    CHECKPOINT_JOIN_CHAR = names.JOIN_CHAR
+    CHECKPOINT_EQUALS_CHAR = names.EQUALS_CHAR
 
     def __init__(
         self,
         dirpath: str | Path | None = None,
+        filename: str | None = None,
+        monitor: str | None = None,
+        verbose: bool = False,
+        save_last: bool | str | None = True,
+        save_top_k: int = 2,
+        save_weights_only: bool = False,
+        mode: str = "min",
+        auto_insert_metric_name: bool = True,
+        every_n_train_steps: int | None = None,
+        train_time_interval: datetime.timedelta | None = None,
+        every_n_epochs: int | None = None,
+        save_on_train_epoch_end: bool | None = None,
+        enable_version_counter: bool = True,
+        *,
         every_n_steps: int | None = None,
         every_n_minutes: float | None = None,
-        save_last: bool = True,
-        save_top_k: int = 2,
-        monitor: str | None = None,
-        mode: str = "min",
         validate: bool = True,
         validate_atol: float = 0.0,
         validate_batch: Any = None,
         validate_budget: float | None = 0.02,
         on_save_error: str = "stop",
     ) -> None:
+        every_n_steps = _one_of(
+            "every_n_steps", every_n_steps, "every_n_train_steps", every_n_train_steps or None
+        )
+        every_n_minutes = _one_of(
+            "every_n_minutes", every_n_minutes, "train_time_interval", _minutes(train_time_interval)
+        )
         flags.check_int("every_n_steps", every_n_steps, 1, allow_none=True)
         flags.check_number("every_n_minutes", every_n_minutes, 0, strict=True, allow_none=True)
-        if (
-            isinstance(save_top_k, bool)
-            or not isinstance(save_top_k, int)
-            or save_top_k < -1
-            or save_top_k == 0
-        ):
-            raise ValueError(f"save_top_k={save_top_k!r} is invalid; allowed: -1 (keep all) or an int >= 1")
+        flags.check_int("every_n_epochs", every_n_epochs, 0, allow_none=True)
+        if every_n_epochs and (every_n_steps or every_n_minutes):
+            raise ValueError(
+                f"every_n_epochs={every_n_epochs} with a step or time interval; allowed: one of "
+                "every_n_epochs, every_n_train_steps/every_n_steps, train_time_interval/every_n_minutes"
+            )
+        if isinstance(save_top_k, bool) or not isinstance(save_top_k, int) or save_top_k < -1:
+            raise ValueError(
+                f"save_top_k={save_top_k!r} is invalid; allowed: -1 (keep all), 0 (none) or an int >= 1"
+            )
+        if save_last not in (True, False, None, "link"):
+            raise ValueError(f"save_last={save_last!r} is invalid; allowed: True, False, None or 'link'")
         if mode not in ("min", "max"):
             raise ValueError(f"mode={mode!r} is invalid; allowed: 'min' or 'max'")
         flags.check_number("validate_atol", validate_atol, 0)
@@ -101,7 +139,20 @@ class ModelCheckpoint(Callback):
         self.on_save_error = flags.check_choice("on_save_error", on_save_error, ("stop", "continue"))
         self._requested = Path(dirpath) if dirpath is not None else None  # the base of each fit's folder
         self.dirpath = self._requested
+        self.filename = names.check_template(filename)
+        self.auto_insert_metric_name, self.enable_version_counter = (
+            auto_insert_metric_name,
+            enable_version_counter,
+        )
+        self.verbose, self.save_weights_only = verbose, save_weights_only
         self.every_n_steps, self.every_n_minutes = every_n_steps, every_n_minutes
+        # Lightning's default: with no step or time interval, a monitored metric is saved every epoch
+        self.every_n_epochs = (
+            every_n_epochs
+            if every_n_epochs is not None
+            else int(monitor is not None and not every_n_steps and not every_n_minutes)
+        )
+        self.save_on_train_epoch_end = save_on_train_epoch_end
         self.save_last, self.save_top_k = save_last, save_top_k
         self.monitor, self.mode = monitor, mode
         self.validate, self.validate_atol, self.validate_batch = (
@@ -114,17 +165,20 @@ class ModelCheckpoint(Callback):
         # previous save), "write_s"} of the checkpoints kept; until validated also "reference" (the live
         # loss, None without one) and "not_finite" (why the live model was not finite, or None)
         self.saved: list[dict[str, Any]] = []
+        self.current_score: torch.Tensor | None = None  # the monitored value at the latest save
         self._last_save_time = self._fit_started = time.monotonic()
         self._validation_s: float = 0.0  # seconds spent validating in this fit
         self._last_validation_s: float | None = None  # what the latest validation cost
         self._held_out: tuple[Any] | None = None  # (batch or None), decided at a fit's first save
         self._attempted_step: int | None = None  # the step last saved, good or bad: never saved twice
+        self._training = False  # between on_train_start and on_train_end: validations there may save
 
     def setup(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
         self.dirpath = self.base_dir(trainer)  # a fit then moves it to the folder it claims (run_folder)
         self._last_save_time = self._fit_started = time.monotonic()
         self._validation_s, self._last_validation_s = 0.0, None
         self._held_out = self._attempted_step = None
+        self._training = False
 
     def base_dir(self, trainer: Trainer) -> Path:
         """The folder asked for (`dirpath`, else `<default_root_dir>/checkpoints`): a run's, or its parent."""
@@ -133,14 +187,51 @@ class ModelCheckpoint(Callback):
     def on_fit_start(self, trainer: Trainer, module: TrainModule) -> None:
         self.saved = trainer.checkpoint_manager.own(self.dirpath)
 
+    def on_train_start(self, trainer: Trainer, module: TrainModule) -> None:
+        self._training = True
+
+    def on_train_end(self, trainer: Trainer, module: TrainModule) -> None:
+        self._training = False
+
     def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: dict[str, Any]) -> None:
         due = bool(self.every_n_steps) and trainer.global_step % self.every_n_steps == 0
         if self.every_n_minutes is not None:
             late = time.monotonic() - self._last_save_time >= 60 * self.every_n_minutes
             # clocks differ per rank: rank zero's decides (every rank must save at the same step)
             due |= trainer.strategy.any_rank(late and trainer.is_global_zero)
-        if due:
+        if due and self._saves:
             self.save(trainer)
+
+    def on_validation_end(self, trainer: Trainer, module: TrainModule) -> None:
+        """Lightning's saving after a validation inside fit (not the sanity check, not `validate`)."""
+        if self._training and not trainer.sanity_checking and not self._on_epoch_end(trainer):
+            self._save_epoch(trainer)
+
+    def on_train_epoch_end(self, trainer: Trainer, module: TrainModule) -> None:
+        if self._on_epoch_end(trainer):
+            self._save_epoch(trainer)
+
+    def _save_epoch(self, trainer: Trainer) -> None:
+        """Save when `every_n_epochs` says this epoch is due (never twice at a step, nor at step 0)."""
+        n = self.every_n_epochs
+        if n and (trainer.current_epoch + 1) % n == 0 and trainer.global_step > 0 and self._saves:
+            self.save(trainer)
+
+    def _on_epoch_end(self, trainer: Trainer) -> bool:
+        """Whether epoch saves happen at the training epoch's end, else after each validation: Lightning's
+        rule (at the epoch's end when validation runs once per epoch at its end, or never)."""
+        if self.save_on_train_epoch_end is not None:
+            return self.save_on_train_epoch_end
+        if trainer.check_val_every_n_epoch != 1:
+            return False
+        if trainer.val_dataloaders is None or trainer.limit_val_batches == 0:
+            return True
+        return trainer.val_check_interval in (None, 1.0)
+
+    @property
+    def _saves(self) -> bool:
+        """Whether a due save writes anything: Lightning's `save_top_k=0` without `save_last` saves nothing."""
+        return self.save_top_k != 0 or bool(self.save_last)
 
     def on_fit_end(self, trainer: Trainer, module: TrainModule) -> None:
         if self.save_last and not self._saved_already(trainer.global_step):
@@ -157,10 +248,12 @@ class ModelCheckpoint(Callback):
                 f"{', '.join(sorted(trainer.callback_metrics)) or 'none yet'}"
             )
         manager = trainer.checkpoint_manager
-        path = manager.path_for(trainer.global_step, self.dirpath)
-        if self._saved_already(trainer.global_step):
-            return path  # saved already (say, by a Timer and by the schedule at the same step)
+        if self._saved_already(trainer.global_step):  # say, by a Timer and by the schedule at the same step
+            same = [c["path"] for c in self.saved if c["step"] == trainer.global_step]
+            return Path(same[-1]) if same else manager.path_for(trainer.global_step, self.dirpath)
+        path = self._path_for(trainer, score)
         self._attempted_step = trainer.global_step
+        self.current_score = None if score is None else torch.tensor(_plain_score(score))
         manager.finish_writing()  # a background write still running completes first
         self._validate_written(trainer)
         reload = self._validation_due(trainer)
@@ -178,7 +271,12 @@ class ModelCheckpoint(Callback):
         self.saved = [c for c in self.saved if c["path"] != str(path)] + [entry]
         start = time.monotonic()
         try:
-            manager.save(path, pending_validation=reload, meta={"score": _plain_score(score)})
+            manager.save(
+                path,
+                pending_validation=reload,
+                meta={"score": _plain_score(score)},
+                weights_only=self.save_weights_only,
+            )
         except (ckpt.CheckpointError, OSError) as err:
             self.saved.remove(entry)
             if self.on_save_error == "stop":
@@ -196,7 +294,94 @@ class ModelCheckpoint(Callback):
                 "of its time (the hashes are checked on resume)",
             )
         self._validate_written(trainer)
+        if self.verbose and score is not None:
+            kept = "as top " + str(self.save_top_k) if str(path) in self.best_k_models else "not in top k"
+            rank_zero_info(
+                f"Epoch {trainer.current_epoch}, global step {trainer.global_step}: {self.monitor!r} is "
+                f"{_plain_score(score):.5g} (best {float(self.best_model_score or score):.5g}), saved to "
+                f"{path} ({kept})"
+            )
         return path
+
+    def _path_for(self, trainer: Trainer, score: Any) -> Path:
+        """Where this save goes: `step-N` in the run's folder, or the `filename` template's free name."""
+        if self.filename is None:
+            return trainer.checkpoint_manager.path_for(trainer.global_step, self.dirpath)
+        metrics = {k: _plain_score(v) for k, v in trainer.callback_metrics.items() if _is_number(v)}
+        metrics.update(epoch=trainer.current_epoch, step=trainer.global_step)
+        name = names.format_name(self.filename, metrics, self.auto_insert_metric_name)
+        return names.free_name(self.dirpath, name, self.enable_version_counter)
+
+    # ---- Lightning's views of what is kept ---------------------------------------------------------
+    def _top_k(self) -> list[dict[str, Any]]:
+        """The good, scored checkpoints Lightning's `best_k_models` holds, best first (ties: the older)."""
+        if self.monitor is None or self.save_top_k == 0:
+            return []
+        ranked = sorted((c for c in self.saved if c["good"] and c["score"] is not None), key=self._rank)
+        return ranked if self.save_top_k == -1 else ranked[: self.save_top_k]
+
+    def _rank(self, entry: dict[str, Any]) -> float:
+        """Smaller is better; a checkpoint saved without the metric, or with NaN, ranks last."""
+        score = entry["score"]
+        if score is None or math.isnan(score):
+            return math.inf
+        return score if self.mode == "min" else -score
+
+    def _newest_good(self) -> dict[str, Any] | None:
+        good = [c for c in self.saved if c["good"]]
+        return max(good, key=lambda c: c["step"]) if good else None
+
+    @property
+    def best_k_models(self) -> dict[str, torch.Tensor]:
+        """{path: monitored value} of the top `save_top_k` good checkpoints (empty without `monitor`)."""
+        return {c["path"]: torch.tensor(c["score"]) for c in self._top_k()}
+
+    @property
+    def best_model_path(self) -> str:
+        """The best good checkpoint by `monitor` (without one: the newest), or ""."""
+        top = self._top_k()
+        newest = self._newest_good() if self.monitor is None else None
+        return top[0]["path"] if top else (newest["path"] if newest else "")
+
+    @property
+    def best_model_score(self) -> torch.Tensor | None:
+        top = self._top_k()
+        return torch.tensor(top[0]["score"]) if top else None
+
+    @property
+    def kth_best_model_path(self) -> str:
+        """The worst of `best_k_models` (the next to go), or ""."""
+        top = self._top_k()
+        return top[-1]["path"] if top else ""
+
+    @property
+    def kth_value(self) -> torch.Tensor:
+        top = self._top_k()
+        worst = math.inf if self.mode == "min" else -math.inf
+        return torch.tensor(top[-1]["score"] if top else worst)
+
+    @property
+    def last_model_path(self) -> str:
+        """With `save_last`: the newest good checkpoint (its `last` link with "link"), else ""."""
+        newest = self._newest_good()
+        if not self.save_last or newest is None:
+            return ""
+        link = Path(self.dirpath) / self.CHECKPOINT_NAME_LAST
+        return str(link) if self.save_last == "link" and link.is_symlink() else newest["path"]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Lightning's keys; on resume they are read again from the run's own checkpoints in its folder."""
+        return {
+            "monitor": self.monitor,
+            "best_model_score": self.best_model_score,
+            "best_model_path": self.best_model_path,
+            "current_score": self.current_score,
+            "dirpath": str(self.dirpath),
+            "best_k_models": self.best_k_models,
+            "kth_best_model_path": self.kth_best_model_path,
+            "kth_value": self.kth_value,
+            "last_model_path": self.last_model_path,
+        }
 
     def _validation_due(self, trainer: Trainer) -> bool:
         """Whether this checkpoint gets the reload check (rank zero's clock decides): always the first of a
@@ -377,15 +562,16 @@ class ModelCheckpoint(Callback):
         # the manager deletes only checkpoints of this run in this folder (the folder's word, not this list's)
         manager.prune([Path(c["path"]) for c in stale], self.dirpath)
         self.saved = [c for c in self.saved if c not in stale]
+        newest = self._newest_good()
+        if self.save_last == "link" and newest is not None:
+            manager.link_last(Path(self.dirpath) / self.CHECKPOINT_NAME_LAST, Path(newest["path"]))
 
     def _beyond_top_k(self, entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if self.save_top_k == -1 or not entries:
             return []
         newest = max(entries, key=lambda c: c["step"])
-        if self.monitor:
-            sign = 1.0 if self.mode == "min" else -1.0
-            # a checkpoint saved without the metric (by another saver of the run) ranks last
-            ranked = sorted(entries, key=lambda c: math.inf if c["score"] is None else sign * c["score"])
+        if self.monitor:  # a checkpoint saved without the metric (by another saver of the run) ranks last
+            ranked = sorted(entries, key=self._rank)
         else:
             ranked = sorted(entries, key=lambda c: -c["step"])
         keep = ranked[: self.save_top_k] + [newest]
@@ -395,6 +581,27 @@ class ModelCheckpoint(Callback):
 def _plain_score(score: Any) -> float | None:
     """The monitored value as meta.json holds it."""
     return None if score is None else float(score)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.numel() == 1)
+
+
+def _one_of(ours: str, value: Any, lightnings: str, alias: Any) -> Any:
+    """Our argument or Lightning's name for it; both given and different is a one-line ValueError."""
+    if value is not None and alias is not None and value != alias:
+        raise ValueError(f"{ours}={value!r} and {lightnings} say different things; allowed: one of them")
+    return value if value is not None else alias
+
+
+def _minutes(interval: datetime.timedelta | None) -> float | None:
+    if interval is None:
+        return None
+    if not isinstance(interval, datetime.timedelta):
+        raise ValueError(
+            f"train_time_interval={interval!r} is invalid; allowed: a datetime.timedelta or None"
+        )
+    return interval.total_seconds() / 60
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -193,8 +193,16 @@ def test_checkpoint_of_a_different_model_names_the_mismatch(tmp_path):
 def test_bad_model_checkpoint_arguments():
     with pytest.raises(ValueError, match="every_n_steps=0 is invalid"):
         ModelCheckpoint(every_n_steps=0)
-    with pytest.raises(ValueError, match="save_top_k=0 is invalid"):
-        ModelCheckpoint(save_top_k=0)
+    with pytest.raises(ValueError, match="save_top_k=-2 is invalid"):  # 0 is Lightning's "keep none"
+        ModelCheckpoint(save_top_k=-2)
+    with pytest.raises(ValueError, match="^filename='a/b' is invalid; allowed: None or a template of one"):
+        ModelCheckpoint(filename="a/b")
+    with pytest.raises(
+        ValueError, match="^save_last='copy' is invalid; allowed: True, False, None or 'link'"
+    ):
+        ModelCheckpoint(save_last="copy")
+    with pytest.raises(ValueError, match="^every_n_epochs=1 with a step or time interval; allowed: one of"):
+        ModelCheckpoint(every_n_epochs=1, every_n_train_steps=5)
     for budget in (0, -0.1, "2%"):  # a share of the fit's time: > 0, or None for every checkpoint
         with pytest.raises(ValueError, match=rf"^validate_budget={budget!r} is invalid; allowed: "):
             ModelCheckpoint(validate_budget=budget)

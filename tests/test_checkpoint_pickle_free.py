@@ -196,7 +196,7 @@ def test_forged_model_byte_item_is_refused_by_validate_and_never_exported(ckpt, 
 @pytest.mark.slow
 def test_a_byte_item_holding_a_plain_tensor_still_loads(sharded, ckpt, tmp_path, capsys):
     # the control for the refusals above: the same rewrite with a tensor is what weights_only allows
-    from trainer.export import _dcp_model_state
+    from trainer.checkpoint_weights import dcp_model_state as _dcp_model_state
 
     forge_byte_item(ckpt, WEIGHT, _dcp_model_state(sharded)[WEIGHT.removeprefix("model.")])
     assert validate(sharded, tmp_path / "legit") == 0

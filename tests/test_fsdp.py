@@ -15,7 +15,7 @@ from test_ddp import SCRIPT, result, run, single_process
 
 from strategies import FSDPStrategy
 from trainer import Trainer
-from trainer.export import _dcp_model_state
+from trainer.checkpoint_weights import dcp_model_state as _dcp_model_state
 from trainer.models.causal_lm import CausalLM
 
 pytestmark = pytest.mark.slow

@@ -223,7 +223,7 @@ def test_the_held_out_batch_is_the_first_validation_batch_or_validate_batch(tmp_
     [
         ({"every_n_minutes": 0}, "every_n_minutes=0 is invalid; allowed: a number > 0 or None"),
         ({"validate_atol": -1}, "validate_atol=-1 is invalid; allowed: a number >= 0"),
-        ({"save_top_k": 0}, "save_top_k=0 is invalid"),
+        ({"save_top_k": -2}, "save_top_k=-2 is invalid"),  # 0 is Lightning's "keep none"
     ],
 )
 def test_bad_model_checkpoint_arguments(kwargs, message):

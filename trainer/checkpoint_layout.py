@@ -3,7 +3,10 @@
 A checkpoint is a directory `step-00000120/` holding `model.safetensors`, `optimizer.pt`, `state.pt`
 (loop counters, RNG, scheduler, scaler, data position, callback state) and `meta.json`; a sharded one
 holds each rank's own shards under `dcp/` instead of the first two. A directory with that final name and
-a meta.json is complete (trainer/checkpoint_staging.py renames it into place only once written).
+a meta.json is complete (trainer/checkpoint_staging.py renames it into place only once written). A
+ModelCheckpoint `filename` template names it otherwise (`epoch=3-val_loss=0.12/`); its step is then the
+one its meta.json records. Names starting with "." (being written), `bad-` or `discarded-` (set aside)
+and links (a `last` entry) are never listed as checkpoints.
 """
 
 from __future__ import annotations
@@ -49,9 +52,32 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
+_SET_ASIDE = ("bad-", "discarded-")
+
+
 def step_of(ckpt_dir: Path) -> int:
-    """The step in a checkpoint directory's name (`step-00000120` -> 120)."""
-    return int(_STEP_DIR.match(Path(ckpt_dir).name).group(1))
+    """The step of a checkpoint directory: in its name (`step-00000120` -> 120), else in its meta.json
+    (-1 when that is unreadable: it sorts oldest, and verifying it names what is wrong)."""
+    m = _STEP_DIR.match(Path(ckpt_dir).name)
+    if m is not None:
+        return int(m.group(1))
+    try:
+        return int(json.loads((Path(ckpt_dir) / META_FILE).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return -1
+
+
+def _is_named(path: Path) -> bool:
+    """A directory named by a filename template that could be a checkpoint (not a staging directory, a
+    checkpoint set aside, a run folder or a link)."""
+    name = path.name
+    return (
+        _STEP_DIR.match(name) is None
+        and not name.startswith(".")
+        and not name.startswith(_SET_ASIDE)
+        and not path.is_symlink()
+        and (path / META_FILE).exists()
+    )
 
 
 def meta_for(state: dict[str, Any], **extra: Any) -> dict[str, Any]:
@@ -122,20 +148,24 @@ def newer_than(directory: Path, step: int) -> list[Path]:
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    return [p for p in directory.iterdir() if (m := _STEP_DIR.match(p.name)) and int(m.group(1)) > step]
+    return [
+        p
+        for p in directory.iterdir()
+        if ((m := _STEP_DIR.match(p.name)) and int(m.group(1)) > step) or (_is_named(p) and step_of(p) > step)
+    ]
 
 
 def completed(directory: Path) -> list[Path]:
-    """Checkpoint directories with a meta.json, newest first."""
+    """Checkpoint directories with a meta.json, newest (highest step) first."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
     done = [
-        (int(m.group(1)), p)
+        (step_of(p), p.name, p)
         for p in directory.iterdir()
-        if (m := _STEP_DIR.match(p.name)) and (p / META_FILE).exists()
+        if (_STEP_DIR.match(p.name) and not p.is_symlink() and (p / META_FILE).exists()) or _is_named(p)
     ]
-    return [p for _, p in sorted(done, reverse=True)]
+    return [p for _, _, p in sorted(done, reverse=True)]
 
 
 def tensor_bytes(obj: Any) -> int:

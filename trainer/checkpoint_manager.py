@@ -12,6 +12,7 @@ Every method is called on every rank (the checks are split over the ranks); rank
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -24,7 +25,9 @@ from callbacks.checkpoint import ModelCheckpoint
 from trainer import checkpoint as ckpt
 from trainer import run_folder
 from trainer.checkpoint import CheckpointError, step_dir_name
+from trainer.checkpoint_weights import read_checkpoint
 from trainer.logging import log, rank_zero_info
+from trainer.module import not_plain
 from trainer.rng import rng_state, set_rng_state
 from trainer.step_log import plain
 
@@ -41,6 +44,7 @@ class CheckpointManager:
         self._writer: dict[str, Any] | None = None  # rank zero's host and pid: who writes this run's files
         self._claimed: Path | None = None  # the folder this fit claimed (trainer/run_folder.py)
         self._locks: list[run_folder.FolderLock] = []
+        self._said_last = False  # that a `last` that is no link was left alone
 
     # ---- the run's folders -----------------------------------------------------------------------
     @property
@@ -129,8 +133,8 @@ class CheckpointManager:
     ) -> tuple[Path | None, list[str]]:
         """(the checkpoint `which` names in the run's folder, verified, or None; one line per newer or
         better one skipped and why). "last": the newest good one (of a step < `before_step`); "best": this
-        run's good one with the best score meta.json records (`mode` "min"/"max"); unscored ones are not
-        candidates."""
+        run's good one with the best score meta.json records (`mode` "min"/"max"; of equal ones the
+        older); unscored ones are not candidates."""
         if which == "last":
             return self._last_good(self.folder, before_step)
         if which != "best" or mode not in ("min", "max"):
@@ -140,7 +144,9 @@ class CheckpointManager:
         sign = 1.0 if mode == "min" else -1.0
         scored = [c for c in self.own(self.folder) if c["good"] and c["score"] is not None]
         skipped = []
-        for entry in sorted(scored, key=lambda c: (sign * c["score"], -c["step"])):
+        for entry in sorted(
+            scored, key=lambda c: (sign * c["score"], c["step"])
+        ):  # ties: the older, as Lightning
             path = Path(entry["path"])
             if before_step is not None and entry["step"] >= before_step:
                 continue
@@ -179,9 +185,12 @@ class CheckpointManager:
         *,
         pending_validation: bool = False,
         meta: dict[str, Any] | None = None,
+        weights_only: bool = False,
     ) -> Path:
         """The whole training state (model, optimizer, schedule, loop, RNG, data position, callbacks) to
-        `path` (default: the run's folder, `step-N`), atomically, through the strategy."""
+        `path` (default: the run's folder, `step-N`), atomically, through the strategy; `weights_only`:
+        without the optimizer (it cannot resume a fit). The module's hparams go in with it (those that are
+        not plain values are named, for `load_from_checkpoint` to ask for)."""
         trainer = self._trainer
         path = Path(path) if path is not None else self.path_for(trainer.global_step)
         if self.run_id is None:  # a save outside a fit (one process): a run of its own
@@ -198,12 +207,48 @@ class CheckpointManager:
             "strategy": trainer.strategy.state_dict(),
             "module": {},
             "hyper_parameters": plain(dict(trainer.module.hparams)),
-            "meta": {**owner, **({"pending_validation": True} if pending_validation else {}), **(meta or {})},
+            "hyper_parameters_not_saved": not_plain(trainer.module.hparams),
+            "meta": {
+                **owner,
+                **({"pending_validation": True} if pending_validation else {}),
+                **({"weights_only": True} if weights_only else {}),
+                **(meta or {}),
+            },
         }
         trainer.module.on_save_checkpoint(state["module"])
         trainer._dispatch.callbacks("on_save_checkpoint", state)
-        trainer.strategy.save_checkpoint(path, trainer.module, trainer.optimizer, state)
+        optimizer = None if weights_only else trainer.optimizer
+        trainer.strategy.save_checkpoint(path, trainer.module, optimizer, state)
         return path
+
+    def save_as(self, path: str | Path, weights_only: bool = False) -> Path:
+        """`Trainer.save_checkpoint(path)`: the checkpoint directory `path`; a name that looks like a file
+        (`example.ckpt`) is said, once, to be a directory, and what reads it."""
+        path = Path(path)
+        saved = self.save(path, weights_only=weights_only)
+        if path.suffix and self._trainer.is_global_zero:
+            rank_zero_info(
+                f"{path} is a checkpoint directory (model, state and manifest files, hashed), not one file: "
+                "TrainModule.load_from_checkpoint, ckpt_path= and `trainer export` read it as it is"
+            )
+        return saved
+
+    def link_last(self, link: Path, target: Path) -> None:
+        """Point the `last` link in a run's folder at `target` (rank zero, atomically). Only a link is ever
+        replaced: a file or directory of that name is left alone, and said once."""
+        if not self._trainer.is_global_zero:
+            return
+        if link.exists() and not link.is_symlink():
+            if not self._said_last:
+                self._said_last = True
+                log.warning(
+                    f"{link} exists and is no link; it is left alone (no `last` link in {link.parent})"
+                )
+            return
+        tmp = link.with_name(f".{link.name}.tmp-{os.getpid()}")
+        tmp.unlink(missing_ok=True)
+        os.symlink(target.name, tmp)
+        os.replace(tmp, link)
 
     @property
     def writing(self) -> bool:
@@ -281,6 +326,8 @@ class CheckpointManager:
             return None
         trainer = self._trainer
         strategy, allow = trainer.strategy, trainer.allow_unverified_checkpoints
+        if ckpt_path == "best":
+            ckpt_path = self._best()
         if ckpt_path != "last":  # fail early, on every rank, with what is wrong with the files
             ckpt.check_good(ckpt_path, strategy.io_part, self._agreement(Path(ckpt_path)), allow)
             load(Path(ckpt_path))
@@ -318,6 +365,46 @@ class CheckpointManager:
             log.warning("".join(f"ckpt_path='last': skipped {s}\n" for s in refused) + line)
         return found
 
+    def _best(self) -> Path:
+        """What `ckpt_path="best"` names: the run's ModelCheckpoint's best good checkpoint by its monitor
+        (without one: the newest good one, as Lightning's best_model_path is then the last saved)."""
+        saver = self.saver
+        if saver is None or self.run_id is None:
+            raise CheckpointError(
+                "ckpt_path='best' needs a fit of this Trainer with a ModelCheckpoint; allowed here: 'last' or "
+                "a checkpoint directory"
+            )
+        found, skipped = self.resolve("best" if saver.monitor else "last", mode=saver.mode)
+        if skipped and self._trainer.is_global_zero:
+            log.warning("".join(f"ckpt_path='best': skipped {line}\n" for line in skipped).rstrip())
+        if found is None:
+            raise CheckpointError(
+                f"ckpt_path='best': no good checkpoint of this run in {self.folder} records "
+                f"{saver.monitor or 'a step'}; allowed: 'last' or a checkpoint directory"
+            )
+        rank_zero_info(f"ckpt_path='best': {found}")
+        return found
+
+    def full_state_dict(self, ckpt_path: str | Path = "last") -> dict[str, torch.Tensor]:
+        """The full model weights of the checkpoint `ckpt_path` names ("last", "best" or a directory), read
+        in this process (no process group: any rank may call it, alone)."""
+        if ckpt_path == "best":  # the saver's view: the same on every rank, no collective to agree on it
+            path = Path(self.saver.best_model_path) if self.saver is not None else None
+            if path is None or not self.saver.best_model_path:
+                raise CheckpointError(
+                    "ckpt_path='best': this Trainer's ModelCheckpoint has no best checkpoint (it needs a fit "
+                    "with one); allowed: 'last' or a checkpoint directory"
+                )
+        elif ckpt_path == "last":
+            path, _ = ckpt.find_last_good(
+                self.folder, allow_unverified=self._trainer.allow_unverified_checkpoints
+            )
+            if path is None:
+                raise CheckpointError(f"ckpt_path='last': no good checkpoint in {self.folder}")
+        else:
+            path = Path(ckpt_path)
+        return read_checkpoint(path)[0]
+
     def rollback(self, before_step: int | None = None) -> Path:
         """The training state (not the data stream) back to the newest good checkpoint (of a step <
         `before_step`): model, optimizer, RNG streams, LR schedule and step counter."""
@@ -330,6 +417,7 @@ class CheckpointManager:
                 f"rollback needs a good checkpoint{'' if before_step is None else f' before step {before_step}'}; "
                 f"there is none in {self.folder}"
             )
+        _refuse_weights_only(path, "rollback")
         state = trainer.strategy.load_checkpoint(path, trainer.module, trainer.optimizer)
         loop = state["loop"]
         trainer.state.global_step = loop["global_step"]
@@ -346,6 +434,7 @@ class CheckpointManager:
     def _restore(self, path: Path) -> None:
         """Everything a resumed fit continues from: model, optimizer, loop, RNG, schedule, data, callbacks."""
         trainer = self._trainer
+        _refuse_weights_only(path, "fit")
         state = trainer.strategy.load_checkpoint(path, trainer.module, trainer.optimizer)
         trainer.state.load_state_dict(state["loop"])
         self._restore_rng(state)
@@ -377,6 +466,16 @@ class CheckpointManager:
         elif state["scheduler"]:
             trainer.lr_scheduler.load_state_dict(state["scheduler"])
         trainer.strategy.precision.load_state_dict(state["precision"])
+
+
+def _refuse_weights_only(path: Path, what: str) -> None:
+    """CheckpointError before anything loads when the checkpoint holds no optimizer state to continue from."""
+    if ckpt.read_meta(path).get("weights_only"):
+        raise CheckpointError(
+            f"checkpoint '{path}' holds the weights only (save_weights_only): {what} cannot continue from it; "
+            "allowed: validate/test/predict(ckpt_path=...) or TrainModule.load_from_checkpoint",
+            reason="weights only: no optimizer state to resume",
+        )
 
 
 def _stash(module: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -31,7 +31,8 @@ from trainer.checkpoint_layout import (
     read_meta,
 )
 
-_STAGING = re.compile(r"^\.(tmp|old)-(step-\d+)")  # .tmp-step-N-<owner>: being written; .old-: being replaced
+# .tmp-<name>-<run id>-<pid>: being written; .old-...: being replaced (a run id and a pid hold no "-")
+_STAGING = re.compile(r"^\.(tmp|old)-(step-\d+|.+(?=-[^-]+-\d+$))")
 
 
 def staging_dir(final_dir: Path, meta: dict[str, Any], kind: str = "tmp") -> Path:

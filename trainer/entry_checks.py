@@ -45,7 +45,7 @@ def check_evaluate(module: Any, loader: Iterable | None, ckpt_path: Any, stage: 
         if loader is None:
             raise ValueError(f"{stage} needs dataloaders or a datamodule; got neither")
         check_not_empty("dataloaders", loader)
-    _check_ckpt_path(ckpt_path)
+    _check_ckpt_path(ckpt_path, best=True)
 
 
 def check_module(module: Any) -> None:
@@ -75,8 +75,16 @@ def _loader_source(module: TrainModule, stage: str, datamodule: Any, given: Any,
     return module if own and has_loader(module, stage) else None
 
 
-def _check_ckpt_path(ckpt_path: Any) -> None:
-    if ckpt_path is not None and ckpt_path != "last" and not Path(ckpt_path).exists():
-        raise FileNotFoundError(
-            f"ckpt_path '{ckpt_path}' does not exist; allowed: an existing checkpoint directory, 'last' or None"
+def _check_ckpt_path(ckpt_path: Any, best: bool = False) -> None:
+    """An existing checkpoint directory, "last" or None (and for validate/test/predict "best": the best
+    checkpoint of this Trainer's fit, by its ModelCheckpoint's monitor)."""
+    names = ("last", "best") if best else ("last",)
+    if ckpt_path is not None and ckpt_path not in names and not Path(ckpt_path).exists():
+        allowed = (
+            "an existing checkpoint directory, 'last', 'best' or None"
+            if best
+            else ("an existing checkpoint directory, 'last' or None")
         )
+        if ckpt_path == "best":
+            allowed += " ('best' is for validate, test and predict)"
+        raise FileNotFoundError(f"ckpt_path '{ckpt_path}' does not exist; allowed: {allowed}")

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from trainer import checkpoint as ckpt
+from trainer.checkpoint_weights import read_checkpoint
 from trainer.models.hf_llama import to_hf_config, to_hf_state_dict
 from trainer.models.llama import Llama, LlamaConfig
 
@@ -24,14 +25,7 @@ def export_checkpoint(ckpt_dir: str | Path, out_dir: str | Path, merged: bool = 
     """Consolidate a checkpoint's model weights into `out_dir/model.safetensors` (HF layout for a Llama);
     an HFModule's LoRA adapters merged into them, or with `merged=False` PEFT's adapter files alone."""
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
-    meta = ckpt.check_good(ckpt_dir)  # verified as a resume would be: hashes, manifest, validation
-    state = ckpt.load_torch_file(ckpt_dir / ckpt.STATE_FILE)
-    ckpt.check_step(ckpt_dir, state)
-    weights = (
-        _dcp_model_state(ckpt_dir)
-        if meta.get("format") == "dcp"
-        else ckpt.load_model_file(ckpt_dir / ckpt.MODEL_FILE)
-    )
+    weights, state = read_checkpoint(ckpt_dir)  # verified as a resume would be: hashes, manifest, validation
     module_state = state.get("module", {})
     if "hf" in module_state:  # an HFModule's run: the Hugging Face layout, tokenizer included
         return _write_hf_module(weights, module_state["hf"], out_dir, merged)
@@ -76,30 +70,3 @@ def _write_hf_module(weights: dict[str, torch.Tensor], hf: dict, out_dir: Path, 
         return out_dir / "adapter_model.safetensors"
     index = out_dir / "model.safetensors.index.json"
     return index if index.exists() else out_dir / "model.safetensors"
-
-
-def _dcp_model_state(ckpt_dir: Path) -> dict[str, torch.Tensor]:
-    """The full model tensors of a DCP checkpoint, in one process, whatever world size wrote it."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from trainer.safe_dcp import SafeLoadPlanner, SafeReader
-
-    reader = SafeReader(ckpt_dir)
-    entries = reader.read_metadata().state_dict_metadata
-    odd = [
-        k for k, m in entries.items() if k.startswith("model.") and not isinstance(m, TensorStorageMetadata)
-    ]
-    if odd:  # skipping it would export an incomplete model without a word
-        raise ckpt.CheckpointError(
-            f"checkpoint '{ckpt_dir}': model entry {odd[0]!r} is not stored as a tensor; a model is exported "
-            "only whole, from tensors"
-        )
-    template = {
-        key: torch.empty(tuple(m.size), dtype=m.properties.dtype)
-        for key, m in entries.items()
-        if key.startswith("model.") and isinstance(m, TensorStorageMetadata)
-    }
-    nested = {"model": {k[len("model.") :]: v for k, v in template.items()}}
-    dcp.load(nested, storage_reader=reader, planner=SafeLoadPlanner(ckpt_dir), no_dist=True)
-    return nested["model"]

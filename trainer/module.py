@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -235,6 +236,43 @@ class TrainModule(nn.Module):
         frame = inspect.currentframe().f_back
         self._hparams.update(init_arguments(frame, type(self).__name__, names, ignore))
 
+    @classmethod
+    def load_from_checkpoint(
+        cls,
+        checkpoint_path: str | Path,
+        map_location: str | torch.device | None = None,
+        strict: bool = True,
+        **overrides: Any,
+    ) -> TrainModule:
+        """A new `cls` built from the hparams its checkpoint saved (`save_hyperparameters`; `overrides`
+        replace them), with the checkpoint's full weights, in this process: whole files and sharded
+        checkpoints of any world size alike, verified and read without unpickling (trainer/checkpoint_weights.py).
+        `map_location`: the device it ends on (default: the CPU); `strict`: every key must match."""
+        from trainer.checkpoint_weights import read_checkpoint
+
+        if map_location is not None and not isinstance(map_location, (str, torch.device)):
+            raise ValueError(
+                f"map_location={map_location!r} is invalid; allowed: None, a device name or a torch.device"
+            )
+        weights, state = read_checkpoint(checkpoint_path)
+        missing = [k for k in state.get("hyper_parameters_not_saved", []) if k not in overrides]
+        if missing:
+            raise ValueError(
+                f"{cls.__name__}.load_from_checkpoint: hparam(s) {', '.join(missing)} were not plain values and "
+                f"are not in the checkpoint; pass them: load_from_checkpoint(path, {missing[0]}=...)"
+            )
+        module = cls(**_init_arguments(cls, {**state.get("hyper_parameters", {}), **overrides}))
+        if type(module).configure_model is not TrainModule.configure_model:
+            module.configure_model()  # layers built late, as a fit builds them (here on the CPU)
+        module.on_load_checkpoint(state.get("module", {}))
+        result = module.load_state_dict(weights, strict=False)
+        if strict and (result.missing_keys or result.unexpected_keys):
+            raise ValueError(
+                f"checkpoint '{checkpoint_path}' does not fit {cls.__name__}: missing {result.missing_keys[:3]}, "
+                f"unexpected {result.unexpected_keys[:3]}; allowed: strict=False to load what fits"
+            )
+        return module.to(map_location) if map_location is not None else module
+
     @property
     def hparams(self) -> HyperParameters:
         """What `save_hyperparameters` kept: a dict that also reads as attributes (`self.hparams.lr`)."""
@@ -353,6 +391,28 @@ def warn_unsynced_once(trainer: Trainer, name: str) -> None:
         "processes: each rank keeps its own value and rank 0's is the one logged, shown and monitored; "
         f"pass sync_dist=True to reduce it over the data-parallel ranks (said once per name)"
     )
+
+
+def _init_arguments(cls: type, hparams: dict[str, Any]) -> dict[str, Any]:
+    """The hparams `cls.__init__` takes (all of them when it takes **kwargs), as Lightning passes them."""
+    params = inspect.signature(cls.__init__).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return dict(hparams)
+    return {k: v for k, v in hparams.items() if k in {p.name for p in params}}
+
+
+def not_plain(hparams: dict[str, Any]) -> list[str]:
+    """The hparams whose values a checkpoint cannot hold as they are (only None, bools, numbers, strings,
+    and lists/tuples/dicts of them are kept; others are written as their repr)."""
+    return sorted(name for name, value in hparams.items() if not _plain(value))
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return all(_plain(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str))
 
 
 class HyperParameters(dict):

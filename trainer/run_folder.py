@@ -29,7 +29,8 @@ from typing import Any
 
 LOCK_FILE = ".lock"
 _VERSION = re.compile(r"^version_(\d+)$")
-_CHECKPOINT = re.compile(r"^(bad-|discarded-)?step-\d+")  # what a run leaves: kept, failed, discarded
+# what a run leaves: kept, failed, discarded (a checkpoint a filename template names: any with a meta.json)
+_CHECKPOINT = re.compile(r"^(bad-|discarded-)?step-\d+")
 
 
 class FolderInUse(RuntimeError):
@@ -71,7 +72,12 @@ def newest(base: Path) -> Path:
 def holds_checkpoints(folder: Path) -> bool:
     """Whether `folder` has any checkpoint directory of a run (kept, failed or discarded)."""
     folder = Path(folder)
-    return folder.is_dir() and any(_CHECKPOINT.match(p.name) and p.is_dir() for p in folder.iterdir())
+    from trainer import checkpoint as ckpt
+
+    return folder.is_dir() and (
+        any(_CHECKPOINT.match(p.name) and p.is_dir() for p in folder.iterdir())
+        or bool(ckpt.completed(folder))
+    )
 
 
 def choose(base: Path, resume_last: bool, run_id: str | None = None) -> tuple[Path, str | None]:

@@ -325,15 +325,28 @@ class Trainer:
     def save_checkpoint(
         self,
         path: str | Path | None = None,
+        weights_only: bool = False,
         *,
         pending_validation: bool = False,
         meta: dict[str, Any] | None = None,
     ) -> Path:
         """Write the whole training state (model, optimizer, schedule, loop, RNG, data position,
-        callbacks) to `path` (default: this run's folder, `step-N`), atomically; a checkpoint of another run
-        is never replaced. Call on every rank. `pending_validation`: "last" will not pick it until
-        `checkpoint.mark_validated` was called; `meta`: more fields for its meta.json."""
-        return self.checkpoint_manager.save(path, pending_validation=pending_validation, meta=meta)
+        callbacks) to the checkpoint directory `path` (default: this run's folder, `step-N`; a file-like name
+        such as `example.ckpt` is that directory, said in one line), atomically; a checkpoint of another run
+        is never replaced. Call on every rank. `weights_only`: without the optimizer (Lightning's);
+        `pending_validation`: "last" will not pick it until `checkpoint.mark_validated` was called; `meta`:
+        more fields for its meta.json."""
+        if path is not None and not (pending_validation or meta):
+            return self.checkpoint_manager.save_as(path, weights_only=weights_only)
+        return self.checkpoint_manager.save(
+            path, pending_validation=pending_validation, meta=meta, weights_only=weights_only
+        )
+
+    def full_state_dict(self, ckpt_path: str | Path = "last") -> dict[str, torch.Tensor]:
+        """The full, unsharded model weights (CPU tensors, keyed as the module's `state_dict`) of the
+        checkpoint `ckpt_path` names: "last" or "best" of this Trainer's run, or a directory. Any strategy,
+        any world size, read in this process without collectives; after fit "last" is the final weights."""
+        return self.checkpoint_manager.full_state_dict(ckpt_path)
 
     # ---- steering: what callbacks may call during a fit ------------------------------------------
     def step_grad_norm(self) -> torch.Tensor:
