@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from callbacks.checkpoint import ModelCheckpoint
+
 if TYPE_CHECKING:
-    from callbacks.checkpoint import ModelCheckpoint
     from trainer.loggers import Logger
     from trainer.optim_config import SchedulerConfig
 
