@@ -20,7 +20,8 @@ from trainer.models.llama import LlamaConfig
 
 TESTS = Path(__file__).parent
 SEED = int(os.environ.get("TRAINER_TEST_SEED", "0"))  # every test's seed: a failure's report prints it
-DIST_SCRIPT = TESTS / "dist_script.py"
+SCRIPTS = TESTS / "scripts"  # the rank scripts the tests launch (and import from)
+DIST_SCRIPT = SCRIPTS / "dist_script.py"
 
 # torchrun's, our spawner's and SLURM's variables: a child started by a test must not inherit a world
 LAUNCHER_KEYS = (
@@ -39,6 +40,17 @@ LAUNCHER_KEYS = (
     "SLURM_NTASKS",
     "SLURM_JOB_ID",
 )
+
+REPO = TESTS.parent
+TINY = REPO / "recipes" / "llama_tiny.yaml"  # the tiny recipe the CLI tests run, with SMALL's overrides
+SMALL = [
+    "model.dim=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "data.seq_len=64",
+    "data.batch_size=4",
+]
 
 LLAMA = LlamaConfig(
     vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16, rope_theta=10000.0
@@ -124,6 +136,28 @@ class TokenMeanLM(TrainModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class TinyLM(TrainModule):
+    """A byte-level embedding-and-head LM with dropout (the run depends on the RNG), on dict batches; AdamW."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(257, 16)
+        self.drop = torch.nn.Dropout(0.1)
+        self.head = torch.nn.Linear(16, 257)
+
+    def training_step(self, batch, batch_idx):
+        logits = self.head(self.drop(self.emb(batch["input_ids"])))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def tiny_lm_loader() -> TokenLoader:
+    """TinyLM's data: 124 shuffled blocks of 257-way tokens, 8 per batch."""
+    return token_loader(8, vocab_size=257, n_tokens=2000, seed=3)
 
 
 def uneven_token_data(n: int = 64, length: int = 12, by_parity: bool = False) -> TensorDataset:
