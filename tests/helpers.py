@@ -1,11 +1,13 @@
 """What the tests share: tiny modules and data, a fit-and-return helper, parameter comparison,
-checkpoint listing, and the environment a launched child starts from."""
+checkpoint listing, and the one way a test launches processes (`run_ranks`, `start_ranks`, `run_cli`)."""
 
 from __future__ import annotations
 
 import importlib
 import json
 import os
+import subprocess
+import sys
 import time
 import types
 from pathlib import Path
@@ -254,9 +256,60 @@ def fake_time(monkeypatch, module: str, clock: FakeClock, *clocks: str) -> None:
 
 
 def launch_env(**extra: str) -> dict[str, str]:
-    """This process's environment without any launcher's variables, one thread per process, plus `extra`."""
+    """This process's environment without any launcher's variables, one torch thread per process, offline
+    (Weights & Biases and the Hugging Face hub), plus `extra`."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_KEYS}
-    return {**env, "OMP_NUM_THREADS": "1", **extra}
+    return {**env, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", **extra}
+
+
+def rank_command(
+    n: int, script: Path, *args: str, torchrun: bool = False, max_restarts: int = 0
+) -> list[str]:
+    """The command that runs `script ARGS` on n ranks as a user starts it. Self-spawning (default): the script
+    is given `--devices n` and its rank 0 starts the others, binding its store on a port the system picks.
+    `torchrun`: an elastic `torchrun --standalone` job of n processes (its agent binds a port the same way)."""
+    if not torchrun:
+        return [sys.executable, str(script), "--devices", str(n), *args]
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+        f"--max-restarts={max_restarts}", str(script), *args,
+    ]  # fmt: skip
+
+
+def start_ranks(
+    n: int, script: Path, *args: str, torchrun: bool = False, max_restarts: int = 0, env: dict | None = None
+) -> subprocess.Popen:
+    """`rank_command(...)` started in the background (stdout and stderr piped, as text), for a test that acts
+    on the job while it runs (a signal); `run_ranks` waits for it instead."""
+    cmd = rank_command(n, script, *args, torchrun=torchrun, max_restarts=max_restarts)
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=launch_env(**(env or {}))
+    )
+
+
+def run_ranks(
+    n: int,
+    script: Path,
+    *args: str,
+    torchrun: bool = False,
+    max_restarts: int = 0,
+    env: dict | None = None,
+    timeout: float = 240,
+    check: bool = True,
+) -> subprocess.CompletedProcess:
+    """Run `script ARGS` on n gloo ranks (see `rank_command`) to its end, within `timeout` seconds; with
+    `check`, a job that fails fails the test with the ranks' stderr (a failing rank's traceback is there)."""
+    proc = start_ranks(n, script, *args, torchrun=torchrun, max_restarts=max_restarts, env=env)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # the self-spawned ranks and torchrun's workers end with their parent
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"{script.name} on {n} ranks ran past {timeout}s:\n{stderr[-4000:]}") from None
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    if check:
+        assert done.returncode == 0, f"{script.name} on {n} ranks exited {done.returncode}:\n{stderr[-4000:]}"
+    return done
 
 
 def launch_layouts(
@@ -264,16 +317,11 @@ def launch_layouts(
 ) -> dict:
     """Run `script`'s layouts (Parallel3DStrategy kwargs with a "tag") one after another in one torchrun
     world of `nproc` processes; returns what its rank 0 wrote to --out (runs' logs are under tmp/runs)."""
-    import subprocess
-    import sys
-
     out = tmp / f"out-{nproc}.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script),
-         "--layouts", json.dumps(layouts), "--out", str(out), "--root", str(tmp / "runs"), "--steps", str(steps)],
-        capture_output=True, text=True, timeout=timeout, env=launch_env(),
+    run_ranks(
+        nproc, script, "--layouts", json.dumps(layouts), "--out", str(out), "--root", str(tmp / "runs"),
+        "--steps", str(steps), torchrun=True, timeout=timeout,
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(out.read_text())
 
 
@@ -286,17 +334,14 @@ def reference_run(make_run, root: Path, steps: int, batch: int) -> tuple[dict, d
     return read_metrics(root), read_metrics(root, "train/grad_norm"), read_metrics(root, "val/loss"), weights
 
 
-def run_cli(*args: str, cwd: Path, **env: str):
+def run_cli(*args: str, cwd: Path, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
     """`trainer ARGS` as a user runs it, in its own process, offline (TRAINER_CACHE: the test's tmp_path
-    unless `env` names one)."""
-    import subprocess
-    import sys
-
+    unless `env` names one); the caller checks its exit code and output."""
     return subprocess.run(
         [sys.executable, "-m", "trainer.cli", *args],
         capture_output=True,
         text=True,
         cwd=cwd,
-        env=launch_env(WANDB_MODE="offline", HF_HUB_OFFLINE="1", **env),
-        timeout=300,
+        env=launch_env(**env),
+        timeout=timeout,
     )

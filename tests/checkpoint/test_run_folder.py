@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from helpers import TESTS, Regression, launch_env, quiet, regression_loader
+from helpers import TESTS, Regression, launch_env, quiet, regression_loader, run_ranks
 
 from callbacks import Callback, ModelCheckpoint
 from trainer import Trainer, integrity
@@ -88,11 +88,14 @@ def test_a_second_live_fit_into_the_same_folder_is_refused_in_one_line_naming_th
 
 
 DDP_FIT = """
-import sys
+import argparse, sys
 sys.path.insert(0, {tests!r})
 from helpers import Regression, quiet, regression_loader
 from trainer import Trainer
-Trainer(strategy="ddp", devices=2, accelerator="cpu", max_steps=4, default_root_dir={root!r}, **quiet()).fit(
+parser = argparse.ArgumentParser()
+parser.add_argument("--devices", type=int, required=True)
+devices = parser.parse_args().devices
+Trainer(strategy="ddp", devices=devices, accelerator="cpu", max_steps=4, default_root_dir={root!r}, **quiet()).fit(
     Regression(), regression_loader()
 )
 """
@@ -126,9 +129,7 @@ def test_a_ddp_fit_into_a_folder_a_live_fit_holds_is_refused_and_the_first_keeps
         hold.reached.wait()
         script = tmp_path / "ddp_fit.py"
         script.write_text(DDP_FIT.format(tests=str(TESTS), root=str(tmp_path)))
-        done = subprocess.run(
-            [sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=launch_env()
-        )
+        done = run_ranks(2, script, timeout=300, check=False)
     finally:
         hold.release.set()
         thread.join()

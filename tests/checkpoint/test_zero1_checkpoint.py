@@ -7,25 +7,19 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import SCRIPTS, launch_env, read_metrics
+from helpers import SCRIPTS, read_metrics, run_ranks
 
 pytestmark = pytest.mark.slow
 SCRIPT = SCRIPTS / "zero1_checkpoint_script.py"
 
 
 def torchrun(nproc: int, root: Path, *args: str) -> tuple[dict, str]:
+    """The script in a torchrun world of `nproc` processes; rank 0's --out and the job's stderr."""
     out = root / "out.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(SCRIPT),
-         "--root", str(root), "--out", str(out), *args],
-        capture_output=True, text=True, timeout=300, env=launch_env(),
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-4000:]
+    done = run_ranks(nproc, SCRIPT, "--root", str(root), "--out", str(out), *args, torchrun=True, timeout=300)
     return json.loads(out.read_text()), done.stderr
 
 

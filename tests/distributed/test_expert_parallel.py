@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import functools
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import SCRIPTS, launch_env, launch_layouts, read_metrics, reference_run
+from helpers import REPO, SCRIPTS, launch_layouts, read_metrics, reference_run, run_cli
 from moe_script import GLOBAL_BATCH, MODEL, make_run, tiny_moe
 from safetensors.torch import load_file
 
@@ -268,11 +266,10 @@ def test_bad_expert_parallel_degrees_fail_in_one_line():
 @pytest.mark.slow
 def test_the_moe_recipe_trains_with_expert_parallelism_and_logs_its_router(tmp_path):
     root = tmp_path / "run"
-    recipe = Path(__file__).resolve().parents[2] / "recipes" / "moe_tiny.yaml"
-    done = subprocess.run(
-        [sys.executable, "-m", "trainer.cli", "fit", str(recipe), "trainer.max_steps=40", "trainer.warmup_steps=4",
-         "trainer.val_check_interval=20", "trainer.log_every_n_steps=5", f"trainer.default_root_dir={root}"],
-        env=launch_env(), capture_output=True, text=True, cwd=tmp_path, timeout=300,
+    done = run_cli(
+        "fit", str(REPO / "recipes" / "moe_tiny.yaml"), "trainer.max_steps=40", "trainer.warmup_steps=4",
+        "trainer.val_check_interval=20", "trainer.log_every_n_steps=5", f"trainer.default_root_dir={root}",
+        cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (root / "logs" / "metrics.jsonl").read_text().splitlines()]

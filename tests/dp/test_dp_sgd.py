@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
-import sys
 
 import pytest
 import torch
 from dp_sgd_script import Classifier, Grads, Silent, data, fit, runs, weights
-from helpers import SCRIPTS, TESTS, launch_env, quiet, read_metrics
+from helpers import REPO, SCRIPTS, quiet, read_metrics, run_cli, run_ranks
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -62,14 +60,7 @@ def test_noise_std_is_noise_multiplier_times_clip_norm_over_the_expected_batch(t
 
 @pytest.mark.slow
 def test_two_processes_train_as_one_and_carry_the_same_noise(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPTS / "dp_sgd_script.py"), str(tmp_path / "two"), "2"],
-        env=launch_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_ranks(2, SCRIPTS / "dp_sgd_script.py", str(tmp_path / "two"), timeout=300)
     two = json.loads((tmp_path / "two" / "result.json").read_text())
     one = runs(tmp_path / "one", 1)
     assert two["train"]["weights"] == pytest.approx(one["train"]["weights"], abs=1e-5)
@@ -190,13 +181,11 @@ def test_target_epsilon_alone_calibrates_the_noise_to_spend_it_over_the_run(tmp_
 @pytest.mark.slow
 def test_the_dpsgd_recipe_trains_and_stops_at_its_budget(tmp_path):
     root = tmp_path / "run"
-    done = subprocess.run(
-        [sys.executable, "-m", "trainer.cli", "fit", str(TESTS.parent / "recipes" / "dpsgd_tiny.yaml"),
-         "trainer.max_steps=60", "trainer.val_check_interval=30", "trainer.limit_val_batches=2",
-         "data.batch_size=16", "strategy.target_epsilon=1.245", "strategy.noise_seed=0", "trainer.log_every_n_steps=1",
-         f"trainer.default_root_dir={root}"],
-        env=launch_env(WANDB_MODE="offline", HF_HUB_OFFLINE="1"), capture_output=True, text=True, cwd=tmp_path,
-        timeout=600,
+    done = run_cli(
+        "fit", str(REPO / "recipes" / "dpsgd_tiny.yaml"),
+        "trainer.max_steps=60", "trainer.val_check_interval=30", "trainer.limit_val_batches=2",
+        "data.batch_size=16", "strategy.target_epsilon=1.245", "strategy.noise_seed=0", "trainer.log_every_n_steps=1",
+        f"trainer.default_root_dir={root}", cwd=tmp_path, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (root / "logs" / "metrics.jsonl").read_text().splitlines()]

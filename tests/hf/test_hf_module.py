@@ -5,14 +5,13 @@ for classification; one-line errors for bad input."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import SCRIPTS, launch_env, read_metrics
+from helpers import SCRIPTS, read_metrics, run_ranks
 from hf_script import GLOBAL_BATCH, LR, VOCAB, lm_loader, trainer_kwargs
 from torch.utils.data import DataLoader
 from transformers import (
@@ -192,10 +191,8 @@ def two_process_runs(llama_dir, tmp_path_factory):
     from transformers' tp_plan); each trains 8 steps on a global batch of 16 and exports with save_pretrained."""
     tmp = tmp_path_factory.mktemp("hf-dist")
     for strategy, extra in (("ddp", []), ("fsdp", ["--ac", "full"]), ("tp", [])):
-        cmd = [sys.executable, str(SCRIPT), "--model-dir", str(llama_dir), "--strategy", strategy]
-        cmd += ["--root", str(tmp / strategy), "--export", str(tmp / f"{strategy}-export"), *extra]
-        done = subprocess.run(cmd, capture_output=True, text=True, env=launch_env(), timeout=240)
-        assert done.returncode == 0, f"{strategy}: {done.stderr[-3000:]}"
+        args = ["--model-dir", str(llama_dir), "--strategy", strategy, "--root", str(tmp / strategy)]
+        run_ranks(2, SCRIPT, *args, "--export", str(tmp / f"{strategy}-export"), *extra, timeout=240)
     torch.manual_seed(0)
     single = HFModule(llama_dir, lr=LR)
     fit(single, lm_loader(GLOBAL_BATCH), tmp / "single", steps=8)

@@ -6,25 +6,24 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import launch_env
+from helpers import REPO, run_cli
 
 from trainer.config import ConfigError, load_recipe
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 def fit(recipe: str, root: Path, *overrides: str) -> subprocess.CompletedProcess:
-    done = subprocess.run(
-        [sys.executable, "-m", "trainer.cli", "fit", str(REPO / "recipes" / recipe),
-         f"trainer.default_root_dir={root}", *overrides],
-        env=launch_env(WANDB_MODE="offline", HF_HUB_OFFLINE="1"), capture_output=True, text=True, cwd=REPO,
+    done = run_cli(
+        "fit",
+        str(REPO / "recipes" / recipe),
+        f"trainer.default_root_dir={root}",
+        *overrides,
+        cwd=REPO,
         timeout=600,
-    )  # fmt: skip
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 
@@ -46,10 +45,8 @@ def test_sft_recipe_creates_its_model_learns_the_answers_and_exports_for_transfo
     assert "from_pretrained" in done.stdout
     exported = AutoModelForCausalLM.from_pretrained(root / "export")
     again = tmp_path / "again"
-    subprocess.run(
-        [sys.executable, "-m", "trainer.cli", "export", str(root / "checkpoints" / "step-00000060"), str(again)],
-        env=launch_env(HF_HUB_OFFLINE="1"), check=True, capture_output=True, cwd=REPO, timeout=300,
-    )  # fmt: skip
+    exported_again = run_cli("export", str(root / "checkpoints" / "step-00000060"), str(again), cwd=REPO)
+    assert exported_again.returncode == 0, exported_again.stderr[-3000:]
     reloaded = AutoModelForCausalLM.from_pretrained(again)
     ids = torch.arange(1, 40).unsqueeze(0)
     assert torch.equal(exported(ids).logits, reloaded(ids).logits)

@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
-import sys
 
 import pytest
 import torch
-from helpers import SCRIPTS, launch_env, quiet, regression_data
+from helpers import SCRIPTS, quiet, regression_data, run_ranks
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -200,14 +198,7 @@ def test_a_lightning_hook_this_trainer_does_not_call_is_named_once(tmp_path, cap
 @pytest.mark.slow
 def test_under_ddp_a_none_on_one_rank_skips_the_step_on_both_and_sync_dist_averages(tmp_path):
     script = SCRIPTS / "lightning_script.py"
-    done = subprocess.run(
-        [sys.executable, str(script), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=launch_env(),
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_ranks(2, script, str(tmp_path), timeout=240)
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["skipped_steps"] == 1 and result["global_step"] == 3
     assert result["weights_equal_across_ranks"]

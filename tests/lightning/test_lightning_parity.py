@@ -7,12 +7,10 @@ hook order before comparing: `on_before_zero_grad` fires after the optimizer ste
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import SCRIPTS, launch_env
+from helpers import SCRIPTS, run_ranks
 
 SCRIPT = SCRIPTS / "lightning_parity.py"
 FORMS = ["plain", "list", "lists", "dict", "step_interval", "plateau"]
@@ -23,15 +21,7 @@ def run_both(tmp_path: Path, devices: int, forms: list[str]) -> dict[str, dict[s
     results = {}
     for framework in ("lightning", "trainer"):
         out = tmp_path / framework
-        proc = subprocess.run(
-            [sys.executable, str(SCRIPT), framework, str(out), str(devices), ",".join(forms)],
-            env=launch_env(),
-            cwd=SCRIPTS,
-            capture_output=True,
-            text=True,
-            timeout=240,
-        )
-        assert proc.returncode == 0, f"{framework}:\n{proc.stderr[-4000:]}"
+        run_ranks(devices, SCRIPT, framework, str(out), ",".join(forms), timeout=240)
         results[framework] = {
             form: [json.loads((out / form / f"rank{r}.json").read_text()) for r in range(devices)]
             for form in forms

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import SCRIPTS, launch_env, regression_loader
+from helpers import SCRIPTS, regression_loader, run_ranks
 from user_steps import FIT, GLOBAL_BATCH, MODULES, STEPS
 
 from trainer import Trainer
@@ -60,11 +58,8 @@ def test_steps_calling_self_forward_or_a_submodule_train_in_one_process(referenc
 )
 def test_user_steps_under_every_wrapper_match_one_process(tmp_path, references, strategy, ac):
     out = tmp_path / "out.json"
-    cmd = [sys.executable, str(SCRIPT), "--strategy", strategy, "--root", str(tmp_path), "--out", str(out)]
-    done = subprocess.run(
-        [*cmd, *(["--ac", ac] if ac else [])], capture_output=True, text=True, env=launch_env(), timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    args = ["--strategy", strategy, "--root", str(tmp_path), "--out", str(out), *(["--ac", ac] if ac else [])]
+    run_ranks(2, SCRIPT, *args, timeout=300)
     got = json.loads(out.read_text())
     for call, ref in references.items():
         run = got[call]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import LLAMA, SCRIPTS, fit, launch_env, read_metrics, token_loader
+from helpers import LLAMA, SCRIPTS, fit, launch_env, read_metrics, run_ranks, token_loader
 
 from trainer.config import ConfigError, build_run, load_recipe
 from trainer.models import causal_lm
@@ -242,11 +242,7 @@ def test_peak_memory_is_below_half_the_plain_loss():
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
 def test_on_two_processes_it_gives_the_one_process_plain_losses(tmp_path, strategy):
     root = tmp_path / strategy
-    done = subprocess.run(
-        [sys.executable, str(SCRIPTS / "chunked_loss_script.py"), "--strategy", strategy, "--root", str(root)],
-        capture_output=True, text=True, timeout=300, env=launch_env(),
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_ranks(2, SCRIPTS / "chunked_loss_script.py", "--strategy", strategy, "--root", str(root), timeout=300)
     for rank in (0, 1):
         calls = json.loads((root / f"rank{rank}.json").read_text())["fused_calls"]
         assert calls >= 6, f"rank {rank}: the fused loss ran {calls} times in 6 steps"

@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import logging
 import re
-import subprocess
-import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import TESTS, Regression, launch_env, quiet, read_metrics, regression_loader
+from helpers import TESTS, Regression, quiet, read_metrics, regression_loader, run_ranks
 
 from callbacks import Callback
 from callbacks.gpu_health import GPUHealthMonitor, HealthPolicy, NvmlReader, slowdown_reasons
@@ -492,21 +491,24 @@ def test_the_fake_has_pynvml_names_and_values():
 
 
 DDP_SCRIPT = """
-import os, sys
-sys.path.insert(0, {tests!r})
+import argparse, os, sys
+sys.path[:0] = [{tests!r}, {here!r}]  # helpers, and this test file's fakes
 from helpers import Regression, regression_loader
 from test_gpu_health import AtStep, FakeNVML, h100
 from callbacks.gpu_health import GPUHealthMonitor
 from strategies import DDPStrategy
 from trainer import Trainer
 
+parser = argparse.ArgumentParser()
+parser.add_argument("--devices", type=int, required=True)
+args = parser.parse_args()
 fake = FakeNVML(h100())
 callbacks = [GPUHealthMonitor(nvml=fake, interval_s=0.01, check_every_n_steps=5)]
 if os.environ.get("RANK") == "1":
     callbacks.insert(0, AtStep(7, lambda: fake.change(remapped_rows=(0, 1, 1, 0))))
 trainer = Trainer(
     strategy=DDPStrategy(timeout_s=30),  # a rank left out of a collective fails the job, not hangs it
-    devices=2,
+    devices=args.devices,
     accelerator="cpu",
     max_steps=30,
     default_root_dir={root!r},
@@ -522,15 +524,9 @@ print(f"rank {{trainer.strategy.global_rank}} stopped at step {{trainer.global_s
 @pytest.mark.slow
 def test_a_failing_gpu_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     script = tmp_path / "two_ranks.py"
-    script.write_text(textwrap.dedent(DDP_SCRIPT).format(tests=str(TESTS), root=str(tmp_path)))
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=90,
-        env=launch_env(),
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    here = str(Path(__file__).parent)
+    script.write_text(textwrap.dedent(DDP_SCRIPT).format(tests=str(TESTS), here=here, root=str(tmp_path)))
+    done = run_ranks(2, script, timeout=90)
     # two processes share the pipe: with PYTHONUNBUFFERED a line's text and its newline can interleave
     stopped = sorted(re.findall(r"rank \d stopped at step \d+", done.stdout))
     assert stopped == ["rank 0 stopped at step 10", "rank 1 stopped at step 10"], done.stdout

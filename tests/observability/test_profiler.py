@@ -4,8 +4,6 @@ back as JSON, and a 2-rank gloo run whose traces show the all-reduce."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,10 +14,10 @@ from helpers import (
     SCRIPTS,
     SEQ_LEN,
     Regression,
-    launch_env,
     quiet,
     read_metrics,
     regression_loader,
+    run_ranks,
     token_loader,
 )
 from torch.autograd import DeviceType
@@ -303,14 +301,7 @@ def test_bad_throughput_arguments_are_named(kwargs: dict) -> None:
 @pytest.mark.slow
 def test_two_ddp_ranks_each_write_a_trace_with_the_gloo_all_reduce(tmp_path: Path) -> None:
     root = tmp_path / "run"
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--devices", "2", "--steps", "6", "--root", str(root)],
-        capture_output=True,
-        text=True,
-        env=launch_env(),
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_ranks(2, SCRIPT, "--steps", "6", "--root", str(root), timeout=300)
     for rank in (0, 1):
         trace = root / "profiler" / f"rank-{rank}" / "step-4.pt.trace.json"  # wait 1, warmup 1, active 2
         events = json.loads(trace.read_text())["traceEvents"]

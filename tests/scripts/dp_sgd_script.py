@@ -1,10 +1,10 @@
 """DP-SGD runs shared by tests/dp/test_dp_sgd.py, on 1 process in the test or on N self-spawned CPU
-processes (`python dp_sgd_script.py OUT DEVICES`). Rank 0 writes OUT/<run>.json for each run."""
+processes (`python dp_sgd_script.py OUT --devices N`). Rank 0 writes OUT/<run>.json for each run."""
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -114,7 +114,11 @@ def runs(root: Path, devices: int) -> dict[str, dict]:
 
 
 def main() -> None:
-    out, devices = Path(sys.argv[1]), int(sys.argv[2])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out", type=Path)
+    p.add_argument("--devices", type=int, required=True)
+    a = p.parse_args()
+    out, devices = a.out, a.devices
     torch.set_num_threads(1)
     result = runs(out, devices)
     if torch.distributed.get_rank() == 0:

@@ -1,7 +1,7 @@
 """Lightning's documented examples, written as a Lightning user writes them, run on PyTorch Lightning or
 on this project with the import as the only difference:
 
-    python lightning_parity.py {lightning|trainer} OUT DEVICES FORM[,FORM...]
+    python lightning_parity.py {lightning|trainer} OUT FORM[,FORM...] --devices N
 
 A classifier with `save_hyperparameters`, `self.log(on_step, on_epoch, sync_dist, batch_size,
 reduce_fx)`, `log_dict`, epoch-end hooks, a datamodule with `prepare_data`, `configure_optimizers` in the
@@ -12,8 +12,8 @@ results of validate/test/predict and the final weights."""
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -21,7 +21,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-FRAMEWORK, OUT, DEVICES, FORMS = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4].split(",")
+_parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+_parser.add_argument("framework", choices=["lightning", "trainer"])
+_parser.add_argument("out", type=Path)
+_parser.add_argument("forms")  # FORM[,FORM...]
+_parser.add_argument("--devices", type=int, required=True)
+_args = _parser.parse_args()
+FRAMEWORK, OUT, DEVICES, FORMS = _args.framework, _args.out, _args.devices, _args.forms.split(",")
 if FRAMEWORK == "lightning":
     from pytorch_lightning import Callback, LightningDataModule, LightningModule, Trainer, seed_everything
 else:

@@ -1,11 +1,11 @@
-"""A Lightning-style module under DDP on 2 self-spawned CPU processes (`python lightning_script.py OUT`):
+"""A Lightning-style module under DDP on self-spawned CPU processes (`python lightning_script.py OUT --devices 2`):
 rank 1's training_step returns None at batch 1, and every step logs its rank with and without
 sync_dist. Rank 0 writes OUT/result.json; the metrics are in OUT/logs."""
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -37,18 +37,22 @@ class LitModel(TrainModule):
 
 
 def main() -> None:
-    out = Path(sys.argv[1])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out", type=Path)
+    p.add_argument("--devices", type=int, required=True)
+    a = p.parse_args()
+    out = a.out
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(96, 8, generator=g), torch.randn(96, 1, generator=g))
     trainer = Trainer(
-        strategy="ddp", devices=2, max_steps=3, seed=0, default_root_dir=out,
+        strategy="ddp", devices=a.devices, max_steps=3, seed=0, default_root_dir=out,
         enable_progress_bar=False, log_every_n_steps=1,
     )  # fmt: skip
     module = LitModel()
     trainer.fit(module, DataLoader(data, batch_size=16))
     weights = torch.cat([p.detach().flatten() for p in module.parameters()])
-    gathered = [torch.zeros_like(weights) for _ in range(2)]
+    gathered = [torch.zeros_like(weights) for _ in range(a.devices)]
     dist.all_gather(gathered, weights)
     if trainer.is_global_zero:
         result = {
