@@ -23,7 +23,11 @@ from trainer.models.llama import LlamaConfig
 TESTS = Path(__file__).parent
 SEED = int(os.environ.get("TRAINER_TEST_SEED", "0"))  # every test's seed: a failure's report prints it
 SCRIPTS = TESTS / "scripts"  # the rank scripts the tests launch (and import from)
-DIST_SCRIPT = SCRIPTS / "dist_script.py"
+# the distributed training scripts, by what they probe (their shared flags and fit: scripts/dist_common.py)
+DDP_SCRIPT = SCRIPTS / "ddp_script.py"
+FSDP_SCRIPT = SCRIPTS / "fsdp_script.py"
+FAILURE_SCRIPT = SCRIPTS / "failure_script.py"
+TIMING_SCRIPT = SCRIPTS / "timing_script.py"
 
 # torchrun's, our spawner's and SLURM's variables: a child started by a test must not inherit a world
 LAUNCHER_KEYS = (
@@ -310,6 +314,21 @@ def run_ranks(
     if check:
         assert done.returncode == 0, f"{script.name} on {n} ranks exited {done.returncode}:\n{stderr[-4000:]}"
     return done
+
+
+def run_script(
+    n: int, script: Path, tmp: Path, name: str, *args: str, timeout: float = 120, **launch
+) -> tuple[subprocess.CompletedProcess, Path]:
+    """One of the distributed training scripts on n ranks (`run_ranks(..., **launch)`), its run under
+    tmp/name and rank 0's results in tmp/name.json (`script_result`); the job and the run root."""
+    root, out = tmp / name, tmp / f"{name}.json"
+    done = run_ranks(n, script, "--root", str(root), "--out", str(out), *args, timeout=timeout, **launch)
+    return done, root
+
+
+def script_result(tmp: Path, name: str) -> dict:
+    """What rank 0 of `run_script(..., tmp, name, ...)` wrote."""
+    return json.loads((tmp / f"{name}.json").read_text())
 
 
 def launch_layouts(

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_script import ActivationProbe, ScriptLM
-from helpers import LLAMA, read_metrics, token_loader
-from test_ddp import result, run
+from dist_common import ActivationProbe, ScriptLM
+from helpers import DDP_SCRIPT, LLAMA, read_metrics, run_script, script_result, token_loader
 from test_fsdp import single_llama
 from torch import nn
 
@@ -17,7 +16,7 @@ from trainer import Trainer, TrainModule
 
 
 def one_process(tmp_path, mode: str | None) -> tuple[dict, dict[int, float]]:
-    """(bytes the first forward kept for backward, losses) of an 8-step run as tests/scripts/dist_script.py's
+    """(bytes the first forward kept for backward, losses) of an 8-step run as the distributed scripts'
     reference runs it: the whole global batch of 16 in one process."""
     torch.manual_seed(0)
     probe = ActivationProbe()
@@ -53,13 +52,9 @@ def test_one_process_checkpointing_keeps_fewer_activations_and_the_same_losses(t
 
 @pytest.mark.slow
 def test_ddp_checkpointing_matches_one_process_and_keeps_fewer_activations(tmp_path):
-    done, root = run(
-        ["--model", "llama", "--devices", "2", "--trainer-ac", "full", "--report-activations"],
-        tmp_path,
-        "ddp",
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = result(tmp_path, "ddp")
+    args = ["--model", "llama", "--trainer-ac", "full", "--report-activations"]
+    _, root = run_script(2, DDP_SCRIPT, tmp_path, "ddp", *args)
+    out = script_result(tmp_path, "ddp")
     plain, _ = one_process(tmp_path, None)
     # each DDP rank holds half the batch: half the activations, and checkpointing keeps a fraction of that
     assert out["activations"]["saved_bytes"] < plain["saved_bytes"] / 10, (out["activations"], plain)

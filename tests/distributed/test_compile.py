@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import fit, read_metrics, token_loader
-from test_ddp import run
+from helpers import DDP_SCRIPT, FSDP_SCRIPT, fit, read_metrics, run_script, token_loader
 from test_fsdp import single_llama
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -51,24 +50,22 @@ def test_compiled_llama_trains_like_eager(tmp_path, caplog):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "args",
+    "script, args",
     [
-        ["--strategy", "ddp", "--trainer-ac", "selective"],
-        ["--strategy", "fsdp", "--stage", "3", "--ac", "full"],
+        (DDP_SCRIPT, ["--trainer-ac", "selective"]),
+        (FSDP_SCRIPT, ["--stage", "3", "--ac", "full"]),
     ],
     ids=["ddp+selective", "fsdp3+full"],
 )
-def test_compile_composes_with_ddp_and_fsdp(tmp_path, args):
-    done, root = run(
-        [*args, "--model", "llama", "--devices", "2", "--compile", "default"], tmp_path, "dist", timeout=300
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+def test_compile_composes_with_ddp_and_fsdp(tmp_path, script, args):
+    args = [*args, "--model", "llama", "--compile", "default"]
+    done, root = run_script(2, script, tmp_path, "dist", *args, timeout=300)
     assert "2 unit(s) (CheckpointWrapper)" in done.stderr and "each unit one full graph" in done.stderr
     _, single = single_llama(tmp_path)
     got = read_metrics(root)
     for step, loss in single.items():
         assert abs(got[step] - loss) <= 1e-4, (
-            f"step {step}: compiled {args} {got[step]} vs one process {loss}"
+            f"step {step}: compiled {script.stem} {args} {got[step]} vs one process {loss}"
         )
 
 

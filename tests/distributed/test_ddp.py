@@ -11,56 +11,27 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import DIST_SCRIPT as SCRIPT
-from helpers import Regression, assert_params_close, launch_env, read_metrics, regression_loader
+from helpers import (
+    DDP_SCRIPT,
+    FAILURE_SCRIPT,
+    Regression,
+    assert_params_close,
+    launch_env,
+    rank_command,
+    read_metrics,
+    regression_loader,
+    run_script,
+)
+from helpers import script_result as result
 
 from trainer import Trainer
 
 pytestmark = pytest.mark.slow
 
 
-def run(
-    args: list[str],
-    tmp: Path,
-    name: str,
-    launcher: list[str] | None = None,
-    env: dict | None = None,
-    timeout: float = 120,
-) -> tuple[subprocess.CompletedProcess, Path]:
-    root = tmp / name
-    cmd = [
-        *(launcher or [sys.executable]),
-        str(SCRIPT),
-        "--root",
-        str(root),
-        "--out",
-        str(tmp / f"{name}.json"),
-        *args,
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=launch_env(**(env or {})), timeout=timeout)
-    return done, root
-
-
 def last_line(done: subprocess.CompletedProcess) -> str:
     """The last non-empty line the user sees: stderr comes after stdout."""
     return [line for line in (done.stdout + done.stderr).splitlines() if line.strip()][-1]
-
-
-def torchrun(max_restarts: int, nproc: int = 2) -> list[str]:
-    """The launcher command of an elastic torchrun job on this machine (`--standalone`: the agent binds its
-    rendezvous store on a port the system picks)."""
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        f"--max-restarts={max_restarts}",
-    ]
-
-
-def result(tmp: Path, name: str) -> dict:
-    return json.loads((tmp / f"{name}.json").read_text())
 
 
 def single_process(tmp: Path, module=None, loader=None, steps: int = 8):
@@ -80,8 +51,7 @@ def single_process(tmp: Path, module=None, loader=None, steps: int = 8):
 
 @pytest.mark.parametrize("devices, accumulate", [(2, 1), (2, 2), (4, 2)])
 def test_ddp_matches_one_process_with_the_same_global_batch(tmp_path, devices, accumulate):
-    done, root = run(["--devices", str(devices), "--accumulate", str(accumulate)], tmp_path, "ddp")
-    assert done.returncode == 0, done.stderr[-3000:]
+    _, root = run_script(devices, DDP_SCRIPT, tmp_path, "ddp", "--accumulate", str(accumulate))
     params, losses = single_process(tmp_path)
     assert result(tmp_path, "ddp")["world_size"] == devices
     ddp_losses = read_metrics(root)
@@ -93,21 +63,16 @@ def test_ddp_matches_one_process_with_the_same_global_batch(tmp_path, devices, a
 def test_accumulated_micro_batches_are_all_reduced_once_per_step(tmp_path):
     """The tiny model's gradients fit one DDP bucket: one all-reduce per optimizer step, not one per
     micro-batch (DDP's no_sync on all but the last)."""
-    done, _ = run(
-        ["--devices", "2", "--accumulate", "4", "--steps", "4", "--count-allreduces"], tmp_path, "ddp"
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_script(2, DDP_SCRIPT, tmp_path, "ddp", "--accumulate", "4", "--steps", "4", "--count-allreduces")
     assert result(tmp_path, "ddp")["allreduces"] == [1, 1, 1, 1]
 
 
 def test_self_spawn_then_torchrun_spawns_nothing_more(tmp_path):
-    done, root = run(["--devices", "2"], tmp_path, "spawned")
-    assert done.returncode == 0, done.stderr[-3000:]
+    _, root = run_script(2, DDP_SCRIPT, tmp_path, "spawned")
     ranks = [json.loads((root / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[1]["ppid"] == ranks[0]["pid"], "rank 0 is the user's process and the parent of rank 1"
 
-    done, root = run(["--devices", "2"], tmp_path, "torchrun", launcher=torchrun(max_restarts=0))
-    assert done.returncode == 0, done.stderr[-3000:]
+    _, root = run_script(2, DDP_SCRIPT, tmp_path, "torchrun", "--devices", "2", torchrun=True)
     ranks = [json.loads((root / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["ppid"] == ranks[1]["ppid"], "both ranks are children of torchrun's agent"
     assert not (root / "rank2.json").exists()
@@ -131,7 +96,7 @@ def test_two_torchrun_nodes_on_one_machine_train_together(tmp_path):
             f"--rdzv_endpoint={endpoint}",
             "--rdzv_id=two-nodes",
             "--rdzv_conf=is_host=false",
-            str(SCRIPT),
+            str(DDP_SCRIPT),
             "--devices",
             "1",
             "--num-nodes",
@@ -145,8 +110,7 @@ def test_two_torchrun_nodes_on_one_machine_train_together(tmp_path):
     for proc in nodes:
         _, err = proc.communicate(timeout=180)
         assert proc.returncode == 0, err[-3000:]
-    done, _ = run(["--devices", "2"], tmp_path, "one-node")
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_script(2, DDP_SCRIPT, tmp_path, "one-node")
     assert result(tmp_path, "nodes")["world_size"] == 2
     assert_params_close(result(tmp_path, "nodes")["params"], result(tmp_path, "one-node")["params"], atol=0)
 
@@ -162,9 +126,8 @@ def test_two_torchrun_nodes_on_one_machine_train_together(tmp_path):
 def test_a_rank_that_raises_ends_the_job_promptly_with_its_error_as_the_last_line(tmp_path, bad_rank, last):
     # promptly: the job ends long before the collective timeout (600 s) a waiting rank would hit; the
     # subprocess timeout fails the test otherwise
-    done, _ = run(
-        ["--devices", "2", "--bad-rank", str(bad_rank), "--bad-step", "3", "--raise-error"], tmp_path, "raise"
-    )
+    args = ["--bad-rank", str(bad_rank), "--bad-step", "3", "--raise-error"]
+    done, _ = run_script(2, FAILURE_SCRIPT, tmp_path, "raise", *args, check=False)
     assert done.returncode != 0
     assert last_line(done).endswith(last), done.stderr[-3000:]  # not the other rank's broken connection
     assert "Traceback" in done.stderr.split(f"deliberate failure on rank {bad_rank}")[0]  # its traceback too
@@ -172,7 +135,8 @@ def test_a_rank_that_raises_ends_the_job_promptly_with_its_error_as_the_last_lin
 
 
 def test_the_same_error_on_every_rank_prints_one_traceback(tmp_path):
-    done, _ = run(["--devices", "2", "--every-rank", "--bad-step", "3", "--raise-error"], tmp_path, "raise")
+    args = ["--every-rank", "--bad-step", "3", "--raise-error"]
+    done, _ = run_script(2, FAILURE_SCRIPT, tmp_path, "raise", *args, check=False)
     assert done.returncode != 0
     assert done.stderr.count("Traceback (most recent call last)") == 1, done.stderr[-3000:]
     error = "RuntimeError: deliberate failure on rank every at step 3"
@@ -181,15 +145,16 @@ def test_the_same_error_on_every_rank_prints_one_traceback(tmp_path):
 
 
 def test_a_killed_worker_ends_the_job(tmp_path):
-    done, _ = run(["--devices", "2", "--bad-rank", "1", "--bad-step", "3", "--sigkill"], tmp_path, "killed")
+    args = ["--bad-rank", "1", "--bad-step", "3", "--sigkill"]
+    done, _ = run_script(2, FAILURE_SCRIPT, tmp_path, "killed", *args, check=False)
     assert done.returncode != 0
     assert last_line(done).endswith("rank 1 was killed by signal 9"), done.stderr[-3000:]
 
 
 def test_a_collective_timeout_names_the_rank_that_stopped_answering(tmp_path):
     # rank 1 takes longer to start than the timeout: starting is no collective, and must not time out
-    args = ["--devices", "2", "--bad-rank", "1", "--bad-step", "2", "--hang", "--timeout", "4"]
-    done, root = run([*args, "--start-delay", "5"], tmp_path, "hang")
+    args = ["--bad-rank", "1", "--bad-step", "2", "--hang", "--timeout", "4"]
+    done, root = run_script(2, FAILURE_SCRIPT, tmp_path, "hang", *args, "--start-delay", "5", check=False)
     assert done.returncode != 0
     assert "rank 0: a collective timed out after 4s; rank(s) [1] stopped answering" in last_line(done)
     assert list(read_metrics(root)) == [1, 2], done.stderr[-3000:]  # the hang, not the start, timed out
@@ -199,24 +164,18 @@ def test_waits_on_a_slow_checkpoint_write_are_sized_to_its_bytes_not_to_the_coll
     # rank 1's disk takes 9 s per file (a sleep lasts at least that long), so rank 0 waits longer than the
     # 6 s collective timeout. At an assumed floor of 30 B/s the ~4 kB state allows 6 s + ~130 s for the waits
     # on its I/O: no load on this machine makes 9 s reach that, and a fixed 6 s wait would fail every time
-    common = ["--devices", "2", "--steps", "2", "--ckpt-every", "2", "--timeout", "6", "--slow-disk", "9"]
-    done, root = run([*common, "--io-floor", "30"], tmp_path, "slow-disk", timeout=180)
-    assert done.returncode == 0, done.stderr[-3000:]
+    common = ["--steps", "2", "--ckpt-every", "2", "--timeout", "6", "--slow-disk", "9"]
+    _, root = run_script(2, FAILURE_SCRIPT, tmp_path, "slow-disk", *common, "--io-floor", "30", timeout=180)
     assert (root / "checkpoints" / "step-00000002" / "validated.json").exists()
 
 
 def test_torchrun_restart_after_sigkill_resumes_from_the_checkpoint(tmp_path):
-    common = ["--devices", "2", "--steps", "10", "--ckpt-every", "2", "--shuffle", "--global-batch", "64"]
-    done, _ = run(common, tmp_path, "straight")
-    assert done.returncode == 0, done.stderr[-3000:]
-    done, root = run(
-        [*common, "--resume", "--bad-rank", "1", "--bad-step", "7", "--sigkill"],
-        tmp_path,
-        "restarted",
-        launcher=torchrun(max_restarts=1),
-        timeout=240,
+    common = ["--steps", "10", "--ckpt-every", "2", "--shuffle", "--global-batch", "64"]
+    run_script(2, FAILURE_SCRIPT, tmp_path, "straight", *common)
+    killed = ["--devices", "2", *common, "--resume", "--bad-rank", "1", "--bad-step", "7", "--sigkill"]
+    done, root = run_script(
+        2, FAILURE_SCRIPT, tmp_path, "restarted", *killed, torchrun=True, max_restarts=1, timeout=240
     )
-    assert done.returncode == 0, done.stderr[-3000:]
     assert "resuming from" in done.stderr and "step-00000006" in done.stderr  # mid-epoch: 4 steps per epoch
     assert_params_close(
         result(tmp_path, "restarted")["params"], result(tmp_path, "straight")["params"], atol=0
@@ -244,7 +203,7 @@ def slurm_job(root: Path, out: Path) -> list[str]:
     )
     tasks = [
         subprocess.Popen(
-            [sys.executable, str(SCRIPT), "--devices", "2", "--root", str(root), "--out", str(out)],
+            rank_command(2, DDP_SCRIPT, "--root", str(root), "--out", str(out)),
             env={**env, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
             stderr=subprocess.PIPE,
             text=True,
@@ -269,15 +228,13 @@ def test_slurm_tasks_join_one_world(tmp_path):
         if not any("EADDRINUSE" in err for err in failures):
             break
     assert not failures, failures[0][-3000:]
-    done, _ = run(["--devices", "2"], tmp_path, "spawned")
-    assert done.returncode == 0
+    run_script(2, DDP_SCRIPT, tmp_path, "spawned")
     assert_params_close(json.loads(out.read_text())["params"], result(tmp_path, "spawned")["params"], atol=0)
 
 
 @pytest.mark.parametrize("compression", ["fp16", "powersgd"])
 def test_gradient_compression_trains_close_to_exact_all_reduce(tmp_path, compression):
-    done, _ = run(["--devices", "2", "--compression", compression, "--steps", "12"], tmp_path, "compressed")
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_script(2, DDP_SCRIPT, tmp_path, "compressed", "--compression", compression, "--steps", "12")
     params, _ = single_process(tmp_path, steps=12)
     got = result(tmp_path, "compressed")["params"]
     assert_params_close(got, params, atol=5e-2)

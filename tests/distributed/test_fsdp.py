@@ -5,13 +5,23 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
-from helpers import LLAMA, assert_params_close, launch_env, read_metrics, token_loader
-from test_ddp import SCRIPT, result, run, single_process
+from helpers import (
+    DDP_SCRIPT,
+    FSDP_SCRIPT,
+    LLAMA,
+    SCRIPTS,
+    assert_params_close,
+    read_metrics,
+    run_cli,
+    run_ranks,
+    run_script,
+    token_loader,
+)
+from helpers import script_result as result
+from test_ddp import single_process
 
 from strategies import FSDPStrategy
 from trainer import Trainer
@@ -27,13 +37,8 @@ def single_llama(tmp):
 
 
 def fsdp(tmp, name: str, *args: str, devices: int = 2, timeout: float = 180):
-    done, root = run(
-        ["--strategy", "fsdp", "--model", "llama", "--devices", str(devices), *args],
-        tmp,
-        name,
-        timeout=timeout,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    """fsdp_script.py training the tiny Llama on `devices` ranks; rank 0's result and the run root."""
+    _, root = run_script(devices, FSDP_SCRIPT, tmp, name, "--model", "llama", *args, timeout=timeout)
     return result(tmp, name), root
 
 
@@ -95,10 +100,9 @@ def test_a_sharded_checkpoint_resumes_on_another_world_size(tmp_path, stage, sav
 
 def test_a_ddp_checkpoint_resumes_sharded_under_fsdp_and_loads_in_one_process(tmp_path):
     # DDP and FSDP write the same layout (torch's state dict, each rank its part): a run can move between them
-    done, ddp_root = run(
-        ["--model", "llama", "--devices", "2", "--steps", "8", "--ckpt-every", "4"], tmp_path, "ddp"
+    _, ddp_root = run_script(
+        2, DDP_SCRIPT, tmp_path, "ddp", "--model", "llama", "--steps", "8", "--ckpt-every", "4"
     )
-    assert done.returncode == 0, done.stderr[-3000:]
     ckpt = ddp_root / "checkpoints" / "step-00000004"
     root = tmp_path / "fsdp"
     shutil.copytree(ckpt, root / "checkpoints" / ckpt.name)
@@ -163,11 +167,7 @@ def test_export_consolidates_a_sharded_checkpoint_for_one_process_and_transforme
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out, root = fsdp(tmp_path, "sharded", "--stage", "3", "--steps", "4", devices=2)
     ckpt = root / "checkpoints" / "step-00000004"
-    done = subprocess.run(
-        [sys.executable, "-m", "trainer.cli", "export", str(ckpt), str(tmp_path / "export")],
-        capture_output=True,
-        text=True,
-    )
+    done = run_cli("export", str(ckpt), str(tmp_path / "export"), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
 
     trained = Llama(LLAMA)  # the run's final weights, gathered by its rank 0
@@ -185,15 +185,7 @@ def test_export_consolidates_a_sharded_checkpoint_for_one_process_and_transforme
 
 
 def test_the_8b_preset_is_sharded_over_four_ranks_on_meta_without_allocating_it(tmp_path):
-    script = SCRIPT.parent / "shard_report_script.py"
-    done = subprocess.run(
-        [sys.executable, str(script), "4", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=launch_env(),
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_ranks(4, SCRIPTS / "shard_report_script.py", str(tmp_path), timeout=300)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     assert sum(r["local_numel"] for r in reports) == 8_030_261_248
     for r in reports:
@@ -203,15 +195,7 @@ def test_the_8b_preset_is_sharded_over_four_ranks_on_meta_without_allocating_it(
 
 
 def test_meta_materialisation_gives_the_values_of_an_unsharded_init(tmp_path):
-    script = SCRIPT.parent / "shard_report_script.py"
-    done = subprocess.run(
-        [sys.executable, str(script), "2", str(tmp_path), "tiny"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=launch_env(),
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_ranks(2, SCRIPTS / "shard_report_script.py", str(tmp_path), "tiny", timeout=300)
     for r in range(2):
         report = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert report["equal"] and report["tensors"] == 39
@@ -245,25 +229,15 @@ def test_a_mesh_that_does_not_divide_the_world_and_fp16_scaling_are_refused_befo
 def test_a_checkpoint_of_another_model_or_stage_is_refused(tmp_path):
     out, root = fsdp(tmp_path, "small", "--stage", "3", "--steps", "2", "--ckpt-every", "2")
     ckpt = root / "checkpoints" / "step-00000002"
-    done, _ = run(
-        ["--strategy", "fsdp", "--stage", "3", "--devices", "2", "--resume"],
-        tmp_path,
-        "regression",
-        timeout=120,
-    )
-    assert done.returncode == 0  # a different root: nothing to resume, starts fresh
+    # a different root: nothing to resume, starts fresh
+    run_script(2, FSDP_SCRIPT, tmp_path, "regression", "--stage", "3", "--resume")
     target = tmp_path / "regression2" / "checkpoints"
     target.mkdir(parents=True)
     shutil.copytree(ckpt, target / ckpt.name)
-    done, _ = run(
-        ["--strategy", "fsdp", "--stage", "3", "--devices", "2", "--resume"], tmp_path, "regression2"
-    )
+    done, _ = run_script(2, FSDP_SCRIPT, tmp_path, "regression2", "--stage", "3", "--resume", check=False)
     assert done.returncode != 0 and "does not fit this model" in done.stderr
-    done, _ = run(
-        ["--strategy", "fsdp", "--model", "llama", "--stage", "1", "--devices", "2", "--resume"],
-        tmp_path,
-        "regression2",
-    )
+    args = ["--model", "llama", "--stage", "1", "--resume"]
+    done, _ = run_script(2, FSDP_SCRIPT, tmp_path, "regression2", *args, check=False)
     assert done.returncode != 0 and (
         "was written by ddp, dp_sgd, fsdp with zero_stage 2/3 or parallel3d; this FSDPStrategy reads "
         "checkpoints written by fsdp with zero_stage=1" in done.stderr

@@ -10,19 +10,14 @@ trains exactly like plain FSDP and passes every result test.
   CPUOffloadPolicy and every sharded parameter is marked for offload, and shards, gradients and
   optimizer states are CPU tensors.
 
-Each configuration is one 2-rank ZeRO-3 run of the tiny Llama (two blocks) through tests/scripts/dist_script.py,
+Each configuration is one 2-rank ZeRO-3 run of the tiny Llama (two blocks) through tests/scripts/fsdp_script.py,
 shared by the tests of this module.
 """
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-from helpers import DIST_SCRIPT, launch_env
+from helpers import FSDP_SCRIPT, run_script, script_result
 
 pytestmark = pytest.mark.slow
 
@@ -43,23 +38,18 @@ def fsdp_run(tmp_path_factory):
 
     def get(name: str) -> dict:
         if name not in results:
-            out: Path = tmp / f"{name}.json"
-            done = subprocess.run(
-                [
-                    sys.executable,
-                    str(DIST_SCRIPT),
-                    *("--strategy", "fsdp", "--stage", "3", "--model", "llama", "--devices", "2"),
-                    *("--steps", "1", "--report-activations", "--report-placement"),
-                    *CONFIGS[name],
-                    *("--root", str(tmp / name), "--out", str(out)),
-                ],
-                capture_output=True,
-                text=True,
-                env=launch_env(),
-                timeout=180,
-            )
-            assert done.returncode == 0, done.stderr[-3000:]
-            results[name] = json.loads(out.read_text())
+            args = [
+                "--stage",
+                "3",
+                "--model",
+                "llama",
+                "--steps",
+                "1",
+                "--report-activations",
+                "--report-placement",
+            ]
+            run_script(2, FSDP_SCRIPT, tmp, name, *args, *CONFIGS[name], timeout=180)
+            results[name] = script_result(tmp, name)
             assert results[name]["world_size"] == 2
         return results[name]
 

@@ -11,29 +11,26 @@ first gradient is checked against autograd on the whole batch.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from dist_common import ScriptLM
 from helpers import (
-    DIST_SCRIPT,
+    DDP_SCRIPT,
+    FSDP_SCRIPT,
     LLAMA,
     Regression,
     TokenMeanLM,
     fit,
-    launch_env,
     read_metrics,
     regression_data,
+    run_script,
+    script_result,
     token_loader,
     uneven_token_data,
 )
 from torch.utils.data import DataLoader
-
-sys.path.insert(0, str(DIST_SCRIPT.parent))
-from dist_script import ScriptLM  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -45,18 +42,10 @@ NORM_RTOL = 1e-6
 PARAM_ATOL = 1e-6
 
 
-def run_script(tmp: Path, name: str, *args: str, timeout: float = 180) -> tuple[dict, Path]:
-    """dist_script.py self-spawning its ranks (`--devices N` among `args`); rank 0's result and the run root."""
-    root, out = tmp / name, tmp / f"{name}.json"
-    done = subprocess.run(
-        [sys.executable, str(DIST_SCRIPT), "--root", str(root), "--out", str(out), *args],
-        capture_output=True,
-        text=True,
-        env=launch_env(),
-        timeout=timeout,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(out.read_text()), root
+def run(tmp: Path, name: str, script: Path, *args: str) -> tuple[dict, Path]:
+    """`script` self-spawning 2 ranks; rank 0's result and the run root."""
+    _, root = run_script(2, script, tmp, name, *args, timeout=180)
+    return script_result(tmp, name), root
 
 
 def one_process(tmp: Path, module, loader) -> tuple[list[list[float]], dict[int, float]]:
@@ -89,22 +78,20 @@ def assert_same_training(out: dict, root: Path, params: list, norms: dict[int, f
 @pytest.mark.parametrize(
     "strategy, model, accumulate",
     [
-        (["--strategy", "ddp"], "regression", 2),
-        (["--strategy", "fsdp", "--stage", "1"], "regression", 1),
-        (["--strategy", "fsdp", "--stage", "2"], "llama", 1),
-        (["--strategy", "fsdp", "--stage", "3"], "llama", 2),
+        ((DDP_SCRIPT,), "regression", 2),
+        ((FSDP_SCRIPT, "--stage", "1"), "regression", 1),
+        ((FSDP_SCRIPT, "--stage", "2"), "llama", 1),
+        ((FSDP_SCRIPT, "--stage", "3"), "llama", 2),
     ],
     ids=["ddp-accumulate2", "zero1", "zero2-llama", "zero3-llama-accumulate2"],
 )
 def test_two_ranks_with_sgd_and_no_clipping_match_one_process_step_by_step(
     tmp_path, strategy, model, accumulate
 ):
-    out, root = run_script(
+    out, root = run(
         tmp_path,
         "dist",
         *strategy,
-        "--devices",
-        "2",
         "--model",
         model,
         "--optimizer",
@@ -119,7 +106,7 @@ def test_two_ranks_with_sgd_and_no_clipping_match_one_process_step_by_step(
     )
     assert out["world_size"] == 2 and out["global_step"] == STEPS
 
-    torch.manual_seed(0)  # dist_script builds its module right after the Trainer's seed_everything(0)
+    torch.manual_seed(0)  # the script builds its module right after the Trainer's seed_everything(0)
     if model == "llama":
         module = ScriptLM(LLAMA, lr=1e-2, optimizer="sgd")
         params, norms = one_process(tmp_path, module, token_loader(GLOBAL_BATCH))
@@ -132,7 +119,9 @@ def test_two_ranks_with_sgd_and_no_clipping_match_one_process_step_by_step(
         x, y = regression_data()[:GLOBAL_BATCH]
         expected = grad_norm_of(torch.nn.functional.mse_loss(first(x), y), first)
         assert norms[1] == pytest.approx(expected, rel=1e-6)
-    assert_same_training(out, root, params, norms, f"{' '.join(strategy)} with {model}")
+    assert_same_training(
+        out, root, params, norms, f"{strategy[0].stem} {' '.join(strategy[1:])} with {model}"
+    )
 
 
 def test_token_mean_loss_with_uneven_tokens_per_rank_matches_one_process(tmp_path):
@@ -140,11 +129,10 @@ def test_token_mean_loss_with_uneven_tokens_per_rank_matches_one_process(tmp_pat
     global batch's valid tokens: each rank back-propagates its token *sum*, DDP averages over the 2 ranks,
     and finish_gradients multiplies by dp_size / (all ranks' tokens). Without the dp_size factor the
     gradient halves; with each rank's own token count instead of the global one it is wrong by far more."""
-    out, root = run_script(
+    out, root = run(
         tmp_path,
         "tokens",
-        "--devices",
-        "2",
+        DDP_SCRIPT,
         "--model",
         "tokens",
         "--no-clip",

@@ -1,12 +1,12 @@
-"""Build a Llama on meta and shard it with FSDP over this job's ranks (self-spawned: `script N OUT`).
-Default: the 8B preset, reporting each rank's shard shapes without allocating the model. With a preset
-name as third argument: materialise it and say whether it equals an unsharded build with the same seed."""
+"""Build a Llama on meta and shard it with FSDP over this job's ranks (self-spawned: `script OUT --devices
+N`). Default: the 8B preset, reporting each rank's shard shapes without allocating the model. With a preset
+name after OUT: materialise it and say whether it equals an unsharded build with the same seed."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import resource
-import sys
 from pathlib import Path
 
 import torch
@@ -57,10 +57,15 @@ def materialized_equals_unsharded(strategy: FSDPStrategy, out: Path, preset: str
 
 
 if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out", type=Path)
+    p.add_argument("preset", nargs="?", default=None)  # materialise this preset and compare (default: report)
+    p.add_argument("--devices", type=int, required=True)
+    a = p.parse_args()
     torch.set_num_threads(1)
     strategy = FSDPStrategy(zero_stage=3)
-    strategy.configure("cpu", int(sys.argv[1]), 1, Precision("32"))
-    if len(sys.argv) > 3:
-        strategy.launch(materialized_equals_unsharded, strategy, Path(sys.argv[2]), sys.argv[3])
+    strategy.configure("cpu", a.devices, 1, Precision("32"))
+    if a.preset is not None:
+        strategy.launch(materialized_equals_unsharded, strategy, a.out, a.preset)
     else:
-        strategy.launch(report, strategy, Path(sys.argv[2]))
+        strategy.launch(report, strategy, a.out)
