@@ -307,7 +307,7 @@ def run_ranks(
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()  # the self-spawned ranks and torchrun's workers end with their parent
+        proc.kill()  # as subprocess.run's timeout does; self-spawned ranks die with it (PR_SET_PDEATHSIG)
         stdout, stderr = proc.communicate()
         raise AssertionError(f"{script.name} on {n} ranks ran past {timeout}s:\n{stderr[-4000:]}") from None
     done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
