@@ -25,25 +25,25 @@ from pathlib import Path
 MUTMUT = str(Path(sys.executable).with_name("mutmut"))
 GLOO_TESTS = {  # the gloo tests a mutant of each strategy file must fail (fastest first: -x stops there)
     "strategies/ddp.py": [
-        "tests/test_sharding.py",
-        "tests/test_ddp.py::test_accumulated_micro_batches_are_all_reduced_once_per_step",
-        "tests/test_gradient_sync.py::test_two_ranks_with_sgd_and_no_clipping_match_one_process_step_by_step[ddp-accumulate2]",
-        "tests/test_gradient_sync.py::test_token_mean_loss_with_uneven_tokens_per_rank_matches_one_process",
-        "tests/test_ddp.py::test_gradient_compression_trains_close_to_exact_all_reduce",
+        "tests/unit/test_sharding.py",
+        "tests/distributed/test_ddp.py::test_accumulated_micro_batches_are_all_reduced_once_per_step",
+        "tests/distributed/test_gradient_sync.py::test_two_ranks_with_sgd_and_no_clipping_match_one_process_step_by_step[ddp-accumulate2]",
+        "tests/distributed/test_gradient_sync.py::test_token_mean_loss_with_uneven_tokens_per_rank_matches_one_process",
+        "tests/distributed/test_ddp.py::test_gradient_compression_trains_close_to_exact_all_reduce",
     ],
     "strategies/zero1.py": [
-        "tests/test_gradient_sync.py::test_two_ranks_with_sgd_and_no_clipping_match_one_process_step_by_step[zero1]",
-        "tests/test_fsdp.py::test_each_zero_stage_matches_one_process_and_holds_the_formula_memory[2-1]",
-        "tests/test_fsdp.py::test_validation_runs_through_the_sharded_model[1]",
-        "tests/test_fsdp.py::test_a_sharded_checkpoint_resumes_on_another_world_size[1-4-2]",
+        "tests/distributed/test_gradient_sync.py::test_two_ranks_with_sgd_and_no_clipping_match_one_process_step_by_step[zero1]",
+        "tests/distributed/test_fsdp.py::test_each_zero_stage_matches_one_process_and_holds_the_formula_memory[2-1]",
+        "tests/distributed/test_fsdp.py::test_validation_runs_through_the_sharded_model[1]",
+        "tests/distributed/test_fsdp.py::test_a_sharded_checkpoint_resumes_on_another_world_size[1-4-2]",
     ],
     "strategies/fsdp.py": [
-        "tests/test_async_save.py",
-        "tests/test_fsdp.py::test_bad_fsdp_arguments_are_named",
-        "tests/test_fsdp.py::test_a_mesh_that_does_not_divide_the_world_and_fp16_scaling_are_refused_before_spawning",
-        "tests/test_gradient_sync.py::test_two_ranks_with_sgd_and_no_clipping_match_one_process_step_by_step[zero3-llama-accumulate2]",
-        "tests/test_fsdp_memory_features.py",
-        "tests/test_fsdp.py::test_a_sharded_checkpoint_resumes_on_another_world_size",
+        "tests/checkpoint/test_async_save.py",
+        "tests/distributed/test_fsdp.py::test_bad_fsdp_arguments_are_named",
+        "tests/distributed/test_fsdp.py::test_a_mesh_that_does_not_divide_the_world_and_fp16_scaling_are_refused_before_spawning",
+        "tests/distributed/test_gradient_sync.py::test_two_ranks_with_sgd_and_no_clipping_match_one_process_step_by_step[zero3-llama-accumulate2]",
+        "tests/distributed/test_fsdp_memory_features.py",
+        "tests/distributed/test_fsdp.py::test_a_sharded_checkpoint_resumes_on_another_world_size",
     ],
 }
 STATUS = {1: "killed", 3: "killed", 36: "killed", 0: "survived", 33: "not reached", 34: "skipped"}

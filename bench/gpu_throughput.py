@@ -29,7 +29,7 @@ included). `--log-dir` keeps each arm's whole output (compile reports, warnings)
     PYTHONPATH=. python bench/gpu_throughput.py --log-dir gpu_throughput_logs
     PYTHONPATH=. python bench/gpu_throughput.py --arms hf-lightning,trainer-speed --steps 40
 
-On the CPU, a smoke run of every arm on the tiny preset, tied like 1b (tests/test_gpu_bench.py runs it):
+On the CPU, a smoke run of every arm on the tiny preset, tied like 1b (tests/observability/test_gpu_bench.py runs it):
 
     PYTHONPATH=. python bench/gpu_throughput.py --shape tiny --device cpu --steps 3 --warmup 1
 

@@ -1,11 +1,13 @@
 """What the tests share: tiny modules and data, a fit-and-return helper, parameter comparison,
-checkpoint listing, and the environment a launched child starts from."""
+checkpoint listing, and the one way a test launches processes (`run_ranks`, `start_ranks`, `run_cli`)."""
 
 from __future__ import annotations
 
 import importlib
 import json
 import os
+import subprocess
+import sys
 import time
 import types
 from pathlib import Path
@@ -20,7 +22,12 @@ from trainer.models.llama import LlamaConfig
 
 TESTS = Path(__file__).parent
 SEED = int(os.environ.get("TRAINER_TEST_SEED", "0"))  # every test's seed: a failure's report prints it
-DIST_SCRIPT = TESTS / "dist_script.py"
+SCRIPTS = TESTS / "scripts"  # the rank scripts the tests launch (and import from)
+# the distributed training scripts, by what they probe (their shared flags and fit: scripts/dist_common.py)
+DDP_SCRIPT = SCRIPTS / "ddp_script.py"
+FSDP_SCRIPT = SCRIPTS / "fsdp_script.py"
+FAILURE_SCRIPT = SCRIPTS / "failure_script.py"
+TIMING_SCRIPT = SCRIPTS / "timing_script.py"
 
 # torchrun's, our spawner's and SLURM's variables: a child started by a test must not inherit a world
 LAUNCHER_KEYS = (
@@ -39,6 +46,17 @@ LAUNCHER_KEYS = (
     "SLURM_NTASKS",
     "SLURM_JOB_ID",
 )
+
+REPO = TESTS.parent
+TINY = REPO / "recipes" / "llama_tiny.yaml"  # the tiny recipe the CLI tests run, with SMALL's overrides
+SMALL = [
+    "model.dim=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "data.seq_len=64",
+    "data.batch_size=4",
+]
 
 LLAMA = LlamaConfig(
     vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=16, rope_theta=10000.0
@@ -124,6 +142,28 @@ class TokenMeanLM(TrainModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class TinyLM(TrainModule):
+    """A byte-level embedding-and-head LM with dropout (the run depends on the RNG), on dict batches; AdamW."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(257, 16)
+        self.drop = torch.nn.Dropout(0.1)
+        self.head = torch.nn.Linear(16, 257)
+
+    def training_step(self, batch, batch_idx):
+        logits = self.head(self.drop(self.emb(batch["input_ids"])))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def tiny_lm_loader() -> TokenLoader:
+    """TinyLM's data: 124 shuffled blocks of 257-way tokens, 8 per batch."""
+    return token_loader(8, vocab_size=257, n_tokens=2000, seed=3)
 
 
 def uneven_token_data(n: int = 64, length: int = 12, by_parity: bool = False) -> TensorDataset:
@@ -220,9 +260,75 @@ def fake_time(monkeypatch, module: str, clock: FakeClock, *clocks: str) -> None:
 
 
 def launch_env(**extra: str) -> dict[str, str]:
-    """This process's environment without any launcher's variables, one thread per process, plus `extra`."""
+    """This process's environment without any launcher's variables, one torch thread per process, offline
+    (Weights & Biases and the Hugging Face hub), plus `extra`."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_KEYS}
-    return {**env, "OMP_NUM_THREADS": "1", **extra}
+    return {**env, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", **extra}
+
+
+def rank_command(
+    n: int, script: Path, *args: str, torchrun: bool = False, max_restarts: int = 0
+) -> list[str]:
+    """The command that runs `script ARGS` on n ranks as a user starts it. Self-spawning (default): the script
+    is given `--devices n` and its rank 0 starts the others, binding its store on a port the system picks.
+    `torchrun`: an elastic `torchrun --standalone` job of n processes (its agent binds a port the same way)."""
+    if not torchrun:
+        return [sys.executable, str(script), "--devices", str(n), *args]
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+        f"--max-restarts={max_restarts}", str(script), *args,
+    ]  # fmt: skip
+
+
+def start_ranks(
+    n: int, script: Path, *args: str, torchrun: bool = False, max_restarts: int = 0, env: dict | None = None
+) -> subprocess.Popen:
+    """`rank_command(...)` started in the background (stdout and stderr piped, as text), for a test that acts
+    on the job while it runs (a signal); `run_ranks` waits for it instead."""
+    cmd = rank_command(n, script, *args, torchrun=torchrun, max_restarts=max_restarts)
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=launch_env(**(env or {}))
+    )
+
+
+def run_ranks(
+    n: int,
+    script: Path,
+    *args: str,
+    torchrun: bool = False,
+    max_restarts: int = 0,
+    env: dict | None = None,
+    timeout: float = 240,
+    check: bool = True,
+) -> subprocess.CompletedProcess:
+    """Run `script ARGS` on n gloo ranks (see `rank_command`) to its end, within `timeout` seconds; with
+    `check`, a job that fails fails the test with the ranks' stderr (a failing rank's traceback is there)."""
+    proc = start_ranks(n, script, *args, torchrun=torchrun, max_restarts=max_restarts, env=env)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # as subprocess.run's timeout does; self-spawned ranks die with it (PR_SET_PDEATHSIG)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"{script.name} on {n} ranks ran past {timeout}s:\n{stderr[-4000:]}") from None
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    if check:
+        assert done.returncode == 0, f"{script.name} on {n} ranks exited {done.returncode}:\n{stderr[-4000:]}"
+    return done
+
+
+def run_script(
+    n: int, script: Path, tmp: Path, name: str, *args: str, timeout: float = 120, **launch
+) -> tuple[subprocess.CompletedProcess, Path]:
+    """One of the distributed training scripts on n ranks (`run_ranks(..., **launch)`), its run under
+    tmp/name and rank 0's results in tmp/name.json (`script_result`); the job and the run root."""
+    root, out = tmp / name, tmp / f"{name}.json"
+    done = run_ranks(n, script, "--root", str(root), "--out", str(out), *args, timeout=timeout, **launch)
+    return done, root
+
+
+def script_result(tmp: Path, name: str) -> dict:
+    """What rank 0 of `run_script(..., tmp, name, ...)` wrote."""
+    return json.loads((tmp / f"{name}.json").read_text())
 
 
 def launch_layouts(
@@ -230,16 +336,11 @@ def launch_layouts(
 ) -> dict:
     """Run `script`'s layouts (Parallel3DStrategy kwargs with a "tag") one after another in one torchrun
     world of `nproc` processes; returns what its rank 0 wrote to --out (runs' logs are under tmp/runs)."""
-    import subprocess
-    import sys
-
     out = tmp / f"out-{nproc}.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script),
-         "--layouts", json.dumps(layouts), "--out", str(out), "--root", str(tmp / "runs"), "--steps", str(steps)],
-        capture_output=True, text=True, timeout=timeout, env=launch_env(),
+    run_ranks(
+        nproc, script, "--layouts", json.dumps(layouts), "--out", str(out), "--root", str(tmp / "runs"),
+        "--steps", str(steps), torchrun=True, timeout=timeout,
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(out.read_text())
 
 
@@ -252,17 +353,14 @@ def reference_run(make_run, root: Path, steps: int, batch: int) -> tuple[dict, d
     return read_metrics(root), read_metrics(root, "train/grad_norm"), read_metrics(root, "val/loss"), weights
 
 
-def run_cli(*args: str, cwd: Path, **env: str):
+def run_cli(*args: str, cwd: Path, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
     """`trainer ARGS` as a user runs it, in its own process, offline (TRAINER_CACHE: the test's tmp_path
-    unless `env` names one)."""
-    import subprocess
-    import sys
-
+    unless `env` names one); the caller checks its exit code and output."""
     return subprocess.run(
         [sys.executable, "-m", "trainer.cli", *args],
         capture_output=True,
         text=True,
         cwd=cwd,
-        env=launch_env(WANDB_MODE="offline", HF_HUB_OFFLINE="1", **env),
-        timeout=300,
+        env=launch_env(**env),
+        timeout=timeout,
     )

@@ -95,7 +95,7 @@ PRESETS: dict[str, dict[str, object]] = {
                 multiple_of=4096, ffn_dim_multiplier=1.3, max_seq_len=8192),
     # Mixture of experts (trainer.models.moe). mixtral-8x7b is Mixtral's exact shape (46.70B total, 12.88B
     # active). deepseek-v3-like has DeepSeek-V3's MoE shape but our multi-head attention (128 heads of 56)
-    # instead of MLA, and no multi-token-prediction module; its counts are in tests/test_moe.py.
+    # instead of MLA, and no multi-token-prediction module; its counts are in tests/models/test_moe.py.
     "moe-tiny": dict(vocab_size=512, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=128,
                      rope_theta=10000.0, max_seq_len=64,
                      moe=dict(n_experts=8, top_k=2, moe_ffn_dim=32, n_shared_experts=1, n_dense_layers=1,
