@@ -482,7 +482,10 @@ class ModelCheckpoint(Callback):
         batch = self._held_out_batch(trainer)
         loss = trainer.loss_on(batch) if batch is not None else None
         if batch is not None and loss is None:
-            self._compare_no_loss(f"{type(trainer.module).__name__}.validation_step returns no loss")
+            self._compare_no_loss(
+                f"{type(trainer.module).__name__}.validation_step returns no loss (return it to have each "
+                "reloaded checkpoint's loss compared with the live model's)"
+            )
         if loss is None:
             why = self._state_not_finite(trainer)
         else:

@@ -130,7 +130,12 @@ def test_validation_runs_validation_step_on_a_validation_batch_and_never_trainin
     [
         (Counting, None, "no validation data"),
         (NoValidationStep, None, "NoValidationStep defines no validation_step"),
-        (LogsOnly, regression_loader(batch_size=8), "LogsOnly.validation_step returns no loss"),
+        (
+            LogsOnly,
+            regression_loader(batch_size=8),
+            "LogsOnly.validation_step returns no loss (return it to have each reloaded checkpoint's loss "
+            "compared with the live model's)",
+        ),
         (Counting, torch.utils.data.DataLoader(NoBatches(), batch_size=8), "the validation loader is empty"),
     ],
 )
