@@ -1,8 +1,10 @@
 """Lightning's checkpointing API here: `ModelCheckpoint`'s arguments, saving policy and attributes,
 `ckpt_path="best"`, `TrainModule.load_from_checkpoint`, `trainer.save_checkpoint("example.ckpt")` and the
-full weights after fit. tests/lightning_checkpoint_script.py runs Lightning's documented LitAutoEncoder on
-PyTorch Lightning and here with only the imports changed: the same checkpoints kept (by name), the same best
-score, test results, loaded weights, predictions and final weights, on 1 and (slow) 2 processes."""
+full weights after fit. tests/scripts/lightning_checkpoint_script.py runs Lightning's documented
+LitAutoEncoder (top-2 checkpoints, EarlyStopping, LearningRateMonitor, a CSVLogger, a StepLR) on PyTorch
+Lightning and here with only the imports changed: the same checkpoints kept (by name), the same best score,
+epoch stopped at, CSV values, test results, loaded weights, predictions and final weights, on 1 and (slow)
+2 processes."""
 
 from __future__ import annotations
 
@@ -76,6 +78,9 @@ def run_both(tmp_path: Path, devices: int, strategy: str | None = None) -> dict[
 
 def assert_same_checkpoints(lightning: dict, here: dict) -> None:
     assert here["val_losses"] == pytest.approx(lightning["val_losses"], abs=1e-6)
+    assert here["stopped_epoch"] == lightning["stopped_epoch"]  # early stopping stopped at the same epoch
+    for column in ("val_loss", "lr"):  # the CSV logger's values (rows and the step column are laid out apart)
+        assert here["csv"][column] == pytest.approx(lightning["csv"][column], abs=1e-6), column
     assert here["best_k_models"].keys() == lightning["best_k_models"].keys()  # the same epochs, same names
     assert here["best_k_models"] == pytest.approx(lightning["best_k_models"], abs=1e-6)
     for key in ("best_model_path", "kth_best_model_path"):
@@ -101,8 +106,9 @@ def test_lit_autoencoder_keeps_the_same_best_checkpoints_as_under_lightning(tmp_
     results = run_both(tmp_path, 1)
     (lightning,), (here,) = results["lightning"], results["trainer"]
     assert_same_checkpoints(lightning, here)
+    assert here["stopped_epoch"] == len(here["val_losses"]) - 1 == 6  # early stopping ended it (max_epochs=10)
     epochs = sorted(int(n.split("-")[0].split("=")[1]) for n in here["best_k_models"])
-    assert epochs != [4, 5], "the best two are the last two: the run does not tell top-k from newest-k"
+    assert epochs != [5, 6], "the best two are the last two: the run does not tell top-k from newest-k"
 
 
 @pytest.mark.slow

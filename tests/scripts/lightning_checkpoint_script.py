@@ -12,6 +12,7 @@ the test results, the loaded module's hparams and weights, its predictions and t
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 from pathlib import Path
 
@@ -30,11 +31,13 @@ FRAMEWORK, OUT, DEVICES = _args.framework, _args.out, _args.devices
 STRATEGY = _args.strategy or ("ddp" if DEVICES > 1 else "auto")
 if FRAMEWORK == "lightning":
     from pytorch_lightning import LightningModule, Trainer, seed_everything
-    from pytorch_lightning.callbacks import ModelCheckpoint
+    from pytorch_lightning.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
+    from pytorch_lightning.loggers import CSVLogger
 else:
-    from callbacks import ModelCheckpoint
+    from callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
     from trainer import Trainer, seed_everything
     from trainer import TrainModule as LightningModule
+    from trainer.loggers import CSVLogger
 
 
 class LitAutoEncoder(LightningModule):
@@ -71,7 +74,8 @@ class LitAutoEncoder(LightningModule):
         return self(batch[0])
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 3, 0.9)}
 
 
 def loaders() -> tuple[DataLoader, DataLoader]:
@@ -91,6 +95,18 @@ def weights(module: nn.Module) -> dict[str, list[float]]:
     return {k: v.flatten().tolist() for k, v in full.items()}
 
 
+def csv_columns(path: Path) -> dict[str, list[float]]:
+    """The CSV logger's values of each column (empty cells left out; the LR monitor's names unified)."""
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    columns: dict[str, list[float]] = {}
+    for row in rows:
+        for key, value in row.items():
+            if value != "":
+                columns.setdefault("lr" if key.startswith("lr") else key, []).append(float(value))
+    return columns
+
+
 def main() -> None:
     torch.set_num_threads(1)
     seed_everything(0)
@@ -103,9 +119,11 @@ def main() -> None:
         mode="min",
         save_top_k=2,
     )
+    stopping = EarlyStopping(monitor="val_loss", mode="min", patience=2)
     trainer = Trainer(
-        accelerator="cpu", devices=DEVICES, strategy=STRATEGY, max_epochs=6, logger=False,
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=OUT, callbacks=[checkpoint],
+        accelerator="cpu", devices=DEVICES, strategy=STRATEGY, max_epochs=10, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=OUT, logger=CSVLogger(OUT, name="logs"),
+        callbacks=[checkpoint, stopping, LearningRateMonitor(logging_interval="epoch")],
     )  # fmt: skip
     trainer.fit(model, train, val)
     record = {
@@ -115,6 +133,8 @@ def main() -> None:
         "best_model_score": float(checkpoint.best_model_score),
         "kth_best_model_path": name(checkpoint.kth_best_model_path),
         "final_weights": weights(model),
+        "stopped_epoch": stopping.stopped_epoch,
+        "csv": csv_columns(Path(trainer.logger.log_dir) / "metrics.csv"),
         # a module FSDP already sharded is not sharded twice (torch's fully_shard): test a fresh one there
         "test": trainer.test(model if STRATEGY != "fsdp" else LitAutoEncoder(), val, ckpt_path="best"),
     }
