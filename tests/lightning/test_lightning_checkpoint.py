@@ -106,7 +106,9 @@ def test_lit_autoencoder_keeps_the_same_best_checkpoints_as_under_lightning(tmp_
     results = run_both(tmp_path, 1)
     (lightning,), (here,) = results["lightning"], results["trainer"]
     assert_same_checkpoints(lightning, here)
-    assert here["stopped_epoch"] == len(here["val_losses"]) - 1 == 6  # early stopping ended it (max_epochs=10)
+    assert (
+        here["stopped_epoch"] == len(here["val_losses"]) - 1 == 6
+    )  # early stopping ended it (max_epochs=10)
     epochs = sorted(int(n.split("-")[0].split("=")[1]) for n in here["best_k_models"])
     assert epochs != [5, 6], "the best two are the last two: the run does not tell top-k from newest-k"
 
