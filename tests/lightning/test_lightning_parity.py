@@ -13,7 +13,7 @@ import pytest
 from helpers import SCRIPTS, run_ranks
 
 SCRIPT = SCRIPTS / "lightning_parity.py"
-FORMS = ["plain", "list", "lists", "dict", "step_interval", "plateau", "onecycle"]
+FORMS = ["plain", "list", "lists", "dict", "step_interval", "plateau", "onecycle", "half_epoch"]
 UNSYNCED_WARNING = "log('train_acc') aggregates over the epoch without sync_dist=True under 2 processes"
 
 
@@ -31,9 +31,11 @@ def run_both(tmp_path: Path, devices: int, forms: list[str]) -> dict[str, dict[s
     return results
 
 
-def as_here(calls: list[str]) -> list[str]:
+def as_here(calls: list[str], interval_validation: bool = False) -> list[str]:
     """Lightning's order with on_before_zero_grad moved from before the backward to after
-    on_before_optimizer_step (here the gradients are cleared once the optimizer has stepped)."""
+    on_before_optimizer_step (here the gradients are cleared once the optimizer has stepped); with
+    `interval_validation` (val_check_interval), a step's on_train_batch_end moved after the validation that
+    follows it (here that validation belongs to the step: its batch-end callbacks, a checkpoint, see it)."""
     out, held = [], []
     for name in calls:
         if name.endswith("on_before_zero_grad"):
@@ -44,12 +46,25 @@ def as_here(calls: list[str]) -> list[str]:
             out += held
             held = []
     assert not held
-    return out
+    if not interval_validation:
+        return out
+    moved, batch_end = [], []
+    for i, name in enumerate(out):
+        ends_a_step = name.endswith("on_train_batch_end")
+        if ends_a_step and "on_validation_model_eval" in out[i + 1 : i + 3]:
+            batch_end.append(name)
+            continue
+        moved.append(name)
+        if name == "on_validation_model_train" and batch_end:
+            moved += batch_end
+            batch_end = []
+    assert not batch_end
+    return moved
 
 
-def assert_same_run(lightning: dict, here: dict) -> None:
+def assert_same_run(lightning: dict, here: dict, interval_validation: bool = False) -> None:
     for phase in ("fit_calls", "validate_calls", "test_calls", "predict_calls"):
-        assert here[phase] == as_here(lightning[phase]), phase
+        assert here[phase] == as_here(lightning[phase], interval_validation and phase == "fit_calls"), phase
     assert [s["lr"] for s in here["steps"]] == pytest.approx([s["lr"] for s in lightning["steps"]], rel=1e-12)
     assert [(s["epoch"], s["step"]) for s in here["steps"]] == [
         (s["epoch"], s["step"]) for s in lightning["steps"]
@@ -77,7 +92,9 @@ def test_every_configure_optimizers_form_runs_as_under_lightning(tmp_path):
     results = run_both(tmp_path, 1, FORMS)
     for form in FORMS:
         (lightning,), (here,) = results["lightning"][form], results["trainer"][form]
-        assert_same_run(lightning, here)
+        assert_same_run(lightning, here, interval_validation=form == "half_epoch")
+    validations = {f: results["trainer"][f][0]["fit_calls"].count("on_validation_start") for f in FORMS}
+    assert validations["half_epoch"] - 1 == 2 * (validations["plain"] - 1) == 6  # twice an epoch, then sanity
     lrs = {form: {s["lr"] for s in results["trainer"][form][0]["steps"]} for form in FORMS}
     assert len(lrs["plain"]) == len(lrs["list"]) == 1  # no scheduler
     assert all(
@@ -101,16 +118,18 @@ def test_every_configure_optimizers_form_runs_as_under_lightning(tmp_path):
 
 @pytest.mark.slow
 def test_under_ddp_on_two_processes_each_rank_runs_as_under_lightning(tmp_path):
-    results = run_both(tmp_path, 2, ["plateau", "onecycle"])
-    for form in ("plateau", "onecycle"):
+    forms = ["plateau", "onecycle", "half_epoch"]
+    results = run_both(tmp_path, 2, forms)
+    for form in forms:
         for rank in range(2):
-            assert_same_run(results["lightning"][form][rank], results["trainer"][form][rank])
+            here, lightning = results["trainer"][form][rank], results["lightning"][form][rank]
+            assert_same_run(lightning, here, interval_validation=form == "half_epoch")
     first, second = results["trainer"]["onecycle"]
     # torchmetrics synced its states over the ranks; a value logged without sync_dist is each rank's own
     assert first["callback_metrics"]["val_accuracy"] == second["callback_metrics"]["val_accuracy"]
     assert first["callback_metrics"]["train_acc_epoch"] != second["callback_metrics"]["train_acc_epoch"]
     assert first["attrs"]["world_size"] == 2 and first["attrs"]["estimated_stepping_batches"] == 18
-    assert results["stderr"].count(UNSYNCED_WARNING) == 2  # once per fit (of the two forms), from rank 0
+    assert results["stderr"].count(UNSYNCED_WARNING) == 3  # once per fit (of the three forms), from rank 0
     ranks = results["trainer"]["plateau"]
     assert ranks[0]["weights"] == ranks[1]["weights"]  # replicas stayed in sync
     assert ranks[0]["steps"] != ranks[1]["steps"]  # on different halves of the data

@@ -7,7 +7,8 @@ A classifier with `save_hyperparameters`, `self.log(on_step, on_epoch, sync_dist
 reduce_fx)`, `log_dict`, torchmetrics metrics (a `Metric` called per batch, one only updated, a
 `MetricCollection` through `log_dict`), epoch-end hooks, a datamodule with `prepare_data` and
 `save_hyperparameters`, `configure_optimizers` in the return form FORM ("onecycle": OneCycleLR over
-`trainer.estimated_stepping_batches`), then fit, validate, test and predict through Lightning's keywords
+`trainer.estimated_stepping_batches`; "half_epoch": the plain form validating every half epoch,
+`val_check_interval=0.5`), then fit, validate, test and predict through Lightning's keywords
 (a DataModule passed positionally too), for each FORM in turn. DEVICES > 1 runs DDP on
 that many CPU processes. Each rank writes OUT/FORM/rank<R>.json: every hook call (module and a callback) in order, the learning rate
 and loss of every optimizer step, the logged metric series, `callback_metrics`, `logged_metrics`, the
@@ -162,7 +163,7 @@ class LitClassifier(LightningModule):
         sched = torch.optim.lr_scheduler
         form = self.hparams.form
         self.attrs["estimated_stepping_batches"] = self.trainer.estimated_stepping_batches
-        if form == "plain":
+        if form in ("plain", "half_epoch"):
             return opt
         if form == "list":
             return [opt]
@@ -250,6 +251,7 @@ def run(form: str, out: Path) -> None:
         accelerator="cpu", devices=DEVICES, strategy="ddp" if DEVICES > 1 else "auto", max_epochs=3,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         log_every_n_steps=1, default_root_dir=out, callbacks=[Recorder()],
+        **({"val_check_interval": 0.5} if form == "half_epoch" else {}),
     )  # fmt: skip
     trainer.fit(model, data)  # a DataModule where the loaders go: Lightning takes it as the datamodule
     fit_calls = list(CALLS)
