@@ -229,7 +229,12 @@ class ParallelStrategy(MeshStrategy):
         return self._parts.module
 
     def setup_module(self, module: nn.Module) -> nn.Module:
-        module = self.shard(module)
+        if self._sharded and self._parts is not None and self._parts.module is module:
+            # sharded by this strategy's earlier fit (test after fit): FSDP cannot shard a module twice, and
+            # its shards are the trained weights; only the step methods are registered again
+            self.context = self._parts.context
+        else:
+            module = self.shard(module)
         if not self._sharded:
             return module  # replicas: the optimizer state of "zero1" is sliced in setup_optimizer
         if any(p.is_meta for p in module.parameters()):
@@ -380,7 +385,8 @@ class ParallelStrategy(MeshStrategy):
         self.finish_checkpoint()
         for method in self._step_methods:  # drop the instance attributes that registration added
             vars(self._root).pop(method, None)
-        self._root, self._step_methods, self.pipeline, self._parts = None, [], None, None
+        # the parts stay: a later validate/test/predict of the same sharded module reuses them
+        self._root, self._step_methods, self.pipeline = None, [], None
         # DDP's reducer holds the process group; freed here, not by C++ destructors while Python shuts down
         self.model = None
         super().teardown()

@@ -128,6 +128,8 @@ def test_under_ddp_and_fsdp_on_two_processes_the_best_checkpoints_load_into_one_
     weights, state = read_checkpoint(best)  # here: one process, no process group
     assert state["hyper_parameters"] == ddp["loaded_hparams"]
     assert fsdp["best_k_models"].keys() == ddp["best_k_models"].keys()
+    # test(model, ckpt_path="best") of the module the FSDP fit sharded: the same numbers as under DDP
+    assert fsdp["test"] == pytest.approx(ddp["test"], abs=1e-5)
     for name, value in ddp["loaded_weights"].items():
         assert weights[name].flatten().tolist() == pytest.approx(value, abs=1e-5), name
         assert fsdp["loaded_weights"][name] == pytest.approx(value, abs=1e-5), name

@@ -135,8 +135,7 @@ def main() -> None:
         "final_weights": weights(model),
         "stopped_epoch": stopping.stopped_epoch,
         "csv": csv_columns(Path(trainer.logger.log_dir) / "metrics.csv"),
-        # a module FSDP already sharded is not sharded twice (torch's fully_shard): test a fresh one there
-        "test": trainer.test(model if STRATEGY != "fsdp" else LitAutoEncoder(), val, ckpt_path="best"),
+        "test": trainer.test(model, val, ckpt_path="best"),  # the fitted module (under FSDP: sharded)
     }
     best = LitAutoEncoder.load_from_checkpoint(checkpoint.best_model_path)
     record["loaded_hparams"] = dict(best.hparams)
