@@ -139,4 +139,4 @@ def _shard_experts(module: nn.Module, mesh: ParallelMesh, fsdp: FSDPOptions, dev
     experts = [layer.experts for layer in expert_modules(module)]  # a stage view: its own layers
     if experts and (dims.ep > 1 or dims.tp > 1):
         factor = float(dims.dp_replicate * dims.dp_shard * dims.cp)
-        apply_fsdp_to_experts(experts, mesh.mesh("expert"), fsdp, device, factor)
+        apply_fsdp_to_experts(experts, mesh.mesh("expert"), fsdp, device, factor, mesh.size("expert"))

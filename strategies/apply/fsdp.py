@@ -57,16 +57,17 @@ def apply_fsdp_to_experts(
     options: FSDPOptions,
     device: torch.device,
     divide_factor: float,
+    shards: int,
 ) -> None:
     """The experts of MoE layers as FSDP units of their own over the "expert" `mesh` (before their blocks
     take the rest). An expert's gradient sums the tokens of every ep rank, and the "expert" mesh holds the
     tp ranks that ep does not (their sequence shards, routed through replicated experts); so FSDP divides
     it by `divide_factor`, the data-parallel degree of the dense parameters (dp_replicate*dp_shard*cp),
     not by the size of the "expert" mesh: both then hold the gradient of the global mean loss (TorchTitan
-    does the same). Each weight is sharded on the dim `_expert_placement` picks. The gradient's divide
+    does the same). `shards`: the ranks of the mesh's shard dim (under HSDP the replicas hold copies). Each
+    weight is sharded on the dim `_expert_placement` picks. The gradient's divide
     factor, the norm (DTensor, over every mesh dim) and DCP (each shard's global offsets from its
     placements) do not depend on which dim that is."""
-    shards = mesh.size()  # FSDP's shard dim; under HSDP the replicas hold copies
     kwargs = options.kwargs(mesh, device)
     kwargs["shard_placement_fn"] = lambda param: _expert_placement(param, shards)
     for unit in experts:
