@@ -45,6 +45,18 @@ class ParallelOptions:
     microbatches: int = 1
     pp_layers_per_stage: list[int] | None = None
 
+    def __post_init__(self) -> None:
+        stages = {"ddp": (0,), "zero1": (1,), "fsdp": (2, 3)}.get(self.data_parallel)
+        if stages is None:
+            raise ValueError(
+                f"data_parallel={self.data_parallel!r} is unknown; allowed: {', '.join(DATA_PARALLEL)}"
+            )
+        if self.zero_stage not in stages:
+            raise ValueError(
+                f"zero_stage={self.zero_stage!r} does not fit data_parallel={self.data_parallel!r}; allowed: "
+                f"{' or '.join(map(str, stages))}"
+            )
+
     def n_stages(self, pp: int) -> int:
         """Pipeline stages over `pp` ranks: looped and V schedules hold more than one per rank."""
         return pp * SCHEDULES[self.pp_schedule]

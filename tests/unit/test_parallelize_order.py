@@ -10,6 +10,7 @@ import strategies.parallelize as parallelize_module
 from strategies import STRATEGIES, DDPStrategy, FSDPStrategy, MeshStrategy, Parallel3DStrategy, Strategy
 from strategies.memory_plan import plan_memory
 from strategies.parallel import ParallelStrategy
+from strategies.parallelize import ParallelOptions
 from trainer.models.causal_lm import CausalLM
 from trainer.models.llama import LlamaConfig
 
@@ -72,3 +73,10 @@ def test_the_presets_are_the_one_parallel_strategy_with_their_degrees():
     assert FSDPStrategy(zero_stage=1).options.data_parallel == "zero1"
     three = Parallel3DStrategy(tp=2, pp=2, microbatches=4)
     assert (three.tp, three.pp, three.options.microbatches, three.options.data_parallel) == (2, 2, 4, "fsdp")
+
+
+def test_options_that_do_not_fit_are_refused_in_one_line():
+    with pytest.raises(ValueError, match="data_parallel='zero2' is unknown; allowed: ddp, zero1, fsdp"):
+        ParallelOptions(data_parallel="zero2")
+    with pytest.raises(ValueError, match="zero_stage=1 does not fit data_parallel='fsdp'; allowed: 2 or 3"):
+        ParallelOptions(data_parallel="fsdp", zero_stage=1)
