@@ -61,16 +61,3 @@ class _AboveTheBar(logging.StreamHandler):
             tqdm.write(self.format(record), file=self.stream)
         except Exception:  # noqa: BLE001 - logging must never raise into the run (StreamHandler's rule)
             self.handleError(record)
-
-
-# the loggers moved to trainer.loggers; their old import path keeps working (read when first asked, so
-# that trainer.loggers can import the helpers above)
-_MOVED = ("Logger", "JSONLLogger", "TensorBoardLogger", "WandbLogger", "CSVLogger", "LOGGERS", "build_logger")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        from trainer import loggers
-
-        return getattr(loggers, name)
-    raise AttributeError(f"module 'trainer.logging' has no attribute {name!r}")

@@ -156,7 +156,7 @@ def test_dpo_recipe_raises_the_chosen_over_rejected_reward_margin(tmp_path):
 
     from helpers import run_cli
 
-    repo = SCRIPT.parents[1]
+    repo = SCRIPT.parents[2]
     root = tmp_path / "dpo"
     done = run_cli(
         "fit", str(repo / "recipes" / "hf_dpo_tiny.yaml"), f"trainer.default_root_dir={root}",

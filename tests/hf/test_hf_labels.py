@@ -31,7 +31,7 @@ from trainer.export import export_checkpoint
 from trainer.models.hf import HFModule
 
 WORDS = [f"w{i}" for i in range(40)]
-REPO = Path(__file__).parents[1]
+REPO = Path(__file__).parents[2]
 
 
 def texts(n: int, seed: int) -> list[str]:

@@ -8,7 +8,7 @@ import pytest
 from helpers import Regression, TinyLM, quiet, read_metrics, regression_loader, tiny_lm_loader
 
 from trainer import Trainer
-from trainer.logging import TensorBoardLogger  # the old import path keeps working
+from trainer.loggers import TensorBoardLogger
 
 
 def test_each_logged_step_has_loss_lr_grad_norm_and_speed(tmp_path):

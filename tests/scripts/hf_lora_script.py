@@ -22,7 +22,7 @@ from trainer import Trainer  # noqa: E402
 from trainer.data.hf_data import hf_dataloaders, load_hf_dataset  # noqa: E402
 from trainer.models.hf import HFModule  # noqa: E402
 
-DATA = Path(__file__).parents[1] / "recipes" / "data"
+DATA = Path(__file__).parents[2] / "recipes" / "data"
 LORA = {"r": 8, "lora_alpha": 16, "target_modules": ["query", "value"]}
 N_TRAIN, N_VAL, SEQ_LEN, BATCH = 192, 48, 32, 16
 

@@ -217,11 +217,11 @@ def _check_strategy(data: Any) -> dict[str, Any]:
 def _check_component(entry: Any, where: str, kind: str) -> dict[str, Any]:
     """A callback/logger entry as {class_path, init_args}; the class is imported and its args checked."""
     from callbacks.base import Callback
-    from trainer.logging import LOGGERS, Logger
+    from trainer.loggers import LOGGERS, Logger
 
     if isinstance(entry, str):
         if kind == "loggers" and entry in LOGGERS:
-            return {"class_path": f"trainer.logging.{LOGGERS[entry].__name__}", "init_args": {}}
+            return {"class_path": f"trainer.loggers.{LOGGERS[entry].__name__}", "init_args": {}}
         entry = {"class_path": entry}
     if not isinstance(entry, dict):
         raise ConfigError(f"{where} must be a name or {{class_path: ..., init_args: {{...}}}}; got {entry!r}")
