@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import json
 import os
 import re
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -242,8 +244,24 @@ class MeshStrategy(Strategy):
 
 
 def _record_for_torchelastic(err: BaseException) -> None:
-    """Under torchrun, write the error file its agent reads, so its failure summary shows this error."""
-    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
-        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+    """Under torchrun, write the error file its agent reads, so its failure summary shows this error.
 
-        ErrorHandler().record_exception(err)
+    Written whole or not at all (a temporary file renamed over it): the agent SIGTERMs the other ranks as
+    soon as one fails, and a rank stopped between opening the file and writing it left an empty file that
+    crashed the agent's summary (JSONDecodeError) instead of restarting the job."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {
+        "message": {  # the layout torch.distributed.elastic's ErrorHandler.record_exception writes
+            "message": f"{type(err).__name__}: {err}",
+            "extraInfo": {
+                "py_callstack": "".join(traceback.format_exception(err)),
+                "timestamp": str(int(time.time())),
+            },
+        }
+    }
+    partial = f"{path}.{os.getpid()}.partial"
+    with open(partial, "w") as file:
+        json.dump(data, file)
+    os.replace(partial, path)
