@@ -1,0 +1,67 @@
+"""What the planner knows of a run: the model's shapes, the layout of the world, the batch. Plain data, so the
+memory and step-time models read one description of a run and never build a model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ACTIVATION_CHECKPOINTING = ("none", "selective", "full")
+PRECISIONS = ("bf16", "fp32")  # bf16: bf16-mixed (fp32 master weights, bf16 compute); fp32: all fp32
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A Llama-style decoder: dense SwiGLU blocks, or MoE blocks when `n_experts` > 0."""
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int  # the SwiGLU hidden width of a dense block
+    tie_embeddings: bool = False
+    n_experts: int = 0  # routed experts per MoE block (0: dense)
+    top_k: int = 0  # experts each token is routed to
+    expert_ffn_dim: int = 0  # the hidden width of one expert
+    n_shared_experts: int = 0
+    capacity_factor: float | None = None  # None: dropless
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the world is cut: the mesh sizes (their product is the world) and how each technique is run."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1  # carved out of dp_shard x cp, as the strategies do
+    zero_stage: int = 3  # of the dp_shard dimension: 1, 2 or 3 (dp_shard 1: plain DDP over dp_replicate)
+    sequence_parallel: bool = False
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int = 1
+    activation_checkpointing: str = "none"
+    loss_chunk_tokens: int | None = (
+        None  # the loss fused with the output projection, this many tokens a chunk
+    )
+    precision: str = "bf16"
+    cpu_offload: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """The batch one rank sees per micro-batch, and the optimizer whose state it keeps."""
+
+    micro_batch: int  # sequences per micro-batch per data-parallel rank
+    seq_len: int
+    optimizer: str = "adamw"  # adamw: two fp32 states per element; sgd: none (momentum: one)
