@@ -17,6 +17,7 @@ from trainer.doctor.topology import NodeTopology
 NVLINK_GBPS = (("B200", 900.0), ("B100", 900.0), ("H200", 450.0), ("H100", 450.0), ("A100", 300.0))
 PCIE_GT_PER_LANE = {3: 8.0, 4: 16.0, 5: 32.0, 6: 64.0}
 INFINIBAND = Path("/sys/class/infiniband")
+GLOO = "no nominal rate: gloo moves tensors over TCP sockets through the CPU (loopback on one machine)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +43,7 @@ def pcie_rate(gen: int | None, width: int | None) -> float | None:
 def intra_node_rate(topology: NodeTopology | None, backend: str) -> LinkRate:
     """The link between GPUs of one node: NVLink where every pair has it, else the slowest PCIe link."""
     if backend == "gloo" or topology is None or not topology.gpus:
-        return LinkRate(None, "no nominal rate: gloo over the CPU's memory and loopback")
+        return LinkRate(None, GLOO)
     name = topology.gpus[0].name
     if topology.nvlink and nvlink_rate(name) is not None:
         return LinkRate(nvlink_rate(name), f"NVLink of {name}")
@@ -56,7 +57,7 @@ def intra_node_rate(topology: NodeTopology | None, backend: str) -> LinkRate:
 def inter_node_rate(backend: str, gpus_per_node: int, root: Path = INFINIBAND) -> LinkRate:
     """The network between nodes: the node's InfiniBand/RoCE ports' rates shared by its GPUs."""
     if backend == "gloo":
-        return LinkRate(None, "no nominal rate: gloo over TCP")
+        return LinkRate(None, GLOO)
     ports = sorted(root.glob("*/ports/*/rate")) if root.is_dir() else []
     gbits = []
     for port in ports:
