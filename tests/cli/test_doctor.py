@@ -9,6 +9,7 @@ import re
 from types import SimpleNamespace
 
 import pytest
+import torch
 from helpers import run_cli
 
 from trainer import cli
@@ -16,7 +17,7 @@ from trainer.doctor.hints import NodeFacts, env_hints
 from trainer.doctor.measure import Measurement
 from trainer.doctor.nominal import LinkRate, intra_node_rate
 from trainer.doctor.report import Findings, NodeReport, rates_file, text_report, warnings
-from trainer.doctor.topology import NodeProbe
+from trainer.doctor.topology import PCIE_PATHS, NodeProbe, load_nvml
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 ROW = re.compile(r"^  (\S+)\s+(\d+)\s+(\d+)\s+([\d.e+-]+)\s+([\d.e+-]+)\s+([\d.e+-]+)\s+(\S+)$")
@@ -124,7 +125,7 @@ class FakeNode:
 
     NVML_ERROR_INVALID_ARGUMENT, NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_NO_PERMISSION = 2, 3, 4
     NVML_ERROR_TIMEOUT, NVML_ERROR_FUNCTION_NOT_FOUND, NVML_ERROR_GPU_IS_LOST = 10, 13, 15
-    NVML_NVLINK_MAX_LINKS = 18
+    NVML_NVLINK_MAX_LINKS = 36
     NVML_TEMPERATURE_GPU, NVML_MEMORY_ERROR_TYPE_UNCORRECTED, NVML_VOLATILE_ECC = 0, 1, 0
     NVML_NVLINK_ERROR_DL_REPLAY, NVML_NVLINK_ERROR_DL_RECOVERY = 0, 1
     NVML_NVLINK_ERROR_DL_CRC_FLIT, NVML_NVLINK_ERROR_DL_CRC_DATA = 2, 3
@@ -255,6 +256,32 @@ def test_nvswitch_node_gets_the_nvlink_rate_and_a_hint_against_p2p_disable():
     assert "NCCL_P2P_DISABLE='1'  <- turns off NVLink peer-to-peer" in report
     assert "CUDA_VISIBLE_DEVICES='0,1,2,3,4,5,6,7'\n" in report + "\n"  # a good value gets no hint
     assert "NCCL_IB_HCA=(unset)" in report
+
+
+def test_the_fake_node_has_pynvml_names_and_values():
+    pynvml = pytest.importorskip("pynvml")
+    names = [n for n in vars(FakeNode) if n.startswith(("NVML_", "nvml"))]
+    assert [n for n in names if not hasattr(pynvml, n)] == []
+    constants = {n: getattr(FakeNode, n) for n in names if isinstance(getattr(FakeNode, n), int)}
+    assert {n: v for n, v in constants.items() if getattr(pynvml, n) != v} == {}
+    levels = ("INTERNAL", "SINGLE", "MULTIPLE", "HOSTBRIDGE", "NODE", "SYSTEM")
+    assert sorted(PCIE_PATHS) == [getattr(pynvml, f"NVML_TOPOLOGY_{level}") for level in levels]
+
+
+def test_the_real_nvml_reads_this_machine_or_fails_as_nvml_does():
+    """The path the doctor takes on a GPU node, with the real pynvml: here (no NVIDIA driver) NVML refuses to
+    start, which the doctor reports; on a GPU machine it reads every GPU."""
+    pynvml, why = load_nvml()
+    if pynvml is None:
+        pytest.skip(why)
+    try:
+        probe = NodeProbe(pynvml, "here")
+    except pynvml.NVMLError as err:
+        assert not torch.cuda.is_available(), f"NVML failed on a machine with CUDA: {err}"
+        return
+    topology = probe.read()
+    assert len(topology.gpus) >= torch.cuda.device_count() > 0
+    assert len(topology.links) == len(topology.gpus) * (len(topology.gpus) - 1) // 2
 
 
 # ---- the hints, on given facts ------------------------------------------------------------------------

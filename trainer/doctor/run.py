@@ -8,7 +8,6 @@ import json
 import os
 import socket
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -60,9 +59,9 @@ class _WorldStrategy(MeshStrategy):
         return self.dims if self.dims is not None else super().parallel_dims()
 
 
-def doctor(options: DoctorOptions, nvml: Any = None) -> str | None:
+def doctor(options: DoctorOptions) -> str | None:
     """Run the doctor in every process of the world (started here if none is running): rank zero's report,
-    None on the other ranks. `nvml`: a module with pynvml's names (default: pynvml if installed)."""
+    None on the other ranks. Bad options raise a one-line ValueError before any process starts."""
     cuda = torch.cuda.is_available()
     world = detect_world()
     devices = options.devices
@@ -76,22 +75,20 @@ def doctor(options: DoctorOptions, nvml: Any = None) -> str | None:
             f"--devices {devices} is invalid; allowed: 2 or more processes (a collective needs peers)"
         )
     strategy = _WorldStrategy(parse_mesh(options.mesh) if options.mesh else None)
-    strategy.configure(
-        "cuda" if cuda else "cpu", devices, num_nodes, Precision("32")
-    )  # a bad mesh fails here
+    # checks the mesh against the world too
+    strategy.configure("cuda" if cuda else "cpu", devices, num_nodes, Precision("32"))
     backend = "nccl" if cuda else "gloo"
     sizes = [parse_size(s) for s in (options.sizes or DEFAULT_SIZES[backend]).split(",") if s.strip()]
-    for name in ("warmup", "iters"):
+    for name, least in (("warmup", 0), ("iters", 1)):
         value = getattr(options, name)
-        if value is not None and (value < (0 if name == "warmup" else 1)):
-            raise ValueError(
-                f"--{name} {value} is invalid; allowed: an int >= {0 if name == 'warmup' else 1}"
-            )
+        if value is not None and value < least:
+            raise ValueError(f"--{name} {value} is invalid; allowed: an int >= {least}")
     check_gpus_per_node(options.gpus_per_node or devices, devices * num_nodes)
-    return strategy.launch(_run, strategy, options, sizes, nvml)
+    return strategy.launch(_run, strategy, options, sizes)
 
 
-def _run(strategy: _WorldStrategy, options: DoctorOptions, sizes: list[int], nvml: Any) -> str | None:
+def _run(strategy: _WorldStrategy, options: DoctorOptions, sizes: list[int]) -> str | None:
+    """In every rank: measure, gather each node's GPU side, and (rank zero) write the report."""
     strategy.setup_environment()
     world, device = strategy.world, strategy.root_device
     backend = dist.get_backend()
@@ -106,12 +103,14 @@ def _run(strategy: _WorldStrategy, options: DoctorOptions, sizes: list[int], nvm
     groups |= {layout.name: strategy.mesh.group(layout.name) for layout in dims}
     layouts = [whole, *split, *dims]
 
-    probe, why = None, "gloo on the CPU"
+    nvml, probe, why = None, None, "gloo on the CPU"
     local_zero = world.rank % gpus_per_node == 0  # one rank per node reads the node
     if device.type == "cuda" and local_zero:
-        nvml, why = (nvml, None) if nvml is not None else load_nvml()
-        if nvml is not None:
-            probe = NodeProbe(nvml, socket.gethostname())  # before the collectives: XIDs are seen from here
+        nvml, why = load_nvml()
+        try:  # before the collectives: XIDs are seen from here
+            probe = None if nvml is None else NodeProbe(nvml, socket.gethostname())
+        except nvml.NVMLError as err:  # no driver, no permission: the rest of the doctor still runs
+            why = f"NVML did not start: {err}"
 
     measurements = measure.measure_collectives(layouts, groups, sizes, device, warmup, iters)
     n, dtype, calls = MATMUL[device.type]
@@ -120,7 +119,11 @@ def _run(strategy: _WorldStrategy, options: DoctorOptions, sizes: list[int], nvm
 
     node = None
     if local_zero:
-        topology = probe.read() if probe is not None else None
+        topology = None
+        try:
+            topology = probe.read() if probe is not None else None
+        except nvml.NVMLError as err:
+            why = f"NVML could not read this node's GPUs: {err}"
         facts = hints.node_facts(
             nvlink=topology is not None and topology.nvlink,
             gpus=len(topology.gpus) if topology is not None else None,
@@ -128,7 +131,7 @@ def _run(strategy: _WorldStrategy, options: DoctorOptions, sizes: list[int], nvm
             nodes=world.world_size // gpus_per_node,
         )
         node = NodeReport(socket.gethostname(), topology, why, hints.env_hints(os.environ, facts))
-    nodes = [n for n in strategy.all_gather_object(node, group="world") if n is not None]
+    nodes = [found for found in strategy.all_gather_object(node, group="world") if found is not None]
     if world.rank != 0:
         return None
     findings = Findings(
