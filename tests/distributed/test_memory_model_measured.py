@@ -34,7 +34,8 @@ WORLD_2 = {
         Layout(pp=2, pp_microbatches=4, **FP32),
     ),
     "cp=2": ({"strategy": "parallel3d", "kwargs": {"cp": 2}}, Layout(cp=2, **FP32)),
-}  # ep=2 (MoE) is not here: the model predicts 10-17% below its measured peak (see /tmp/notes/memmodel.md)
+}  # ep=2 (MoE) is not here: the model predicts it 10-17% below its measured peak (buffers of the
+# token all-to-all that its rules do not count yet)
 WORLD_4 = {
     f"fsdp zero {stage}": (
         {"strategy": "fsdp", "kwargs": {"zero_stage": stage}},
