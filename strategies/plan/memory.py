@@ -6,9 +6,14 @@ of which tensors a rank holds (strategies/parallelize.py applies them; tensors.p
 
 The moments (a step's memory peaks at one of them):
 - "backward": the forward has finished, the backward starts at the loss: every saved activation of the
-  micro-batches in flight, the parameters as the forward left them gathered, and the loss's buffers.
-- "recompute": a checkpointed block re-runs its forward at the start of its backward.
+  micro-batches in flight, the parameters FSDP holds gathered then, and the loss's buffers.
+- "block backward": the last block's backward (recomputed first when checkpointed): the gradients made so
+  far and FSDP's working set (gathered units, unsharded gradients, the reduce-scatter's copy).
+- "pipeline backward" (pp with FSDP): the stage's parameters gathered and its gradients unsharded, held
+  across the step's micro-batches.
 - "optimizer": the backward is done: every gradient, the optimizer state and the step's temporaries.
+On the CPU the optimizer's temporaries are torch's per-tensor AdamW's (two fp32 copies of the largest
+tensor); CUDA's fused AdamW (trainer/fused_optim.py) has none, so there this moment is overestimated.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ class MemoryEstimate:
     transient: int  # the largest short-lived buffer at the peak
     transient_name: str  # what it is ("logits", "gathered FSDP units", ...)
     peak: int  # the most bytes live at once
-    moment: str  # when the peak is: "backward", "recompute" or "optimizer"
+    moment: str  # when the peak is: "backward", "block backward", "pipeline backward" or "optimizer"
     stage: int = 0  # the pipeline rank this is (the worst one)
 
     def line(self) -> str:

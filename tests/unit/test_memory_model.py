@@ -52,7 +52,7 @@ def test_one_process_peak_is_predicted_within_ten_percent(name, tmp_path):
 
 
 @pytest.mark.parametrize("preset", ["tiny", "moe-tiny", "1b"])
-def test_the_units_of_every_stage_hold_the_whole_model(preset):
+def test_the_units_hold_every_parameter_of_the_model(preset):
     config = LlamaConfig.preset(preset)
     shape, layout = shape_of(config), Layout()
     units = [block_unit(shape, layout, i) for i in range(shape.n_layers)]
