@@ -62,14 +62,21 @@ def per_rank_memory(shape: ModelShape, layout: Layout, run: RunShape) -> Estimat
     return Estimate(params, grads, optimizer, acts + logits)
 
 
-def install() -> None:
-    """Make `strategies.plan.memory.per_rank_memory` this estimate when the real module is absent."""
-    try:
-        import strategies.plan.memory  # noqa: F401
-    except ModuleNotFoundError:
-        module = types.ModuleType("strategies.plan.memory")
-        module.per_rank_memory = per_rank_memory
-        sys.modules["strategies.plan.memory"] = module
-        import strategies.plan as package
+def missing() -> bool:
+    """Whether strategies/plan/memory.py is absent (this estimate then stands in for it)."""
+    import importlib.util
 
-        package.memory = module
+    return importlib.util.find_spec("strategies.plan.memory") is None
+
+
+def as_module() -> types.ModuleType:
+    """This estimate as a module `strategies.plan.memory` (for sys.modules)."""
+    module = types.ModuleType("strategies.plan.memory")
+    module.per_rank_memory = per_rank_memory
+    return module
+
+
+def install() -> None:
+    """In a process the tests start: the estimate as strategies.plan.memory when that module is absent."""
+    if missing():
+        sys.modules["strategies.plan.memory"] = as_module()

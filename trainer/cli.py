@@ -156,7 +156,7 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
 
 def _plan(args: argparse.Namespace) -> int:
     """`trainer plan`: the table, the why-line, the overrides and the checkpoint interval."""
-    from strategies.plan.hardware import Rates, build_hardware, describe, parse_bytes
+    from strategies.plan.hardware import Rates, build_hardware, parse_bytes
     from trainer.config.plan_inputs import layout_overrides, override_args, plan_for
 
     try:
@@ -219,7 +219,7 @@ def _plan_lines(args: argparse.Namespace, plan, inputs, hardware) -> list[str]:
 def _checkpoint_line(args: argparse.Namespace, inputs, best) -> str:
     """Young/Daly's interval for the planned run: the save cost from the checkpoint's size (fp32 weights
     and AdamW state, 12 bytes a parameter, written by every node at --storage-gbps) and the MTBF."""
-    from strategies.plan.checkpoint_interval import llama3_mtbf_s, lost_fraction, young_daly_interval
+    from strategies.plan.checkpoint_interval import effective_fraction, llama3_mtbf_s, young_daly_interval
     from strategies.plan.step_time import dense_params, expert_params
 
     shape = inputs.shape
@@ -233,7 +233,7 @@ def _checkpoint_line(args: argparse.Namespace, inputs, best) -> str:
     return (
         f"checkpoint: save ~{save:.0f}s ({size / 1e9:.0f} GB over {nodes} node(s) at {args.storage_gbps:g} GB/s), "
         f"MTBF {mtbf / 3600:.1f}h ({source}): every {interval / 60:.0f} min = every_n_steps {steps} "
-        f"(Young/Daly sqrt(2 C MTBF)); {lost_fraction(interval, save, mtbf):.1%} of the run lost to saving and redoing"
+        f"(Young/Daly sqrt(2 C MTBF)); effective training time {effective_fraction(save, interval, mtbf):.1%}"
     )
 
 

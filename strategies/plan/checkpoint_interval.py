@@ -1,34 +1,52 @@
-"""How often to checkpoint, from the save cost and the failure rate: Young's interval sqrt(2 C MTBF) (Young
-1974; Daly 2006 shows it is the first-order optimum), and the share of the run it loses to saving and to
-the work redone after a failure. `trainer plan` prints it for the planned world; ModelCheckpoint(
-every_n_steps="auto") sets its interval with it from the measured save cost."""
+"""How often to checkpoint, from what a save costs and how often the job fails (Young 1974, "A first order
+approximation to the optimum checkpoint interval"; Daly 2006 refines it for large costs). One place: both
+`ModelCheckpoint(every_n_steps="auto")` and `trainer plan` use it.
+
+With a save of C seconds every T seconds of training and failures every M seconds on average (the job's
+MTBF: a node's MTBF over the number of nodes), a run loses C/T to saving and, per failure, the T/2 of work
+since the last save plus the restart R. The loss C/T + (T/2 + R)/M is least at T = sqrt(2 C M)."""
 
 from __future__ import annotations
 
 import math
+
+
+def young_daly_interval(save_cost_s: float, mtbf_s: float) -> float:
+    """Seconds of training between checkpoints that waste the least time: sqrt(2 * save_cost_s * mtbf_s)
+    (Young's first-order optimum, which Daly's higher-order one approaches while the save cost is small
+    against the MTBF)."""
+    _seconds("save_cost_s", save_cost_s)
+    _seconds("mtbf_s", mtbf_s, positive=True)
+    return math.sqrt(2.0 * save_cost_s * mtbf_s)
+
+
+def effective_fraction(save_cost_s: float, interval_s: float, mtbf_s: float, restart_s: float = 0.0) -> float:
+    """The projected share of wall time that trains, checkpointing every `interval_s` seconds of training:
+    1 - C/T - (T/2 + R)/M (first order, as the interval; 0 when the losses exceed the time)."""
+    _seconds("save_cost_s", save_cost_s)
+    _seconds("interval_s", interval_s, positive=True)
+    _seconds("mtbf_s", mtbf_s, positive=True)
+    _seconds("restart_s", restart_s)
+    return max(0.0, 1.0 - save_cost_s / interval_s - (interval_s / 2.0 + restart_s) / mtbf_s)
+
+
+def _seconds(name: str, value: float, positive: bool = False) -> None:
+    """A one-line ValueError unless `value` is a finite number of seconds >= 0 (> 0 if `positive`)."""
+    number = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if not number or value < 0 or (positive and value == 0):
+        raise ValueError(
+            f"{name}={value!r} is invalid; allowed: a finite number of seconds {'>' if positive else '>='} 0"
+        )
+
 
 # Llama 3's 54-day pre-training snapshot on 16,384 H100s had 466 job interruptions (419 unexpected, 47
 # planned; "The Llama 3 Herd of Models", 2024, section 3.3.4): one per ~2.8 hours for the whole job.
 LLAMA3_INTERRUPTIONS, LLAMA3_DAYS, LLAMA3_GPUS = 466, 54, 16384
 
 
-def young_daly_interval(save_cost_s: float, mtbf_s: float) -> float:
-    """The checkpoint interval (seconds) that loses least to saving and redoing: sqrt(2 * C * MTBF)."""
-    if not (save_cost_s > 0 and mtbf_s > 0):
-        raise ValueError(f"save_cost_s={save_cost_s!r}, mtbf_s={mtbf_s!r}: allowed: both positive seconds")
-    return math.sqrt(2 * save_cost_s * mtbf_s)
-
-
 def llama3_mtbf_s(gpus: int) -> float:
-    """The job's mean time between interruptions (seconds) at Llama 3's failure rate per GPU, scaled to
-    `gpus`: failures are independent per GPU, so the job's MTBF falls as 1 / gpus."""
+    """The job's mean time between interruptions (seconds) at Llama 3's rate per GPU, scaled to `gpus`:
+    failures independent per GPU, so a job's MTBF falls as 1 / gpus."""
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
         raise ValueError(f"gpus={gpus!r} is invalid; allowed: an int >= 1")
-    per_gpu = LLAMA3_DAYS * 86400 * LLAMA3_GPUS / LLAMA3_INTERRUPTIONS
-    return per_gpu / gpus
-
-
-def lost_fraction(interval_s: float, save_cost_s: float, mtbf_s: float) -> float:
-    """The share of wall time lost at `interval_s`, to first order: saving (C / interval) plus half an
-    interval redone per failure (interval / (2 MTBF)); the effective training time is the rest."""
-    return save_cost_s / interval_s + interval_s / (2 * mtbf_s)
+    return LLAMA3_DAYS * 86400 * LLAMA3_GPUS / LLAMA3_INTERRUPTIONS / gpus

@@ -17,6 +17,7 @@ from strategies.plan.step_time import StepTime, crosses_nodes, dense_params, exp
 # what a rank may fill of the device: the caching allocator's fragmentation and the CUDA context, NCCL's
 # buffers and the kernels' workspaces take the rest (PyTorch's memory notes: ~5-10% in practice)
 USABLE_MEMORY = 0.9
+TIE = 0.02  # predictions this close count as equal
 MICRO_BATCHES = (1, 2, 4, 8, 16)  # sequences per micro-batch tried: the larger the fewer FSDP gathers
 Memory = Callable[[ModelShape, Layout, RunShape], Any]  # -> an estimate with `.peak` in bytes
 
@@ -162,11 +163,13 @@ def search(shape: ModelShape, hardware: Hardware, world: int, seq_len: int, glob
             f"no layout of {world} GPUs fits in {hardware.device.memory_bytes / GB:.0f} GB per GPU (the smallest "
             f"needs {smallest / GB:.1f} GB); allowed: more GPUs, a larger --gpu-memory, or a shorter sequence"
         )
-    # within 0.1% the simpler layout wins, then fewer passes a step (each has overheads the model leaves
-    # out), then less memory
-    fits.sort(
-        key=lambda c: (-float(f"{c.time.tokens_per_s:.3g}"), _complexity(c.layout), _passes(c), c.peak_bytes)
-    )
+    fits.sort(key=lambda c: (-c.time.tokens_per_s, _complexity(c.layout), _passes(c), c.peak_bytes))
+    # within TIE of the fastest the simpler layout wins, then fewer passes a step (each has overheads the
+    # model leaves out), then less memory: the model is not that exact, and fewer dimensions fail less
+    close = [c for c in fits if c.time.tokens_per_s >= (1 - TIE) * fits[0].time.tokens_per_s]
+    winner = min(close, key=lambda c: (_complexity(c.layout), _passes(c), c.peak_bytes))
+    fits.remove(winner)
+    fits.insert(0, winner)
     return Plan(_best_per_layout(fits), tried, too_big, why(shape, fits[0], hardware, world))
 
 
@@ -247,9 +250,10 @@ def why(shape: ModelShape, best: Candidate, hardware: Hardware, world: int) -> s
     if L.ep > 1:
         reasons.append(f"ep={L.ep} spreads the {shape.n_experts} experts")
     if L.dp_shard > 1:
+        rest = "all" if L.dp_shard == world else "the remaining"
         need = "needs sharding" if states > 1 else "fits whole, sharded to save memory for the batch"
         reasons.append(
-            f"{'ZeRO-1' if L.zero_stage == 1 else f'FSDP (ZeRO-{L.zero_stage})'} over the remaining {L.dp_shard}: "
+            f"{'ZeRO-1' if L.zero_stage == 1 else f'FSDP (ZeRO-{L.zero_stage})'} over {rest} {L.dp_shard}: "
             f"the {size} weights' training state ({params * 16 / GB:.0f} GB) {need}"
         )
     elif L.dp_replicate > 1:

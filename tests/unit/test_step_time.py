@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from strategies.plan.checkpoint_interval import llama3_mtbf_s, lost_fraction, young_daly_interval
+from strategies.plan.checkpoint_interval import effective_fraction, llama3_mtbf_s, young_daly_interval
 from strategies.plan.hardware import GB, Device, Hardware, Link, Rates, build_hardware, parse_bytes
 from strategies.plan.search import search
 from strategies.plan.shapes import Layout, ModelShape, RunShape
@@ -21,7 +21,9 @@ SMALL = ModelShape(vocab_size=1000, dim=512, n_layers=8, n_heads=8, n_kv_heads=4
 def hand_params(s: ModelShape) -> int:
     """Every weight of a dense Llama, counted by hand: per block q,o (d x d) and k,v (d x d * K/H), three FFN
     matrices and two norms; the final norm, the embedding and the output."""
-    block = 2 * s.dim * s.dim + 2 * s.dim * s.dim * s.n_kv_heads // s.n_heads + 3 * s.dim * s.ffn_dim + 2 * s.dim
+    block = (
+        2 * s.dim * s.dim + 2 * s.dim * s.dim * s.n_kv_heads // s.n_heads + 3 * s.dim * s.ffn_dim + 2 * s.dim
+    )
     return s.n_layers * block + s.dim + 2 * s.vocab_size * s.dim
 
 
@@ -68,7 +70,9 @@ def test_ddp_all_reduce_is_the_ring_formula_and_fully_exposed_without_compute():
 
 def test_fsdp_gathers_twice_per_micro_batch_in_stage_3_once_in_stage_2_and_reduces_once():
     n, run = 8, RunShape(micro_batch=1, seq_len=128, accumulation=3)
-    one = (n - 1) / n * hand_params(SMALL) / (100.0 * GB)  # all-gather or reduce-scatter of all weights, 1 byte
+    one = (
+        (n - 1) / n * hand_params(SMALL) / (100.0 * GB)
+    )  # all-gather or reduce-scatter of all weights, 1 byte
     z3 = step_time(SMALL, Layout(dp_shard=n, zero_stage=3), run, hardware())
     z2 = step_time(SMALL, Layout(dp_shard=n, zero_stage=2), run, hardware())
     assert z3.comm_s["fsdp"] == pytest.approx(2 * 3 * 2 * one + 4 * one)  # bf16 gathers, fp32 reduce
@@ -90,7 +94,9 @@ def test_tensor_parallel_does_four_collectives_per_block_and_six_with_full_recom
     act = 2 * 128 * SMALL.dim * 2  # one micro-batch's activations in bf16
     rs_ag = 2 * (tp - 1) / tp * act / (100.0 * GB)  # sequence parallel: reduce-scatter + all-gather
     plain = step_time(SMALL, Layout(tp=tp, sequence_parallel=True), run, hardware())
-    full = step_time(SMALL, Layout(tp=tp, sequence_parallel=True, activation_checkpointing="full"), run, hardware())
+    full = step_time(
+        SMALL, Layout(tp=tp, sequence_parallel=True, activation_checkpointing="full"), run, hardware()
+    )
     assert plain.exposed_s["tp"] == pytest.approx(4 * SMALL.n_layers * rs_ag)
     assert full.exposed_s["tp"] == pytest.approx(6 * SMALL.n_layers * rs_ag)
 
@@ -176,8 +182,9 @@ def test_search_keeps_only_layouts_that_fit_and_ranks_by_tokens_per_s():
     hw = build_hardware("h100", 8, "ib-ndr", gpu_memory=40e9)
     shape = ModelShape(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=11008)
     plan = search(shape, hw, 8, 4096, 32, memory=weights_only)  # ~7B: 108 GB of state, fits only split
-    speeds = [float(f"{c.time.tokens_per_s:.3g}") for c in plan.ranked]  # within 0.1%: the simpler first
-    assert speeds == sorted(speeds, reverse=True)
+    speeds = [c.time.tokens_per_s for c in plan.ranked]
+    assert speeds[1:] == sorted(speeds[1:], reverse=True), "fastest first, after the winner"
+    assert speeds[0] >= 0.98 * max(speeds), "the winner is within 2% of the fastest (simpler on a near-tie)"
     assert all(c.peak_bytes <= 40e9 * 0.9 for c in plan.ranked) and plan.too_big > 0
     assert all(c.layout.dp_replicate < 8 for c in plan.ranked), "plain DDP holds 108 GB per GPU"
     with pytest.raises(ValueError, match="no layout of 2 GPUs fits in 40 GB per GPU"):
@@ -189,7 +196,7 @@ def test_young_daly_interval_and_llama3_failure_rate():
     assert llama3_mtbf_s(16384) == pytest.approx(54 * 86400 / 466)  # one interruption per ~2.8 h
     assert llama3_mtbf_s(8192) == pytest.approx(2 * llama3_mtbf_s(16384))
     best = young_daly_interval(60.0, 86400.0)
-    assert lost_fraction(best, 60.0, 86400.0) < lost_fraction(best / 2, 60.0, 86400.0)
-    assert lost_fraction(best, 60.0, 86400.0) < lost_fraction(best * 2, 60.0, 86400.0)
-    with pytest.raises(ValueError, match="allowed: both positive"):
-        young_daly_interval(0.0, 10.0)
+    assert effective_fraction(60.0, best, 86400.0) > effective_fraction(60.0, best / 2, 86400.0)
+    assert effective_fraction(60.0, best, 86400.0) > effective_fraction(60.0, best * 2, 86400.0)
+    with pytest.raises(ValueError, match="gpus=0 is invalid"):
+        llama3_mtbf_s(0)

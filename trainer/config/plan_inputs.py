@@ -52,12 +52,14 @@ def plan_inputs(config: dict[str, Any], world: int | None = None) -> PlanInputs:
     global_batch = data["global_batch_size"]
     if global_batch is None:
         if world is None:
-            devices = trainer["devices"]
-            if not isinstance(devices, int) or devices < 1:
-                raise ConfigError(
-                    f"trainer.devices={devices!r}: the plan needs the recipe's global batch; allowed: "
-                    "data.global_batch_size, or trainer.devices as a number"
+            from trainer import flags
+
+            try:
+                devices = flags.resolve_devices(
+                    trainer["devices"], flags.resolve_accelerator(trainer["accelerator"])
                 )
+            except ValueError as err:
+                raise ConfigError(f"trainer: {err}") from err
             world = devices * trainer["num_nodes"]
         global_batch = data["batch_size"] * world * trainer["accumulate_grad_batches"]
     precision = "bf16" if str(trainer["precision"]).startswith("bf16") else "fp32"
@@ -129,12 +131,15 @@ def override_args(config: dict[str, Any], overrides: dict[str, Any]) -> list[str
     return args
 
 
-def plan_for(config: dict[str, Any], world: int, hardware: Any, memory: Any = None) -> tuple[Any, PlanInputs]:
+def plan_for(
+    config: dict[str, Any], world: int, hardware: Any, memory: Any = None, recipe_world: int | None = None
+) -> tuple[Any, PlanInputs]:
     """The ranked layouts (strategies.plan.search.Plan) of a resolved recipe over `world` devices of
-    `hardware`; a ConfigError naming the problem when none fits."""
+    `hardware`, its global batch that of `recipe_world` processes (default: the recipe's); a ConfigError
+    naming the problem when none fits."""
     from strategies.plan.search import search
 
-    inputs = plan_inputs(config)
+    inputs = plan_inputs(config, recipe_world)
     try:
         plan = search(
             inputs.shape, hardware, world, inputs.seq_len, inputs.global_batch, inputs.precision,
@@ -169,7 +174,7 @@ def auto_layout(config: dict[str, Any], world: int, hardware: Any) -> tuple[dict
     overrides applied, and the line that says what was chosen and why."""
     from strategies.plan.search import layout_text, pass_size
 
-    plan, inputs = plan_for(config, world, hardware)
+    plan, inputs = plan_for(config, world, hardware, recipe_world=world)
     best = plan.best
     overrides = layout_overrides(config, best.layout, best.run, inputs.global_batch)
     line = (
