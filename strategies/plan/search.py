@@ -233,7 +233,8 @@ def why(shape: ModelShape, best: Candidate, hardware: Hardware, world: int) -> s
     # weights + gradients + AdamW in mixed precision: ~16 bytes per parameter (fp32 master, grads, 2 states)
     states = params * 16 / (hardware.device.memory_bytes * USABLE_MEMORY)
     reasons = []
-    size = f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.0f}M"
+    size = f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
+    state = f"{params * 16 / GB:.0f} GB" if params * 16 >= GB else f"{params * 16 / 1e6:.0f} MB"
     if L.tp > 1:
         reasons.append(
             f"tp={L.tp} inside the node (its per-block all-reduces need NVLink; it splits each block's "
@@ -254,7 +255,7 @@ def why(shape: ModelShape, best: Candidate, hardware: Hardware, world: int) -> s
         need = "needs sharding" if states > 1 else "fits whole, sharded to save memory for the batch"
         reasons.append(
             f"{'ZeRO-1' if L.zero_stage == 1 else f'FSDP (ZeRO-{L.zero_stage})'} over {rest} {L.dp_shard}: "
-            f"the {size} weights' training state ({params * 16 / GB:.0f} GB) {need}"
+            f"the {size} weights' training state ({state}) {need}"
         )
     elif L.dp_replicate > 1:
         reasons.append(f"DDP over {L.dp_replicate}: the {size} model's state fits on one GPU")
