@@ -1,8 +1,9 @@
-"""Strategy names used in recipes and `Trainer(strategy="...")`, mapped to their classes."""
+"""Strategy names used in recipes and `Trainer(strategy="...")`, mapped to their classes; and the one
+translation of a planned layout (strategies/plan) into a name and arguments."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from strategies.base import Strategy
 from strategies.ddp import DDPStrategy
@@ -10,6 +11,9 @@ from strategies.dp_sgd import DPSGDStrategy
 from strategies.fsdp import FSDPStrategy
 from strategies.parallel3d import Parallel3DStrategy
 from strategies.single import SingleDeviceStrategy
+
+if TYPE_CHECKING:
+    from strategies.plan.shapes import Layout
 
 STRATEGIES: dict[str, type[Strategy]] = {
     "single": SingleDeviceStrategy,
@@ -19,6 +23,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "dp_sgd": DPSGDStrategy,
 }
 NAMES = ("auto", *STRATEGIES)
+SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B"}  # plan -> pipeline
 
 
 def build_strategy(spec: str | Strategy, processes: int = 1, **kwargs: Any) -> Strategy:
@@ -31,3 +36,30 @@ def build_strategy(spec: str | Strategy, processes: int = 1, **kwargs: Any) -> S
     if not isinstance(spec, str) or spec not in STRATEGIES:
         raise ValueError(f"strategy={spec!r} is unknown; allowed: {', '.join(NAMES)} or a Strategy instance")
     return STRATEGIES[spec](**kwargs)
+
+
+def layout_spec(layout: Layout) -> dict[str, Any]:
+    """The strategy that runs a planned layout, as a recipe's strategy section (name + arguments): one
+    process "single", replicas only "ddp", a data-parallel-only sharded layout "fsdp", else "parallel3d".
+    Activation checkpointing is the Trainer flag's for single/ddp (their strategies take no such argument)."""
+    ac = None if layout.activation_checkpointing == "none" else layout.activation_checkpointing
+    L = layout
+    if L.world == 1:
+        return {"name": "single"}
+    if L.tp == L.pp == L.cp == L.ep == 1:
+        if L.dp_shard == 1:
+            return {"name": "ddp"}
+        return {
+            "name": "fsdp",
+            "zero_stage": L.zero_stage,
+            "replicate": L.dp_replicate,
+            "activation_checkpointing": ac,
+        }
+    spec: dict[str, Any] = {
+        "name": "parallel3d", "dp_replicate": L.dp_replicate, "dp_shard": L.dp_shard, "tp": L.tp, "pp": L.pp,
+        "cp": L.cp, "ep": L.ep, "sequence_parallel": L.sequence_parallel,
+        "zero_stage": L.zero_stage if L.zero_stage in (2, 3) else 3, "activation_checkpointing": ac,
+    }  # fmt: skip
+    if L.pp > 1:
+        spec.update(pp_schedule=SCHEDULE_NAMES[L.pp_schedule], microbatches=L.pp_microbatches)
+    return spec

@@ -67,3 +67,4 @@ class RunShape:
     micro_batch: int  # sequences per micro-batch per data-parallel rank
     seq_len: int
     optimizer: str = "adamw"  # adamw: two fp32 states per element; sgd: none (momentum: one)
+    accumulation: int = 1  # micro-batches accumulated per optimizer step (each a pipeline step when pp > 1)

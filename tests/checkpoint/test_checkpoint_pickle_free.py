@@ -26,6 +26,7 @@ from trainer.integrity import hash_file
 # the tiny recipe on 2 DDP ranks, 2 steps: a real sharded (DCP) checkpoint in about 10 s
 DDP = [
     *SMALL,
+    "strategy.name=ddp",  # named: strategy auto plans the layout (trainer/config/plan_inputs.py)
     "trainer.devices=2",
     "data.global_batch_size=8",
     "trainer.warmup_steps=1",

@@ -302,7 +302,10 @@ def test_devices_in_a_recipe_starts_that_many_processes(tmp_path, strategy):
 
 
 def test_global_batch_that_does_not_divide_is_refused_before_start(capsys):
-    assert main(["fit", str(TINY), "trainer.devices=4", "data.global_batch_size=10"]) == 2
+    # ddp named: strategy auto would plan a layout of 2 data-parallel ranks (x cp or pp) that 10 divides
+    assert (
+        main(["fit", str(TINY), "strategy.name=ddp", "trainer.devices=4", "data.global_batch_size=10"]) == 2
+    )
     assert (
         "data.global_batch_size=10 does not divide by 4 data-parallel ranks x accumulate_grad_batches=1"
         in capsys.readouterr().err

@@ -23,6 +23,8 @@ def build_run(config: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
     from trainer.module import TrainModule
     from trainer.trainer import Trainer
 
+    if config["strategy"]["name"] == "auto":
+        config = _planned(config)
     model, data, optim = config["model"], config["data"], config["optimizer"]
     trainer_args, strategy = dict(config["trainer"]), dict(config["strategy"])
     try:
@@ -221,6 +223,25 @@ def _micro_batch(data: dict[str, Any], trainer_args: dict[str, Any], readers: in
             f"accumulate_grad_batches={accumulate}; allowed: a multiple of {readers * accumulate}"
         )
     return total // (readers * accumulate)
+
+
+def _planned(config: dict[str, Any]) -> dict[str, Any]:
+    """`strategy: auto` of a Llama recipe over more than one process: the layout `trainer plan` would choose
+    for this world and hardware (trainer/config/plan_inputs.py), logged; other recipes keep the registry's
+    "auto" (single for one process, else DDP)."""
+    from trainer import flags
+    from trainer.config.plan_inputs import auto_layout, local_hardware
+    from trainer.logging import rank_zero_info
+
+    trainer_args, model = config["trainer"], config["model"]
+    world = _processes(trainer_args)
+    if world == 1 or model["class_path"] is not None or model["hf"] is not None:
+        return config
+    accelerator = flags.resolve_accelerator(trainer_args["accelerator"])
+    per_node = flags.resolve_devices(trainer_args["devices"], accelerator)
+    planned, line = auto_layout(config, world, local_hardware(accelerator, per_node))
+    rank_zero_info(line)
+    return planned
 
 
 def _processes(trainer_args: dict[str, Any]) -> int:

@@ -1,0 +1,138 @@
+"""How well the step-time model (strategies/plan/step_time.py) predicts measured speed: the tiny Llama on
+gloo in the layouts 1 process, DDP 2, FSDP 2, tp 2 and pp 2, each trained through `trainer fit` with the
+same global batch, against the model's tokens/s from the rates `trainer doctor --devices 2 --out F`
+measured in the same invocation (or `--rates FILE`). Printed side by side: the raw prediction (the doctor's
+matmul rate and busbw only) and one calibrated on the single-process run (the model's compute rate scaled
+so that one row matches: a small model's GEMMs, its elementwise work and Python run below a large matmul's
+rate), the error of each, and whether the ranking by predicted speed is the measured one.
+
+    python bench/plan_accuracy.py [--rates rates.json] [--steps 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from strategies.plan.hardware import Rates, measured_hardware  # noqa: E402
+from strategies.plan.shapes import Layout, RunShape  # noqa: E402
+from strategies.plan.step_time import step_time  # noqa: E402
+from trainer.config import load_recipe  # noqa: E402
+from trainer.config.plan_inputs import layout_overrides, override_args, plan_inputs  # noqa: E402
+
+RECIPE = REPO / "recipes" / "llama_tiny.yaml"
+BASE = ["model.vocab_size=258", "data.global_batch_size=16"]  # 257 (bytes + end) rounded up for tp=2
+SEQ, GLOBAL = 256, 16  # 16 sequences of 256 per optimizer step in every layout
+# (name, processes, layout, the run: micro-batch and accumulation)
+LAYOUTS = [
+    ("1 process", 1, Layout(precision="fp32"), RunShape(8, SEQ, accumulation=2)),
+    ("ddp 2", 2, Layout(dp_replicate=2, precision="fp32"), RunShape(8, SEQ)),
+    ("fsdp 2", 2, Layout(dp_shard=2, zero_stage=3, precision="fp32"), RunShape(8, SEQ)),
+    ("tp 2", 2, Layout(tp=2, sequence_parallel=True, precision="fp32"), RunShape(8, SEQ, accumulation=2)),
+    ("pp 2", 2, Layout(pp=2, pp_microbatches=2, precision="fp32"), RunShape(16, SEQ)),
+]
+
+
+def doctor_rates(out: Path) -> Path:
+    """`trainer doctor --devices 2 --out OUT`: the rates of this machine's gloo processes."""
+    cmd = [sys.executable, "-m", "trainer.cli", "doctor", "--devices", "2", "--out", str(out)]
+    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, cwd=out.parent)
+    if done.returncode != 0:
+        raise SystemExit(
+            f"trainer doctor failed ({done.returncode}): {done.stderr.strip().splitlines()[-1:]}"
+        )
+    return out
+
+
+def measured_tokens_per_s(
+    name: str, processes: int, layout: Layout, run: RunShape, root: Path, steps: int
+) -> float:
+    """Median global tokens/s of `trainer fit` in `layout` over the logged steps after the first five."""
+    config = load_recipe(RECIPE, BASE)
+    overrides = [
+        shlex.split(a)[0] for a in override_args(config, layout_overrides(config, layout, run, GLOBAL))
+    ]
+    cmd = [
+        sys.executable, "-m", "trainer.cli", "fit", str(RECIPE), *BASE, *overrides,
+        f"trainer.devices={processes}", f"data.seq_len={SEQ}", f"trainer.max_steps={steps}",
+        "trainer.warmup_steps=2", "trainer.log_every_n_steps=1", "trainer.val_check_interval=100000",
+        "trainer.val_at_start=false", "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false", "trainer.enable_checkpointing=false",
+        "callbacks=[]", f"trainer.default_root_dir={root}",
+    ]  # fmt: skip
+    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{name}: trainer fit failed: {done.stderr.strip().splitlines()[-1:]}")
+    rows = [json.loads(line) for line in (root / "logs" / "metrics.jsonl").read_text().splitlines()]
+    return statistics.median(
+        r["train/tokens_per_s"] for r in rows if "train/tokens_per_s" in r and r["step"] > 5
+    )
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+
+def _order(values: list[float]) -> list[int]:
+    return sorted(range(len(values)), key=lambda i: -values[i])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rates", type=Path, default=None, help="a rates file (default: run trainer doctor)")
+    parser.add_argument("--steps", type=int, default=30)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        source = "given" if args.rates else "trainer doctor --devices 2"
+        rates = Rates.read(args.rates or doctor_rates(Path(tmp) / "rates.json"))
+        shape = plan_inputs(load_recipe(RECIPE, [*BASE, f"data.seq_len={SEQ}"])).shape
+        measured = [
+            measured_tokens_per_s(name, n, layout, run, Path(tmp) / f"run{i}", args.steps)
+            for i, (name, n, layout, run) in enumerate(LAYOUTS)
+        ]
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    raw_hw = measured_hardware(rates, host / 2, gpus_per_node=2)
+    raw = [step_time(shape, layout, run, raw_hw) for _, _, layout, run in LAYOUTS]
+    # calibrated: the compute rate that makes the single process's prediction its measurement
+    efficiency = measured[0] / raw[0].tokens_per_s * raw[0].compute_s / raw[0].step_s
+    calibrated_hw = dataclasses.replace(
+        raw_hw, rates=dataclasses.replace(rates, matmul_tflops=rates.matmul_tflops * efficiency)
+    )
+    calibrated = [step_time(shape, layout, run, calibrated_hw) for _, _, layout, run in LAYOUTS]
+    print(
+        f"tiny Llama (vocab 258), {GLOBAL} x {SEQ} tokens per step, gloo, {os.cpu_count()} cores; rates from "
+        f"{source}: matmul {rates.matmul_tflops * 1e3:.1f} GFLOP/s per rank, all-reduce busbw "
+        f"{rates.intra_busbw_GBps:.2f} GB/s; calibration: compute at {efficiency:.2f} x the doctor's matmul rate"
+    )
+    print(
+        f"  {'layout':<10} {'measured':>10} {'raw':>10} {'err':>7} {'calibrated':>11} {'err':>7}  dominant (calibrated)"
+    )
+    for (name, *_), m, r, c in zip(LAYOUTS, measured, raw, calibrated, strict=True):
+        print(
+            f"  {name:<10} {m:>10,.0f} {r.tokens_per_s:>10,.0f} {r.tokens_per_s / m - 1:>+7.0%} "
+            f"{c.tokens_per_s:>11,.0f} {c.tokens_per_s / m - 1:>+7.0%}  {c.dominant}"
+        )
+    names = [name for name, *_ in LAYOUTS]
+    for label, predicted in (("raw", raw), ("calibrated", calibrated)):
+        p_order = _order([t.tokens_per_s for t in predicted])
+        m_order = _order(measured)
+        same = "matches" if p_order == m_order else "differs from"
+        worst = max(abs(t.tokens_per_s / m - 1) for t, m in zip(predicted, measured, strict=True))
+        print(
+            f"  {label}: worst error {worst:.0%} ({'within' if worst <= 0.25 else 'outside'} 25%); predicted "
+            f"ranking {' > '.join(names[i] for i in p_order)} {same} measured {' > '.join(names[i] for i in m_order)}"
+        )
+
+
+if __name__ == "__main__":
+    main()

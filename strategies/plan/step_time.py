@@ -1,0 +1,268 @@
+"""How long one optimizer step of a layout takes, from the model's shapes and the hardware's rates: the
+compute of a rank (FLOPs per token over the device's achievable rate), each technique's collectives (their
+bytes over the bus bandwidth of the link their group spans) and what of them the technique hides behind
+compute. A model of a rank in the steady state, to rank layouts and to say which cost dominates; it
+ignores kernel launch latencies and stragglers.
+
+Collective times follow nccl-tests' bus bandwidth: S bytes over n ranks take S * f / busbw, f = 2(n-1)/n
+for a ring all-reduce and (n-1)/n for an all-gather, reduce-scatter or all-to-all (S the gathered size).
+
+What overlaps, as the strategies run it:
+- FSDP (zero 2/3) gathers block i+1 while block i computes and reduce-scatters in the backward: only
+  what exceeds the compute, plus one block's worth at the ends, waits. Stage 3 gathers in the forward and
+  again in the backward of every micro-batch; stage 2 once per micro-batch (once per step under a
+  pipeline, whose stages keep parameters unsharded between micro-batches); gradients are reduce-scattered
+  once per step (the last micro-batch's backward).
+- DDP all-reduces buckets during the last micro-batch's backward; the last bucket waits. ZeRO-1 adds the
+  all-gather of the updated parameters after the optimizer step, which nothing hides.
+- Tensor, context and expert parallel collectives sit on the critical path of every block (not hidden);
+  the pipeline's bubble is (p-1)/m of a stage's work for GPipe and 1F1B, (p-1)/(v m) interleaved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from strategies.plan.hardware import Hardware
+from strategies.plan.shapes import Layout, ModelShape, RunShape
+
+WORLD_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # strategies/parallel_dims.py: pp outermost
+STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}  # v of the interleaved schedule
+DDP_BUCKET_BYTES = 25e6  # DistributedDataParallel's bucket_cap_mb default: the bucket that waits
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """One optimizer step of one rank: compute, each technique's communication (its whole time, and the
+    part of it that the step waits for), the step, and what the world gets from it."""
+
+    compute_s: float
+    comm_s: dict[str, float] = field(default_factory=dict)  # technique -> seconds on the wire
+    exposed_s: dict[str, float] = field(default_factory=dict)  # technique -> seconds the step waits
+    step_s: float = 0.0
+    tokens_per_step: int = 0  # over the whole world
+    tokens_per_s: float = 0.0
+    mfu: float = 0.0  # model FLOPs (no recompute) per second over the world's peak
+    dominant: str = "compute"
+
+    def line(self) -> str:
+        """One line: the step, tokens/s, MFU and each cost that shows."""
+        parts = [f"compute {self.compute_s:.3g}s"] + [
+            f"{name} {seconds:.3g}s" for name, seconds in self.exposed_s.items() if seconds > 0
+        ]
+        return (
+            f"step {self.step_s:.3g}s ({', '.join(parts)}), {self.tokens_per_s:,.0f} tokens/s, "
+            f"MFU {self.mfu:.1%}, dominant: {self.dominant}"
+        )
+
+
+# ---- the model's sizes, from its shapes (the same counts as trainer/models/llama.py) ----------------------
+def attention_params(shape: ModelShape) -> int:
+    """wq, wk, wv, wo of one block."""
+    return shape.dim * shape.head_dim * (2 * shape.n_heads + 2 * shape.n_kv_heads)
+
+
+def expert_params(shape: ModelShape) -> int:
+    """The routed experts' weights of the whole model (0 for a dense model)."""
+    return shape.n_layers * shape.n_experts * 3 * shape.dim * shape.expert_ffn_dim
+
+
+def dense_params(shape: ModelShape) -> int:
+    """Every weight but the routed experts': blocks, router, shared experts, embedding and output."""
+    if shape.n_experts:
+        ffn = shape.dim * shape.n_experts + 3 * shape.dim * shape.expert_ffn_dim * shape.n_shared_experts
+    else:
+        ffn = 3 * shape.dim * shape.ffn_dim
+    norms = shape.n_layers * 2 * shape.dim + shape.dim
+    embeddings = shape.vocab_size * shape.dim * (1 if shape.tie_embeddings else 2)
+    return shape.n_layers * (attention_params(shape) + ffn) + embeddings + norms
+
+
+def flops_per_token(shape: ModelShape, seq_len: int) -> float:
+    """Training FLOPs per token, PaLM's 6N + 12 L H hd T as `Llama.flops_per_token`: N the matmul weights a
+    token passes through (top_k routed and the shared experts of a MoE block; the output projection even
+    when tied), the second term attention's QK^T and AV over the full T x T scores."""
+    if shape.n_experts:
+        ffn = shape.dim * shape.n_experts + 3 * shape.dim * shape.expert_ffn_dim * (
+            shape.top_k + shape.n_shared_experts
+        )
+    else:
+        ffn = 3 * shape.dim * shape.ffn_dim
+    n_matmul = shape.n_layers * (attention_params(shape) + ffn) + shape.dim * shape.vocab_size
+    return 6 * n_matmul + 12 * shape.n_layers * shape.n_heads * shape.head_dim * seq_len
+
+
+def recompute_flops_per_token(shape: ModelShape, seq_len: int, mode: str) -> float:
+    """What activation checkpointing adds: full recomputes each block's forward (a third of its 6N + 12LHhdT),
+    selective only attention's score products (a third of 12 L H hd T)."""
+    attention = 12 * shape.n_layers * shape.n_heads * shape.head_dim * seq_len
+    if mode == "full":
+        return (flops_per_token(shape, seq_len) - 6 * shape.dim * shape.vocab_size) / 3
+    if mode == "selective":
+        return attention / 3
+    return 0.0
+
+
+# ---- which link a group spans ------------------------------------------------------------------------
+def _stride(layout: Layout, dim: str) -> int:
+    inner = WORLD_DIMS[WORLD_DIMS.index(dim) + 1 :]
+    stride = 1
+    for d in inner:
+        stride *= getattr(layout, d)
+    return stride
+
+
+def crosses_nodes(stride: int, size: int, gpus_per_node: int) -> bool:
+    """Whether a group of `size` ranks `stride` apart leaves a node of `gpus_per_node` consecutive ranks
+    (its ring then runs at the inter-node rate: the slowest hop sets a ring's pace)."""
+    return stride * size > gpus_per_node
+
+
+def _seconds(hw: Hardware, op: str, group: str, nbytes: float, n: int, inter: bool) -> float:
+    """One collective of `nbytes` (the full buffer: all-reduce's, the gathered all-gather's) over `n` ranks."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    factor = 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
+    return nbytes * factor / hw.busbw(op, group, nbytes, inter)
+
+
+def step_time(shape: ModelShape, layout: Layout, run: RunShape, hardware: Hardware) -> StepTime:
+    """The predicted time of one optimizer step of `layout` on `hardware` (see the module's docstring)."""
+    hw, L = hardware, layout
+    gpn = hw.gpus_per_node
+    pp, tp, cp, ep = L.pp, L.tp, L.cp, L.ep
+    dp = L.dp_replicate * L.dp_shard
+    # run.micro_batch is the batch of one accumulation step per data-parallel rank; a pipeline cuts it into
+    # pp_microbatches micro-batches (as Parallel3DStrategy's `microbatches` does the loader's batch)
+    cuts = L.pp_microbatches if pp > 1 else 1
+    micro = run.accumulation * cuts  # forward-backward passes a rank runs per step
+    seqs = run.micro_batch / cuts  # sequences of each pass
+    tokens_replica = run.micro_batch * run.seq_len * run.accumulation  # one data-parallel rank's, per step
+    act_bytes = 2 if L.precision == "bf16" else 4
+    param_bytes = 2 if L.precision == "bf16" else 4  # what FSDP gathers: its compute dtype
+    grad_bytes = 4  # reduced in fp32 (reduce_dtype) under bf16-mixed, and in fp32 under fp32
+    blocks = shape.n_layers / pp  # this rank's, of every micro-batch
+
+    # compute: this rank's share of its replica's tokens (tp, cp split each token's work; pp its blocks)
+    fpt = flops_per_token(shape, run.seq_len)
+    work = fpt + recompute_flops_per_token(shape, run.seq_len, L.activation_checkpointing)
+    rate = hw.flops_per_s * (hw.device.fp32_ratio if L.precision == "fp32" and hw.rates is None else 1.0)
+    compute = tokens_replica * work / (tp * pp * cp) / rate
+    backward_share = (2 + (1 if L.activation_checkpointing == "full" else 0)) / (
+        3 + (1 if L.activation_checkpointing == "full" else 0)
+    )
+
+    comm: dict[str, float] = {}
+    exposed: dict[str, float] = {}
+    # tensor parallel: 2 all-reduces (SP: reduce-scatter + all-gather, the same bytes) per block in the
+    # forward, 2 in the backward, 2 more when full AC reruns the forward; on every block's critical path
+    if tp > 1:
+        inter = crosses_nodes(1, tp, gpn)
+        tokens = seqs * run.seq_len / cp
+        s = tokens * shape.dim * act_bytes
+        if L.sequence_parallel:
+            one = _seconds(hw, "reduce_scatter", "tp", s, tp, inter) + _seconds(
+                hw, "all_gather", "tp", s, tp, inter
+            )
+        else:
+            one = _seconds(hw, "all_reduce", "tp", s, tp, inter)
+        per_block = 4 + (2 if L.activation_checkpointing == "full" else 0)
+        comm["tp"] = exposed["tp"] = one * per_block * blocks * micro
+    # context parallel: each block all-gathers K and V of the whole sequence (again in the backward and in a
+    # recompute) and reduce-scatters their gradients
+    if cp > 1:
+        inter = crosses_nodes(_stride(L, "cp"), cp, gpn)
+        kv = 2 * seqs * run.seq_len * shape.n_kv_heads * shape.head_dim * act_bytes / tp
+        gathers = 2 + (1 if L.activation_checkpointing == "full" else 0)
+        one = gathers * _seconds(hw, "all_gather", "cp", kv, cp, inter) + _seconds(
+            hw, "reduce_scatter", "cp", kv, cp, inter
+        )
+        comm["cp"] = exposed["cp"] = one * blocks * micro
+    # expert parallel: dispatch and combine all-to-alls of each routed token's top_k copies, in the forward,
+    # the backward and a full recompute
+    if ep > 1 and shape.n_experts:
+        inter = crosses_nodes(1, ep, gpn)  # the ep ranks are the innermost of dp_shard x cp x tp
+        tokens = seqs * run.seq_len / (cp * tp)
+        s = tokens * shape.top_k * shape.dim * act_bytes
+        per_block = 4 + (2 if L.activation_checkpointing == "full" else 0)
+        comm["ep"] = exposed["ep"] = (
+            per_block * _seconds(hw, "all_to_all", "ep", s * ep, ep, inter) * blocks * micro
+        )
+
+    # data parallel over what is left
+    dense_rank = dense_params(shape) / (tp * pp)
+    expert_rank = expert_params(shape) / (pp * ep)
+    shard = L.dp_shard * cp  # FSDP shards over the "dense" view: dp_shard x cp
+    if L.dp_shard > 1 or (cp > 1 and L.zero_stage >= 2):
+        inter = crosses_nodes(_stride(L, "cp") if cp > 1 else _stride(L, "dp_shard"), shard, gpn)
+        params = dense_rank + expert_rank  # experts shard over the expert mesh: about the same ranks
+        if L.zero_stage == 1:
+            reduce = _seconds(hw, "all_reduce", "dense", params * grad_bytes, shard, inter)
+            gather = _seconds(
+                hw, "all_gather", "dense", params * 4, shard, inter
+            )  # fp32 slices after the step
+            comm["zero1"] = reduce + gather
+            last_backward = compute * backward_share / micro
+            exposed["zero1"] = max(0.0, reduce - last_backward) + gather
+        else:
+            # per block and micro-batch: the forward gathers it (stage 2: only the micro-batches that find
+            # it resharded), the backward gathers it again (stage 3) and, in the step's last micro-batch,
+            # reduce-scatters its gradients; block i+1's transfer hides behind block i's compute
+            unit = params / max(blocks, 1)
+            gather = _seconds(hw, "all_gather", "dense", unit * param_bytes, shard, inter)
+            reduce = _seconds(hw, "reduce_scatter", "dense", unit * grad_bytes, shard, inter)
+            if L.dp_replicate > 1:  # HSDP: the shards' gradients all-reduced over the replicas
+                inter_r = crosses_nodes(_stride(L, "dp_replicate"), L.dp_replicate, gpn)
+                reduce += _seconds(
+                    hw, "all_reduce", "dp_replicate", unit * grad_bytes / shard, L.dp_replicate, inter_r
+                )
+            forward_gathers = micro if L.zero_stage == 3 or pp == 1 else 1
+            backward_gathers = micro if L.zero_stage == 3 else 0
+            fwd_block = compute * (1 - backward_share) / (micro * max(blocks, 1))
+            bwd_block = compute * backward_share / (micro * max(blocks, 1))
+            waits = blocks * (
+                forward_gathers * max(0.0, gather - fwd_block)
+                + max(0, backward_gathers - 1) * max(0.0, gather - bwd_block)
+                + max(0.0, reduce + (gather if backward_gathers else 0.0) - bwd_block)
+            )
+            comm["fsdp"] = blocks * (gather * (forward_gathers + backward_gathers) + reduce)
+            exposed["fsdp"] = waits + gather + reduce  # the first gather and the last reduce-scatter
+    elif L.dp_replicate > 1:  # DDP: one all-reduce of the gradients, in buckets during the last backward
+        inter = crosses_nodes(_stride(L, "dp_replicate"), L.dp_replicate, gpn)
+        size = (dense_rank + expert_rank) * grad_bytes  # DDP keeps fp32 parameters and gradients
+        reduce = _seconds(hw, "all_reduce", "dp_replicate", size, L.dp_replicate, inter)
+        bucket = _seconds(
+            hw, "all_reduce", "dp_replicate", min(size, DDP_BUCKET_BYTES), L.dp_replicate, inter
+        )
+        comm["ddp"] = reduce
+        last_backward = compute * backward_share / micro
+        exposed["ddp"] = max(0.0, reduce - last_backward) + bucket
+
+    # pipeline: the bubble idles a stage for (p-1)/(v m) of its work; activations cross each boundary
+    if pp > 1:
+        v = STAGES_PER_RANK[L.pp_schedule]
+        busy = compute + exposed.get("tp", 0.0) + exposed.get("cp", 0.0) + exposed.get("ep", 0.0)
+        exposed["pp bubble"] = busy * (pp - 1) / (v * L.pp_microbatches)
+        inter = crosses_nodes(_stride(L, "pp"), pp, gpn)
+        s = seqs * run.seq_len / cp * shape.dim * act_bytes / (tp if L.sequence_parallel else 1)
+        bw = (hw.inter if inter else hw.intra).busbw_GBps * 1e9
+        comm["pp p2p"] = exposed["pp p2p"] = (
+            2 * v * micro * s / bw
+        )  # an activation forward, its gradient back
+
+    step = compute + sum(exposed.values())
+    tokens = tokens_replica * dp
+    # MFU against the measured matmul rate when there is one (a CPU has no datasheet peak), else the peak
+    peak = hw.rates.matmul_tflops * 1e12 if hw.rates is not None else hw.device.bf16_tflops * 1e12
+    world = L.world
+    costs = {"compute": compute, **exposed}
+    return StepTime(
+        compute_s=compute,
+        comm_s=comm,
+        exposed_s=exposed,
+        step_s=step,
+        tokens_per_step=int(tokens),
+        tokens_per_s=tokens / step,
+        mfu=tokens / step * fpt / (world * peak),
+        dominant=max(costs, key=costs.get),
+    )
