@@ -97,13 +97,21 @@ def main(argv: list[str] | None = None) -> int:
         description="Run torchft's lighthouse until SIGINT/SIGTERM; its first line of output is the "
         "address the replica groups join (FaultTolerance(lighthouse=...)).",
     )
-    lighthouse.add_argument("--bind", required=True, help="host:port to listen on (port 0: one the system picks)")
+    lighthouse.add_argument(
+        "--bind", required=True, help="host:port to listen on (port 0: one the system picks)"
+    )
     lighthouse.add_argument("--min-replicas", type=int, default=1, help="groups a quorum needs (default 1)")
     lighthouse.add_argument(
-        "--heartbeat-timeout-ms", type=int, default=5000, help="a silent group is dead after this (default 5000)"
+        "--heartbeat-timeout-ms",
+        type=int,
+        default=5000,
+        help="a silent group is dead after this (default 5000)",
     )
     lighthouse.add_argument(
-        "--join-timeout-ms", type=int, default=60000, help="a quorum waits this long for late groups (default 60000)"
+        "--join-timeout-ms",
+        type=int,
+        default=60000,
+        help="a quorum waits this long for late groups (default 60000)",
     )
     args = _parse(parser, argv)
     configure_console_logging()
@@ -111,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         from trainer.fault_tolerance.lighthouse import run_lighthouse  # torchft only when asked for
 
         try:
-            return run_lighthouse(args.bind, args.min_replicas, args.heartbeat_timeout_ms, args.join_timeout_ms)
+            return run_lighthouse(
+                args.bind, args.min_replicas, args.heartbeat_timeout_ms, args.join_timeout_ms
+            )
         except (ImportError, ValueError) as err:
             print(f"trainer: error: {err}", file=sys.stderr)
             return 2

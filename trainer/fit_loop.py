@@ -127,7 +127,8 @@ class FitLoop:
         trainer, s, module, val_loader = self.trainer, self.trainer.state, self.module, self.val_loader
         iterator = self.train_batches.begin(s.epoch, s.batches_in_epoch)
         while not self.done():
-            if self.replicas is not None and self.replicas.start_step():  # a peer's state: read on from its position
+            # fault tolerance: this step's quorum; a group that took a peer's state reads on from its position
+            if self.replicas is not None and self.replicas.start_step():
                 iterator = self.train_batches.begin(s.epoch, s.batches_in_epoch)
             remaining = None if epoch_len is None else epoch_len - s.batches_in_epoch
             started = time.perf_counter()

@@ -2,7 +2,7 @@
 `python tests/scripts/ft_script.py --lighthouse HOST:PORT --replica-id I --root DIR --out FILE`. It trains the
 tests' Regression model with SGD and appends one line per step to ROOT/steps.jsonl (the step, whether it
 committed, the participants, the data position, a hash of the parameters). `--kills` schedules this group's
-own SIGKILLs, one per attempt (`--attempt`, which the test's relaunch counts): each at a step offset from the
+own SIGKILLs, one per attempt (`--restarts K` relaunches it up to K times, see `relaunch`): each at a step offset from the
 attempt's first step, at the start of the step, during the gradient all-reduce, or after the commit. Both
 groups stop `--after-rejoin` steps after the group rejoined for the last time: the survivor knows it by
 the other group's drops out of the quorum (the test starts the other group only after the survivor's first
@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -66,7 +67,7 @@ class Drill(Callback):
             self.first_step = step
             if self.final:  # the killed group's last attempt: it rejoins now
                 self.rejoined_at = step
-        drops = sum(1 for a, b in zip(self.seen, self.seen[1:]) if a > b)
+        drops = sum(1 for a, b in zip(self.seen[:-1], self.seen[1:], strict=True) if a > b)
         if self.seen and self.seen[-1] < n and drops == self.kills and self.rejoined_at is None:
             self.rejoined_at = step  # the survivor: the killed group is back for the last time
         self.seen.append(n)
@@ -76,15 +77,9 @@ class Drill(Callback):
             where = self.kill[1]
             if where == "start":
                 die()
-            if where == "allreduce":  # die once this group's part of the gradient all-reduce is under way
-                pg, allreduce = replicas.pg, replicas.pg.allreduce
-
-                def allreduce_then_die(*a, **kw):
-                    work = allreduce(*a, **kw)
-                    die()
-                    return work
-
-                pg.allreduce = allreduce_then_die
+            if where == "allreduce":  # die in place of this group's part of the gradient all-reduce: the
+                # survivor is in (or enters) its all-reduce with a dead peer
+                replicas.pg.allreduce = lambda *a, **kw: die()
 
     def on_train_batch_end(self, trainer, module, outputs):
         row = {
@@ -97,31 +92,20 @@ class Drill(Callback):
         }
         self.log.write(json.dumps(row) + "\n")
         self.log.flush()
-        if self.kill is not None and self.kill[1] == "end" and trainer.global_step - 1 - self.first_step == int(self.kill[0]):
+        if (
+            self.kill is not None
+            and self.kill[1] == "end"
+            and trainer.global_step - 1 - self.first_step == int(self.kill[0])
+        ):
             die()
         if self.rejoined_at is not None and trainer.global_step >= self.rejoined_at + self.args.after_rejoin:
             trainer.should_stop = True
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--lighthouse", required=True)
-    p.add_argument("--replica-id", type=int, required=True)
-    p.add_argument("--killed", type=int, default=1)  # the group --kills applies to
-    p.add_argument("--kills", default="")  # "offset@where,..." (where: start, allreduce, end), one per attempt
-    p.add_argument("--attempt", type=int, default=0)
-    p.add_argument("--after-rejoin", type=int, default=5)
-    p.add_argument("--step-sleep", type=float, default=0.0)
-    p.add_argument("--max-steps", type=int, default=100000)  # a bound; the drill stops the groups itself
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--root", required=True)
-    p.add_argument("--out", required=True)
-    args = p.parse_args()
-    torch.set_num_threads(1)
+def train(args: argparse.Namespace) -> None:
+    """One attempt of this group: a fit until the drill stops it (or it is killed)."""
     torch.manual_seed(args.seed)
     module = Regression(lr=LR, optimizer="sgd")
-    Path(args.root).mkdir(parents=True, exist_ok=True)
-    drill = Drill(args)
     trainer = Trainer(
         max_steps=args.max_steps,
         seed=args.seed,
@@ -130,14 +114,91 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         log_every_n_steps=1,
-        callbacks=[drill],
+        callbacks=[Drill(args)],
         fault_tolerance=FaultTolerance(
-            lighthouse=args.lighthouse, replica_id=args.replica_id, replicas=2, timeout_s=20, quorum_timeout_s=60
+            lighthouse=args.lighthouse,
+            replica_id=args.replica_id,
+            replicas=2,
+            timeout_s=20,
+            quorum_timeout_s=60,
         ),
     )
     trainer.fit(module, regression_loader(batch_size=BATCH, n=N))
     result = {"params": [p.detach().tolist() for p in module.parameters()], "hash": params_hash(module)}
     Path(args.out).write_text(json.dumps(result))
+
+
+def relaunch(args: argparse.Namespace) -> None:
+    """Run attempt after attempt, each a fresh process forked from this one (which only imported), until one
+    ends by itself; each attempt's exit status goes to ROOT/attempts.json. A restart that costs a fork
+    instead of Python's and torch's start-up, so that the test can afford many. The first attempt starts
+    once the survivor (whose step log is `--wait-for`) took a step; each next one once the survivor
+    committed a step alone after this group's last one: every outage is seen by the survivor."""
+    mine = Path(args.root) / "steps.jsonl"
+    statuses: list[int] = []
+    for attempt in range(args.restarts + 1):
+        if attempt == 0:
+            wait_for_row(Path(args.wait_for), lambda row: True)
+        else:
+            last = max(json.loads(line)["step"] for line in mine.read_text().splitlines())
+            wait_for_row(
+                Path(args.wait_for),
+                lambda row, last=last: row["step"] > last and row["committed"] and row["replicas"] == 1,
+            )
+        pid = os.fork()
+        if pid == 0:
+            args.attempt, code = attempt, 1
+            try:
+                train(args)
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stderr.flush()
+                os._exit(code)  # the child never returns into the relaunch loop
+        statuses.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+        (Path(args.root) / "attempts.json").write_text(json.dumps(statuses))
+        if statuses[-1] != -signal.SIGKILL:
+            break
+    raise SystemExit(0 if statuses[-1] == 0 else 1)
+
+
+def wait_for_row(log: Path, wanted, timeout: float = 120.0) -> None:
+    """Until a row of the step log `log` is `wanted` (polling the file, with a deadline)."""
+    deadline = time.monotonic() + timeout
+    while not (
+        log.exists()
+        and any(wanted(json.loads(line)) for line in log.read_text().splitlines() if line.endswith("}"))
+    ):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no row of {log} was as wanted within {timeout} s")
+        time.sleep(0.02)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--lighthouse", required=True)
+    p.add_argument("--replica-id", type=int, required=True)
+    p.add_argument("--killed", type=int, default=1)  # the group --kills applies to
+    p.add_argument(
+        "--kills", default=""
+    )  # "offset@where,..." (where: start, allreduce, end), one per attempt
+    p.add_argument("--attempt", type=int, default=0)
+    p.add_argument("--restarts", type=int, default=0)  # > 0: relaunch killed attempts (see `relaunch`)
+    p.add_argument("--wait-for", default=None)  # with --restarts: the survivor's step log
+    p.add_argument("--after-rejoin", type=int, default=5)
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--max-steps", type=int, default=100000)  # a bound; the drill stops the groups itself
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--root", required=True)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    Path(args.root).mkdir(parents=True, exist_ok=True)
+    if args.restarts:
+        relaunch(args)
+    else:
+        train(args)
 
 
 if __name__ == "__main__":

@@ -41,11 +41,18 @@ class FaultTolerance:
             )
         for name in ("timeout_s", "quorum_timeout_s"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value <= 0
+            ):
                 raise ValueError(f"FaultTolerance {name}={value!r}; allowed: a number of seconds > 0")
         host, _, port = self.bind.rpartition(":") if isinstance(self.bind, str) else ("", "", "")
         if not isinstance(self.bind, str) or not self.bind.strip() or (port.isdigit() and ":" not in host):
-            raise ValueError(f"FaultTolerance bind={self.bind!r}; allowed: a host name or IP address (no port)")
+            raise ValueError(
+                f"FaultTolerance bind={self.bind!r}; allowed: a host name or IP address (no port)"
+            )
 
     @property
     def lighthouse_url(self) -> str:

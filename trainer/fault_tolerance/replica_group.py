@@ -109,7 +109,13 @@ class ReplicaGroup:
             flat = torch.cat([g.reshape(-1) for g in group])
             if not self.manager.allreduce(flat).wait():
                 return
-            torch._foreach_copy_(group, [piece.view_as(g) for piece, g in zip(flat.split([g.numel() for g in group]), group)])
+            torch._foreach_copy_(
+                group,
+                [
+                    piece.view_as(g)
+                    for piece, g in zip(flat.split([g.numel() for g in group]), group, strict=True)
+                ],
+            )
 
     def commit(self, vote: bool) -> bool:
         """Whether this step's update is applied (every rank of the group gets the same answer). `vote`
@@ -117,7 +123,9 @@ class ReplicaGroup:
         if not vote:
             self.manager.report_error(RuntimeError("a callback skipped the optimizer step"))
         committed = self.manager.should_commit()
-        self.trainer._fit_metrics.add("train/replicas", float(self.participants), on_step=True, on_epoch=False)
+        self.trainer._fit_metrics.add(
+            "train/replicas", float(self.participants), on_step=True, on_epoch=False
+        )
         return committed
 
     def shutdown(self) -> None:
