@@ -29,6 +29,8 @@ EPILOG = f"""recipe sections: {", ".join(SECTIONS)}
   strategy   name (auto, single, ...) and the strategy's arguments
   callbacks  a list of {{class_path, init_args}}
   loggers    a list of names (jsonl, tensorboard, wandb) or {{class_path, init_args}}
+  fault_tolerance  torchft replica group: lighthouse (host:port), replica_id, replicas, min_replicas,
+             timeout_s, quorum_timeout_s, bind (see `trainer lighthouse`)
 
 examples:
   trainer fit recipes/llama_tiny.yaml
