@@ -11,6 +11,7 @@ import select
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -26,9 +27,11 @@ DEADLINE_S = 240  # each group's run; the drill takes ~40 s on a loaded 2-core m
 ENV = launch_env(RUST_LOG="warn", PYTHONPATH=str(REPO))
 
 
-def start_lighthouse(root: Path) -> tuple[subprocess.Popen, str]:
+@pytest.fixture(scope="module")
+def lighthouse(tmp_path_factory) -> str:
     """`trainer lighthouse` on 127.0.0.1 at a port the system picks (a dead group is noticed after 1 s
-    without a heartbeat); its address, read from the first line it prints."""
+    without a heartbeat), for this module's tests; its address, read from the first line it prints."""
+    root = tmp_path_factory.mktemp("lighthouse")
     cmd = [
         sys.executable,
         "-m",
@@ -40,15 +43,19 @@ def start_lighthouse(root: Path) -> tuple[subprocess.Popen, str]:
         "1000",
     ]
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=open(root / "lighthouse.err", "w"), text=True, env=ENV
+        cmd, stdout=subprocess.PIPE, stderr=open(root / "stderr", "w"), text=True, env=ENV
     )
-    ready, _, _ = select.select([proc.stdout], [], [], 120)
-    line = proc.stdout.readline() if ready else ""
-    assert line.startswith("lighthouse listening on http://127.0.0.1:"), (
-        line,
-        (root / "lighthouse.err").read_text(),
-    )
-    return proc, line.split("http://")[1].strip()
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        line = proc.stdout.readline() if ready else ""
+        assert line.startswith("lighthouse listening on http://127.0.0.1:"), (
+            line,
+            (root / "stderr").read_text(),
+        )
+        yield line.split("http://")[1].strip()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def start_group(root: Path, lighthouse: str, replica: int, kills: str, *extra: str) -> subprocess.Popen:
@@ -62,10 +69,9 @@ def start_group(root: Path, lighthouse: str, replica: int, kills: str, *extra: s
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(folder / "stderr", "w"), env=ENV)
 
 
-def steps(root: Path, replica: int) -> list[dict]:
-    return [
-        json.loads(line) for line in (root / f"replica{replica}" / "steps.jsonl").read_text().splitlines()
-    ]
+def steps(root: Path, replica: int, rank: int = 0) -> list[dict]:
+    log = root / f"replica{replica}" / f"steps-rank{rank}.jsonl"
+    return [json.loads(line) for line in log.read_text().splitlines()]
 
 
 def replay(rows: list[dict]) -> Regression:
@@ -92,7 +98,7 @@ def replay(rows: list[dict]) -> Regression:
     return model
 
 
-def test_replica_group_killed_six_times_rejoins_live_and_matches_a_replay(tmp_path):
+def test_replica_group_killed_six_times_rejoins_live_and_matches_a_replay(tmp_path, lighthouse):
     rng = random.Random(SEED)  # TRAINER_TEST_SEED=N explores other kill points; a failure prints its seed
     kinds = ["allreduce"] * 5 + ["end"]  # five during the gradient all-reduce, one between steps
     rng.shuffle(kinds)
@@ -100,9 +106,9 @@ def test_replica_group_killed_six_times_rejoins_live_and_matches_a_replay(tmp_pa
     print(
         f"fault tolerance drill: replica group 1 is killed at {kills} (offset from each attempt's first step)"
     )
-    lighthouse, address = start_lighthouse(tmp_path)
+    address = lighthouse
     # group 1 joins the running job once group 0 took a step, then is killed and relaunched len(kinds) times
-    first_steps = str(tmp_path / "replica0" / "steps.jsonl")
+    first_steps = str(tmp_path / "replica0" / "steps-rank0.jsonl")
     relaunched = ["--restarts", str(len(kinds)), "--wait-for", first_steps]
     groups = [start_group(tmp_path, address, 0, kills), start_group(tmp_path, address, 1, kills, *relaunched)]
     try:
@@ -110,7 +116,7 @@ def test_replica_group_killed_six_times_rejoins_live_and_matches_a_replay(tmp_pa
             proc.wait(timeout=DEADLINE_S)
             assert proc.returncode == 0, (tmp_path / f"replica{replica}" / "stderr").read_text()[-3000:]
     finally:
-        for proc in [*groups, lighthouse]:
+        for proc in groups:
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
@@ -151,3 +157,54 @@ def test_replica_group_killed_six_times_rejoins_live_and_matches_a_replay(tmp_pa
     with torch.no_grad():
         loss, expected = (torch.nn.functional.mse_loss(m(x), y).item() for m in (trained, reference))
     assert loss == expected, (loss, expected)
+
+
+def test_fsdp_replica_groups_survive_a_rank_killed_during_the_all_reduce(tmp_path, lighthouse):
+    """Two groups of 2 FSDP ranks, each a torchrun job; rank 1 of group 1 dies during the gradient all-reduce
+    and torchrun restarts the group, which rejoins: every rank's shards equal its peer rank's."""
+    offset = random.Random(SEED).randint(2, 6)
+    common = ["--fsdp", "--lighthouse", lighthouse, "--killed", "1", "--kills", f"{offset}@allreduce",
+              "--kill-rank", "1", "--seed", str(SEED), "--step-sleep", "0.01"]  # fmt: skip
+    groups = []
+    try:
+        for replica, restarts in ((0, 0), (1, 1)):
+            folder = tmp_path / f"replica{replica}"
+            folder.mkdir()
+            cmd = [
+                sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                f"--max-restarts={restarts}", str(FT_SCRIPT), *common, "--replica-id", str(replica),
+                "--root", str(folder), "--out", str(tmp_path / f"replica{replica}.json"),
+            ]  # fmt: skip
+            if replica == 1:  # group 1 joins the running job
+                wait_for(lambda: (tmp_path / "replica0" / "steps-rank0.jsonl").exists(), groups[0])
+            groups.append(
+                subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(folder / "stderr", "w"), env=ENV)
+            )
+        for replica, proc in enumerate(groups):
+            proc.wait(timeout=DEADLINE_S)
+            assert proc.returncode == 0, (tmp_path / f"replica{replica}" / "stderr").read_text()[-3000:]
+    finally:
+        for proc in groups:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    for rank in (0, 1):
+        alive, killed = steps(tmp_path, 0, rank), steps(tmp_path, 1, rank)
+        by_step = {row["step"]: row for row in alive}
+        assert [row["step"] for row in alive] == list(range(len(alive))), f"rank {rank} skipped a step"
+        for row in killed:
+            peer = by_step[row["step"]]
+            assert (row["committed"], row["params"]) == (peer["committed"], peer["params"]), (rank, row, peer)
+        before = max(r["step"] for r in killed if r["attempt"] == 0)
+        after = min(r["step"] for r in killed if r["attempt"] == 1)
+        assert any(by_step[s]["committed"] and by_step[s]["replicas"] == 1 for s in range(before + 1, after))
+        assert by_step[after]["replicas"] == 2 and by_step[before + 1]["committed"] is False
+
+
+def wait_for(condition, proc: subprocess.Popen) -> None:
+    """Until `condition()` holds (polling with a deadline) while `proc` runs."""
+    deadline = time.monotonic() + DEADLINE_S
+    while not condition():
+        assert proc.poll() is None, f"exited with {proc.returncode} while waited on"
+        assert time.monotonic() < deadline, f"not within {DEADLINE_S} s"
+        time.sleep(0.05)

@@ -1,7 +1,8 @@
 """One replica group (one process) of a fault-tolerant job on torchft, as a user's script runs it:
 `python tests/scripts/ft_script.py --lighthouse HOST:PORT --replica-id I --root DIR --out FILE`. It trains the
-tests' Regression model with SGD and appends one line per step to ROOT/steps.jsonl (the step, whether it
-committed, the participants, the data position, a hash of the parameters). `--kills` schedules this group's
+tests' Regression model with SGD and appends one line per step to ROOT/steps-rank0.jsonl (the step, whether it
+committed, the participants, the data position, a hash of the parameters; ROOT/steps-rank{r}.jsonl per rank
+with `--fsdp`, where the group is a torchrun job of FSDP ranks). `--kills` schedules this group's
 own SIGKILLs, one per attempt (`--restarts K` relaunches it up to K times, see `relaunch`): each at a step offset from the
 attempt's first step, at the start of the step, during the gradient all-reduce, or after the commit. Both
 groups stop `--after-rejoin` steps after the group rejoined for the last time: the survivor knows it by
@@ -33,10 +34,11 @@ BATCH, LR, N = 8, 0.05, 256  # the test's reference replay uses the same
 
 
 def params_hash(module: torch.nn.Module) -> str:
-    """The parameters' bytes, hashed: equal hashes are bit-identical parameters."""
+    """The parameters' bytes (this rank's shards of sharded ones), hashed: equal hashes are bit-identical."""
     digest = hashlib.sha256()
     for p in module.parameters():
-        digest.update(p.detach().cpu().contiguous().numpy().tobytes())
+        local = p.to_local() if hasattr(p, "to_local") else p
+        digest.update(local.detach().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()[:16]
 
 
@@ -58,9 +60,11 @@ class Drill(Callback):
         self.seen: list[int] = []  # participants of each step this attempt ran
         self.rejoined_at: int | None = None
         self.position = 0
-        self.log = open(Path(args.root) / "steps.jsonl", "a")
+        self.log = None  # ROOT/steps-rank{r}.jsonl, opened at the first step (the rank is known then)
 
     def on_train_batch_start(self, trainer, module, batch_idx):
+        if self.log is None:
+            self.log = open(Path(self.args.root) / f"steps-rank{trainer.global_rank}.jsonl", "a")
         replicas = trainer._fit_loop.replicas
         step, n = trainer.global_step, replicas.participants
         if self.first_step is None:
@@ -73,13 +77,17 @@ class Drill(Callback):
         self.seen.append(n)
         self.position = batch_idx
         time.sleep(self.args.step_sleep)  # a heavier step: fewer solo steps while the other group restarts
-        if self.kill is not None and step - self.first_step == int(self.kill[0]):
+        if self.kill is not None and step - self.first_step == int(self.kill[0]) and self.kills_me(trainer):
             where = self.kill[1]
             if where == "start":
                 die()
             if where == "allreduce":  # die in place of this group's part of the gradient all-reduce: the
                 # survivor is in (or enters) its all-reduce with a dead peer
                 replicas.pg.allreduce = lambda *a, **kw: die()
+
+    def kills_me(self, trainer) -> bool:
+        """Only rank --kill-rank of the group dies (under torchrun its agent then restarts the whole group)."""
+        return trainer.global_rank == self.args.kill_rank
 
     def on_train_batch_end(self, trainer, module, outputs):
         row = {
@@ -107,6 +115,7 @@ def train(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
     module = Regression(lr=LR, optimizer="sgd")
     trainer = Trainer(
+        strategy="fsdp" if args.fsdp else "auto",
         max_steps=args.max_steps,
         seed=args.seed,
         default_root_dir=args.root,
@@ -124,8 +133,9 @@ def train(args: argparse.Namespace) -> None:
         ),
     )
     trainer.fit(module, regression_loader(batch_size=BATCH, n=N))
-    result = {"params": [p.detach().tolist() for p in module.parameters()], "hash": params_hash(module)}
-    Path(args.out).write_text(json.dumps(result))
+    if trainer.is_global_zero and not args.fsdp:
+        result = {"params": [p.detach().tolist() for p in module.parameters()], "hash": params_hash(module)}
+        Path(args.out).write_text(json.dumps(result))
 
 
 def relaunch(args: argparse.Namespace) -> None:
@@ -134,7 +144,7 @@ def relaunch(args: argparse.Namespace) -> None:
     instead of Python's and torch's start-up, so that the test can afford many. The first attempt starts
     once the survivor (whose step log is `--wait-for`) took a step; each next one once the survivor
     committed a step alone after this group's last one: every outage is seen by the survivor."""
-    mine = Path(args.root) / "steps.jsonl"
+    mine = Path(args.root) / "steps-rank0.jsonl"
     statuses: list[int] = []
     for attempt in range(args.restarts + 1):
         if attempt == 0:
@@ -183,7 +193,9 @@ def main() -> None:
     p.add_argument(
         "--kills", default=""
     )  # "offset@where,..." (where: start, allreduce, end), one per attempt
-    p.add_argument("--attempt", type=int, default=0)
+    p.add_argument("--attempt", type=int, default=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    p.add_argument("--kill-rank", type=int, default=0)  # the rank of the group that dies
+    p.add_argument("--fsdp", action="store_true")  # the group is a torchrun job of FSDP ranks
     p.add_argument("--restarts", type=int, default=0)  # > 0: relaunch killed attempts (see `relaunch`)
     p.add_argument("--wait-for", default=None)  # with --restarts: the survivor's step log
     p.add_argument("--after-rejoin", type=int, default=5)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from strategies.base import Strategy
+from strategies.parallel import ParallelStrategy
 from trainer.data.distributed import shard_loader
 from trainer.fault_tolerance.config import FaultTolerance
 
@@ -13,7 +14,11 @@ from trainer.fault_tolerance.config import FaultTolerance
 def check_strategy(strategy: Strategy) -> None:
     """A one-line error (before any process starts) for a strategy that samples its own data (DP-SGD's
     Poisson sampling): its batches cannot be split over replica groups."""
-    if type(strategy).process_dataloader is not Strategy.process_dataloader:
+    # the parallel strategy's override only refuses evaluation under some pipeline schedules
+    if type(strategy).process_dataloader not in (
+        Strategy.process_dataloader,
+        ParallelStrategy.process_dataloader,
+    ):
         raise ValueError(
             f"fault_tolerance= with {type(strategy).__name__}, which samples its own batches; allowed: a "
             "strategy that reads the user's loader split over its ranks (single, ddp, fsdp, 3d)"
