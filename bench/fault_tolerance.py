@@ -106,7 +106,7 @@ def fit(
         default_root_dir=str(out),
         fault_tolerance=ft,
     )
-    trainer.fit(MLP(width), loader(width, steps, groups))
+    trainer.fit(MLP(width), loader(width, min(steps, STEPS), groups))  # the drill's epochs repeat the data
     return clock.stamps
 
 
@@ -114,11 +114,13 @@ def rank_main(args: argparse.Namespace) -> None:
     """A process of one arm: the DDP ranks (under torchrun) or one replica group."""
     torch.set_num_threads(1)
     out = Path(args.out)
-    ft = None if args.arm == "ddp" else FaultTolerance(args.lighthouse, args.replica, timeout_s=30)
+    # one lighthouse per fit: one serves one run (the next fit's groups must not meet this one's)
+    lighthouses = (args.lighthouses or "").split(",")
+    ft = [None if args.arm == "ddp" else FaultTolerance(lh, args.replica, timeout_s=30) for lh in lighthouses]
     if args.arm != "rejoin":
         times = {}
-        for width in WIDTHS:
-            stamps = fit(width, out / f"{args.arm}-{width}", ft, [], STEPS, 2)
+        for i, width in enumerate(WIDTHS):
+            stamps = fit(width, out / f"{args.arm}-{width}", ft[i % len(ft)], [], STEPS, 2)
             times[width] = statistics.median(
                 b - a for a, b in zip(stamps[SKIP:-1], stamps[SKIP + 1 :], strict=True)
             )
@@ -129,7 +131,7 @@ def rank_main(args: argparse.Namespace) -> None:
             return
     started = time.time()
     drill = Drill(out / f"drill-{args.replica}.jsonl", args.replica, args.arm == "rejoin")
-    fit(WIDTHS[1], out / f"drill-{args.replica}-{args.arm}", ft, [drill], 100000, 2)
+    fit(WIDTHS[1], out / f"drill-{args.replica}-{args.arm}", ft[-1], [drill], 100000, 2)
     if args.arm == "rejoin":
         (out / "rejoin.json").write_text(json.dumps({"started": started}))
 
@@ -149,23 +151,24 @@ def main() -> None:
     from trainer.fault_tolerance.lighthouse import start_lighthouse
 
     out = Path(tempfile.mkdtemp(prefix="bench-ft-"))
-    lighthouse = start_lighthouse("127.0.0.1:0", heartbeat_timeout_ms=5000)
-    address = f"127.0.0.1:{lighthouse.address().rpartition(':')[2]}"
+    servers = [start_lighthouse("127.0.0.1:0", heartbeat_timeout_ms=5000) for _ in range(len(WIDTHS) + 1)]
+    address = ",".join(f"127.0.0.1:{s.address().rpartition(':')[2]}" for s in servers)
     try:
         assert wait_all([spawn(["--arm", "ddp"], out, "ddp", torchrun=2)], 900) == [0], (
             out / "ddp.err"
         ).read_text()[-2000:]
         groups = [
-            spawn(["--arm", "ft", "--replica", str(r), "--lighthouse", address], out, f"ft{r}")
+            spawn(["--arm", "ft", "--replica", str(r), "--lighthouses", address], out, f"ft{r}")
             for r in (0, 1)
         ]
         # group 1 dies at KILL_AT of the drill; relaunched as a fresh process as soon as it is gone
         groups[1].wait(timeout=900)
         relaunched_at = time.time()
-        rejoin = spawn(["--arm", "rejoin", "--replica", "1", "--lighthouse", address], out, "rejoin")
+        rejoin = spawn(["--arm", "rejoin", "--replica", "1", "--lighthouses", address], out, "rejoin")
         assert wait_all([groups[0], rejoin], 900) == [0, 0], (out / "ft0.err").read_text()[-2000:]
     finally:
-        lighthouse.shutdown()
+        for server in servers:
+            server.shutdown()
     report(out, relaunched_at)
 
 
@@ -216,7 +219,7 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--arm", choices=["ddp", "ft", "rejoin"], default=None)
     p.add_argument("--replica", type=int, default=0)
-    p.add_argument("--lighthouse", default=None)
+    p.add_argument("--lighthouses", default=None)  # one per fit: the overhead widths, then the drill
     p.add_argument("--out", default=None)
     a = p.parse_args()
     rank_main(a) if a.arm else main()

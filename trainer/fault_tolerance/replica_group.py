@@ -53,7 +53,10 @@ class ReplicaGroup:
             if strategy.global_rank == 0
             else None
         )
-        port = strategy.broadcast_object(self._store.port if self._store is not None else None)
+        # rank 0's address: with a group spread over nodes the other ranks' own `bind` is not where it listens
+        host, port = strategy.broadcast_object(
+            (config.bind, self._store.port) if self._store is not None else None
+        )
         self.pg = _process_group(strategy.root_device, timeout)
         with _manager_server_bound_to(config.bind):
             self.manager = Manager(
@@ -69,7 +72,7 @@ class ReplicaGroup:
                 connect_timeout=timeout,
                 rank=strategy.global_rank,
                 world_size=strategy.world_size,
-                store_addr=config.bind,
+                store_addr=host,
                 store_port=port,
                 lighthouse_addr=config.lighthouse_url,
                 replica_id=config.replica_name,
@@ -88,11 +91,12 @@ class ReplicaGroup:
         self.recovered = False
         try:
             self.manager.start_quorum()
+        except PeerStateMismatch:
+            raise
         except Exception as err:  # torchft raises the lighthouse client's error, several lines long
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise RuntimeError(
                 f"fault tolerance: no quorum of min_replicas={self.config.min_replicas} replica group(s) within "
-                f"quorum_timeout_s={self.config.quorum_timeout_s:g} at lighthouse {self.config.lighthouse} ({first})"
+                f"quorum_timeout_s={self.config.quorum_timeout_s:g} at lighthouse {self.config.lighthouse} ({_first_line(err)})"
             ) from err
         self.participants = self.manager.num_participants()
         return self.recovered
@@ -132,14 +136,31 @@ class ReplicaGroup:
         """Stop this group's manager server, its transport and the quorum thread."""
         self.manager.shutdown(wait=False)
         self.pg.abort()
+        self._store = None  # rank 0's store server stops with its last reference
 
     def _load(self, state: dict[str, Any]) -> None:
-        load_replica_state(self.trainer, state)
+        try:
+            load_replica_state(self.trainer, state)
+        except Exception as err:
+            raise PeerStateMismatch(
+                f"fault tolerance: replica group {self.config.replica_id} cannot load the training state a peer "
+                f"group sent ({_first_line(err)}); allowed: every group runs the same model, optimizer and "
+                "layout, and one lighthouse serves one run"
+            ) from err
         self.recovered = True
         log.info(
             f"fault tolerance: replica group {self.config.replica_id} recovered from a peer at step "
             f"{self.trainer.global_step}"
         )
+
+
+class PeerStateMismatch(RuntimeError):
+    """A peer group's state does not fit this group's model (another run at the same lighthouse)."""
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0].rstrip(":") if text else type(err).__name__
 
 
 def _process_group(device: torch.device, timeout: timedelta) -> Any:
