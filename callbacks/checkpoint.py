@@ -15,6 +15,7 @@ import torch
 
 from callbacks import checkpoint_names as names
 from callbacks.base import Callback
+from strategies.plan.checkpoint_interval import effective_fraction, young_daly_interval
 from trainer import checkpoint as ckpt
 from trainer import flags
 from trainer.logging import log, rank_zero_info
@@ -26,6 +27,9 @@ if TYPE_CHECKING:
 
 
 FREE_VALIDATION_S = 1.0  # validation time a fit may always spend: small models validate every checkpoint
+# every_n_steps="auto": the first save comes at the end of this step of the fit, timed; the steps before it
+# time a step (the first one left out: it warms up)
+AUTO_FIRST_SAVE_STEP = 3
 
 
 class ModelNotFiniteError(RuntimeError):
@@ -71,6 +75,12 @@ class ModelCheckpoint(Callback):
     stops the fit (`on_save_error="stop"`, the default) or is reported and training goes on without that
     checkpoint (`"continue"`); the previous checkpoint is intact either way.
 
+    `every_n_steps="auto"` with `mtbf_hours` (the job's mean time between failures) sets the interval from
+    the failure rate by Young/Daly, sqrt(2 * C * MTBF) with C the measured cost of a save (the first one,
+    made at step AUTO_FIRST_SAVE_STEP of the fit: what the loop stood still, the reload check included),
+    in steps of the measured step time (the slowest rank's numbers); it logs the choice and the projected
+    effective training time 1 - C/T - T/(2 MTBF) (strategies/plan/checkpoint_interval.py).
+
     Lightning's arguments mean what they mean there. With `monitor` and no step or time interval it saves
     after each validation (or each epoch's end, `every_n_epochs`, `save_on_train_epoch_end` as Lightning
     decides), keeping the top `save_top_k` by that value (0: none; -1: all) in `best_k_models`;
@@ -104,8 +114,9 @@ class ModelCheckpoint(Callback):
         save_on_train_epoch_end: bool | None = None,
         enable_version_counter: bool = True,
         *,
-        every_n_steps: int | None = None,
+        every_n_steps: int | str | None = None,
         every_n_minutes: float | None = None,
+        mtbf_hours: float | None = None,
         validate: bool = True,
         validate_atol: float = 0.0,
         validate_batch: Any = None,
@@ -118,6 +129,9 @@ class ModelCheckpoint(Callback):
         every_n_minutes = _one_of(
             "every_n_minutes", every_n_minutes, "train_time_interval", _minutes(train_time_interval)
         )
+        self.auto_interval = _check_auto(every_n_steps, mtbf_hours)
+        if self.auto_interval:
+            every_n_steps = None  # decided at the first save of each fit
         flags.check_int("every_n_steps", every_n_steps, 1, allow_none=True)
         flags.check_number("every_n_minutes", every_n_minutes, 0, strict=True, allow_none=True)
         flags.check_int("every_n_epochs", every_n_epochs, 0, allow_none=True)
@@ -172,6 +186,13 @@ class ModelCheckpoint(Callback):
         self._held_out: tuple[Any] | None = None  # (batch or None), decided at a fit's first save
         self._attempted_step: int | None = None  # the step last saved, good or bad: never saved twice
         self._training = False  # between on_train_start and on_train_end: validations there may save
+        self.mtbf_hours = None if mtbf_hours is None else float(mtbf_hours)
+        # every_n_steps="auto": what the interval was chosen from (the slowest rank's), set at the first save
+        self.save_cost_s: float | None = None
+        self.step_time_s: float | None = None
+        self.interval_s: float | None = None  # Young/Daly's, in seconds of training
+        self.effective_fraction: float | None = None
+        self._step_ends: list[float] = []  # monotonic time at the end of each step of this fit, until then
 
     def setup(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
         self.dirpath = self.base_dir(trainer)  # a fit then moves it to the folder it claims (run_folder)
@@ -179,6 +200,8 @@ class ModelCheckpoint(Callback):
         self._validation_s, self._last_validation_s = 0.0, None
         self._held_out = self._attempted_step = None
         self._training = False
+        if self.auto_interval:
+            self.every_n_steps, self._step_ends = None, []
 
     def base_dir(self, trainer: Trainer) -> Path:
         """The folder asked for (`dirpath`, else `<default_root_dir>/checkpoints`): a run's, or its parent."""
@@ -194,6 +217,11 @@ class ModelCheckpoint(Callback):
         self._training = False
 
     def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: dict[str, Any]) -> None:
+        if self.auto_interval and self.every_n_steps is None and self._saves:
+            self._step_ends.append(time.monotonic())
+            if len(self._step_ends) == AUTO_FIRST_SAVE_STEP:
+                self._save_and_choose_interval(trainer)
+            return
         due = bool(self.every_n_steps) and trainer.global_step % self.every_n_steps == 0
         if self.every_n_minutes is not None:
             late = time.monotonic() - self._last_save_time >= 60 * self.every_n_minutes
@@ -201,6 +229,39 @@ class ModelCheckpoint(Callback):
             due |= trainer.strategy.any_rank(late and trainer.is_global_zero)
         if due and self._saves:
             self.save(trainer)
+
+    def _save_and_choose_interval(self, trainer: Trainer) -> None:
+        """every_n_steps="auto": save now, timed, then set the interval from that cost and the step time."""
+        ends = self._step_ends
+        step_s = (ends[-1] - ends[0]) / (len(ends) - 1)
+        start = time.monotonic()
+        self.save(trainer)
+        cost_s = time.monotonic() - start
+        # every rank must save at the same steps: the slowest rank's numbers decide for all
+        worst = trainer.strategy.reduce(
+            torch.tensor([cost_s, step_s], dtype=torch.float64, device=trainer.strategy.root_device),
+            "max",
+            group="world",
+        )
+        self.save_cost_s, self.step_time_s = worst.tolist()
+        mtbf_s = 3600.0 * self.mtbf_hours
+        self.interval_s = young_daly_interval(self.save_cost_s, mtbf_s)
+        self.every_n_steps = max(1, round(self.interval_s / max(self.step_time_s, 1e-9)))
+        self.effective_fraction = effective_fraction(
+            self.save_cost_s, self.every_n_steps * self.step_time_s, mtbf_s
+        )
+        trainer.log_metrics(
+            {
+                "checkpoint/every_n_steps": float(self.every_n_steps),
+                "checkpoint/effective_fraction": self.effective_fraction,
+            }
+        )
+        rank_zero_info(
+            f"ModelCheckpoint: every_n_steps='auto': a save costs {self.save_cost_s:.3g} s and a step "
+            f"{self.step_time_s:.3g} s; with mtbf_hours={self.mtbf_hours:g}, Young/Daly's sqrt(2 C MTBF) = "
+            f"{self.interval_s:.4g} s: every {self.every_n_steps} steps; projected effective training time "
+            f"{100 * self.effective_fraction:.2f}% (1 - C/T - T/(2 MTBF))"
+        )
 
     def on_validation_end(self, trainer: Trainer, module: TrainModule) -> None:
         """Lightning's saving after a validation inside fit (not the sanity check, not `validate`)."""
@@ -595,6 +656,27 @@ def _one_of(ours: str, value: Any, lightnings: str, alias: Any) -> Any:
     if value is not None and alias is not None and value != alias:
         raise ValueError(f"{ours}={value!r} and {lightnings} say different things; allowed: one of them")
     return value if value is not None else alias
+
+
+def _check_auto(every_n_steps: Any, mtbf_hours: Any) -> bool:
+    """Whether the interval is "auto"; a one-line ValueError for a string other than "auto", or for an
+    MTBF that is missing, not > 0, or given without "auto"."""
+    if isinstance(every_n_steps, str) and every_n_steps != "auto":
+        raise ValueError(
+            f"every_n_steps={every_n_steps!r} is invalid; allowed: an int >= 1, 'auto' (with mtbf_hours) or None"
+        )
+    auto = every_n_steps == "auto"
+    if auto and mtbf_hours is None:
+        raise ValueError(
+            "every_n_steps='auto' needs mtbf_hours, the job's mean time between failures; allowed: a number "
+            "of hours > 0"
+        )
+    if mtbf_hours is not None and not auto:
+        raise ValueError(
+            f"mtbf_hours={mtbf_hours!r} without every_n_steps='auto'; allowed: set every_n_steps='auto' too"
+        )
+    flags.check_number("mtbf_hours", mtbf_hours, 0, strict=True, allow_none=True)
+    return auto
 
 
 def _minutes(interval: datetime.timedelta | None) -> float | None:

@@ -10,6 +10,7 @@ the window, so that the slowest rank's trace writing is not charged to the next 
 
 from __future__ import annotations
 
+import math
 import re
 import time
 import warnings
@@ -40,6 +41,17 @@ COMM_PATTERN = re.compile(
     r"all_?reduce|all_?gather|reduce_scatter|broadcast|all_?to_?all|nccl|gloo|c10d|record_param_comms",
     re.IGNORECASE,
 )
+# which collective an event is, first match wins (NCCL kernels: ncclDevKernel_AllReduce_..., all-to-all runs as
+# SendRecv kernels); the names the verdict gives them
+COLLECTIVE_KINDS = (
+    ("reduce-scatter", re.compile(r"reduce_?scatter", re.IGNORECASE)),
+    ("all-to-all", re.compile(r"all_?to_?all", re.IGNORECASE)),
+    ("all-gather", re.compile(r"all_?gather", re.IGNORECASE)),
+    ("all-reduce", re.compile(r"all_?reduce", re.IGNORECASE)),
+    ("broadcast", re.compile(r"broadcast", re.IGNORECASE)),
+    ("send/recv", re.compile(r"send|recv", re.IGNORECASE)),
+)
+COMPUTE_PHASES = ("forward", "backward", "optimizer")
 RECORDING = (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
 MEMORY_HISTORY_ENTRIES = 100_000
 
@@ -75,6 +87,54 @@ def step_breakdown(events: Iterable[Any], steps: int) -> dict[str, float]:
     return breakdown
 
 
+def collective_kind(name: str) -> str:
+    """'all-reduce', 'all-gather', ... for a communication event's name; 'other' (a barrier, a profiler
+    marker) when it names none."""
+    return next((kind for kind, pattern in COLLECTIVE_KINDS if pattern.search(name)), "other")
+
+
+def collectives_breakdown(events: Iterable[Any], steps: int) -> dict[str, float]:
+    """Milliseconds per step in flight of each kind of collective (`collective_kind`), the union of its
+    spans: device kernels where there are any (a GPU), else the host's c10d ops and backend work."""
+    host: dict[str, list[tuple[float, float]]] = {}
+    device: dict[str, list[tuple[float, float]]] = {}
+    for event in events:
+        if is_communication(event.name):
+            spans = host if event.device_type == DeviceType.CPU else device
+            spans.setdefault(collective_kind(event.name), []).append(
+                (event.time_range.start, event.time_range.end)
+            )
+    per_step = 1e-3 / max(steps, 1)
+    return {kind: _union_length(intervals) * per_step for kind, intervals in (device or host).items()}
+
+
+def verdict(breakdown: dict[str, float], by_kind: dict[str, float], step_ms: float, group: str | None) -> str:
+    """Whether the step is bound by computation or communication, in words, with the measured ratio.
+
+    The ratio is communication in flight (`comm`) over computation (forward + backward + optimizer). Where
+    it is 1 or more, no overlap can hide the communication: the step is communication-bound, and the
+    verdict names the collective that is in flight longest and its share of the step."""
+    compute = sum(breakdown[phase] for phase in COMPUTE_PHASES)
+    comm = breakdown["comm"]
+    ratio = comm / compute if compute > 0 else math.inf
+    if ratio < 1 or not by_kind:
+        return f"comm/compute {ratio:.2f}: compute-bound"
+    kind = max(by_kind, key=by_kind.get)
+    share = 100 * by_kind[kind] / step_ms if step_ms > 0 else math.inf
+    return f"comm/compute {ratio:.2f}: communication-bound: the {f'{group} ' if group else ''}{kind} takes {share:.0f}% of the step"
+
+
+def data_parallel_group(strategy: Any) -> str | None:
+    """The name of the one group a run's collectives can be over, when its mesh has one (DDP: "batch"):
+    the trace does not say which group a gloo collective ran on. None when there are several, or none."""
+    dims = getattr(getattr(strategy, "mesh", None), "dims", None)
+    if dims is None:
+        return None
+    views = [name for name in ("batch", "dense", "tp", "cp", "pp", "ep", "expert") if dims.size(name) > 1]
+    partitions = {tuple(map(tuple, dims.groups(name))) for name in views}
+    return views[0] if len(partitions) == 1 else None
+
+
 def _union_length(intervals: list[tuple[float, float]]) -> float:
     total, end = 0.0, float("-inf")
     for lo, hi in sorted(intervals):
@@ -90,7 +150,9 @@ class Profiler(Callback):
     writes `<dirpath>/rank-<r>/step-<N>.pt.trace.json` (default dirpath `<default_root_dir>/profiler`; N is
     the window's last step) for chrome://tracing, Perfetto or TensorBoard, and rank zero logs `profiler/*`:
     forward, backward, optimizer, data and comm milliseconds per step, step time, tokens/s per device and
-    MFU (GPU in the peak table) or achieved model FLOP/s. `memory_snapshot` (CUDA) records allocator
+    MFU (GPU in the peak table) or achieved model FLOP/s, and `profiler/comm_compute_ratio`; its console
+    line ends with the verdict, "compute-bound" or "communication-bound: the <group> all-reduce takes X% of
+    the step" (see `verdict`). `memory_snapshot` (CUDA) records allocator
     history from setup and dumps it (for pytorch.org/memory_viz) after the first window and on OOM.
     """
 
@@ -282,9 +344,20 @@ class Profiler(Callback):
         path = self._rank_dir / f"step-{trainer.global_step}.pt.trace.json"
         prof.export_chrome_trace(str(path))
         self.trace_paths.append(path)
-        metrics = {f"profiler/{k}_ms": v for k, v in step_breakdown(prof.events(), steps).items()}
+        events = prof.events()
+        breakdown = step_breakdown(events, steps)
+        metrics = {f"profiler/{k}_ms": v for k, v in breakdown.items()}
         seconds = max(end[0] - start[0], 1e-9)
         metrics["profiler/step_ms"] = 1e3 * seconds / steps
+        compute = sum(breakdown[phase] for phase in COMPUTE_PHASES)
+        if compute > 0:
+            metrics["profiler/comm_compute_ratio"] = breakdown["comm"] / compute
+        found = verdict(
+            breakdown,
+            collectives_breakdown(events, steps),
+            metrics["profiler/step_ms"],
+            data_parallel_group(trainer.strategy),
+        )
         tokens_per_s = (end[1] - start[1]) / (seconds * ranks_per_replica(trainer))
         if tokens_per_s > 0:
             metrics["profiler/tokens_per_s_per_device"] = tokens_per_s
@@ -297,7 +370,7 @@ class Profiler(Callback):
                     metrics["profiler/mfu"] = tokens_per_s * self._flops / self._peak
         if self._can_log:
             trainer.log_metrics(metrics)
-        rank_zero_info(_summary(trainer.global_step - steps + 1, trainer.global_step, metrics, path))
+        rank_zero_info(_summary(trainer.global_step - steps + 1, trainer.global_step, metrics, path, found))
         if self._recording_memory and not self._snapshot_taken:
             self._dump_memory_snapshot()
             self._snapshot_taken = True
@@ -309,7 +382,7 @@ class Profiler(Callback):
         return path
 
 
-def _summary(first: int, last: int, m: dict[str, float], path: Path) -> str:
+def _summary(first: int, last: int, m: dict[str, float], path: Path, found: str) -> str:
     """One line for rank zero's console: where the window's step time went."""
     phases = ", ".join(
         f"{k} {m[f'profiler/{k}_ms']:.1f}" for k in ("data", "forward", "backward", "optimizer", "comm")
@@ -321,4 +394,4 @@ def _summary(first: int, last: int, m: dict[str, float], path: Path) -> str:
         line += f", MFU {100 * m['profiler/mfu']:.1f}%"
     elif "profiler/flops_per_s_per_device" in m:
         line += f", {m['profiler/flops_per_s_per_device'] / 1e9:.2f} GFLOP/s achieved"
-    return f"{line} | trace {path}"
+    return f"{line} | {found} | trace {path}"

@@ -42,6 +42,7 @@ examples:
   trainer fit recipes/hf_classify_minilm.yaml model.lora='{{r: 8, target_modules: [query, value]}}'
   trainer memory recipes/llama_70b.yaml                     # weights+grads+AdamW per GPU of the layout
   trainer memory recipes/moe_deepseek_v3_like.yaml          # MoE: experts split over ep and the expert mesh
+  trainer doctor --devices 4 --out rates.json               # collectives' busbw measured (gloo here, NCCL on GPUs)
 """
 
 
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(
-        dest="command", required=True, metavar="{fit,validate,test,config,memory,export,lighthouse}"
+        dest="command", required=True, metavar="{fit,validate,test,config,memory,export,doctor,lighthouse}"
     )
     for name, text in (
         ("fit", "train (with validation) as the recipe describes"),
@@ -92,41 +93,14 @@ def main(argv: list[str] | None = None) -> int:
         help="an HFModule's LoRA run: write PEFT's adapter_config.json + adapter_model.safetensors "
         "(peft.PeftModel.from_pretrained(base, OUT)) instead of the merged model",
     )
-    # `trainer lighthouse`: torchft's coordinator of fault-tolerant replica groups (trainer/fault_tolerance)
-    lighthouse = sub.add_parser(
-        "lighthouse",
-        help="run the lighthouse that fault-tolerant replica groups join (Trainer(fault_tolerance=...))",
-        description="Run torchft's lighthouse until SIGINT/SIGTERM; its first line of output is the "
-        "address the replica groups join (FaultTolerance(lighthouse=...)).",
-    )
-    lighthouse.add_argument(
-        "--bind", required=True, help="host:port to listen on (port 0: one the system picks)"
-    )
-    lighthouse.add_argument("--min-replicas", type=int, default=1, help="groups a quorum needs (default 1)")
-    lighthouse.add_argument(
-        "--heartbeat-timeout-ms",
-        type=int,
-        default=5000,
-        help="a silent group is dead after this (default 5000)",
-    )
-    lighthouse.add_argument(
-        "--join-timeout-ms",
-        type=int,
-        default=60000,
-        help="a quorum waits this long for late groups (default 60000)",
-    )
+    _add_doctor(sub)
+    _add_lighthouse(sub)
     args = _parse(parser, argv)
     configure_console_logging()
+    if args.command == "doctor":
+        return _doctor(args)
     if args.command == "lighthouse":
-        from trainer.fault_tolerance.lighthouse import run_lighthouse  # torchft only when asked for
-
-        try:
-            return run_lighthouse(
-                args.bind, args.min_replicas, args.heartbeat_timeout_ms, args.join_timeout_ms
-            )
-        except (ImportError, ValueError) as err:
-            print(f"trainer: error: {err}", file=sys.stderr)
-            return 2
+        return _lighthouse(args)
     if args.command == "export":
         try:
             print(f"wrote {export_checkpoint(args.checkpoint, args.out, merged=not args.adapter)}")
@@ -160,6 +134,93 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trainer: error: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def _add_doctor(sub: argparse._SubParsersAction) -> None:
+    """`trainer doctor`: the collectives of the world it runs in, measured."""
+    doctor = sub.add_parser(
+        "doctor",
+        help="measure all-reduce/all-gather/reduce-scatter/all-to-all bus bandwidth of this world",
+        description="Launched like a fit (self-spawns --devices processes: gloo on the CPU, NCCL on GPUs; under "
+        "torchrun or SLURM it measures the job's world), times each collective per group and message size "
+        "and prints busbw as nccl-tests defines it against the link's nominal rate; on GPUs also the NVML "
+        "topology, ECC/XID state and the NCCL variables in effect, with hints.",
+    )
+    doctor.add_argument(
+        "--devices", type=int, help="processes on this node (default: every GPU, or 2 on the CPU)"
+    )
+    doctor.add_argument(
+        "--sizes", help="message sizes in bytes, comma-separated: 64K,1M,1G (default per backend)"
+    )
+    doctor.add_argument("--mesh", help="also measure each dimension of a mesh, e.g. dp_shard=2,tp=2")
+    doctor.add_argument(
+        "--gpus-per-node",
+        type=int,
+        help="ranks per node for the intra/inter-node split (default: the launcher's)",
+    )
+    doctor.add_argument("--warmup", type=int, help="untimed calls per size (default: 2 on gloo, 5 on NCCL)")
+    doctor.add_argument("--iters", type=int, help="timed calls per size (default: 5 on gloo, 20 on NCCL)")
+    doctor.add_argument(
+        "--out", type=Path, help="write the rates file (JSON, GB/s) that `trainer plan` reads"
+    )
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from trainer.doctor.run import DoctorOptions, doctor
+
+    options = DoctorOptions(
+        devices=args.devices,
+        sizes=args.sizes,
+        mesh=args.mesh,
+        gpus_per_node=args.gpus_per_node,
+        warmup=args.warmup,
+        iters=args.iters,
+        out=args.out,
+    )
+    try:
+        report = doctor(options)
+    except ValueError as err:
+        print(f"trainer: error: {err}", file=sys.stderr)
+        return 2
+    if report is not None:
+        print(report)
+    return 0
+
+
+def _add_lighthouse(sub: argparse._SubParsersAction) -> None:
+    """`trainer lighthouse`: torchft's coordinator of fault-tolerant replica groups (trainer/fault_tolerance)."""
+    lighthouse = sub.add_parser(
+        "lighthouse",
+        help="run the lighthouse that fault-tolerant replica groups join (Trainer(fault_tolerance=...))",
+        description="Run torchft's lighthouse until SIGINT/SIGTERM; its first line of output is the "
+        "address the replica groups join (FaultTolerance(lighthouse=...)).",
+    )
+    lighthouse.add_argument(
+        "--bind", required=True, help="host:port to listen on (port 0: one the system picks)"
+    )
+    lighthouse.add_argument("--min-replicas", type=int, default=1, help="groups a quorum needs (default 1)")
+    lighthouse.add_argument(
+        "--heartbeat-timeout-ms",
+        type=int,
+        default=5000,
+        help="a silent group is dead after this (default 5000)",
+    )
+    lighthouse.add_argument(
+        "--join-timeout-ms",
+        type=int,
+        default=60000,
+        help="a quorum waits this long for late groups (default 60000)",
+    )
+
+
+def _lighthouse(args: argparse.Namespace) -> int:
+    from trainer.fault_tolerance.lighthouse import run_lighthouse  # torchft only when asked for
+
+    try:
+        return run_lighthouse(args.bind, args.min_replicas, args.heartbeat_timeout_ms, args.join_timeout_ms)
+    except (ImportError, ValueError) as err:
+        print(f"trainer: error: {err}", file=sys.stderr)
+        return 2
 
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:

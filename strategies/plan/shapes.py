@@ -26,6 +26,8 @@ class ModelShape:
     expert_ffn_dim: int = 0  # the hidden width of one expert
     n_shared_experts: int = 0
     capacity_factor: float | None = None  # None: dropless
+    n_dense_layers: int = 0  # the first blocks stay dense (DeepSeek-V3: 3)
+    moe_every: int = 1  # after those, every moe_every-th block is MoE
 
     @property
     def head_dim(self) -> int:

@@ -161,7 +161,8 @@ def planned_per_gpu(recipe: Path, capsys) -> tuple[str, str, float]:
     from trainer.cli import main
 
     assert main(["memory", str(recipe)]) == 0
-    head, line = capsys.readouterr().out.splitlines()
+    head, line, peak = capsys.readouterr().out.splitlines()  # the peak with activations: strategies/plan
+    assert peak.startswith("peak of pp rank 0 with activations")
     numbers = line.split("; ", 1)[1]  # "params 9.8 GiB + grads 9.8 GiB + AdamW 19.6 GiB = 39.1 GiB"
     assert numbers in recipe.read_text(), f"the recipe's comments do not state the plan: {numbers}"
     return head, line, float(re.search(r"= ([\d.]+) GiB", numbers).group(1)) * GIB

@@ -161,8 +161,14 @@ def _build_hf(
 
 def memory_lines(config: dict[str, Any]) -> str:
     """Per-GPU weights, gradients and AdamW state of a resolved Llama recipe under its sharding
-    strategy, one line per pipeline stage (strategies/memory_plan.py), without any GPU or process."""
+    strategy, one line per pipeline stage (strategies/memory_plan.py, read off the sharded model), then
+    each stage's peak with activations and transients (strategies/plan/memory.py), without any GPU or
+    process."""
     from strategies.memory_plan import plan_memory
+    from strategies.plan.from_strategy import layout_of
+    from strategies.plan.memory import per_stage_memory
+    from strategies.plan.model_shape import shape_of
+    from strategies.plan.shapes import RunShape
     from strategies.registry import build_strategy
     from trainer.models.causal_lm import CausalLM
     from trainer.precision import Precision
@@ -187,11 +193,29 @@ def memory_lines(config: dict[str, Any]) -> str:
         reports = plan_memory(strategy, lambda: CausalLM(llama), world)
     except ValueError as err:
         raise ConfigError(f"strategy: {err}") from err
+    dims = strategy.parallel_dims().resolve(world)
     head = (
-        f"{llama.n_layers}-layer Llama, {world} GPUs as {strategy.parallel_dims().resolve(world)}, precision "
-        f"{trainer_args['precision']} (fp32 master weights unless '-true'); activations not included:"
+        f"{llama.n_layers}-layer Llama, {world} GPUs as {dims}, precision "
+        f"{trainer_args['precision']} (fp32 master weights unless '-true'); weights, gradients and AdamW state:"
     )
-    return "\n".join([head, *(r.line() for r in reports)])
+    try:
+        layout = layout_of(
+            strategy,
+            world,
+            trainer_args["precision"],
+            trainer_args.get("activation_checkpointing"),
+            config["model"]["loss_chunk_tokens"],
+        )
+        micro = _micro_batch(config["data"], trainer_args, dims.dp_replicate * dims.dp_shard)
+        stages = per_stage_memory(shape_of(llama), layout, RunShape(micro, config["data"]["seq_len"]))
+    except ValueError as err:
+        raise ConfigError(f"strategy: {err}") from err
+    peaks = [
+        f"peak of pp rank {s.stage} with activations ({micro} x {config['data']['seq_len']} tokens a micro-batch, "
+        f"activation checkpointing {layout.activation_checkpointing}): {s.line()}"
+        for s in stages
+    ]
+    return "\n".join([head, *(r.line() for r in reports), *peaks])
 
 
 def _micro_batch(data: dict[str, Any], trainer_args: dict[str, Any], readers: int) -> int:

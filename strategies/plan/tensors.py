@@ -1,0 +1,145 @@
+"""The tensors one rank of a layout holds, counted from a ModelShape as the model and the strategies make
+them: the parameters of each FSDP unit (trainer/models/llama.py, moe.py; cut by the pipeline, split by
+the tensor-parallel plan, experts by expert parallelism) and the bytes a block's forward saves for its
+backward (what autograd keeps of each op in the Llama's forward, under each activation-checkpointing mode).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from strategies.plan.shapes import Layout, ModelShape
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A group of parameters that FSDP gathers and frees together (a block, or the root: what is left):
+    `rows` (dim 0, which FSDP shards) and elements of each, as this rank holds them before FSDP."""
+
+    name: str
+    params: tuple[tuple[int, int], ...]  # (dim 0, elements) per parameter
+    experts: tuple[tuple[int, int], ...] = ()  # routed experts: their own FSDP unit over the expert mesh
+    cast: int = 0  # elements bf16 autocast copies (matmul weights, experts included): not norms, not lookups
+
+    @property
+    def numel(self) -> int:
+        return sum(n for _, n in self.params)
+
+    @property
+    def expert_numel(self) -> int:
+        return sum(n for _, n in self.experts)
+
+
+def is_moe_layer(shape: ModelShape, layer: int) -> bool:
+    """Block `layer` has a MoE feed-forward (MoEConfig.is_moe_layer's rule)."""
+    return (
+        shape.n_experts > 0
+        and layer >= shape.n_dense_layers
+        and ((layer - shape.n_dense_layers) % shape.moe_every == 0)
+    )
+
+
+def block_unit(shape: ModelShape, layout: Layout, layer: int) -> Unit:
+    """Block `layer`'s parameters on one rank: attention and dense SwiGLU split over tp (wq/wk/wv/w1/w3
+    by rows, wo/w2 by columns), norms whole; a MoE feed-forward's router and shared experts whole on every
+    tp rank (llama_tp_plan's ETP=1), its routed experts E/ep each."""
+    t, d, hd = layout.tp, shape.dim, shape.head_dim
+    q_rows, kv_rows = shape.n_heads * hd // t, shape.n_kv_heads * hd // t
+    params = [(d, d), (d, d)]  # attention_norm, ffn_norm
+    params += [(q_rows, q_rows * d), (kv_rows, kv_rows * d), (kv_rows, kv_rows * d), (d, d * q_rows)]
+    if not is_moe_layer(shape, layer):
+        f = shape.ffn_dim // t
+        params += [(f, f * d), (f, f * d), (d, d * f)]
+        return Unit(f"layers.{layer}", tuple(params), cast=sum(n for _, n in params[2:]))
+    e, fe = shape.n_experts, shape.expert_ffn_dim
+    params.append((e, e * d))  # router gate
+    shared = shape.n_shared_experts * fe
+    if shared:
+        params += [(shared, shared * d), (shared, shared * d), (d, d * shared)]
+    local = e // layout.ep
+    experts = ((local, local * d * fe),) * 3  # w1, w3 (E, dim, ffn), w2 (E, ffn, dim)
+    return Unit(f"layers.{layer}", tuple(params), experts, sum(n for _, n in params[2:]) + 3 * local * d * fe)
+
+
+def root_unit(shape: ModelShape, layout: Layout, first: bool, last: bool) -> Unit:
+    """What FSDP's root unit of a stage holds: the embedding (first stage), the final norm and the output
+    projection (last stage), vocabulary-split over tp; a tied output is the embedding's tensor."""
+    v, d = shape.vocab_size // layout.tp, shape.dim
+    params: list[tuple[int, int]] = []
+    if first:
+        params.append((v, v * d))
+    if last:
+        params.append((d, d))
+        if not (shape.tie_embeddings and first):
+            params.append((v, v * d))
+    return Unit("root", tuple(params), cast=v * d if last else 0)
+
+
+# Bytes an activation element takes: the residual stream and the norms stay fp32 under bf16 autocast
+# (the embedding is not autocast, and fp32 + bf16 adds to fp32; RMSNorm computes in fp32).
+FP32 = 4
+
+
+def compute_bytes(layout: Layout) -> int:
+    """Bytes of a matmul's inputs and outputs: bf16 under bf16-mixed, else fp32."""
+    return 2 if layout.precision == "bf16" else FP32
+
+
+def block_saved_bytes(shape: ModelShape, layout: Layout, layer: int, tokens: int) -> int:
+    """What block `layer`'s forward over `tokens` tokens (this rank's, before tp) keeps for its backward
+    without activation checkpointing. Per norm: its input and its normalised value (fp32), each consuming
+    linear's input (fp32: the norm's output once; bf16 autocast: one cast per linear). Attention: the
+    rotated q, k, the v, the kernel's output (also wo's input: the kernel lays it out so that the
+    transpose back is a view) and log-sum-exp. SwiGLU: w1 and w3 outputs, silu's output and the product. Under tp every part inside
+    the attention and the MLP is split; with sequence parallelism the norms run on sequence shards, but
+    the projections still read the gathered sequence. Context parallel: each attention keeps the K/V
+    all-gathered over the cp ranks (strategies/context_parallel.py), cp times its own."""
+    a, t, d = compute_bytes(layout), layout.tp, shape.dim
+    sp = t if layout.sequence_parallel else 1
+    dq, dkv = shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
+    moe = is_moe_layer(shape, layer)
+    consumers = 3 + (0 if moe else 2)  # wq, wk, wv read the attention norm; w1, w3 the ffn norm
+    norm_outputs = consumers * d * a if a != FP32 else 2 * d * FP32
+    if moe and a != FP32:
+        norm_outputs += d * FP32  # the router reads the fp32 norm output itself
+    per_token = 2 * 2 * d * FP32 / sp + norm_outputs
+    per_token += ((2 * dq + 2 * dkv) * a + shape.n_heads * FP32) / t  # q, k, v, out; lse
+    if layout.cp > 1:  # context parallel: the kernel keeps the gathered K/V of the whole sequence instead
+        per_token += (2 * dkv * a * layout.cp) / t  # (this rank's stacked K/V too: the gather's input)
+    if not moe:
+        per_token += 4 * shape.ffn_dim * a / t
+    else:
+        per_token += _moe_saved_per_token(shape, layout)
+    return int(tokens * per_token)
+
+
+def _moe_saved_per_token(shape: ModelShape, layout: Layout) -> float:
+    """A MoE feed-forward, per token it routes (dropless: top_k pairs each; capacity keeps fewer): the
+    router's logits and scores (fp32), each pair's rows three times (gathered for the experts, their
+    output, gated) and its int64 ids three times (choice, sort order, token), the routed SwiGLU's four
+    tensors per pair, the shared experts' four per token. Under tp each rank routes its sequence shard;
+    expert parallelism moves the pairs but keeps as many per rank on average."""
+    a, e, fe, k = compute_bytes(layout), shape.n_experts, shape.expert_ffn_dim, shape.top_k
+    pairs = k if shape.capacity_factor is None else min(k, k * shape.capacity_factor)
+    routed = pairs * (3 * shape.dim * a + 4 * fe * a + 3 * 8)
+    shared = 4 * shape.n_shared_experts * fe * a
+    return (2 * e * FP32 + routed + shared) / layout.tp
+
+
+def block_checkpointed_bytes(shape: ModelShape, layout: Layout, layer: int, tokens: int) -> int:
+    """What a checkpointed block keeps until its backward. "full": its input (the fp32 residual stream,
+    sequence-split under sp). "selective" (strategies/activation_checkpointing.py): also the outputs of
+    every matmul and of the attention kernel, in the compute dtype; the rest is recomputed."""
+    sp = layout.tp if layout.sequence_parallel else 1
+    kept = tokens * shape.dim * FP32 / sp
+    if layout.activation_checkpointing == "full":
+        return int(kept)
+    a, t, d = compute_bytes(layout), layout.tp, shape.dim
+    dq, dkv = shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
+    matmuls = (dq + 2 * dkv + d) * a / t + (dq * a + shape.n_heads * FP32) / t  # q k v wo; attention
+    if is_moe_layer(shape, layer):
+        fe, k = shape.expert_ffn_dim, shape.top_k
+        matmuls += (shape.n_experts * FP32 + k * (2 * fe + d) * a + shape.n_shared_experts * 3 * fe * a) / t
+    else:
+        matmuls += (2 * shape.ffn_dim + d) * a / t  # w1, w3, w2
+    return int(kept + tokens * matmuls)

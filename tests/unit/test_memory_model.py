@@ -1,0 +1,100 @@
+"""The memory model (strategies/plan/memory.py) against what runs: one process's peak of tracked CPU
+allocations over a real fit, the parameters memory_plan.py reads off a sharded model on a fake process
+group, and the parameter count of the model itself."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from memory_model_script import MODELS, measure
+
+from strategies.plan.memory import per_rank_memory, per_stage_memory
+from strategies.plan.model_shape import shape_of
+from strategies.plan.shapes import Layout, ModelShape, RunShape
+from strategies.plan.tensors import block_unit, root_unit
+from trainer.models.llama import Llama, LlamaConfig
+
+MICRO_BATCH, SEQ_LEN = 4, 64
+RUN = RunShape(micro_batch=MICRO_BATCH, seq_len=SEQ_LEN)
+TOLERANCE = 0.10
+
+# one process: each activation-checkpointing mode, the chunked loss and bf16-mixed (layout, measured layout)
+ONE_PROCESS = {
+    "plain": (Layout(precision="fp32"), {}),
+    "full checkpointing": (Layout(precision="fp32", activation_checkpointing="full"), {"ac": "full"}),
+    "selective checkpointing": (
+        Layout(precision="fp32", activation_checkpointing="selective"),
+        {"ac": "selective"},
+    ),
+    "chunked loss": (Layout(precision="fp32", loss_chunk_tokens=64), {"loss_chunk_tokens": 64}),
+    "bf16-mixed": (Layout(precision="bf16"), {"precision": "bf16-mixed"}),
+}
+
+
+@pytest.mark.parametrize("name", list(ONE_PROCESS))
+def test_one_process_peak_is_predicted_within_ten_percent(name, tmp_path):
+    layout, how = ONE_PROCESS[name]
+    spec = {
+        "strategy": "single",
+        "activation_checkpointing": how.get("ac"),
+        "precision": how.get("precision", "32"),
+        "loss_chunk_tokens": how.get("loss_chunk_tokens"),
+    }
+    measured = measure(spec, tmp_path, MICRO_BATCH, SEQ_LEN, 1)
+    predicted = per_rank_memory(shape_of(MODELS["dense"]), layout, RUN)
+    error = predicted.peak / measured - 1
+    assert abs(error) <= TOLERANCE, (
+        f"{name}: predicted {predicted.peak / 2**20:.2f} MiB ({predicted.line()}), measured "
+        f"{measured / 2**20:.2f} MiB: {error:+.1%}"
+    )
+
+
+@pytest.mark.parametrize("preset", ["tiny", "moe-tiny", "1b"])
+def test_the_units_hold_every_parameter_of_the_model(preset):
+    config = LlamaConfig.preset(preset)
+    shape, layout = shape_of(config), Layout()
+    units = [block_unit(shape, layout, i) for i in range(shape.n_layers)]
+    units.append(root_unit(shape, layout, first=True, last=True))
+    with torch.device("meta"):  # counted on a model that allocates nothing
+        model = Llama(config)
+    assert sum(u.numel + u.expert_numel for u in units) == model.num_params()
+
+
+@pytest.mark.parametrize(
+    ("strategy_kwargs", "layout", "world"),
+    [
+        ({"dp_shard": -1}, Layout(dp_shard=8), 8),
+        ({"tp": 2, "pp": 2, "dp_shard": -1}, Layout(tp=2, pp=2, dp_shard=2), 8),
+        ({"ep": 2, "dp_shard": -1}, Layout(dp_shard=4, ep=2), 4),
+    ],
+    ids=["fsdp8", "tp2-pp2-fsdp2", "ep2-fsdp4"],
+)
+def test_stored_parameters_match_the_sharded_model_on_a_fake_process_group(strategy_kwargs, layout, world):
+    from strategies import Parallel3DStrategy
+    from strategies.memory_plan import plan_memory
+    from trainer.models.causal_lm import CausalLM
+
+    config = LlamaConfig.preset("moe-tiny" if layout.ep > 1 else "tiny")
+    strategy = Parallel3DStrategy(**strategy_kwargs)
+    planned = plan_memory(strategy, lambda: CausalLM(config), world)
+    predicted = per_stage_memory(shape_of(config), dataclasses.replace(layout, precision="fp32"), RUN)
+    assert [p.params for p in predicted] == [r.param_bytes for r in planned]
+    assert [p.optimizer for p in predicted] == [r.optimizer_bytes for r in planned]
+
+
+def test_a_pipeline_stage_in_1f1b_holds_fewer_micro_batches_than_in_gpipe():
+    shape = shape_of(MODELS["dense"])
+    gpipe = Layout(pp=2, pp_microbatches=4, pp_schedule="gpipe", precision="fp32")
+    one_f_one_b = dataclasses.replace(gpipe, pp_schedule="1f1b")
+    stage0 = [per_stage_memory(shape, lay, RUN)[0].activations for lay in (gpipe, one_f_one_b)]
+    assert stage0[0] == 2 * stage0[1]  # all 4 micro-batches vs the warm-up's p - 0 = 2
+
+
+def test_bad_input_is_refused_in_one_line():
+    shape = ModelShape(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
+    with pytest.raises(ValueError, match=r"pp_schedule='zb'; allowed: gpipe, 1f1b, interleaved_1f1b"):
+        per_rank_memory(shape, Layout(pp_schedule="zb"), RUN)
+    with pytest.raises(ValueError, match=r"pp_microbatches=3 does not divide micro_batch=4"):
+        per_rank_memory(shape, Layout(pp=2, pp_microbatches=3), RUN)

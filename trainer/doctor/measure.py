@@ -1,0 +1,133 @@
+"""Timing collectives and a matmul inside a running process group, the way nccl-tests does: a few warm-up
+iterations, a barrier, `iters` timed back-to-back iterations (the device synchronised at both ends), and the
+slowest rank's time taken (a collective is done when its last rank is)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from trainer.doctor.busbw import OPS, bandwidths
+from trainer.doctor.groups import GroupLayout
+
+DTYPE = torch.float32  # as nccl-tests' default; the bandwidth does not depend on it
+# torch 2.13 renamed the tensor forms (the old names warn); a torch before the rename has only the old ones
+_ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """One collective over one layout's groups at one size: the slowest rank's time per iteration."""
+
+    op: str
+    group: str
+    ranks: int  # in each group
+    nbytes: int
+    seconds: float
+
+    @property
+    def algbw(self) -> float:
+        return bandwidths(self.op, self.nbytes, self.seconds, self.ranks)[0]
+
+    @property
+    def busbw(self) -> float:
+        return bandwidths(self.op, self.nbytes, self.seconds, self.ranks)[1]
+
+
+def make_groups(layouts: list[GroupLayout]) -> dict[str, dist.ProcessGroup]:
+    """This rank's process group of each layout; every rank takes part in making every group."""
+    mine = {}
+    rank = dist.get_rank()
+    for layout in layouts:
+        for ranks in layout.groups:
+            group = dist.new_group(list(ranks), group_desc=f"doctor_{layout.name}")
+            if rank in ranks:
+                mine[layout.name] = group
+    return mine
+
+
+def collective(
+    op: str, nbytes: int, n: int, group: dist.ProcessGroup, device: torch.device
+) -> Callable[[], None]:
+    """One call of `op` on a message of `nbytes` (rounded down to whole elements per rank) over `group`."""
+    count = message_elements(nbytes, n)
+    full = torch.ones(count, dtype=DTYPE, device=device)
+    part = torch.ones(count // n, dtype=DTYPE, device=device)
+    out = torch.empty_like(full)
+    if op == "all_reduce":
+        return lambda: dist.all_reduce(full, group=group)
+    if op == "all_gather":  # the message is the gathered buffer
+        return lambda: _ALL_GATHER(out, part, group=group)
+    if op == "reduce_scatter":  # the message is the buffer reduced
+        return lambda: _REDUCE_SCATTER(part, full, group=group)
+    if op == "all_to_all":
+        return lambda: dist.all_to_all_single(out, full, group=group)
+    raise ValueError(f"collective {op!r} is unknown; allowed: {', '.join(OPS)}")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_call(call: Callable[[], None], device: torch.device, warmup: int, iters: int) -> float:
+    """Seconds per call, on this rank, between barriers."""
+    for _ in range(warmup):
+        call()
+    _sync(device)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        call()
+    _sync(device)
+    seconds = (time.perf_counter() - start) / iters
+    dist.barrier()
+    return seconds
+
+
+def measure_collectives(
+    layouts: list[GroupLayout],
+    groups: dict[str, dist.ProcessGroup],
+    sizes: list[int],
+    device: torch.device,
+    warmup: int,
+    iters: int,
+) -> list[Measurement]:
+    """Every op over every layout at every size; the same list on every rank."""
+    plan = [(op, layout, nbytes) for op in OPS for layout in layouts for nbytes in sizes]
+    local = []
+    for op, layout, nbytes in plan:
+        call = collective(op, nbytes, layout.size, groups[layout.name], device)
+        local.append(time_call(call, device, warmup, iters))
+    slowest = torch.tensor(local, dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return [
+        Measurement(
+            op, layout.name, layout.size, message_elements(nbytes, layout.size) * DTYPE.itemsize, seconds
+        )
+        for (op, layout, nbytes), seconds in zip(plan, slowest.tolist(), strict=True)
+    ]
+
+
+def message_elements(nbytes: int, n: int) -> int:
+    """Elements of a message of about `nbytes`: a whole number per rank (reduce-scatter and all-to-all
+    split it in n), at least one each."""
+    return max(nbytes // DTYPE.itemsize // n, 1) * n
+
+
+def matmul_tflops(device: torch.device, n: int, dtype: torch.dtype, iters: int) -> float:
+    """Achieved dense matmul rate of this rank, in TFLOP/s (2n^3 FLOPs per n x n product)."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    torch.mm(a, b)  # warm-up: kernel selection, first-touch of the memory
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        torch.mm(a, b)
+    _sync(device)
+    return 2 * n**3 * iters / (time.perf_counter() - start) / 1e12
