@@ -11,7 +11,6 @@ import select
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -175,8 +174,8 @@ def test_fsdp_replica_groups_survive_a_rank_killed_during_the_all_reduce(tmp_pat
                 f"--max-restarts={restarts}", str(FT_SCRIPT), *common, "--replica-id", str(replica),
                 "--root", str(folder), "--out", str(tmp_path / f"replica{replica}.json"),
             ]  # fmt: skip
-            if replica == 1:  # group 1 joins the running job
-                wait_for(lambda: (tmp_path / "replica0" / "steps-rank0.jsonl").exists(), groups[0])
+            if replica == 1:  # group 1 joins the running job (it waits for the survivor's first step)
+                cmd += ["--wait-for", str(tmp_path / "replica0" / "steps-rank0.jsonl")]
             groups.append(
                 subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(folder / "stderr", "w"), env=ENV)
             )
@@ -199,12 +198,3 @@ def test_fsdp_replica_groups_survive_a_rank_killed_during_the_all_reduce(tmp_pat
         after = min(r["step"] for r in killed if r["attempt"] == 1)
         assert any(by_step[s]["committed"] and by_step[s]["replicas"] == 1 for s in range(before + 1, after))
         assert by_step[after]["replicas"] == 2 and by_step[before + 1]["committed"] is False
-
-
-def wait_for(condition, proc: subprocess.Popen) -> None:
-    """Until `condition()` holds (polling with a deadline) while `proc` runs."""
-    deadline = time.monotonic() + DEADLINE_S
-    while not condition():
-        assert proc.poll() is None, f"exited with {proc.returncode} while waited on"
-        assert time.monotonic() < deadline, f"not within {DEADLINE_S} s"
-        time.sleep(0.05)

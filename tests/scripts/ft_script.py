@@ -197,7 +197,7 @@ def main() -> None:
     p.add_argument("--kill-rank", type=int, default=0)  # the rank of the group that dies
     p.add_argument("--fsdp", action="store_true")  # the group is a torchrun job of FSDP ranks
     p.add_argument("--restarts", type=int, default=0)  # > 0: relaunch killed attempts (see `relaunch`)
-    p.add_argument("--wait-for", default=None)  # with --restarts: the survivor's step log
+    p.add_argument("--wait-for", default=None)  # the survivor's step log (see `relaunch`)
     p.add_argument("--after-rejoin", type=int, default=5)
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--max-steps", type=int, default=100000)  # a bound; the drill stops the groups itself
@@ -209,8 +209,10 @@ def main() -> None:
     Path(args.root).mkdir(parents=True, exist_ok=True)
     if args.restarts:
         relaunch(args)
-    else:
-        train(args)
+        return
+    if args.wait_for:  # start-up overlaps the other group's; training waits for the survivor's first step
+        wait_for_row(Path(args.wait_for), lambda row: True)
+    train(args)
 
 
 if __name__ == "__main__":
