@@ -198,3 +198,28 @@ def test_fsdp_replica_groups_survive_a_rank_killed_during_the_all_reduce(tmp_pat
         after = min(r["step"] for r in killed if r["attempt"] == 1)
         assert any(by_step[s]["committed"] and by_step[s]["replicas"] == 1 for s in range(before + 1, after))
         assert by_step[after]["replicas"] == 2 and by_step[before + 1]["committed"] is False
+
+
+def test_fewer_live_groups_than_the_quorum_needs_end_the_fit_in_one_line(tmp_path):
+    """A lighthouse that needs 2 groups and only one alive: after quorum_timeout_s the fit ends with one line."""
+    from helpers import regression_loader
+
+    from trainer import Trainer
+    from trainer.fault_tolerance import FaultTolerance
+    from trainer.fault_tolerance.lighthouse import start_lighthouse
+
+    server = start_lighthouse("127.0.0.1:0", min_replicas=2)
+    address = f"127.0.0.1:{server.address().rpartition(':')[2]}"
+    config = FaultTolerance(address, 0, min_replicas=2, quorum_timeout_s=2)
+    trainer = Trainer(
+        max_steps=2, default_root_dir=tmp_path, enable_progress_bar=False, fault_tolerance=config
+    )
+    try:
+        with pytest.raises(RuntimeError) as err:
+            trainer.fit(Regression(optimizer="sgd"), regression_loader())
+    finally:
+        server.shutdown()
+    assert str(err.value).startswith(
+        f"fault tolerance: no quorum of min_replicas=2 replica group(s) within quorum_timeout_s=2 at lighthouse {address}"
+    ), str(err.value)
+    assert "\n" not in str(err.value)

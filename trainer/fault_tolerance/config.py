@@ -13,7 +13,8 @@ class FaultTolerance:
 
     Each step forms a quorum of the live groups; a step commits when at least `min_replicas` took part.
     `timeout_s` bounds a step's collectives, its commit vote and a live recovery; `quorum_timeout_s` is how
-    long a step waits for `min_replicas` live groups before the fit ends with an error. This group's
+    long a step waits for a quorum before the fit ends with an error (the lighthouse, started with
+    `--min-replicas` = `min_replicas`, forms none while fewer groups are alive). This group's
     servers (its torchft manager and store) listen on `bind` only, the address peers reach it at:
     127.0.0.1 keeps a job on one machine; a multi-node job names the node's address.
     """
