@@ -29,6 +29,8 @@ EPILOG = f"""recipe sections: {", ".join(SECTIONS)}
   strategy   name (auto, single, ...) and the strategy's arguments
   callbacks  a list of {{class_path, init_args}}
   loggers    a list of names (jsonl, tensorboard, wandb) or {{class_path, init_args}}
+  fault_tolerance  torchft replica group: lighthouse (host:port), replica_id, replicas, min_replicas,
+             timeout_s, quorum_timeout_s, bind (see `trainer lighthouse`)
 
 examples:
   trainer fit recipes/llama_tiny.yaml
@@ -54,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(
-        dest="command", required=True, metavar="{fit,validate,test,config,memory,plan,doctor,export}"
+        dest="command",
+        required=True,
+        metavar="{fit,validate,test,config,memory,plan,doctor,lighthouse,export}",
     )
     for name, text in (
         ("fit", "train (with validation) as the recipe describes"),
@@ -95,12 +99,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     _add_doctor(sub)
     _add_plan_parser(sub)
+    _add_lighthouse(sub)
     args = _parse(parser, argv)
     configure_console_logging()
     if args.command == "doctor":
         return _doctor(args)
     if args.command == "plan":
         return _plan(args)
+    if args.command == "lighthouse":
+        return _lighthouse(args)
     if args.command == "export":
         try:
             print(f"wrote {export_checkpoint(args.checkpoint, args.out, merged=not args.adapter)}")
@@ -290,6 +297,42 @@ def _checkpoint_line(args: argparse.Namespace, inputs, best) -> str:
         f"MTBF {mtbf / 3600:.1f}h ({source}): every {interval / 60:.0f} min = every_n_steps {steps} "
         f"(Young/Daly sqrt(2 C MTBF)); effective training time {effective_fraction(save, interval, mtbf):.1%}"
     )
+
+
+def _add_lighthouse(sub: argparse._SubParsersAction) -> None:
+    """`trainer lighthouse`: torchft's coordinator of fault-tolerant replica groups (trainer/fault_tolerance)."""
+    lighthouse = sub.add_parser(
+        "lighthouse",
+        help="run the lighthouse that fault-tolerant replica groups join (Trainer(fault_tolerance=...))",
+        description="Run torchft's lighthouse until SIGINT/SIGTERM; its first line of output is the "
+        "address the replica groups join (FaultTolerance(lighthouse=...)).",
+    )
+    lighthouse.add_argument(
+        "--bind", required=True, help="host:port to listen on (port 0: one the system picks)"
+    )
+    lighthouse.add_argument("--min-replicas", type=int, default=1, help="groups a quorum needs (default 1)")
+    lighthouse.add_argument(
+        "--heartbeat-timeout-ms",
+        type=int,
+        default=5000,
+        help="a silent group is dead after this (default 5000)",
+    )
+    lighthouse.add_argument(
+        "--join-timeout-ms",
+        type=int,
+        default=60000,
+        help="a quorum waits this long for late groups (default 60000)",
+    )
+
+
+def _lighthouse(args: argparse.Namespace) -> int:
+    from trainer.fault_tolerance.lighthouse import run_lighthouse  # torchft only when asked for
+
+    try:
+        return run_lighthouse(args.bind, args.min_replicas, args.heartbeat_timeout_ms, args.join_timeout_ms)
+    except (ImportError, ValueError) as err:
+        print(f"trainer: error: {err}", file=sys.stderr)
+        return 2
 
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:

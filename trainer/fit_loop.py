@@ -25,6 +25,7 @@ from trainer.state import LoopState
 from trainer.step_log import Throughput
 
 if TYPE_CHECKING:
+    from trainer.fault_tolerance.replica_group import ReplicaGroup
     from trainer.trainer import Trainer
 
 
@@ -52,6 +53,7 @@ class FitLoop:
         self.started = 0.0  # time.time() when training started: max_time counts this fit
         self.start_step = 0
         self.first_not_finite: torch.Tensor | None = None  # see not_finite_since
+        self.replicas: ReplicaGroup | None = None  # fault tolerance's replica group (set by stages), or None
 
     # ---- the run ---------------------------------------------------------------------------------
     def run(self, ckpt_path: Any) -> None:
@@ -125,6 +127,9 @@ class FitLoop:
         trainer, s, module, val_loader = self.trainer, self.trainer.state, self.module, self.val_loader
         iterator = self.train_batches.begin(s.epoch, s.batches_in_epoch)
         while not self.done():
+            # fault tolerance: this step's quorum; a group that took a peer's state reads on from its position
+            if self.replicas is not None and self.replicas.start_step():
+                iterator = self.train_batches.begin(s.epoch, s.batches_in_epoch)
             remaining = None if epoch_len is None else epoch_len - s.batches_in_epoch
             started = time.perf_counter()
             with trainer.clock.phase("data"):
@@ -168,6 +173,8 @@ class FitLoop:
         loss, num_tokens = out.loss, out.num_tokens
         self.step_loss, self.step_norm, self.skip_reason = loss, None, None
         strategy.finish_gradients(module, optimizer, num_tokens)
+        if self.replicas is not None:  # ...and over the live replica groups, before anything reads them
+            self.replicas.average_gradients(module)
         dispatch.step("on_after_backward")
         log_now = trainer.logs_this_step
         if trainer.gradient_clip_val is not None:
@@ -178,6 +185,8 @@ class FitLoop:
             self.step_grad_norm()
         dispatch.step("on_before_optimizer_step", (optimizer,))
         lr = optimizer.param_groups[0]["lr"]
+        if self.replicas is not None and not self.replicas.commit(vote=self.skip_reason is None):
+            self.skip_reason = self.skip_reason or "fault tolerance: the replica groups discarded the step"
         skipped = self.skip_reason is not None
         with trainer.clock.phase("optimizer"):
             if skipped:

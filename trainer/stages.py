@@ -15,6 +15,8 @@ from trainer import eval_loop
 from trainer.data.loader import pin_for_device
 from trainer.datamodule import call_if_defined, loaders_from
 from trainer.entry_checks import check_not_empty
+from trainer.fault_tolerance.data import replica_loader
+from trainer.fault_tolerance.replica_group import ReplicaGroup
 from trainer.fit_loop import FitLoop
 from trainer.logging import rank_zero_info, set_rank
 from trainer.module import TrainModule, uncalled_lightning_methods
@@ -37,6 +39,7 @@ def run_fit(
     """`Trainer.fit` in this process: set up, then one new `FitLoop` (the trainer's `_fit_loop`) runs."""
     trainer.fitting = True
     _setup(trainer, module, "fit", datamodule)
+    replicas = None
     try:
         if train_loader is None:  # the datamodule's, or the module's own, read after their setup
             train_loader, own_val = loaders_from(datamodule or module, "fit")
@@ -47,11 +50,15 @@ def run_fit(
         train_loader = _rank_loader(trainer, train_loader, train=True)
         val_loader = _rank_loader(trainer, val_loader, train=False) if val_loader is not None else None
         trainer._fit_loop = FitLoop(trainer, module, train_loader, val_loader)
+        if trainer.fault_tolerance is not None:  # this group joins the others at the lighthouse
+            replicas = trainer._fit_loop.replicas = ReplicaGroup(trainer)
         trainer._fit_loop.run(ckpt_path)
     except BaseException as exc:
         trainer._dispatch.callbacks("on_exception", exc)
         raise
     finally:
+        if replicas is not None:
+            replicas.shutdown()
         _finish(trainer, "fit")
 
 
@@ -148,7 +155,10 @@ def _finish(trainer: Trainer, stage: str) -> None:
 def _rank_loader(trainer: Trainer, loader: Iterable, train: bool) -> Iterable:
     """The loader this rank reads, as the strategy decides (by default: its share of the batch group);
     ours pins its batches for a GPU, so that their copies there don't wait for the step in flight."""
-    loader = trainer.strategy.process_dataloader(loader, trainer.seed or 0, train=train)
+    if train and trainer.fault_tolerance is not None:  # the replica groups split the data first
+        loader = replica_loader(loader, trainer.fault_tolerance, trainer.strategy, trainer.seed or 0)
+    else:
+        loader = trainer.strategy.process_dataloader(loader, trainer.seed or 0, train=train)
     pin_for_device(loader, trainer.strategy.root_device)
     if seeds_workers() and getattr(loader, "worker_init_fn", False) is None:  # as Lightning adds it
         loader.worker_init_fn = functools.partial(worker_init_function, rank=trainer.global_rank)

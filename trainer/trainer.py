@@ -20,6 +20,7 @@ from strategies.compile_blocks import check_compile
 from strategies.registry import build_strategy
 from trainer import entry_checks, eval_loop, flags, stages, step_log
 from trainer.checkpoint_manager import CheckpointManager
+from trainer.fault_tolerance import FaultTolerance, check_fault_tolerance
 from trainer.fit_loop import FitLoop, effective_training_time
 from trainer.hooks import HookDispatcher
 from trainer.lightning_views import LightningViews
@@ -47,6 +48,10 @@ class Trainer(LightningViews):
     (or its forward) under one process, DDP and FSDP; `activation_checkpointing` ("full", "selective")
     recomputes each block in the backward (not with DP-SGD); Adam/AdamW/SGD on CUDA use torch's fused kernels unless
     `configure_optimizers` set `fused` or `foreach`.
+
+    `fault_tolerance=FaultTolerance(lighthouse="host:port", replica_id=i, ...)` makes this job one replica
+    group of a torchft job: each step forms a quorum of the live groups, averages gradients over them and
+    commits or discards; a restarted group rejoins with a live peer's state (trainer/fault_tolerance).
     """
 
     def __init__(
@@ -88,6 +93,7 @@ class Trainer(LightningViews):
         num_sanity_val_steps: int = 2,
         enable_model_summary: bool = True,
         allow_unverified_checkpoints: bool = False,
+        fault_tolerance: FaultTolerance | None = None,
     ) -> None:
         configure_console_logging()
         given = dict(locals())  # the flags as passed (a copy: some names are rebound below)
@@ -106,6 +112,7 @@ class Trainer(LightningViews):
         num_nodes = flags.check_int("num_nodes", num_nodes, 1)
         self.num_devices, self.num_nodes = devices, num_nodes  # Lightning's: processes per node, nodes
         self.strategy = build_strategy(strategy, processes=devices * num_nodes)
+        self.fault_tolerance = check_fault_tolerance(fault_tolerance, self.strategy)
         self.strategy.set_block_options(activation_checkpointing, check_compile(compile))
         self.strategy.configure(
             accelerator, devices, num_nodes, Precision(precision, accelerator), device_ids

@@ -19,6 +19,7 @@ def build_run(config: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
 
     from strategies.registry import build_strategy
     from trainer.data import lm_dataloaders
+    from trainer.fault_tolerance import FaultTolerance
     from trainer.models.causal_lm import CausalLM
     from trainer.module import TrainModule
     from trainer.trainer import Trainer
@@ -33,10 +34,19 @@ def build_run(config: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
         raise ConfigError(f"strategy: {err}") from err
     callbacks = [_instantiate(c, f"callbacks[{i}]") for i, c in enumerate(config["callbacks"])]
     loggers = [_instantiate(c, f"loggers[{i}]") for i, c in enumerate(config["loggers"])]
+    ft = config.get("fault_tolerance")
     try:
-        trainer = Trainer(strategy=built_strategy, callbacks=callbacks, loggers=loggers, **trainer_args)
+        trainer = Trainer(
+            strategy=built_strategy,
+            callbacks=callbacks,
+            loggers=loggers,
+            fault_tolerance=FaultTolerance(**ft) if ft else None,
+            **trainer_args,
+        )
     except (ValueError, TypeError) as err:
         raise ConfigError(f"trainer: {err}") from err
+    except ImportError as err:  # fault_tolerance without torchft: the one-line install hint
+        raise ConfigError(f"fault_tolerance: {err}") from err
     batch_size = _micro_batch(data, trainer_args, trainer.strategy.planned_group_size("batch"))
     try:
         trainer.strategy.check_batch(batch_size, data["seq_len"])

@@ -122,6 +122,8 @@ def resolve(raw: dict[str, Any]) -> dict[str, Any]:
     resolved["loggers"] = [
         _check_component(c, f"loggers[{i}]", "loggers") for i, c in enumerate(raw.get("loggers") or [])
     ]
+    if raw.get("fault_tolerance") is not None:  # optional: a recipe without it resolves as before
+        resolved["fault_tolerance"] = _check_fault_tolerance(raw["fault_tolerance"])
     model = resolved["model"]
     check_ranges(model, MODEL_RANGES, "model")
     if model["task"] not in TASKS:
@@ -141,6 +143,19 @@ def resolve(raw: dict[str, Any]) -> dict[str, Any]:
     if model["hf"] is not None:
         _check_hf_source(model)
     return resolved
+
+
+def _check_fault_tolerance(section: Any) -> dict[str, Any]:
+    """`fault_tolerance:` (absent or null: none): FaultTolerance's fields, checked by building one."""
+    from trainer.fault_tolerance import FaultTolerance
+
+    if not isinstance(section, dict):
+        raise ConfigError(f"fault_tolerance must be a mapping of FaultTolerance fields; got {section!r}")
+    reject_unknown(section, [f.name for f in dataclasses.fields(FaultTolerance)], "fault_tolerance")
+    try:
+        return dataclasses.asdict(FaultTolerance(**section))
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"fault_tolerance: {err}") from err
 
 
 def _check_betas(betas: list[float]) -> None:

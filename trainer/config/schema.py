@@ -86,13 +86,14 @@ class OptimizerSection:
 
 
 def trainer_section() -> type:
-    """Every Trainer flag but strategy/callbacks/loggers (sections of their own), with its type and default."""
+    """Every Trainer flag but strategy/callbacks/loggers/fault_tolerance (sections of their own), with its type
+    and default."""
     from trainer.trainer import Trainer
 
     hints = typing.get_type_hints(Trainer.__init__)
     specs = []
     for name, param in inspect.signature(Trainer.__init__).parameters.items():
-        if name in ("self", "strategy", "callbacks", "loggers"):
+        if name in ("self", "strategy", "callbacks", "loggers", "fault_tolerance"):
             continue
         default = str(param.default) if isinstance(param.default, Path) else param.default
         tp = str | None if name == "default_root_dir" else hints[name]
@@ -100,7 +101,7 @@ def trainer_section() -> type:
     return make_dataclass("TrainerSection", specs)
 
 
-SECTIONS = ("model", "data", "optimizer", "trainer", "strategy", "callbacks", "loggers")
+SECTIONS = ("model", "data", "optimizer", "trainer", "strategy", "callbacks", "loggers", "fault_tolerance")
 NEW_HF = "new:"  # model.hf: 'new:PATH' creates a new model of model.hf_config at PATH when it is missing
 
 # The smallest value of each number field of the model and optimizer sections: (minimum, strict), strict

@@ -1,0 +1,225 @@
+"""Per-step fault tolerance on torchft across real processes: two replica groups of one process under a
+lighthouse (`trainer lighthouse`), one group SIGKILLed again and again (at the start of a step, during the
+gradient all-reduce, after a commit) and relaunched; the survivor trains on alone and the relaunched group
+rejoins with the survivor's live state. Checked against a plain-PyTorch replay of the same steps."""
+
+from __future__ import annotations
+
+import json
+import random
+import select
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from ft_script import BATCH, LR, N, params_hash
+from helpers import REPO, SCRIPTS, SEED, Regression, launch_env, regression_data
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("torchft")
+
+FT_SCRIPT = SCRIPTS / "ft_script.py"
+DEADLINE_S = 240  # each group's run; the drill takes ~40 s on a loaded 2-core machine
+ENV = launch_env(RUST_LOG="warn", PYTHONPATH=str(REPO))
+
+
+@pytest.fixture(scope="module")
+def lighthouse(tmp_path_factory) -> str:
+    """`trainer lighthouse` on 127.0.0.1 at a port the system picks (a dead group is noticed after 1 s
+    without a heartbeat), for this module's tests; its address, read from the first line it prints."""
+    root = tmp_path_factory.mktemp("lighthouse")
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainer.cli",
+        "lighthouse",
+        "--bind",
+        "127.0.0.1:0",
+        "--heartbeat-timeout-ms",
+        "1000",
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=open(root / "stderr", "w"), text=True, env=ENV
+    )
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        line = proc.stdout.readline() if ready else ""
+        assert line.startswith("lighthouse listening on http://127.0.0.1:"), (
+            line,
+            (root / "stderr").read_text(),
+        )
+        yield line.split("http://")[1].strip()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def start_group(root: Path, lighthouse: str, replica: int, kills: str, *extra: str) -> subprocess.Popen:
+    folder = root / f"replica{replica}"
+    folder.mkdir(exist_ok=True)
+    cmd = [
+        sys.executable, str(FT_SCRIPT), "--lighthouse", lighthouse, "--replica-id", str(replica), "--killed", "1",
+        "--kills", kills, "--seed", str(SEED), "--step-sleep", "0.01", "--root", str(folder),
+        "--out", str(root / f"replica{replica}.json"), *extra,
+    ]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(folder / "stderr", "w"), env=ENV)
+
+
+def steps(root: Path, replica: int, rank: int = 0) -> list[dict]:
+    log = root / f"replica{replica}" / f"steps-rank{rank}.jsonl"
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def replay(rows: list[dict]) -> Regression:
+    """The run in one process with plain PyTorch: the same initial model, and per recorded step the mean of
+    the participating groups' gradients (group r reads shard r of the data at the recorded position) applied
+    by SGD when the step committed; a discarded step changes nothing."""
+    torch.manual_seed(SEED)
+    model = Regression(lr=LR, optimizer="sgd")
+    sgd = torch.optim.SGD(model.parameters(), lr=LR)
+    x, y = regression_data(N).tensors
+    shards = [torch.arange(N)[r::2] for r in range(2)]  # DistributedSampler(shuffle=False) of 2
+    for row in rows:
+        if not row["committed"]:
+            continue
+        grads = []
+        for r in range(row["replicas"]):
+            index = shards[r][row["position"] * BATCH : (row["position"] + 1) * BATCH]
+            model.zero_grad()
+            torch.nn.functional.mse_loss(model(x[index]), y[index]).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for p, *gs in zip(model.parameters(), *grads, strict=True):
+            p.grad = gs[0] if len(gs) == 1 else (gs[0] + gs[1]) / 2
+        sgd.step()
+    return model
+
+
+def test_replica_group_killed_six_times_rejoins_live_and_matches_a_replay(tmp_path, lighthouse):
+    rng = random.Random(SEED)  # TRAINER_TEST_SEED=N explores other kill points; a failure prints its seed
+    kinds = ["allreduce"] * 5 + ["end"]  # five during the gradient all-reduce, one between steps
+    rng.shuffle(kinds)
+    kills = ",".join(f"{rng.randint(2, 6)}@{kind}" for kind in kinds)
+    print(
+        f"fault tolerance drill: replica group 1 is killed at {kills} (offset from each attempt's first step)"
+    )
+    address = lighthouse
+    # group 1 joins the running job once group 0 took a step, then is killed and relaunched len(kinds) times
+    first_steps = str(tmp_path / "replica0" / "steps-rank0.jsonl")
+    relaunched = ["--restarts", str(len(kinds)), "--wait-for", first_steps]
+    groups = [start_group(tmp_path, address, 0, kills), start_group(tmp_path, address, 1, kills, *relaunched)]
+    try:
+        for replica, proc in enumerate(groups):
+            proc.wait(timeout=DEADLINE_S)
+            assert proc.returncode == 0, (tmp_path / f"replica{replica}" / "stderr").read_text()[-3000:]
+    finally:
+        for proc in groups:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    attempts = json.loads((tmp_path / "replica1" / "attempts.json").read_text())
+    assert attempts == [-signal.SIGKILL] * len(kinds) + [0], attempts
+
+    alive, killed = steps(tmp_path, 0), steps(tmp_path, 1)
+    by_step = {row["step"]: row for row in alive}
+    assert [row["step"] for row in alive] == list(range(len(alive))), (
+        "the survivor skipped or repeated a step"
+    )
+    for row in killed:  # every step both groups finished: the same decision and bit-identical parameters
+        peer = by_step[row["step"]]
+        assert (row["committed"], row["params"]) == (peer["committed"], peer["params"]), (row, peer)
+    for attempt in range(
+        1, len(kinds) + 1
+    ):  # each outage: the survivor kept committing alone, then the group rejoined
+        before = max(r["step"] for r in killed if r["attempt"] == attempt - 1)
+        after = min(r["step"] for r in killed if r["attempt"] == attempt)
+        alone = [by_step[s] for s in range(before + 1, after)]
+        assert any(r["committed"] and r["replicas"] == 1 for r in alone), f"no solo step in outage {attempt}"
+        assert by_step[after]["replicas"] == 2, f"group 1 did not rejoin at step {after}"
+    final = json.loads((tmp_path / "replica1.json").read_text())
+    assert final["hash"] == json.loads((tmp_path / "replica0.json").read_text())["hash"]
+    logged = [
+        json.loads(line)
+        for line in (tmp_path / "replica0" / "logs" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert {row.get("train/replicas") for row in logged} >= {1.0, 2.0}
+    # Tolerance 0: the replay runs the same float32 operations in the same order (a two-way all-reduce sums
+    # a + b, exact and commutative; one group alone reduces nothing), so parameters and loss agree bit for bit.
+    reference = replay(alive)
+    assert params_hash(reference) == final["hash"], "the run differs from a replay of the same participants"
+    trained = Regression()
+    for p, value in zip(trained.parameters(), final["params"], strict=True):
+        p.data = torch.tensor(value)
+    x, y = regression_data(N).tensors
+    with torch.no_grad():
+        loss, expected = (torch.nn.functional.mse_loss(m(x), y).item() for m in (trained, reference))
+    assert loss == expected, (loss, expected)
+
+
+def test_fsdp_replica_groups_survive_a_rank_killed_during_the_all_reduce(tmp_path, lighthouse):
+    """Two groups of 2 FSDP ranks, each a torchrun job; rank 1 of group 1 dies during the gradient all-reduce
+    and torchrun restarts the group, which rejoins: every rank's shards equal its peer rank's."""
+    offset = random.Random(SEED).randint(2, 6)
+    common = ["--fsdp", "--lighthouse", lighthouse, "--killed", "1", "--kills", f"{offset}@allreduce",
+              "--kill-rank", "1", "--seed", str(SEED), "--step-sleep", "0.01"]  # fmt: skip
+    groups = []
+    try:
+        for replica, restarts in ((0, 0), (1, 1)):
+            folder = tmp_path / f"replica{replica}"
+            folder.mkdir()
+            cmd = [
+                sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                f"--max-restarts={restarts}", str(FT_SCRIPT), *common, "--replica-id", str(replica),
+                "--root", str(folder), "--out", str(tmp_path / f"replica{replica}.json"),
+            ]  # fmt: skip
+            if replica == 1:  # group 1 joins the running job (it waits for the survivor's first step)
+                cmd += ["--wait-for", str(tmp_path / "replica0" / "steps-rank0.jsonl")]
+            groups.append(
+                subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(folder / "stderr", "w"), env=ENV)
+            )
+        for replica, proc in enumerate(groups):
+            proc.wait(timeout=DEADLINE_S)
+            assert proc.returncode == 0, (tmp_path / f"replica{replica}" / "stderr").read_text()[-3000:]
+    finally:
+        for proc in groups:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    for rank in (0, 1):
+        alive, killed = steps(tmp_path, 0, rank), steps(tmp_path, 1, rank)
+        by_step = {row["step"]: row for row in alive}
+        assert [row["step"] for row in alive] == list(range(len(alive))), f"rank {rank} skipped a step"
+        for row in killed:
+            peer = by_step[row["step"]]
+            assert (row["committed"], row["params"]) == (peer["committed"], peer["params"]), (rank, row, peer)
+        before = max(r["step"] for r in killed if r["attempt"] == 0)
+        after = min(r["step"] for r in killed if r["attempt"] == 1)
+        assert any(by_step[s]["committed"] and by_step[s]["replicas"] == 1 for s in range(before + 1, after))
+        assert by_step[after]["replicas"] == 2 and by_step[before + 1]["committed"] is False
+
+
+def test_fewer_live_groups_than_the_quorum_needs_end_the_fit_in_one_line(tmp_path):
+    """A lighthouse that needs 2 groups and only one alive: after quorum_timeout_s the fit ends with one line."""
+    from helpers import regression_loader
+
+    from trainer import Trainer
+    from trainer.fault_tolerance import FaultTolerance
+    from trainer.fault_tolerance.lighthouse import start_lighthouse
+
+    server = start_lighthouse("127.0.0.1:0", min_replicas=2)
+    address = f"127.0.0.1:{server.address().rpartition(':')[2]}"
+    config = FaultTolerance(address, 0, min_replicas=2, quorum_timeout_s=2)
+    trainer = Trainer(
+        max_steps=2, default_root_dir=tmp_path, enable_progress_bar=False, fault_tolerance=config
+    )
+    try:
+        with pytest.raises(RuntimeError) as err:
+            trainer.fit(Regression(optimizer="sgd"), regression_loader())
+    finally:
+        server.shutdown()
+    assert str(err.value).startswith(
+        f"fault tolerance: no quorum of min_replicas=2 replica group(s) within quorum_timeout_s=2 at lighthouse {address}"
+    ), str(err.value)
+    assert "\n" not in str(err.value)

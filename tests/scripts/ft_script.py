@@ -1,0 +1,219 @@
+"""One replica group (one process) of a fault-tolerant job on torchft, as a user's script runs it:
+`python tests/scripts/ft_script.py --lighthouse HOST:PORT --replica-id I --root DIR --out FILE`. It trains the
+tests' Regression model with SGD and appends one line per step to ROOT/steps-rank0.jsonl (the step, whether it
+committed, the participants, the data position, a hash of the parameters; ROOT/steps-rank{r}.jsonl per rank
+with `--fsdp`, where the group is a torchrun job of FSDP ranks). `--kills` schedules this group's
+own SIGKILLs, one per attempt (`--restarts K` relaunches it up to K times, see `relaunch`): each at a step offset from the
+attempt's first step, at the start of the step, during the gradient all-reduce, or after the commit. Both
+groups stop `--after-rejoin` steps after the group rejoined for the last time: the survivor knows it by
+the other group's drops out of the quorum (the test starts the other group only after the survivor's first
+step, so that the survivor sees every one of the `--kills`)."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: helpers
+from helpers import Regression, regression_loader  # noqa: E402
+
+from callbacks import Callback  # noqa: E402
+from trainer import Trainer  # noqa: E402
+from trainer.fault_tolerance import FaultTolerance  # noqa: E402
+
+BATCH, LR, N = 8, 0.05, 256  # the test's reference replay uses the same
+
+
+def params_hash(module: torch.nn.Module) -> str:
+    """The parameters' bytes (this rank's shards of sharded ones), hashed: equal hashes are bit-identical."""
+    digest = hashlib.sha256()
+    for p in module.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        digest.update(local.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Drill(Callback):
+    """Records every step; SIGKILLs this process where `--kills` says; stops after the last rejoin."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        kills = [k.split("@") for k in args.kills.split(",")] if args.kills else []
+        mine = args.replica_id == args.killed
+        self.kill = kills[args.attempt] if mine and args.attempt < len(kills) else None  # (offset, where)
+        self.final = mine and args.attempt >= len(kills)
+        self.kills = len(kills)
+        self.first_step: int | None = None
+        self.seen: list[int] = []  # participants of each step this attempt ran
+        self.rejoined_at: int | None = None
+        self.position = 0
+        self.log = None  # ROOT/steps-rank{r}.jsonl, opened at the first step (the rank is known then)
+
+    def on_train_batch_start(self, trainer, module, batch_idx):
+        if self.log is None:
+            self.log = open(Path(self.args.root) / f"steps-rank{trainer.global_rank}.jsonl", "a")
+        replicas = trainer._fit_loop.replicas
+        step, n = trainer.global_step, replicas.participants
+        if self.first_step is None:
+            self.first_step = step
+            if self.final:  # the killed group's last attempt: it rejoins now
+                self.rejoined_at = step
+        drops = sum(1 for a, b in zip(self.seen[:-1], self.seen[1:], strict=True) if a > b)
+        if self.seen and self.seen[-1] < n and drops == self.kills and self.rejoined_at is None:
+            self.rejoined_at = step  # the survivor: the killed group is back for the last time
+        self.seen.append(n)
+        self.position = batch_idx
+        time.sleep(self.args.step_sleep)  # a heavier step: fewer solo steps while the other group restarts
+        if self.kill is not None and step - self.first_step == int(self.kill[0]) and self.kills_me(trainer):
+            where = self.kill[1]
+            if where == "start":
+                die()
+            if where == "allreduce":  # die in place of this group's part of the gradient all-reduce: the
+                # survivor is in (or enters) its all-reduce with a dead peer
+                replicas.pg.allreduce = lambda *a, **kw: die()
+
+    def kills_me(self, trainer) -> bool:
+        """Only rank --kill-rank of the group dies (under torchrun its agent then restarts the whole group)."""
+        return trainer.global_rank == self.args.kill_rank
+
+    def on_train_batch_end(self, trainer, module, outputs):
+        row = {
+            "step": trainer.global_step - 1,
+            "committed": not outputs["skipped"],
+            "replicas": trainer._fit_loop.replicas.participants,
+            "position": self.position,
+            "params": params_hash(module),
+            "attempt": self.args.attempt,
+        }
+        self.log.write(json.dumps(row) + "\n")
+        self.log.flush()
+        if (
+            self.kill is not None
+            and self.kill[1] == "end"
+            and trainer.global_step - 1 - self.first_step == int(self.kill[0])
+        ):
+            die()
+        if self.rejoined_at is not None and trainer.global_step >= self.rejoined_at + self.args.after_rejoin:
+            trainer.should_stop = True
+
+
+def train(args: argparse.Namespace) -> None:
+    """One attempt of this group: a fit until the drill stops it (or it is killed)."""
+    torch.manual_seed(args.seed)
+    module = Regression(lr=LR, optimizer="sgd")
+    trainer = Trainer(
+        strategy="fsdp" if args.fsdp else "auto",
+        max_steps=args.max_steps,
+        seed=args.seed,
+        default_root_dir=args.root,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+        callbacks=[Drill(args)],
+        fault_tolerance=FaultTolerance(
+            lighthouse=args.lighthouse,
+            replica_id=args.replica_id,
+            replicas=2,
+            timeout_s=20,
+            quorum_timeout_s=60,
+        ),
+    )
+    trainer.fit(module, regression_loader(batch_size=BATCH, n=N))
+    if trainer.is_global_zero and not args.fsdp:
+        result = {"params": [p.detach().tolist() for p in module.parameters()], "hash": params_hash(module)}
+        Path(args.out).write_text(json.dumps(result))
+
+
+def relaunch(args: argparse.Namespace) -> None:
+    """Run attempt after attempt, each a fresh process forked from this one (which only imported), until one
+    ends by itself; each attempt's exit status goes to ROOT/attempts.json. A restart that costs a fork
+    instead of Python's and torch's start-up, so that the test can afford many. The first attempt starts
+    once the survivor (whose step log is `--wait-for`) took a step; each next one once the survivor
+    committed a step alone after this group's last one: every outage is seen by the survivor."""
+    mine = Path(args.root) / "steps-rank0.jsonl"
+    statuses: list[int] = []
+    for attempt in range(args.restarts + 1):
+        if attempt == 0:
+            wait_for_row(Path(args.wait_for), lambda row: True)
+        else:
+            last = max(json.loads(line)["step"] for line in mine.read_text().splitlines())
+            wait_for_row(
+                Path(args.wait_for),
+                lambda row, last=last: row["step"] > last and row["committed"] and row["replicas"] == 1,
+            )
+        pid = os.fork()
+        if pid == 0:
+            args.attempt, code = attempt, 1
+            try:
+                train(args)
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stderr.flush()
+                os._exit(code)  # the child never returns into the relaunch loop
+        statuses.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+        (Path(args.root) / "attempts.json").write_text(json.dumps(statuses))
+        if statuses[-1] != -signal.SIGKILL:
+            break
+    raise SystemExit(0 if statuses[-1] == 0 else 1)
+
+
+def wait_for_row(log: Path, wanted, timeout: float = 120.0) -> None:
+    """Until a row of the step log `log` is `wanted` (polling the file, with a deadline)."""
+    deadline = time.monotonic() + timeout
+    while not (
+        log.exists()
+        and any(wanted(json.loads(line)) for line in log.read_text().splitlines() if line.endswith("}"))
+    ):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no row of {log} was as wanted within {timeout} s")
+        time.sleep(0.02)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--lighthouse", required=True)
+    p.add_argument("--replica-id", type=int, required=True)
+    p.add_argument("--killed", type=int, default=1)  # the group --kills applies to
+    p.add_argument(
+        "--kills", default=""
+    )  # "offset@where,..." (where: start, allreduce, end), one per attempt
+    p.add_argument("--attempt", type=int, default=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    p.add_argument("--kill-rank", type=int, default=0)  # the rank of the group that dies
+    p.add_argument("--fsdp", action="store_true")  # the group is a torchrun job of FSDP ranks
+    p.add_argument("--restarts", type=int, default=0)  # > 0: relaunch killed attempts (see `relaunch`)
+    p.add_argument("--wait-for", default=None)  # the survivor's step log (see `relaunch`)
+    p.add_argument("--after-rejoin", type=int, default=5)
+    p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--max-steps", type=int, default=100000)  # a bound; the drill stops the groups itself
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--root", required=True)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    Path(args.root).mkdir(parents=True, exist_ok=True)
+    if args.restarts:
+        relaunch(args)
+        return
+    if args.wait_for:  # start-up overlaps the other group's; training waits for the survivor's first step
+        wait_for_row(Path(args.wait_for), lambda row: True)
+    train(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""`FaultTolerance`: where a replica group finds the lighthouse, who it is, and how long it waits."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class FaultTolerance:
+    """Per-step fault tolerance over replica groups (torchft): this process's group is `replica_id` of
+    `replicas` planned groups, coordinated by the lighthouse at `lighthouse` ("host:port").
+
+    Each step forms a quorum of the live groups; a step commits when at least `min_replicas` took part.
+    `timeout_s` bounds a step's collectives, its commit vote and a live recovery; `quorum_timeout_s` is how
+    long a step waits for a quorum before the fit ends with an error (the lighthouse, started with
+    `--min-replicas` = `min_replicas`, forms none while fewer groups are alive). This group's
+    servers (its torchft manager and store) listen on `bind` only, the address peers reach it at:
+    127.0.0.1 keeps a job on one machine; a multi-node job names the node's address.
+    """
+
+    lighthouse: str
+    replica_id: int
+    replicas: int = 2
+    min_replicas: int = 1
+    timeout_s: float = 60.0
+    quorum_timeout_s: float = 60.0
+    bind: str = "127.0.0.1"
+
+    def __post_init__(self) -> None:
+        _host_port("lighthouse", self.lighthouse)
+        _int("replicas", self.replicas, 1)
+        _int("replica_id", self.replica_id, 0)
+        if self.replica_id >= self.replicas:
+            raise ValueError(
+                f"FaultTolerance replica_id={self.replica_id} with replicas={self.replicas}; allowed: 0 to {self.replicas - 1}"
+            )
+        _int("min_replicas", self.min_replicas, 1)
+        if self.min_replicas > self.replicas:
+            raise ValueError(
+                f"FaultTolerance min_replicas={self.min_replicas} exceeds replicas={self.replicas}; allowed: 1 to {self.replicas}"
+            )
+        for name in ("timeout_s", "quorum_timeout_s"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value <= 0
+            ):
+                raise ValueError(f"FaultTolerance {name}={value!r}; allowed: a number of seconds > 0")
+        host, _, port = self.bind.rpartition(":") if isinstance(self.bind, str) else ("", "", "")
+        if not isinstance(self.bind, str) or not self.bind.strip() or (port.isdigit() and ":" not in host):
+            raise ValueError(
+                f"FaultTolerance bind={self.bind!r}; allowed: a host name or IP address (no port)"
+            )
+
+    @property
+    def lighthouse_url(self) -> str:
+        """The lighthouse as torchft's clients address it."""
+        return self.lighthouse if self.lighthouse.startswith("http://") else f"http://{self.lighthouse}"
+
+    @property
+    def replica_name(self) -> str:
+        """This group's name at the lighthouse; torchft reads the trailing digits as the group's index."""
+        return f"replica_{self.replica_id}"
+
+
+def _host_port(name: str, value: object) -> None:
+    text = value.removeprefix("http://") if isinstance(value, str) else ""
+    host, sep, port = text.rpartition(":")
+    if not (host and sep and port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError(f"FaultTolerance {name}={value!r}; allowed: 'host:port' (port 1-65535)")
+
+
+def _int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"FaultTolerance {name}={value!r}; allowed: an int >= {minimum}")

@@ -1,0 +1,194 @@
+"""One replica group's side of per-step fault tolerance: a torchft `Manager` and the three calls the loop
+makes each step (quorum before the data is read, gradients averaged over the groups, commit or discard)."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainer.fault_tolerance.state import load_replica_state, replica_state
+
+if TYPE_CHECKING:
+    from trainer.trainer import Trainer
+
+log = logging.getLogger("trainer")
+
+
+def require_torchft() -> Any:
+    """The torchft module, or a one-line error saying how to install it (checked before any process starts)."""
+    try:
+        return importlib.import_module("torchft")
+    except ImportError as err:
+        raise ImportError(
+            f"Trainer(fault_tolerance=...) needs torchft, which is not installed ({err}); "
+            "install the extra: pip install 'trainer[ft]'"
+        ) from None
+
+
+class ReplicaGroup:
+    """This group's membership in the fault-tolerant job. Every rank of the group makes the same calls:
+    `start_step` (before the step's data is read), `average_gradients` (after the group's own gradient
+    sync), `commit` (before the optimizer step); `shutdown` at the end of the fit."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        require_torchft()
+        from torchft import Manager
+        from torchft.checkpointing.pg_transport import PGTransport
+
+        self.trainer, self.config = trainer, trainer.fault_tolerance
+        strategy, config = trainer.strategy, self.config
+        timeout = timedelta(seconds=config.timeout_s)
+        # the group's own store, bound to `bind` (not the launcher's: a restarted group would read the
+        # manager address its previous incarnation left there)
+        self._store = (
+            dist.TCPStore(config.bind, 0, is_master=True, wait_for_workers=False)
+            if strategy.global_rank == 0
+            else None
+        )
+        # rank 0's address: with a group spread over nodes the other ranks' own `bind` is not where it listens
+        host, port = strategy.broadcast_object(
+            (config.bind, self._store.port) if self._store is not None else None
+        )
+        self.pg = _process_group(strategy.root_device, timeout)
+        with _manager_server_bound_to(config.bind):
+            self.manager = Manager(
+                pg=self.pg,
+                load_state_dict=None,
+                state_dict=None,
+                min_replica_size=config.min_replicas,
+                # the quorum (and a recovery) completes before the step reads its data, so a recovered
+                # group reads from the peer's data position
+                use_async_quorum=False,
+                timeout=timeout,
+                quorum_timeout=timedelta(seconds=config.quorum_timeout_s),
+                connect_timeout=timeout,
+                rank=strategy.global_rank,
+                world_size=strategy.world_size,
+                store_addr=host,
+                store_port=port,
+                lighthouse_addr=config.lighthouse_url,
+                replica_id=config.replica_name,
+                hostname=config.bind,
+                # the state goes rank to rank over the groups' own process group: no extra server
+                checkpoint_transport=PGTransport(self.pg, timeout, strategy.root_device),
+            )
+        self.manager.register_state_dict_fn("trainer", self._load, lambda: replica_state(trainer))
+        self.recovered = False  # this step's quorum replaced the training state with a peer's
+        self.participants = 0
+
+    def start_step(self) -> bool:
+        """Join this step's quorum; True when this group was behind and now holds a peer's training state
+        (the loop then re-opens its data iterator at the new position). A one-line error when fewer than
+        `min_replicas` groups are alive for longer than `quorum_timeout_s`."""
+        self.recovered = False
+        try:
+            self.manager.start_quorum()
+        except PeerStateMismatch:
+            raise
+        except Exception as err:  # torchft raises the lighthouse client's error, several lines long
+            raise RuntimeError(
+                f"fault tolerance: no quorum of min_replicas={self.config.min_replicas} replica group(s) within "
+                f"quorum_timeout_s={self.config.quorum_timeout_s:g} at lighthouse {self.config.lighthouse} ({_first_line(err)})"
+            ) from err
+        self.participants = self.manager.num_participants()
+        return self.recovered
+
+    def average_gradients(self, module: nn.Module) -> None:
+        """Average the step's gradients over the participating groups: one all-reduce per dtype of a flat
+        copy, not one per tensor. A failure (a peer died mid-reduce) is not raised: torchft records it and
+        the step is discarded by `commit`; the gradients may then be garbage, and are never applied."""
+        grads = [_local(p.grad) for p in module.parameters() if p.grad is not None]
+        by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for g in grads:
+            by_kind.setdefault((g.dtype, g.device), []).append(g)
+        for group in by_kind.values():
+            flat = torch.cat([g.reshape(-1) for g in group])
+            if not self.manager.allreduce(flat).wait():
+                return
+            torch._foreach_copy_(
+                group,
+                [
+                    piece.view_as(g)
+                    for piece, g in zip(flat.split([g.numel() for g in group]), group, strict=True)
+                ],
+            )
+
+    def commit(self, vote: bool) -> bool:
+        """Whether this step's update is applied (every rank of the group gets the same answer). `vote`
+        False (a callback skips the step here) makes the group vote against it, so its ranks agree."""
+        if not vote:
+            self.manager.report_error(RuntimeError("a callback skipped the optimizer step"))
+        committed = self.manager.should_commit()
+        self.trainer._fit_metrics.add(
+            "train/replicas", float(self.participants), on_step=True, on_epoch=False
+        )
+        return committed
+
+    def shutdown(self) -> None:
+        """Stop this group's manager server, its transport and the quorum thread."""
+        self.manager.shutdown(wait=False)
+        self.pg.abort()
+        self._store = None  # rank 0's store server stops with its last reference
+
+    def _load(self, state: dict[str, Any]) -> None:
+        try:
+            load_replica_state(self.trainer, state)
+        except Exception as err:
+            raise PeerStateMismatch(
+                f"fault tolerance: replica group {self.config.replica_id} cannot load the training state a peer "
+                f"group sent ({_first_line(err)}); allowed: every group runs the same model, optimizer and "
+                "layout, and one lighthouse serves one run"
+            ) from err
+        self.recovered = True
+        log.info(
+            f"fault tolerance: replica group {self.config.replica_id} recovered from a peer at step "
+            f"{self.trainer.global_step}"
+        )
+
+
+class PeerStateMismatch(RuntimeError):
+    """A peer group's state does not fit this group's model (another run at the same lighthouse)."""
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0].rstrip(":") if text else type(err).__name__
+
+
+def _process_group(device: torch.device, timeout: timedelta) -> Any:
+    """torchft's reconfigurable process group across the replica groups: NCCL on GPUs, else gloo."""
+    from torchft import ProcessGroupGloo, ProcessGroupNCCL
+
+    return ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """A sharded gradient's local shard (the same shard on the same rank of every group), else itself."""
+    return grad.to_local() if hasattr(grad, "to_local") else grad
+
+
+@contextlib.contextmanager
+def _manager_server_bound_to(host: str) -> Iterator[None]:
+    """torchft 0.2.0's Manager starts its server on `[::]:port` (every interface) with no option to choose;
+    for the time of its construction, the server it starts listens on `host` instead."""
+    import torchft.manager as torchft_manager
+
+    original = torchft_manager.ManagerServer
+    listen = f"[{host}]" if ":" in host else host
+
+    def bound(*args: Any, bind: str, **kwargs: Any) -> Any:
+        return original(*args, bind=f"{listen}:{bind.rpartition(':')[2]}", **kwargs)
+
+    torchft_manager.ManagerServer = bound
+    try:
+        yield
+    finally:
+        torchft_manager.ManagerServer = original
