@@ -93,7 +93,9 @@ def hf_llama() -> torch.nn.Module:
 def samples(steps: int) -> list[dict[str, torch.Tensor]]:
     """Random tokens (seed 0) for `steps` steps of every rank, {"input_ids", "labels"} with the labels
     already shifted (what HFModule trains on; the other arms compute the same loss)."""
-    rows = torch.randint(512, (steps * WORLD * MICRO_BATCH, SEQ_LEN + 1), generator=torch.Generator().manual_seed(0))
+    rows = torch.randint(
+        512, (steps * WORLD * MICRO_BATCH, SEQ_LEN + 1), generator=torch.Generator().manual_seed(0)
+    )
     return [{"input_ids": row[:-1], "labels": row[1:]} for row in rows]
 
 
@@ -243,7 +245,9 @@ def arm_tokens_per_second(arm: str, args: argparse.Namespace) -> float:
         if done.returncode != 0:
             raise RuntimeError(f"arm {arm} exited {done.returncode}:\n{done.stderr[-3000:]}")
         times = json.loads(result.read_text())
-    step_s = statistics.median(b - a for a, b in zip(times[args.warmup :], times[args.warmup + 1 :], strict=False))
+    step_s = statistics.median(
+        b - a for a, b in zip(times[args.warmup :], times[args.warmup + 1 :], strict=False)
+    )
     return WORLD * MICRO_BATCH * SEQ_LEN / step_s
 
 
