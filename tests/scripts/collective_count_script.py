@@ -124,8 +124,10 @@ def main() -> None:
         dist_common.CausalLM = SkipsOnce  # what train() builds for --model llama
     strategy = (DDPStrategy if a.strategy == "ddp" else FSDPStrategy)(timeout_s=TIMEOUT_S)
     wrap_collectives()
+    # no checkpoints: their collectives are not per step, and writing them costs the test time
     flags = {"max_time": {"seconds": a.max_time_s}, "log_every_n_steps": a.log_every}
-    train(a, strategy, [StepMarks()], flags=flags, rank_results=lambda: {"events": events})
+    flags.update(callbacks=[StepMarks()], enable_checkpointing=False)
+    train(a, strategy, [], flags=flags, rank_results=lambda: {"events": events})
 
 
 if __name__ == "__main__":
