@@ -106,13 +106,15 @@ def lm_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Ten
 
 
 class Stamps:
-    """Rank 0's time at the end of every optimizer step; written to `path` as JSON at the end."""
+    """Rank 0's wall-clock and CPU time (its process, every thread) at the end of every optimizer step;
+    written to `path` as JSON at the end. CPU time is the work a step costs, which a loaded machine
+    disturbs far less than wall-clock time."""
 
     def __init__(self, path: str) -> None:
         self.path, self.times = path, []
 
     def stamp(self) -> None:
-        self.times.append(time.perf_counter())
+        self.times.append((time.perf_counter(), time.process_time()))
 
     def write(self) -> None:
         Path(self.path).write_text(json.dumps(self.times))
@@ -233,8 +235,9 @@ RUNNERS = {"hand": run_hand, "ours": run_ours, "lightning": run_lightning}
 
 
 # ---- the parent: rounds of the three arms, then the table -----------------------------------------------
-def arm_tokens_per_second(arm: str, args: argparse.Namespace) -> float:
-    """One 2-process job of `arm` in a fresh process; global tokens/s at rank 0's median step time."""
+def arm_speed(arm: str, args: argparse.Namespace) -> tuple[float, float]:
+    """One 2-process job of `arm` in a fresh process: (global tokens/s at rank 0's median step time,
+    rank 0's median CPU milliseconds per step)."""
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "stamps.json"
         command = [sys.executable, __file__, "--arm", arm, "--result", str(result)]
@@ -244,29 +247,36 @@ def arm_tokens_per_second(arm: str, args: argparse.Namespace) -> float:
         done = subprocess.run(command, env=env, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"arm {arm} exited {done.returncode}:\n{done.stderr[-3000:]}")
-        times = json.loads(result.read_text())
-    step_s = statistics.median(
-        b - a for a, b in zip(times[args.warmup :], times[args.warmup + 1 :], strict=False)
-    )
-    return WORLD * MICRO_BATCH * SEQ_LEN / step_s
+        times = json.loads(result.read_text())[args.warmup :]
+
+    def median_step(i: int) -> float:
+        return statistics.median(b[i] - a[i] for a, b in zip(times, times[1:], strict=False))
+
+    return WORLD * MICRO_BATCH * SEQ_LEN / median_step(0), 1000 * median_step(1)
 
 
 def peers(args: argparse.Namespace) -> None:
-    measured: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    measured: dict[str, list[tuple[float, float]]] = {arm: [] for arm in ARMS}
     for _ in range(args.rounds):
         for arm in ARMS:
-            measured[arm].append(arm_tokens_per_second(arm, args))
-    median = {arm: statistics.median(values) for arm, values in measured.items()}
+            measured[arm].append(arm_speed(arm, args))
+    tokens = {arm: statistics.median(t for t, _ in values) for arm, values in measured.items()}
+    cpu = {arm: statistics.median(c for _, c in values) for arm, values in measured.items()}
     print(
         f"tiny HF Llama (4 layers, dim 128), seq {SEQ_LEN}, micro-batch {MICRO_BATCH} per process, AdamW, "
-        f"{WORLD} gloo processes x 1 thread, {os.cpu_count()} cores; median of {args.rounds} interleaved "
-        f"rounds, {args.steps} timed steps after {args.warmup}"
+        f"{WORLD} gloo processes x 1 thread, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}; "
+        f"median of {args.rounds} interleaved rounds, {args.steps} timed steps after {args.warmup}"
     )
     for arm in ARMS:
-        rounds = ", ".join(f"{v:.0f}" for v in measured[arm])
-        print(f"  {arm:<10} {median[arm]:8.0f} tokens/s   (rounds: {rounds})")
-    print(f"  ours / hand loop {median['ours'] / median['hand']:.3f}x (target >= 0.98)")
-    print(f"  ours / Lightning {median['ours'] / median['lightning']:.3f}x (target >= 1.00)")
+        rounds = ", ".join(f"{t:.0f}" for t, _ in measured[arm])
+        print(
+            f"  {arm:<10} {tokens[arm]:8.0f} tokens/s (rounds: {rounds}); rank 0 CPU {cpu[arm]:6.1f} ms/step"
+        )
+    for peer, target in (("hand", 0.98), ("lightning", 1.0)):
+        print(
+            f"  ours / {peer:<9} tokens/s {tokens['ours'] / tokens[peer]:.3f}x (target >= {target}), "
+            f"CPU per step {cpu['ours'] / cpu[peer]:.3f}x"
+        )
 
 
 def main() -> None:
