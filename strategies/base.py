@@ -24,6 +24,7 @@ from strategies.collectives import check_reduce_op
 from strategies.compile_blocks import compile_units
 from strategies.experts import expert_modules, update_expert_biases
 from strategies.parallel_dims import check_group_name
+from strategies.step_skip import DECLARATION, may_return_none
 from trainer import checkpoint as ckpt
 from trainer.data.distributed import shard_loader
 from trainer.precision import Precision
@@ -241,30 +242,57 @@ class Strategy:
         token count. The Trainer then normalises, clips and steps. This default is gradient accumulation:
         one forward+backward per micro-batch, gradient sync only on the last. A pipeline schedule or
         DP-SGD overrides it and consumes all micro-batches at once. None: a `training_step` returned
-        None (on any rank), so the step is skipped everywhere, as Lightning skips it."""
-        outputs = []
+        None (on any rank), so the step is skipped everywhere, as Lightning skips it.
+
+        The ranks agree on skipping without a collective per micro-batch: no rank may take a backward that
+        communicates while another skips it, nor step while another skips, so they agree before the last
+        micro-batch's backward and, unless the strategy `accumulates_locally`, before every backward; and
+        only for a module whose step can return None (strategies/step_skip.py). So: never for a step that
+        always returns a loss; once per optimizer step under DDP; per micro-batch under FSDP
+        (a backward may all-gather). A rank whose step returned None earlier in the window keeps running
+        the forwards (they may communicate too) and leaves out its local backwards. A module whose step
+        returns None where its code shows no `return None` gets a one-line error on that rank."""
+        agree = self.world_size > 1 and may_return_none(module)
+        outputs: list[StepOutput] = []
+        skipped = False  # this rank's step returned None in this window (agreed, where `agree`)
         for i, batch in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
             batch = self.batch_to_device(batch)
-            with self.accumulation_context(is_last_micro_batch=i == len(micro_batches) - 1):
-                out = self.forward_backward(module, batch, first_batch_idx + i, 1.0 / len(micro_batches))
-            if out is None:
-                return None
-            outputs.append(out)
+            with self.accumulation_context(is_last_micro_batch=last):
+                output = self.forward_step(module, batch, first_batch_idx + i)
+                skipped |= output is None
+                if agree and (last or not self.accumulates_locally()):
+                    skipped = self.any_rank(skipped)
+                    if skipped:
+                        return None  # every rank knows now: the rest of the window is not needed
+                elif output is None and self.world_size == 1:
+                    return None
+                elif output is None and not agree:
+                    raise ValueError(
+                        f"{type(module).__name__}.training_step returned None on rank {self.global_rank}, but "
+                        "its code shows no `return None`, so the ranks did not agree to skip the step; allowed: "
+                        f"`return None` in training_step itself, or `{DECLARATION} = True` on the module"
+                    )
+                if skipped:
+                    continue  # a backward without collectives: this rank alone may leave it out
+                outputs.append(self.backward_output(module, output, 1.0 / len(micro_batches)))
+        if skipped:
+            return None
         return outputs[0] if len(outputs) == 1 else combine_micro_batches(outputs)
 
     def accumulation_context(self, is_last_micro_batch: bool) -> contextlib.AbstractContextManager:
         """Wraps each micro-batch; data-parallel strategies skip gradient sync until the last one."""
         return contextlib.nullcontext()
 
-    def forward_backward(
-        self, module: nn.Module, batch: Any, batch_idx: int, loss_scale: float
-    ) -> StepOutput | None:
-        """`training_step` then backward of its loss. A loss with "num_tokens" is back-propagated as a
-        token *sum* (normalised later by `finish_gradients`); otherwise it is scaled by `loss_scale`.
-        None, with no backward on any rank, when any rank's step returned None."""
-        output = self.forward_step(module, batch, batch_idx)
-        if self.any_rank(output is None):
-            return None
+    def accumulates_locally(self) -> bool:
+        """Whether the backwards of a step's micro-batches before the last run no collectives (gradients
+        accumulate on each rank), so that a rank may leave one out (see `train_step`). By default not
+        assumed; data parallelism by replicas syncs only in the last micro-batch's backward."""
+        return False
+
+    def backward_output(self, module: nn.Module, output: Any, loss_scale: float) -> StepOutput:
+        """Backward of what `training_step` returned. A loss with "num_tokens" is back-propagated as a
+        token *sum* (normalised later by `finish_gradients`); otherwise it is scaled by `loss_scale`."""
         loss, num_tokens = unpack_loss(output, "training_step")
         self.backward_step(module, loss, num_tokens if num_tokens is not None else loss_scale)
         return StepOutput(loss.detach(), num_tokens)

@@ -313,6 +313,11 @@ class ParallelStrategy(MeshStrategy):
         self._root.set_requires_gradient_sync(is_last_micro_batch)  # reduce-scatter once per step
         return contextlib.nullcontext()
 
+    def accumulates_locally(self) -> bool:
+        # DDP/ZeRO-1 under no_sync run no collective before the last backward; FSDP's backward may
+        # all-gather (stage 3) and tp/cp/ep/pp exchange gradients of activations in every backward
+        return not self._sharded and max(self.tp, self.cp, self.ep, self.pp) == 1
+
     def backward(self, loss: torch.Tensor) -> None:
         with self._loss_parallel():
             super().backward(loss)

@@ -23,6 +23,7 @@ from trainer.progress import ProgressBar
 from trainer.schedules import LRSchedule, build_scheduler
 from trainer.state import LoopState
 from trainer.step_log import Throughput
+from trainer.time_limit import TimeLimit
 
 if TYPE_CHECKING:
     from trainer.fault_tolerance.replica_group import ReplicaGroup
@@ -52,6 +53,7 @@ class FitLoop:
         self.last_val_step: int | None = None
         self.started = 0.0  # time.time() when training started: max_time counts this fit
         self.start_step = 0
+        self.time_limit: TimeLimit | None = None  # max_time, once training started
         self.first_not_finite: torch.Tensor | None = None  # see not_finite_since
         self.replicas: ReplicaGroup | None = None  # fault tolerance's replica group (set by stages), or None
 
@@ -85,6 +87,8 @@ class FitLoop:
         trainer, s, val_loader = self.trainer, self.trainer.state, self.val_loader
         self.started = time.time()  # max_time counts this fit (a resumed run starts afresh)
         self.start_step = s.global_step
+        if trainer.max_time is not None:
+            self.time_limit = TimeLimit(trainer.max_time, s.global_step, trainer.strategy.world_size > 1)
         epoch_len = self.train_batches.epoch_length()
         val_every = self._val_every_n_steps(epoch_len)
         meter = Throughput()
@@ -270,9 +274,9 @@ class FitLoop:
         strategy's stop reason (a signal, a lost peer), agreed by every rank."""
         trainer = self.trainer
         s = trainer.state
-        if trainer.max_time is not None and not trainer.should_stop:
-            # every rank must stop at the same step: one agreed flag (a collective only with processes)
-            if trainer.strategy.any_rank(time.time() - self.started >= trainer.max_time):
+        if self.time_limit is not None and not trainer.should_stop:
+            # every rank must stop at the same step: their clocks agree at steps they all know (time_limit.py)
+            if self.time_limit.reached(s.global_step, time.time() - self.started, self._slowest):
                 trainer.should_stop = True
                 rank_zero_info(
                     f"stopping at step {s.global_step}: max_time of {trainer.max_time:.0f} s reached"
@@ -289,6 +293,11 @@ class FitLoop:
             or (trainer.max_steps is not None and s.global_step >= trainer.max_steps)
             or (trainer.max_epochs is not None and s.epoch >= trainer.max_epochs)
         )
+
+    def _slowest(self, elapsed: float) -> float:
+        """The largest of the ranks' `elapsed` (every rank calls it)."""
+        mine = torch.tensor(elapsed, dtype=torch.float64)
+        return float(self.trainer.strategy.reduce(mine, "max", group="world"))
 
     # ---- optimizer and schedule ------------------------------------------------------------------
     def setup_optimizer(self) -> None:

@@ -112,17 +112,19 @@ def train(
     shuffle: bool = False,
     results: Callable[[], dict] = dict,
     rank_results: Callable[[], dict] = dict,
+    flags: dict | None = None,
 ) -> None:
     """Fit `a.model` under `strategy` with `callbacks` (then a ModelCheckpoint) and write the results:
     `regression` builds the regression model (default: helpers.Regression), `results()` and
-    `rank_results()` add the script's own fields to rank 0's --out and to each rank's file."""
+    `rank_results()` add the script's own fields to rank 0's --out and to each rank's file; `flags` are
+    Trainer flags of the script's own (they replace these defaults)."""
     torch.set_num_threads(1)
     devices = a.devices if a.devices == "auto" else int(a.devices)
     processes = (os.cpu_count() if devices == "auto" else devices) * num_nodes
     world = int(os.environ.get("WORLD_SIZE", processes if devices != "auto" else 1))
     micro = a.global_batch // (world * a.accumulate)
     activations = ActivationProbe() if a.report_activations else None
-    trainer = Trainer(
+    trainer_flags = dict(
         strategy=strategy,
         devices=devices,
         num_nodes=num_nodes,
@@ -137,7 +139,8 @@ def train(
         enable_progress_bar=False,
         default_root_dir=a.root,
         callbacks=[*callbacks, ModelCheckpoint(every_n_steps=a.ckpt_every, save_top_k=2)],
-    )
+    ) | (flags or {})
+    trainer = Trainer(**trainer_flags)
     # the module is built right after the Trainer's seed_everything(0): the tests' references rely on it
     if a.model == "llama":
         if a.optimizer == "adamw" and activations is None:
