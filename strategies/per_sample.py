@@ -200,10 +200,14 @@ class PerSampleGradients:
         if not outputs or len(outputs) < len(self._outputs):
             loss.backward()
             return
-        idle = [p for layer in self._layers if not layer.calls for p in layer.params.values()]
-        torch.autograd.backward(loss, inputs=list(dict.fromkeys(outputs + idle)))
-        for t in outputs:  # backward(inputs=) also fills a non-leaf's .grad; the hooks already kept it
-            t.grad = None
+        idle = list(
+            dict.fromkeys(p for layer in self._layers if not layer.calls for p in layer.params.values())
+        )
+        # autograd.grad, not backward(inputs=): that would store a clone of each output's gradient in .grad
+        grads = torch.autograd.grad(loss, [*outputs, *idle], allow_unused=True)
+        for p, grad in zip(idle, grads[len(outputs) :], strict=True):
+            if grad is not None:
+                p.grad = grad if p.grad is None else p.grad + grad
 
     @staticmethod
     def _verify(layer: _Layer, x: torch.Tensor, output: Any) -> None:
