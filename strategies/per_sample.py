@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
@@ -187,25 +188,25 @@ class PerSampleGradients:
         )
         for slot, i in enumerate(index):
             leaves[i].register_hook(functools.partial(_store_grad, call, slot))
-            self._outputs.append((leaves[i], leaves[i]._version))
+            self._edges.append(get_gradient_edge(leaves[i]))
         layer.calls.append(call)
 
     def backward(self, loss: torch.Tensor) -> None:
         """`loss.backward()` as far as per-sample gradients need it: to every captured layer output, and to
         the parameters of layers that were not called (so that a parameter used outside its modules is still
         named). The called layers' parameters get no batch gradient: DP-SGD discards it, and skipping it
-        saves the weight-gradient matmuls of the backward. A layer output changed in place after its layer
-        returned it makes this a plain full backward (the gradient there is no longer that of its output)."""
-        outputs = [t for t, version in self._outputs if t._version == version]
-        if not outputs or len(outputs) < len(self._outputs):
+        saves the weight-gradient matmuls of the backward. The outputs are named by their autograd edges as
+        the layers returned them: no tensor is kept alive, and an output changed in place later still gets
+        the gradient of what its layer returned."""
+        if not self._edges:
             loss.backward()
             return
         idle = list(
             dict.fromkeys(p for layer in self._layers if not layer.calls for p in layer.params.values())
         )
         # autograd.grad, not backward(inputs=): that would store a clone of each output's gradient in .grad
-        grads = torch.autograd.grad(loss, [*outputs, *idle], allow_unused=True)
-        for p, grad in zip(idle, grads[len(outputs) :], strict=True):
+        grads = torch.autograd.grad(loss, [*self._edges, *idle], allow_unused=True)
+        for p, grad in zip(idle, grads[len(self._edges) :], strict=True):
             if grad is not None:
                 p.grad = grad if p.grad is None else p.grad + grad
 
@@ -407,7 +408,7 @@ class PerSampleGradients:
         """Drop every captured activation, gradient and result (also the error path of a step)."""
         for layer in self._layers:
             layer.calls.clear()
-        self._outputs: list[tuple[torch.Tensor, int]] = []  # each hooked output, its version when returned
+        self._edges: list[GradientEdge] = []  # where each hooked output's gradient arrives
         self._parts: dict[nn.Parameter, list[Contribution]] | None = None
         self._dense: dict[nn.Parameter, torch.Tensor] = {}
         self._layer_sq: dict[str, torch.Tensor] | None = None
