@@ -27,6 +27,7 @@ class Outer:
 
     @property
     def cols(self) -> int:
+        """n: the weight's second dimension (its input features)."""
         return self.right.shape[-1]
 
     def add_into(self, out: torch.Tensor, start: int, stop: int) -> None:
