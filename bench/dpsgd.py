@@ -10,12 +10,15 @@ interleaved, round after round, and each arm's best round counts. Memory is what
 the model and data: the peak over training minus the level before it (`torch.cuda.max_memory_allocated`
 on a GPU; on the CPU the process's peak RSS minus its RSS before training). Printed: ms/step, the ratio to
 plain training, and ours/Opacus for time and memory per mode ("mixed", our default, against Opacus ghost).
+Time is the median step's wall time and its process CPU time (one thread per arm by default: on a shared
+machine the CPU time is what the step itself costs).
 `python bench/dpsgd.py [--batch 64 256] [--rounds 2] [--threads 1]`."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -30,14 +33,27 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import StepClock  # noqa: E402
-
+from callbacks import Callback  # noqa: E402
 from trainer import Trainer, TrainModule  # noqa: E402
 
 STEPS, WARMUP, SEQ, VOCAB, DIM, HIDDEN, CLASSES = 10, 3, 32, 512, 128, 512, 4
 OURS, OPACUS = ("hooks", "ghost", "mixed"), ("opacus-hooks", "opacus-ghost")
 ARMS = ("plain", *OURS, *OPACUS)
 PEER = {"hooks": "opacus-hooks", "ghost": "opacus-ghost", "mixed": "opacus-ghost"}
+
+
+class Clock(Callback):
+    """(wall, process CPU) seconds at the end of every optimizer step. With one thread per arm, CPU time
+    is what the step costs even when other work shares the cores (wall time then includes the waits)."""
+
+    def __init__(self) -> None:
+        self.stamps: list[tuple[float, float]] = []
+
+    def on_train_batch_end(self, trainer, module, outputs) -> None:
+        self.tick()
+
+    def tick(self) -> None:
+        self.stamps.append((time.perf_counter(), time.process_time()))
 
 
 class Block(nn.Module):
@@ -86,7 +102,7 @@ def dataset(batch: int) -> TensorDataset:
 
 
 def run(arm: str, batch: int) -> dict[str, float]:
-    """One arm's median step time after the warm-up steps, and its training memory in MiB."""
+    """One arm's median step time (wall and CPU) after the warm-up steps, and its training memory in MiB."""
     import opacus  # noqa: F401  both libraries loaded before the baseline, in every arm
 
     import strategies.dp_sgd  # noqa: F401
@@ -94,18 +110,21 @@ def run(arm: str, batch: int) -> dict[str, float]:
     torch.manual_seed(0)
     data, on_gpu = dataset(batch), torch.cuda.is_available()
     before = _memory_mib(on_gpu)
-    stamps = run_opacus(arm, data, batch) if arm in OPACUS else run_ours(arm, data, batch)
+    clock = Clock()
+    (run_opacus if arm in OPACUS else run_ours)(arm, data, batch, clock)
     peak = (
         (torch.cuda.max_memory_allocated() / 2**20)
         if on_gpu
         else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     )
-    step = statistics.median(b - a for a, b in zip(stamps[WARMUP:], stamps[WARMUP + 1 :], strict=False))
-    return {"step_s": step, "peak_mib": peak - before}
+    pairs = list(zip(clock.stamps[WARMUP:], clock.stamps[WARMUP + 1 :], strict=False))
+    wall = statistics.median(b[0] - a[0] for a, b in pairs)
+    cpu = statistics.median(b[1] - a[1] for a, b in pairs)
+    return {"step_s": wall, "cpu_s": cpu, "peak_mib": peak - before}
 
 
-def run_ours(arm: str, data: TensorDataset, batch: int) -> list[float]:
-    """Plain training or DPSGDStrategy in mode `arm`, through the Trainer; the end of every step."""
+def run_ours(arm: str, data: TensorDataset, batch: int, clock: Clock) -> None:
+    """Plain training or DPSGDStrategy in mode `arm`, through the Trainer."""
     from strategies.dp_sgd import DPSGDStrategy
 
     strategy = "auto"
@@ -117,17 +136,15 @@ def run_ours(arm: str, data: TensorDataset, batch: int) -> list[float]:
             grad_sample_mode=arm,
             noise_seed=0,
         )
-    clock = StepClock()
     with tempfile.TemporaryDirectory() as root:
         Trainer(
             strategy=strategy, accelerator="gpu" if torch.cuda.is_available() else "cpu", max_steps=STEPS,
             enable_progress_bar=False, enable_checkpointing=False, callbacks=[clock], default_root_dir=root,
             log_every_n_steps=STEPS,
         ).fit(Classify(), DataLoader(data, batch_size=batch))  # fmt: skip
-    return clock.stamps
 
 
-def run_opacus(arm: str, data: TensorDataset, batch: int) -> list[float]:
+def run_opacus(arm: str, data: TensorDataset, batch: int, clock: Clock) -> None:
     """Opacus's PrivacyEngine in its "hooks" or "ghost" mode, in the loop of its tutorials."""
     from opacus import PrivacyEngine
 
@@ -143,7 +160,6 @@ def run_opacus(arm: str, data: TensorDataset, batch: int) -> list[float]:
         model, optimizer, criterion, loader = private
     else:
         (model, optimizer, loader), criterion = private, nn.CrossEntropyLoss()
-    stamps = []
     for step, (tokens, labels) in enumerate(loader):
         if step == STEPS:
             break
@@ -152,8 +168,7 @@ def run_opacus(arm: str, data: TensorDataset, batch: int) -> list[float]:
         optimizer.step()
         if device == "cuda":
             torch.cuda.synchronize()
-        stamps.append(time.perf_counter())
-    return stamps
+        clock.tick()
 
 
 def _memory_mib(on_gpu: bool) -> float:
@@ -189,23 +204,27 @@ def main() -> None:
                 r = json.loads(out.stdout.strip().splitlines()[-1])
                 old = best.get((batch, arm), r)
                 best[batch, arm] = {k: min(r[k], old[k]) for k in r}
+    print(
+        f"load average (1, 5, 15 min) at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} cores"
+    )
     for batch in args.batch:
         report(batch, {arm: best[batch, arm] for arm in ARMS})
 
 
 def report(batch: int, r: dict[str, dict[str, float]]) -> None:
-    """One batch size's table: time and memory per arm, against plain training and ours against Opacus."""
+    """One batch size's table: wall and CPU time and memory per arm, against plain training, and ours
+    against Opacus (on a shared machine the CPU-time ratio is the one to read)."""
     plain = r["plain"]
     print(f"text classifier, batch {batch} x {SEQ} tokens, sigma 1, C 1, SGD (best of the rounds):")
     for arm, x in r.items():
         line = (
-            f"  {arm:12s} {x['step_s'] * 1e3:7.1f} ms/step ({x['step_s'] / plain['step_s']:.2f}x plain), "
-            f"memory {x['peak_mib']:6.0f} MiB"
+            f"  {arm:12s} wall {x['step_s'] * 1e3:7.1f} ms/step, cpu {x['cpu_s'] * 1e3:7.1f} ms/step "
+            f"({x['cpu_s'] / plain['cpu_s']:.2f}x plain), memory {x['peak_mib']:5.0f} MiB"
         )
         if arm in PEER:
             peer = r[PEER[arm]]
             line += (
-                f"   vs {PEER[arm]}: time {x['step_s'] / peer['step_s']:.2f}x, "
+                f"  | vs {PEER[arm]}: wall {x['step_s'] / peer['step_s']:.2f}x, cpu {x['cpu_s'] / peer['cpu_s']:.2f}x, "
                 f"memory {x['peak_mib'] / max(peer['peak_mib'], 1e-9):.2f}x"
             )
         print(line)
