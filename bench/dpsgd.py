@@ -1,104 +1,233 @@
-"""DP-SGD's cost: step time and peak memory of private training (per-sample gradients by layer rules,
-"hooks", and ghost clipping, "ghost") against plain training of the same tiny Llama on the same batch.
+"""DP-SGD's cost against Opacus 1.6: step time and peak memory of private training of the same model on the
+same batches, sigma = 1, C = 1, SGD, no Poisson sampling (the same batch size every step, so the work per
+step is equal), at each batch size asked.
 
-Each mode runs in a child process of this invocation. Memory is what training adds on top of the model
-and data: the peak over the fit minus the level before it (`torch.cuda.max_memory_allocated` on a GPU;
-on the CPU the process's peak RSS minus its RSS before `fit`). The ratios to plain training are printed.
-`python bench/dpsgd.py [--batch 64]`."""
+The model is a text classifier (embedding 512 x 128, two pre-norm MLP blocks 128 -> 512 -> 128, mean pool,
+4 classes) over 32 tokens. Arms: plain training (the Trainer, no privacy), this project's DPSGDStrategy in
+each grad_sample_mode (through the Trainer), and Opacus's PrivacyEngine in its "hooks" and "ghost" modes (a
+hand-written loop, the way its tutorials train). Each arm runs in a fresh child process; the arms are
+interleaved, round after round, and each arm's best round counts. Memory is what training adds on top of
+the model and data: the peak over training minus the level before it (`torch.cuda.max_memory_allocated`
+on a GPU; on the CPU the process's peak RSS minus its RSS before training). Printed: ms/step, the ratio to
+plain training, and ours/Opacus for time and memory per mode ("mixed", our default, against Opacus ghost).
+Time is the median step's wall time and its process CPU time (one thread per arm by default: on a shared
+machine the CPU time is what the step itself costs).
+`python bench/dpsgd.py [--batch 64 256] [--rounds 2] [--threads 1]`."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import StepClock  # noqa: E402
-
+from callbacks import Callback  # noqa: E402
 from trainer import Trainer, TrainModule  # noqa: E402
-from trainer.models.llama import Llama, LlamaConfig  # noqa: E402
 
-STEPS, SEQ = 12, 64
-CONFIG = LlamaConfig(vocab_size=256, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=SEQ)
+STEPS, WARMUP, SEQ, VOCAB, DIM, HIDDEN, CLASSES = 10, 3, 32, 512, 128, 512, 4
+OURS, OPACUS = ("hooks", "ghost", "mixed"), ("opacus-hooks", "opacus-ghost")
+ARMS = ("plain", *OURS, *OPACUS)
+PEER = {"hooks": "opacus-hooks", "ghost": "opacus-ghost", "mixed": "opacus-ghost"}
 
 
-class LM(TrainModule):
+class Clock(Callback):
+    """(wall, process CPU) seconds at the end of every optimizer step. With one thread per arm, CPU time
+    is what the step costs even when other work shares the cores (wall time then includes the waits)."""
+
+    def __init__(self) -> None:
+        self.stamps: list[tuple[float, float]] = []
+
+    def on_train_batch_end(self, trainer, module, outputs) -> None:
+        self.tick()
+
+    def tick(self) -> None:
+        self.stamps.append((time.perf_counter(), time.process_time()))
+
+
+class Block(nn.Module):
+    """Pre-norm MLP block with a residual: x + W2 gelu(W1 LN(x))."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.model = Llama(CONFIG)
+        self.norm, self.up, self.down = nn.LayerNorm(DIM), nn.Linear(DIM, HIDDEN), nn.Linear(HIDDEN, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class TextClassifier(nn.Module):
+    """Tokens (B, T) -> class logits (B, 4), mean-pooled over the tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.Sequential(Block(), Block())
+        self.norm, self.head = nn.LayerNorm(DIM), nn.Linear(DIM, CLASSES)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.blocks(self.embed(tokens))).mean(1))
+
+
+class Classify(TrainModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = TextClassifier()
 
     def training_step(self, batch, batch_idx):
-        (tokens,) = batch
-        logits = self.model(tokens[:, :-1])
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        tokens, labels = batch
+        return F.cross_entropy(self.net(tokens), labels)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def run(mode: str, batch: int) -> dict[str, float]:
-    from strategies.dp_sgd import DPSGDStrategy
+def dataset(batch: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    n = batch * (STEPS + 1)
+    return TensorDataset(
+        torch.randint(0, VOCAB, (n, SEQ), generator=g), torch.randint(0, CLASSES, (n,), generator=g)
+    )
+
+
+def run(arm: str, batch: int) -> dict[str, float]:
+    """One arm's median step time (wall and CPU) after the warm-up steps, and its training memory in MiB."""
+    import opacus  # noqa: F401  both libraries loaded before the baseline, in every arm
+
+    import strategies.dp_sgd  # noqa: F401
 
     torch.manual_seed(0)
-    tokens = torch.randint(0, 256, (batch * STEPS, SEQ + 1))
+    data, on_gpu = dataset(batch), torch.cuda.is_available()
+    before = _memory_mib(on_gpu)
+    clock = Clock()
+    (run_opacus if arm in OPACUS else run_ours)(arm, data, batch, clock)
+    peak = (
+        (torch.cuda.max_memory_allocated() / 2**20)
+        if on_gpu
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    )
+    pairs = list(zip(clock.stamps[WARMUP:], clock.stamps[WARMUP + 1 :], strict=False))
+    wall = statistics.median(b[0] - a[0] for a, b in pairs)
+    cpu = statistics.median(b[1] - a[1] for a, b in pairs)
+    return {"step_s": wall, "cpu_s": cpu, "peak_mib": peak - before}
+
+
+def run_ours(arm: str, data: TensorDataset, batch: int, clock: Clock) -> None:
+    """Plain training or DPSGDStrategy in mode `arm`, through the Trainer."""
+    from strategies.dp_sgd import DPSGDStrategy
+
     strategy = "auto"
-    if mode != "plain":  # the same batch every step: no sampling, so the work per step is equal
+    if arm != "plain":
         strategy = DPSGDStrategy(
-            noise_multiplier=1.0, poisson_sampling=False, grad_sample_mode=mode, noise_seed=0
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            poisson_sampling=False,
+            grad_sample_mode=arm,
+            noise_seed=0,
         )
-    device = "gpu" if torch.cuda.is_available() else "cpu"
-    clock = StepClock()
-    module = LM()
-    before = _rss_mib() if not torch.cuda.is_available() else 0.0
     with tempfile.TemporaryDirectory() as root:
         Trainer(
-            strategy=strategy, accelerator=device, max_steps=STEPS, enable_progress_bar=False,
-            enable_checkpointing=False, callbacks=[clock], default_root_dir=root, log_every_n_steps=STEPS,
-        ).fit(module, DataLoader(TensorDataset(tokens), batch_size=batch))  # fmt: skip
-    step = statistics.median(b - a for a, b in zip(clock.stamps[2:], clock.stamps[3:], strict=False))
-    if torch.cuda.is_available():
-        peak = torch.cuda.max_memory_allocated() / 2**20
+            strategy=strategy, accelerator="gpu" if torch.cuda.is_available() else "cpu", max_steps=STEPS,
+            enable_progress_bar=False, enable_checkpointing=False, callbacks=[clock], default_root_dir=root,
+            log_every_n_steps=STEPS,
+        ).fit(Classify(), DataLoader(data, batch_size=batch))  # fmt: skip
+
+
+def run_opacus(arm: str, data: TensorDataset, batch: int, clock: Clock) -> None:
+    """Opacus's PrivacyEngine in its "hooks" or "ghost" mode, in the loop of its tutorials."""
+    from opacus import PrivacyEngine
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = TextClassifier().to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    mode = arm.removeprefix("opacus-")
+    private = PrivacyEngine().make_private(
+        module=model, optimizer=optimizer, criterion=nn.CrossEntropyLoss(), data_loader=DataLoader(data, batch_size=batch),
+        noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False, grad_sample_mode=mode,
+    )  # fmt: skip
+    if mode == "ghost":  # ghost mode wraps the loss: its backward runs the second, clipped backward
+        model, optimizer, criterion, loader = private
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - before
-    return {"step_s": step, "peak_mib": peak}
+        (model, optimizer, loader), criterion = private, nn.CrossEntropyLoss()
+    for step, (tokens, labels) in enumerate(loader):
+        if step == STEPS:
+            break
+        optimizer.zero_grad()
+        criterion(model(tokens.to(device)), labels.to(device)).backward()
+        optimizer.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        clock.tick()
 
 
-def _rss_mib() -> float:
-    """This process's resident memory now (Linux /proc), in MiB."""
+def _memory_mib(on_gpu: bool) -> float:
+    """What the process holds now: allocated GPU memory (the peak counter reset), or resident memory."""
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated() / 2**20
     pages = int(Path("/proc/self/statm").read_text().split()[1])
     return pages * resource.getpagesize() / 2**20
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--mode", choices=("plain", "hooks", "ghost"))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads per arm (the arms run one at a time)"
+    )
+    parser.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)  # a child process: one arm, one batch
     args = parser.parse_args()
-    if args.mode:
-        print(json.dumps(run(args.mode, args.batch)))
+    torch.set_num_threads(args.threads)
+    if args.arm:
+        print(json.dumps(run(args.arm, args.batch[0])))
         return
-    results = {}
-    for mode in ("plain", "hooks", "ghost"):
-        out = subprocess.run(
-            [sys.executable, __file__, "--mode", mode, "--batch", str(args.batch)],
-            capture_output=True, text=True, check=True,
-        )  # fmt: skip
-        results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
-    base = results["plain"]
-    print(f"tiny Llama ({CONFIG.dim}-wide, {CONFIG.n_layers} layers), batch {args.batch} x {SEQ} tokens:")
-    for mode, r in results.items():
-        print(
-            f"  {mode:5s}: {r['step_s'] * 1e3:7.1f} ms/step ({r['step_s'] / base['step_s']:.2f}x plain), "
-            f"training memory {r['peak_mib']:.0f} MiB ({r['peak_mib'] / base['peak_mib']:.2f}x plain)"
+    best: dict[tuple[int, str], dict[str, float]] = {}
+    for _ in range(args.rounds):
+        for batch in args.batch:
+            for arm in ARMS:
+                out = subprocess.run(
+                    [sys.executable, __file__, "--arm", arm, "--batch", str(batch), "--threads", str(args.threads)],
+                    capture_output=True, text=True, check=True,
+                )  # fmt: skip
+                r = json.loads(out.stdout.strip().splitlines()[-1])
+                old = best.get((batch, arm), r)
+                best[batch, arm] = {k: min(r[k], old[k]) for k in r}
+    print(
+        f"load average (1, 5, 15 min) at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} cores"
+    )
+    for batch in args.batch:
+        report(batch, {arm: best[batch, arm] for arm in ARMS})
+
+
+def report(batch: int, r: dict[str, dict[str, float]]) -> None:
+    """One batch size's table: wall and CPU time and memory per arm, against plain training, and ours
+    against Opacus (on a shared machine the CPU-time ratio is the one to read)."""
+    plain = r["plain"]
+    print(f"text classifier, batch {batch} x {SEQ} tokens, sigma 1, C 1, SGD (best of the rounds):")
+    for arm, x in r.items():
+        line = (
+            f"  {arm:12s} wall {x['step_s'] * 1e3:7.1f} ms/step, cpu {x['cpu_s'] * 1e3:7.1f} ms/step "
+            f"({x['cpu_s'] / plain['cpu_s']:.2f}x plain), memory {x['peak_mib']:5.0f} MiB"
         )
+        if arm in PEER:
+            peer = r[PEER[arm]]
+            line += (
+                f"  | vs {PEER[arm]}: wall {x['step_s'] / peer['step_s']:.2f}x, cpu {x['cpu_s'] / peer['cpu_s']:.2f}x, "
+                f"memory {x['peak_mib'] / max(peer['peak_mib'], 1e-9):.2f}x"
+            )
+        print(line)
 
 
 if __name__ == "__main__":

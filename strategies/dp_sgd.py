@@ -43,7 +43,9 @@ class DPSGDStrategy(MeshStrategy):
     Give `noise_multiplier`, or `target_epsilon` with the run's length (`epochs` or `steps`) to calibrate
     it; with both, `target_epsilon` is a hard budget. `clipping` "flat" bounds each sample's whole
     gradient by `max_grad_norm`, "per_layer" each layer's by max_grad_norm/sqrt(layers). `grad_sample_mode`
-    "ghost" computes Linear/Embedding/Conv norms without per-sample gradients (large batches).
+    says how Linear/Embedding/Conv weights' per-sample norms are computed, all exactly: "mixed" (default)
+    per layer the cheaper of Gram matrices (ghost clipping) and per-sample gradients, "ghost" always Gram
+    matrices, "hooks" always per-sample gradients (strategies/per_sample.py).
     `loss_reduction` says what `training_step` returns: the "mean" or the "sum" of its samples' losses.
     A step that returns {"loss", "num_tokens"} (a token mean, as CausalLM's) is back-propagated as its
     token sum, so each sample's gradient is that of its own tokens' loss, independent of the others.
@@ -61,7 +63,7 @@ class DPSGDStrategy(MeshStrategy):
         steps: int | None = None,
         poisson_sampling: bool = True,
         clipping: str = "flat",
-        grad_sample_mode: str = "hooks",
+        grad_sample_mode: str = "mixed",
         accountant: str = "rdp",
         max_physical_batch_size: int | None = None,
         loss_reduction: str = "mean",
@@ -148,6 +150,11 @@ class DPSGDStrategy(MeshStrategy):
         self._params = list(self._engine.params)
         self._affordable = None
         return module
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """A chunk's backward, only as far as its per-sample gradients need (no batch gradient: with
+        16-mixed refused there is no loss scaler to apply)."""
+        self._engine.backward(loss)
 
     def process_dataloader(self, loader: Iterable, seed: int, train: bool = True) -> Iterable:
         """Training: Poisson-sampled logical batches (or the usual shards without poisson_sampling), with
