@@ -45,7 +45,7 @@ def owner() -> str:
         filename = frame.f_code.co_filename
         if "/torch/distributed/fsdp/" in filename and not callers:
             return "fsdp"
-        if filename.startswith(f"{ROOT}/"):
+        if filename.startswith(f"{ROOT}/") and "/site-packages/" not in filename:  # a venv may lie inside
             callers.append(f"{filename[len(ROOT) + 1 :]}:{frame.f_code.co_name}")
         frame = frame.f_back
     return " < ".join(callers) or "unknown"
