@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import LAUNCHER_KEYS, SEED
+from helpers import LAUNCHER_KEYS, RANK_SLOTS, SEED
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -26,6 +26,29 @@ def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for key in LAUNCHER_KEYS:
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("TRAINER_CACHE", str(tmp_path / "trainer-cache"))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _shared_rank_slots(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Under pytest-xdist: the lock file through which the workers take turns at wide launches
+    (`helpers.rank_slots`), in the session's temp dir that every worker's own temp dir sits in."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ[RANK_SLOTS] = str(tmp_path_factory.getbasetemp().parent / "rank-slots.lock")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Keep a module's tests on one xdist worker when they share a module-scoped fixture of that module (a
+    launch whose results several tests check): spread over two workers, each would launch it again."""
+    for item in items:
+        fixtures = getattr(item, "_fixtureinfo", None)
+        shared = fixtures is not None and any(
+            d.scope != "function"
+            and getattr(d.func, "__module__", None) == getattr(item, "module", None).__name__
+            for defs in fixtures.name2fixturedefs.values()
+            for d in defs
+        )
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
 @pytest.hookimpl(hookwrapper=True)
