@@ -21,6 +21,7 @@ from helpers import (
     read_metrics,
     regression_loader,
     run_script,
+    run_world,
 )
 from helpers import script_result as result
 
@@ -58,22 +59,41 @@ def spawned(tmp_path_factory) -> Path:
     return tmp
 
 
+# the 2-rank runs of the tests below, trained one after another in one torchrun world launched once
+TWO_RANK_RUNS = {
+    **{f"accumulate-{k}": ["--accumulate", str(k)] for k in (1, 2)},
+    "counted": ["--accumulate", "4", "--steps", "4", "--count-allreduces"],
+    **{f"compressed-{c}": ["--compression", c, "--steps", "12"] for c in ("fp16", "powersgd")},
+}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> Path:
+    """The folder holding every run of TWO_RANK_RUNS (each under its name, as `run_script` leaves it)."""
+    tmp = tmp_path_factory.mktemp("ddp-2-ranks")
+    run_world(2, DDP_SCRIPT, tmp, TWO_RANK_RUNS)
+    return tmp
+
+
 @pytest.mark.parametrize("devices, accumulate", [(2, 1), (2, 2), (4, 2)])
-def test_ddp_matches_one_process_with_the_same_global_batch(tmp_path, devices, accumulate):
-    _, root = run_script(devices, DDP_SCRIPT, tmp_path, "ddp", "--accumulate", str(accumulate))
+def test_ddp_matches_one_process_with_the_same_global_batch(tmp_path, two_ranks, devices, accumulate):
+    if devices == 2:
+        tmp, name = two_ranks, f"accumulate-{accumulate}"
+    else:
+        tmp, name = tmp_path, "ddp"
+        run_script(devices, DDP_SCRIPT, tmp, name, "--accumulate", str(accumulate))
     params, losses = single_process(tmp_path)
-    assert result(tmp_path, "ddp")["world_size"] == devices
-    ddp_losses = read_metrics(root)
+    assert result(tmp, name)["world_size"] == devices
+    ddp_losses = read_metrics(tmp / name)
     for step, loss in losses.items():
         assert abs(ddp_losses[step] - loss) <= 1e-5, f"step {step}: ddp {ddp_losses[step]} vs single {loss}"
-    assert_params_close(result(tmp_path, "ddp")["params"], params)
+    assert_params_close(result(tmp, name)["params"], params)
 
 
-def test_accumulated_micro_batches_are_all_reduced_once_per_step(tmp_path):
+def test_accumulated_micro_batches_are_all_reduced_once_per_step(two_ranks):
     """The tiny model's gradients fit one DDP bucket: one all-reduce per optimizer step, not one per
     micro-batch (DDP's no_sync on all but the last)."""
-    run_script(2, DDP_SCRIPT, tmp_path, "ddp", "--accumulate", "4", "--steps", "4", "--count-allreduces")
-    assert result(tmp_path, "ddp")["allreduces"] == [1, 1, 1, 1]
+    assert result(two_ranks, "counted")["allreduces"] == [1, 1, 1, 1]
 
 
 def test_self_spawn_then_torchrun_spawns_nothing_more(tmp_path, spawned):
@@ -239,10 +259,9 @@ def test_slurm_tasks_join_one_world(tmp_path, spawned):
 
 
 @pytest.mark.parametrize("compression", ["fp16", "powersgd"])
-def test_gradient_compression_trains_close_to_exact_all_reduce(tmp_path, compression):
-    run_script(2, DDP_SCRIPT, tmp_path, "compressed", "--compression", compression, "--steps", "12")
+def test_gradient_compression_trains_close_to_exact_all_reduce(tmp_path, two_ranks, compression):
     params, _ = single_process(tmp_path, steps=12)
-    got = result(tmp_path, "compressed")["params"]
+    got = result(two_ranks, f"compressed-{compression}")["params"]
     assert_params_close(got, params, atol=5e-2)
     assert (
         max((torch.tensor(g) - torch.tensor(e)).abs().max().item() for g, e in zip(got, params, strict=True))
