@@ -36,21 +36,6 @@ def _shared_rank_slots(tmp_path_factory: pytest.TempPathFactory) -> None:
         os.environ[RANK_SLOTS] = str(tmp_path_factory.getbasetemp().parent / "rank-slots.lock")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Keep a module's tests on one xdist worker when they share a module-scoped fixture of that module (a
-    launch whose results several tests check): spread over two workers, each would launch it again."""
-    for item in items:
-        fixtures = getattr(item, "_fixtureinfo", None)
-        shared = fixtures is not None and any(
-            d.scope != "function"
-            and getattr(d.func, "__module__", None) == getattr(item, "module", None).__name__
-            for defs in fixtures.name2fixturedefs.values()
-            for d in defs
-        )
-        if shared:
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """A failed test's report names the seed it ran with (TRAINER_TEST_SEED reruns it)."""
