@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import LAUNCHER_KEYS, SEED
+from helpers import LAUNCHER_KEYS, RANK_SLOTS, SEED
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -26,6 +26,14 @@ def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for key in LAUNCHER_KEYS:
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("TRAINER_CACHE", str(tmp_path / "trainer-cache"))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _shared_rank_slots(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Under pytest-xdist: the lock file through which the workers take turns at wide launches
+    (`helpers.rank_slots`), in the session's temp dir that every worker's own temp dir sits in."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ[RANK_SLOTS] = str(tmp_path_factory.getbasetemp().parent / "rank-slots.lock")
 
 
 @pytest.hookimpl(hookwrapper=True)

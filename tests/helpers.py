@@ -3,13 +3,17 @@ checkpoint listing, and the one way a test launches processes (`run_ranks`, `sta
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -266,6 +270,27 @@ def launch_env(**extra: str) -> dict[str, str]:
     return {**env, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", **extra}
 
 
+RANK_SLOTS = (
+    "TRAINER_TEST_RANK_SLOTS"  # the lock file the pytest-xdist workers of one session share (conftest)
+)
+WIDE = 3  # a launch of this many processes or more runs alone: 4 and 8 ranks on 2 cores, ~1 GB each
+
+
+@contextlib.contextmanager
+def rank_slots(n: int) -> Iterator[None]:
+    """Hold the cores for a launch of n processes while it runs. Under pytest-xdist (`make test`), launches of
+    up to two processes share the machine (their start-up is mostly one process importing while the other
+    waits), a wider one waits until it has the machine to itself: two 4- or 8-rank jobs at once would thrash
+    2 cores and their memory. Outside xdist nothing else runs beside a test, and this does nothing."""
+    path = os.environ.get(RANK_SLOTS)
+    if path is None:
+        yield
+        return
+    with open(path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if n >= WIDE else fcntl.LOCK_SH)
+        yield  # closing the file releases the lock
+
+
 def rank_command(
     n: int, script: Path, *args: str, torchrun: bool = False, max_restarts: int = 0
 ) -> list[str]:
@@ -286,9 +311,18 @@ def start_ranks(
     """`rank_command(...)` started in the background (stdout and stderr piped, as text), for a test that acts
     on the job while it runs (a signal); `run_ranks` waits for it instead."""
     cmd = rank_command(n, script, *args, torchrun=torchrun, max_restarts=max_restarts)
-    return subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=launch_env(**(env or {}))
-    )
+    slots = rank_slots(n)
+    slots.__enter__()
+    try:
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=launch_env(**(env or {}))
+        )
+    except BaseException:
+        slots.__exit__(None, None, None)
+        raise
+    # the job keeps its slots until it has exited, however the test ends it (Popen.wait is thread-safe)
+    threading.Thread(target=lambda: (proc.wait(), slots.__exit__(None, None, None)), daemon=True).start()
+    return proc
 
 
 def run_ranks(
@@ -326,6 +360,19 @@ def run_script(
     return done, root
 
 
+def run_world(
+    n: int, script: Path, tmp: Path, runs: dict[str, list[str]], *common: str, timeout: float = 400
+) -> None:
+    """The runs of one of the distributed training scripts (name -> its arguments, plus `common`), one after
+    another in one torchrun world of n processes (`dist_common.parse_runs`): each leaves what
+    `run_script(n, script, tmp, name, ...)` would (its run under tmp/name, rank 0's results in tmp/name.json),
+    and together they pay the start-up of one launch (seconds of CPU per process) instead of one each."""
+    argv = [
+        ["--root", str(tmp / name), "--out", str(tmp / f"{name}.json"), *args] for name, args in runs.items()
+    ]
+    run_ranks(n, script, "--runs", json.dumps(argv), *common, torchrun=True, timeout=timeout)
+
+
 def script_result(tmp: Path, name: str) -> dict:
     """What rank 0 of `run_script(..., tmp, name, ...)` wrote."""
     return json.loads((tmp / f"{name}.json").read_text())
@@ -355,15 +402,17 @@ def reference_run(make_run, root: Path, steps: int, batch: int) -> tuple[dict, d
 
 def run_cli(*args: str, cwd: Path, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
     """`trainer ARGS` as a user runs it, in its own process, offline (TRAINER_CACHE: the test's tmp_path
-    unless `env` names one); the caller checks its exit code and output."""
-    return subprocess.run(
-        [sys.executable, "-m", "trainer.cli", *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        env=launch_env(**env),
-        timeout=timeout,
-    )
+    unless `env` names one); the caller checks its exit code and output. The recipes the tests run this way
+    use at most two processes (`rank_slots(2)`)."""
+    with rank_slots(2):
+        return subprocess.run(
+            [sys.executable, "-m", "trainer.cli", *args],
+            capture_output=True,
+            text=True,
+            cwd=cwd,
+            env=launch_env(**env),
+            timeout=timeout,
+        )
 
 
 def hand_f1(predicted: torch.Tensor, labels: torch.Tensor) -> float:

@@ -136,4 +136,7 @@ def _run_rank(world_rank: int, world: int, port: int) -> None:
 @pytest.mark.slow
 def test_sharded_attention_over_gloo_matches_full_sequence_causal_attention():
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # bound on a port it picks
-    mp.spawn(_run_rank, args=(4, store.port), nprocs=4)
+    from helpers import rank_slots  # here: mp.spawn's ranks import this module, and need not import helpers
+
+    with rank_slots(4):  # under xdist: the machine to itself while 4 ranks run
+        mp.spawn(_run_rank, args=(4, store.port), nprocs=4)

@@ -21,6 +21,7 @@ from helpers import (
     read_metrics,
     regression_loader,
     run_script,
+    run_world,
 )
 from helpers import script_result as result
 
@@ -49,37 +50,64 @@ def single_process(tmp: Path, module=None, loader=None, steps: int = 8):
     return [p.detach().flatten().tolist() for p in module.parameters()], read_metrics(tmp / "single")
 
 
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory) -> Path:
+    """The folder holding the default self-spawned 2-rank run "spawned", which three tests inspect or compare
+    other launchers with: launched once for all of them."""
+    tmp = tmp_path_factory.mktemp("ddp")
+    run_script(2, DDP_SCRIPT, tmp, "spawned")
+    return tmp
+
+
+# the 2-rank runs of the tests below, trained one after another in one torchrun world launched once
+TWO_RANK_RUNS = {
+    **{f"accumulate-{k}": ["--accumulate", str(k)] for k in (1, 2)},
+    "counted": ["--accumulate", "4", "--steps", "4", "--count-allreduces"],
+    **{f"compressed-{c}": ["--compression", c, "--steps", "12"] for c in ("fp16", "powersgd")},
+}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> Path:
+    """The folder holding every run of TWO_RANK_RUNS (each under its name, as `run_script` leaves it)."""
+    tmp = tmp_path_factory.mktemp("ddp-2-ranks")
+    run_world(2, DDP_SCRIPT, tmp, TWO_RANK_RUNS)
+    return tmp
+
+
 @pytest.mark.parametrize("devices, accumulate", [(2, 1), (2, 2), (4, 2)])
-def test_ddp_matches_one_process_with_the_same_global_batch(tmp_path, devices, accumulate):
-    _, root = run_script(devices, DDP_SCRIPT, tmp_path, "ddp", "--accumulate", str(accumulate))
+def test_ddp_matches_one_process_with_the_same_global_batch(tmp_path, two_ranks, devices, accumulate):
+    if devices == 2:
+        tmp, name = two_ranks, f"accumulate-{accumulate}"
+    else:
+        tmp, name = tmp_path, "ddp"
+        run_script(devices, DDP_SCRIPT, tmp, name, "--accumulate", str(accumulate))
     params, losses = single_process(tmp_path)
-    assert result(tmp_path, "ddp")["world_size"] == devices
-    ddp_losses = read_metrics(root)
+    assert result(tmp, name)["world_size"] == devices
+    ddp_losses = read_metrics(tmp / name)
     for step, loss in losses.items():
         assert abs(ddp_losses[step] - loss) <= 1e-5, f"step {step}: ddp {ddp_losses[step]} vs single {loss}"
-    assert_params_close(result(tmp_path, "ddp")["params"], params)
+    assert_params_close(result(tmp, name)["params"], params)
 
 
-def test_accumulated_micro_batches_are_all_reduced_once_per_step(tmp_path):
+def test_accumulated_micro_batches_are_all_reduced_once_per_step(two_ranks):
     """The tiny model's gradients fit one DDP bucket: one all-reduce per optimizer step, not one per
     micro-batch (DDP's no_sync on all but the last)."""
-    run_script(2, DDP_SCRIPT, tmp_path, "ddp", "--accumulate", "4", "--steps", "4", "--count-allreduces")
-    assert result(tmp_path, "ddp")["allreduces"] == [1, 1, 1, 1]
+    assert result(two_ranks, "counted")["allreduces"] == [1, 1, 1, 1]
 
 
-def test_self_spawn_then_torchrun_spawns_nothing_more(tmp_path):
-    _, root = run_script(2, DDP_SCRIPT, tmp_path, "spawned")
-    ranks = [json.loads((root / f"rank{r}.json").read_text()) for r in (0, 1)]
+def test_self_spawn_then_torchrun_spawns_nothing_more(tmp_path, spawned):
+    ranks = [json.loads((spawned / "spawned" / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[1]["ppid"] == ranks[0]["pid"], "rank 0 is the user's process and the parent of rank 1"
 
     _, root = run_script(2, DDP_SCRIPT, tmp_path, "torchrun", "--devices", "2", torchrun=True)
     ranks = [json.loads((root / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["ppid"] == ranks[1]["ppid"], "both ranks are children of torchrun's agent"
     assert not (root / "rank2.json").exists()
-    assert_params_close(result(tmp_path, "torchrun")["params"], result(tmp_path, "spawned")["params"], atol=0)
+    assert_params_close(result(tmp_path, "torchrun")["params"], result(spawned, "spawned")["params"], atol=0)
 
 
-def test_two_torchrun_nodes_on_one_machine_train_together(tmp_path):
+def test_two_torchrun_nodes_on_one_machine_train_together(tmp_path, spawned):
     # the test hosts the rendezvous store on a port the system picks; both nodes' agents are its clients
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     endpoint = f"127.0.0.1:{store.port}"
@@ -110,9 +138,8 @@ def test_two_torchrun_nodes_on_one_machine_train_together(tmp_path):
     for proc in nodes:
         _, err = proc.communicate(timeout=180)
         assert proc.returncode == 0, err[-3000:]
-    run_script(2, DDP_SCRIPT, tmp_path, "one-node")
-    assert result(tmp_path, "nodes")["world_size"] == 2
-    assert_params_close(result(tmp_path, "nodes")["params"], result(tmp_path, "one-node")["params"], atol=0)
+    assert result(tmp_path, "nodes")["world_size"] == 2  # the same run as the 2 processes of one node
+    assert_params_close(result(tmp_path, "nodes")["params"], result(spawned, "spawned")["params"], atol=0)
 
 
 @pytest.mark.parametrize(
@@ -219,7 +246,7 @@ def slurm_job(root: Path, out: Path) -> list[str]:
     return [second] if tasks[1].returncode else []
 
 
-def test_slurm_tasks_join_one_world(tmp_path):
+def test_slurm_tasks_join_one_world(tmp_path, spawned):
     out, root = tmp_path / "slurm.json", tmp_path / "slurm"
     # SLURM tasks agree on a port before any of them runs, so another process may take it before rank 0
     # binds it: another free port then
@@ -228,15 +255,13 @@ def test_slurm_tasks_join_one_world(tmp_path):
         if not any("EADDRINUSE" in err for err in failures):
             break
     assert not failures, failures[0][-3000:]
-    run_script(2, DDP_SCRIPT, tmp_path, "spawned")
-    assert_params_close(json.loads(out.read_text())["params"], result(tmp_path, "spawned")["params"], atol=0)
+    assert_params_close(json.loads(out.read_text())["params"], result(spawned, "spawned")["params"], atol=0)
 
 
 @pytest.mark.parametrize("compression", ["fp16", "powersgd"])
-def test_gradient_compression_trains_close_to_exact_all_reduce(tmp_path, compression):
-    run_script(2, DDP_SCRIPT, tmp_path, "compressed", "--compression", compression, "--steps", "12")
+def test_gradient_compression_trains_close_to_exact_all_reduce(tmp_path, two_ranks, compression):
     params, _ = single_process(tmp_path, steps=12)
-    got = result(tmp_path, "compressed")["params"]
+    got = result(two_ranks, f"compressed-{compression}")["params"]
     assert_params_close(got, params, atol=5e-2)
     assert (
         max((torch.tensor(g) - torch.tensor(e)).abs().max().item() for g, e in zip(got, params, strict=True))

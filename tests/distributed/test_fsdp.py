@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from helpers import (
     run_cli,
     run_ranks,
     run_script,
+    run_world,
     token_loader,
 )
 from helpers import script_result as result
@@ -42,10 +44,48 @@ def fsdp(tmp, name: str, *args: str, devices: int = 2, timeout: float = 180):
     return result(tmp, name), root
 
 
+# the runs of the tests below that start from nothing, by world size: each world is launched once (on first use)
+# and trains them one after another, instead of one launch each
+SHARED_RUNS = {
+    2: {
+        **{f"zero-{s}": ["--stage", str(s), "--accumulate", "2"] for s in (1, 2, 3)},
+        "plain": ["--stage", "3"],
+        "ac-full": ["--stage", "3", "--ac", "full"],
+        "ac-selective": ["--stage", "3", "--ac", "selective"],
+        "offload": ["--stage", "3", "--offload"],
+        "bf16": ["--stage", "3", "--precision", "bf16-mixed"],
+        **{f"validated-{s}": ["--stage", str(s), "--steps", "4", "--validate"] for s in (1, 3)},
+        "async": ["--stage", "2", "--steps", "6", "--ckpt-every", "2", "--async-save"],
+        "sharded": ["--stage", "3", "--steps", "4"],
+        "small": ["--stage", "3", "--steps", "2", "--ckpt-every", "2"],
+        "fresh-regression": ["--model", "regression", "--stage", "3", "--resume"],  # nothing to resume
+    },
+    4: {
+        **{f"zero-{s}": ["--stage", str(s), "--accumulate", "2"] for s in (1, 3)},
+        "plain": ["--stage", "3"],
+        "replicate-2": ["--stage", "3", "--replicate", "2"],
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """`shared(devices, name)`: rank 0's result and the run root of SHARED_RUNS[devices][name]."""
+    worlds = {}
+
+    def get(devices: int, name: str) -> tuple[dict, Path]:
+        if devices not in worlds:
+            tmp = worlds[devices] = tmp_path_factory.mktemp(f"fsdp-{devices}-ranks")
+            run_world(devices, FSDP_SCRIPT, tmp, SHARED_RUNS[devices], "--model", "llama", timeout=600)
+        return result(worlds[devices], name), worlds[devices] / name
+
+    return get
+
+
 # every stage on 2 ranks, stages 1 and 3 also on 4 (stage 2 is stage 3 without the second gather)
 @pytest.mark.parametrize("stage, devices", [(1, 2), (2, 2), (3, 2), (1, 4), (3, 4)])
-def test_each_zero_stage_matches_one_process_and_holds_the_formula_memory(tmp_path, stage, devices):
-    out, root = fsdp(tmp_path, "fsdp", "--stage", str(stage), "--accumulate", "2", devices=devices)
+def test_each_zero_stage_matches_one_process_and_holds_the_formula_memory(tmp_path, shared, stage, devices):
+    out, root = shared(devices, f"zero-{stage}")
     params, losses = single_llama(tmp_path)
     got = read_metrics(root)
     for step, loss in losses.items():
@@ -124,8 +164,8 @@ def test_a_ddp_checkpoint_resumes_sharded_under_fsdp_and_loads_in_one_process(tm
         assert torch.equal(value, saved[name]), f"{name} was not loaded from the DDP checkpoint"
 
 
-def test_async_save_writes_complete_checkpoints_while_training(tmp_path):
-    out, root = fsdp(tmp_path, "async", "--stage", "2", "--steps", "6", "--ckpt-every", "2", "--async-save")
+def test_async_save_writes_complete_checkpoints_while_training(shared):
+    out, root = shared(2, "async")
     saved = sorted(p.name for p in (root / "checkpoints").iterdir())
     assert saved == ["step-00000004", "step-00000006"]  # save_top_k=2, every one completed and renamed
     assert (root / "checkpoints" / "step-00000006" / "meta.json").exists()
@@ -134,30 +174,34 @@ def test_async_save_writes_complete_checkpoints_while_training(tmp_path):
 @pytest.mark.parametrize(
     "options", [["--ac", "full"], ["--ac", "selective"], ["--offload"], ["--replicate", "2"]]
 )
-def test_checkpointing_offload_and_hybrid_sharding_train_exactly_like_plain_fsdp(tmp_path, options):
+def test_checkpointing_offload_and_hybrid_sharding_train_exactly_like_plain_fsdp(shared, options):
     devices = 4 if "--replicate" in options else 2
-    plain, _ = fsdp(tmp_path, "plain", "--stage", "3", devices=devices)
-    other, _ = fsdp(tmp_path, "other", "--stage", "3", *options, devices=devices)
+    name = "-".join(o.lstrip("-") for o in options)  # "ac-full", ..., "replicate-2"
+    assert SHARED_RUNS[devices][name] == ["--stage", "3", *options]
+    plain, _ = shared(devices, "plain")
+    other, _ = shared(devices, name)
     assert_params_close(other["params"], plain["params"], atol=1e-5)  # hybrid: another reduction order
 
 
 @pytest.mark.parametrize("stage", [1, 3])
-def test_validation_runs_through_the_sharded_model(tmp_path, stage):
-    _, root = fsdp(tmp_path, "validated", "--stage", str(stage), "--steps", "4", "--validate")
+def test_validation_runs_through_the_sharded_model(shared, stage):
+    _, root = shared(2, f"validated-{stage}")
     val = read_metrics(root, "val/loss")
     assert list(val) == [4] and 0 < val[4] < 10
 
 
-def test_bf16_mixed_precision_policy_trains_close_to_fp32(tmp_path):
-    fp32, fp32_root = fsdp(tmp_path, "fp32", "--stage", "3")
-    bf16, bf16_root = fsdp(tmp_path, "bf16", "--stage", "3", "--precision", "bf16-mixed")
+def test_bf16_mixed_precision_policy_trains_close_to_fp32(shared):
+    fp32, fp32_root = shared(2, "plain")
+    bf16, bf16_root = shared(2, "bf16")
     assert_params_close(bf16["params"], fp32["params"], atol=5e-2)  # bf16 compute, 8 steps at lr 1e-2
     expected, got = read_metrics(fp32_root), read_metrics(bf16_root)
     assert all(abs(got[s] - expected[s]) < 0.05 for s in expected), (got, expected)
     assert any(got[s] != expected[s] for s in expected), "bf16 compute must differ from fp32 in the last bits"
 
 
-def test_export_consolidates_a_sharded_checkpoint_for_one_process_and_transformers(tmp_path, monkeypatch):
+def test_export_consolidates_a_sharded_checkpoint_for_one_process_and_transformers(
+    tmp_path, shared, monkeypatch
+):
     import transformers
 
     from trainer.checkpoint import load_model_file
@@ -165,7 +209,7 @@ def test_export_consolidates_a_sharded_checkpoint_for_one_process_and_transforme
     from trainer.models.llama import Llama
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    out, root = fsdp(tmp_path, "sharded", "--stage", "3", "--steps", "4", devices=2)
+    out, root = shared(2, "sharded")
     ckpt = root / "checkpoints" / "step-00000004"
     done = run_cli("export", str(ckpt), str(tmp_path / "export"), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
@@ -226,11 +270,10 @@ def test_a_mesh_that_does_not_divide_the_world_and_fp16_scaling_are_refused_befo
     assert trainer.strategy.precision.name == "16-mixed"
 
 
-def test_a_checkpoint_of_another_model_or_stage_is_refused(tmp_path):
-    out, root = fsdp(tmp_path, "small", "--stage", "3", "--steps", "2", "--ckpt-every", "2")
+def test_a_checkpoint_of_another_model_or_stage_is_refused(tmp_path, shared):
+    out, root = shared(2, "small")
     ckpt = root / "checkpoints" / "step-00000002"
-    # a different root: nothing to resume, starts fresh
-    run_script(2, FSDP_SCRIPT, tmp_path, "regression", "--stage", "3", "--resume")
+    shared(2, "fresh-regression")  # --resume in a root of its own: nothing to resume, it started fresh
     target = tmp_path / "regression2" / "checkpoints"
     target.mkdir(parents=True)
     shutil.copytree(ckpt, target / ckpt.name)

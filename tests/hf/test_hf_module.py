@@ -5,6 +5,7 @@ for classification; one-line errors for bad input."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -187,12 +188,25 @@ def test_activation_checkpointing_of_the_hf_layers_recomputes_them_and_keeps_the
 # ---- two processes -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def two_process_runs(llama_dir, tmp_path_factory):
-    """One 2-process launch per strategy (DDP; FSDP ZeRO-3 with activation checkpointing; tensor parallel
-    from transformers' tp_plan); each trains 8 steps on a global batch of 16 and exports with save_pretrained."""
+    """One run per strategy (DDP; FSDP ZeRO-3 with activation checkpointing; tensor parallel from
+    transformers' tp_plan), one after another in one 2-process torchrun world (one launch's start-up); each
+    trains 8 steps on a global batch of 16 and exports with save_pretrained."""
     tmp = tmp_path_factory.mktemp("hf-dist")
-    for strategy, extra in (("ddp", []), ("fsdp", ["--ac", "full"]), ("tp", [])):
-        args = ["--model-dir", str(llama_dir), "--strategy", strategy, "--root", str(tmp / strategy)]
-        run_ranks(2, SCRIPT, *args, "--export", str(tmp / f"{strategy}-export"), *extra, timeout=240)
+    runs = [
+        [
+            "--strategy",
+            strategy,
+            "--root",
+            str(tmp / strategy),
+            "--export",
+            str(tmp / f"{strategy}-export"),
+            *extra,
+        ]
+        for strategy, extra in (("ddp", []), ("fsdp", ["--ac", "full"]), ("tp", []))
+    ]
+    run_ranks(
+        2, SCRIPT, "--runs", json.dumps(runs), "--model-dir", str(llama_dir), torchrun=True, timeout=400
+    )
     torch.manual_seed(0)
     single = HFModule(llama_dir, lr=LR)
     fit(single, lm_loader(GLOBAL_BATCH), tmp / "single", steps=8)
@@ -202,8 +216,6 @@ def two_process_runs(llama_dir, tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "tp"])
 def test_two_processes_train_and_export_like_one(two_process_runs, strategy):
-    import json
-
     tmp, single = two_process_runs
     expected, got = read_metrics(tmp / "single"), read_metrics(tmp / strategy)
     assert sorted(got) == list(range(1, 9))

@@ -5,7 +5,9 @@ final parameters to --out (see dist_common)."""
 
 from __future__ import annotations
 
-from dist_common import TIMEOUT_S, parser, train
+import argparse
+
+from dist_common import TIMEOUT_S, parse_runs, parser, train
 
 from callbacks import Callback
 from strategies import DDPStrategy
@@ -39,7 +41,12 @@ def main() -> None:
     p.add_argument("--compression", default=None)  # DDPStrategy(gradient_compression=...)
     p.add_argument("--count-allreduces", action="store_true")  # DDP's gradient all-reduces per step
     p.add_argument("--trainer-ac", default=None)  # the Trainer's activation_checkpointing flag
-    a = p.parse_args()
+    for a in parse_runs(p):
+        fit(a)
+
+
+def fit(a: argparse.Namespace) -> None:
+    """One run of this script: the strategy its flags describe, trained and reported (dist_common.train)."""
     strategy = DDPStrategy(gradient_compression=a.compression, powersgd_start_iter=2, timeout_s=TIMEOUT_S)
     allreduces = AllReduceCounter()
     train(

@@ -48,6 +48,18 @@ def parser(description: str) -> argparse.ArgumentParser:
     return p
 
 
+def parse_runs(p: argparse.ArgumentParser) -> list[argparse.Namespace]:
+    """The runs this launch trains, in order: the command line's one, or with `--runs JSON` (a list of
+    argument lists, each naming its own --root and --out; the rest of the command line is common to all) each
+    in turn in the same torchrun world: one launch pays the processes' start-up for many cases."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--runs", default=None)
+    known, common = pre.parse_known_args()
+    if known.runs is None:
+        return [p.parse_args()]
+    return [p.parse_args([*common, *run]) for run in json.loads(known.runs)]
+
+
 class ActivationProbe:
     """Measures one forward (the first training step's, on this rank): `saved_bytes`, the distinct
     non-parameter storages that autograd saves for backward as seen by a hook around the whole step

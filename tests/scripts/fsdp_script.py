@@ -5,8 +5,10 @@ strategy's memory report and, on request, where FSDP placed each tensor (--repor
 
 from __future__ import annotations
 
+import argparse
+
 import torch
-from dist_common import TIMEOUT_S, parser, train
+from dist_common import TIMEOUT_S, parse_runs, parser, train
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -97,7 +99,12 @@ def main() -> None:
     p.add_argument("--async-save", action="store_true")
     p.add_argument("--bad-save-step", type=int, default=-1)  # this step's checkpoint holds wrong weights
     p.add_argument("--report-placement", action="store_true")  # FSDP offload policies and tensor devices
-    a = p.parse_args()
+    for a in parse_runs(p):
+        fit(a)
+
+
+def fit(a: argparse.Namespace) -> None:
+    """One run of this script: the strategy its flags describe, trained and reported (dist_common.train)."""
     kwargs = dict(
         zero_stage=a.stage,
         replicate=a.replicate,

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: helpers
+from dist_common import parse_runs  # noqa: E402
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper  # noqa: E402
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
@@ -67,7 +68,12 @@ def main() -> None:
     p.add_argument("--lora", action="store_true")  # LoRA r=4 on q_proj and v_proj
     p.add_argument("--root", required=True)
     p.add_argument("--export", required=True)
-    a = p.parse_args()
+    for a in parse_runs(p):
+        fit(a)
+
+
+def fit(a: argparse.Namespace) -> None:
+    """One run: HFModule trained under the strategy `a` names, its report written and its model exported."""
     torch.set_num_threads(1)
     if a.strategy == "fsdp":
         strategy = FSDPStrategy(zero_stage=3, activation_checkpointing=a.ac, timeout_s=120)
