@@ -400,11 +400,13 @@ def reference_run(make_run, root: Path, steps: int, batch: int) -> tuple[dict, d
     return read_metrics(root), read_metrics(root, "train/grad_norm"), read_metrics(root, "val/loss"), weights
 
 
-def run_cli(*args: str, cwd: Path, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, cwd: Path, timeout: float = 300, ranks: int = 2, **env: str
+) -> subprocess.CompletedProcess:
     """`trainer ARGS` as a user runs it, in its own process, offline (TRAINER_CACHE: the test's tmp_path
-    unless `env` names one); the caller checks its exit code and output. The recipes the tests run this way
-    use at most two processes (`rank_slots(2)`)."""
-    with rank_slots(2):
+    unless `env` names one); the caller checks its exit code and output. `ranks`: the processes it starts
+    (`rank_slots`)."""
+    with rank_slots(ranks):
         return subprocess.run(
             [sys.executable, "-m", "trainer.cli", *args],
             capture_output=True,

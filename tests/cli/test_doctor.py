@@ -50,7 +50,7 @@ def test_doctor_on_four_gloo_processes_prints_busbw_per_group_and_size(tmp_path)
     result = run_cli(
         "doctor", "--devices", "4", "--gpus-per-node", "2", "--mesh", "dp_shard=2,tp=2",
         "--sizes", ",".join(map(str, sizes)), "--warmup", "1", "--iters", "2", "--out", str(out),
-        cwd=tmp_path, timeout=120,
+        cwd=tmp_path, timeout=120, ranks=4,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     found = tables(result.stdout)

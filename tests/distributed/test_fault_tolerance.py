@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from ft_script import BATCH, LR, N, params_hash
-from helpers import REPO, SCRIPTS, SEED, Regression, launch_env, regression_data
+from helpers import REPO, SCRIPTS, SEED, WIDE, Regression, launch_env, rank_slots, regression_data
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("torchft")
@@ -24,6 +24,14 @@ pytest.importorskip("torchft")
 FT_SCRIPT = SCRIPTS / "ft_script.py"
 DEADLINE_S = 240  # each group's run; the drill takes ~40 s on a loaded 2-core machine
 ENV = launch_env(RUST_LOG="warn", PYTHONPATH=str(REPO))
+
+
+@pytest.fixture(autouse=True)
+def _alone():
+    """Each test's groups (and their restarts) run beside no other launch of the suite: a heartbeat missed on
+    an oversubscribed machine would read as a lost group."""
+    with rank_slots(WIDE):
+        yield
 
 
 @pytest.fixture(scope="module")
