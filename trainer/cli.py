@@ -41,7 +41,7 @@ examples:
   trainer export runs/llama_tiny/checkpoints/step-00000300 out/  # weights for transformers
   trainer export runs/NAME/checkpoints/step-N out/ --adapter     # LoRA as PEFT's adapter files
   trainer fit recipes/hf_classify_minilm.yaml model.lora='{{r: 8, target_modules: [query, value]}}'
-  trainer memory recipes/llama_70b.yaml                     # weights+grads+AdamW per GPU of the layout
+  trainer memory recipes/llama_70b.yaml                     # weights+grads+AdamW and the peak per GPU
   trainer memory recipes/moe_deepseek_v3_like.yaml          # MoE: experts split over ep and the expert mesh
   trainer plan recipes/llama_70b.yaml --gpus 512            # rank the layouts of 512 H100s, print the best
   trainer plan recipes/llama_8b.yaml --gpus 8 --write plan.yaml --measured rates.json
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         ("validate", "validation loss of a checkpoint (default: the run's last)"),
         ("test", "test loss of a checkpoint (default: the run's last)"),
         ("config", "print the fully resolved recipe and exit"),
-        ("memory", "weights, gradients and AdamW state per GPU of the recipe's layout, computed on this CPU"),
+        ("memory", "per GPU of the layout: weights, gradients, AdamW state, the peak with activations"),
     ):
         cmd = sub.add_parser(
             name,
