@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import LAUNCHER_KEYS, RANK_SLOTS, SEED
+
+from trainer.launch import destroy_process_group
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -16,16 +19,21 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
-def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Every test: the same seed for torch and `random`, no torchrun/SLURM variables, and the working
     directory and the token cache under the test's own temp dir: a default path (./runs) or a cache
-    write never lands in the repository or ~/.cache/trainer."""
+    write never lands in the repository or ~/.cache/trainer. Afterwards no process group is left: a fit of
+    a mesh strategy in the test's own process keeps one up for the process's next fit, and under
+    pytest-xdist the next test of that worker may be one that builds its own group."""
     monkeypatch.chdir(tmp_path)
     torch.manual_seed(SEED)
     random.seed(SEED)
     for key in LAUNCHER_KEYS:
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("TRAINER_CACHE", str(tmp_path / "trainer-cache"))
+    yield
+    if torch.distributed.is_initialized():
+        destroy_process_group()
 
 
 @pytest.fixture(autouse=True, scope="session")
