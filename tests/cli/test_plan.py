@@ -111,3 +111,10 @@ def test_strategy_auto_resolves_to_the_planned_strategy_before_any_process_start
     assert planned["strategy"]["name"] != "auto" and config["strategy"] == {"name": "auto"}, "a copy"
     assert line.startswith("strategy auto: ") and "on 4 processes" in line
     assert planned["data"]["global_batch_size"] == 8, "the global batch is the recipe's"
+
+
+def test_a_moe_recipe_is_planned_with_its_dense_first_blocks():
+    from trainer.config.plan_inputs import plan_inputs
+
+    shape = plan_inputs(load_recipe(REPO / "recipes" / "moe_deepseek_v3_like.yaml")).shape
+    assert shape.n_experts > 0 and shape.n_dense_layers == 3, shape  # DeepSeek-V3's first 3 blocks are dense

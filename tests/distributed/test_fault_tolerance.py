@@ -5,12 +5,14 @@ rejoins with the survivor's live state. Checked against a plain-PyTorch replay o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import select
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -65,6 +67,23 @@ def lighthouse(tmp_path_factory) -> str:
         proc.wait(timeout=30)
 
 
+@contextlib.contextmanager
+def groups_ending_well(root: Path) -> Iterator[list[subprocess.Popen]]:
+    """The replica groups the block starts (appended to the list), each then waited for and required to exit
+    0 within DEADLINE_S; whatever fails, none is left running."""
+    groups: list[subprocess.Popen] = []
+    try:
+        yield groups
+        for replica, proc in enumerate(groups):
+            proc.wait(timeout=DEADLINE_S)
+            assert proc.returncode == 0, (root / f"replica{replica}" / "stderr").read_text()[-3000:]
+    finally:
+        for proc in groups:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
 def start_group(root: Path, lighthouse: str, replica: int, kills: str, *extra: str) -> subprocess.Popen:
     folder = root / f"replica{replica}"
     folder.mkdir(exist_ok=True)
@@ -117,16 +136,11 @@ def test_replica_group_killed_six_times_rejoins_live_and_matches_a_replay(tmp_pa
     # group 1 joins the running job once group 0 took a step, then is killed and relaunched len(kinds) times
     first_steps = str(tmp_path / "replica0" / "steps-rank0.jsonl")
     relaunched = ["--restarts", str(len(kinds)), "--wait-for", first_steps]
-    groups = [start_group(tmp_path, address, 0, kills), start_group(tmp_path, address, 1, kills, *relaunched)]
-    try:
-        for replica, proc in enumerate(groups):
-            proc.wait(timeout=DEADLINE_S)
-            assert proc.returncode == 0, (tmp_path / f"replica{replica}" / "stderr").read_text()[-3000:]
-    finally:
-        for proc in groups:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
+    with groups_ending_well(tmp_path) as groups:
+        groups += [
+            start_group(tmp_path, address, 0, kills),
+            start_group(tmp_path, address, 1, kills, *relaunched),
+        ]
     attempts = json.loads((tmp_path / "replica1" / "attempts.json").read_text())
     assert attempts == [-signal.SIGKILL] * len(kinds) + [0], attempts
 
@@ -172,8 +186,7 @@ def test_fsdp_replica_groups_survive_a_rank_killed_during_the_all_reduce(tmp_pat
     offset = random.Random(SEED).randint(2, 6)
     common = ["--fsdp", "--lighthouse", lighthouse, "--killed", "1", "--kills", f"{offset}@allreduce",
               "--kill-rank", "1", "--seed", str(SEED), "--step-sleep", "0.01"]  # fmt: skip
-    groups = []
-    try:
+    with groups_ending_well(tmp_path) as groups:
         for replica, restarts in ((0, 0), (1, 1)):
             folder = tmp_path / f"replica{replica}"
             folder.mkdir()
@@ -187,14 +200,6 @@ def test_fsdp_replica_groups_survive_a_rank_killed_during_the_all_reduce(tmp_pat
             groups.append(
                 subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(folder / "stderr", "w"), env=ENV)
             )
-        for replica, proc in enumerate(groups):
-            proc.wait(timeout=DEADLINE_S)
-            assert proc.returncode == 0, (tmp_path / f"replica{replica}" / "stderr").read_text()[-3000:]
-    finally:
-        for proc in groups:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
     for rank in (0, 1):
         alive, killed = steps(tmp_path, 0, rank), steps(tmp_path, 1, rank)
         by_step = {row["step"]: row for row in alive}

@@ -32,7 +32,7 @@ class PlanInputs:
 def plan_inputs(config: dict[str, Any], world: int | None = None) -> PlanInputs:
     """The planner's view of a resolved Llama recipe; the global batch is data.global_batch_size, else
     batch_size x the recipe's processes (`world`, default devices x num_nodes) x accumulation."""
-    from strategies.plan.shapes import ModelShape
+    from strategies.plan.model_shape import shape_of
 
     model, data, trainer = config["model"], config["data"], config["trainer"]
     if model["class_path"] is not None or model["hf"] is not None:
@@ -41,14 +41,7 @@ def plan_inputs(config: dict[str, Any], world: int | None = None) -> PlanInputs:
             "model.class_path or model.hf"
         )
     llama = build_llama_config(model)
-    moe = llama.moe
-    shape = ModelShape(
-        vocab_size=llama.vocab_size, dim=llama.dim, n_layers=llama.n_layers, n_heads=llama.n_heads,
-        n_kv_heads=llama.n_kv_heads, ffn_dim=llama.ffn_dim, tie_embeddings=llama.tie_embeddings,
-        n_experts=moe.n_experts if moe else 0, top_k=moe.top_k if moe else 0,
-        expert_ffn_dim=moe.moe_ffn_dim if moe else 0, n_shared_experts=moe.n_shared_experts if moe else 0,
-        capacity_factor=moe.capacity_factor if moe else None,
-    )  # fmt: skip
+    shape = shape_of(llama)  # the memory model's reading too: MoE blocks, dense first layers included
     global_batch = data["global_batch_size"]
     if global_batch is None:
         if world is None:
