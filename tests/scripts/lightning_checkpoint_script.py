@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from trainer.launch import destroy_process_group
+
 _parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 _parser.add_argument("framework", choices=["lightning", "trainer"])
 _parser.add_argument("out", type=Path)
@@ -155,3 +157,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # Lightning leaves its gloo group to the interpreter's finalisation, where its threads can abort the
+    # process after the run ("terminate called without an active exception", seen in CI): shut it down here
+    destroy_process_group()
