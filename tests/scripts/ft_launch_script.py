@@ -1,9 +1,11 @@
 """A user's fault-tolerant training script as `trainer replicas` runs it (one process per replica group here):
-`trainer replicas --groups 2 --max-restarts 1 tests/scripts/ft_launch_script.py --root DIR [--resume]`. The
+`trainer replicas --groups 2 --max-restarts 1 tests/scripts/ft_launch_script.py --root DIR`. The
 group reads who it is from the launcher's environment (`FaultTolerance.from_env`), trains the tests' Regression
 model with SGD in DIR/replica{I} with a ModelCheckpoint every `--every` steps, and appends one line per step to
 DIR/replica{I}/steps.jsonl: the step, whether it committed, the participants, a hash of the parameters, this
-process's pid and torchrun's restart count. It trains until DIR/stop exists, or `--steps` more steps."""
+process's pid and torchrun's restart count. It trains `--steps` steps, or until DIR/stop exists. While DIR/hold
+exists, the group stops at its next checkpoint: once it is complete, it writes DIR/replica{I}/held and waits
+(every group then holds at the same step: the test's way to kill the whole job with known checkpoints)."""
 
 from __future__ import annotations
 
@@ -23,19 +25,21 @@ from helpers import Regression, regression_loader  # noqa: E402
 
 from callbacks import Callback, ModelCheckpoint  # noqa: E402
 from trainer import Trainer  # noqa: E402
+from trainer.checkpoint import find_last  # noqa: E402
 from trainer.fault_tolerance import FaultTolerance  # noqa: E402
 
 
 class StepLog(Callback):
-    """One line per step in `path`; stops the fit once `stop` exists or after `steps` steps of this run."""
+    """One line per step in `path`; stops the fit once ROOT/stop exists or after `steps` steps of this run;
+    holds at a checkpoint while ROOT/hold exists."""
 
-    def __init__(self, path: Path, stop: Path, steps: int, step_sleep: float) -> None:
-        self.path, self.stop, self.steps, self.step_sleep = path, stop, steps, step_sleep
+    def __init__(self, path: Path, root: Path, args: argparse.Namespace) -> None:
+        self.path, self.root, self.args = path, root, args
         self.first: int | None = None
 
     def on_train_batch_start(self, trainer, module, batch_idx):
         self.first = trainer.global_step if self.first is None else self.first
-        time.sleep(self.step_sleep)  # a heavier step: the test's signals land mid-run, not after it
+        time.sleep(self.args.step_sleep)  # a heavier step: the test's signals land mid-run, not after it
 
     def on_train_batch_end(self, trainer, module, outputs):
         row = {
@@ -49,14 +53,24 @@ class StepLog(Callback):
         }
         with open(self.path, "a") as log:
             log.write(json.dumps(row) + "\n")
-        if self.stop.exists() or trainer.global_step - self.first >= self.steps:
+        if (self.root / "hold").exists() and trainer.global_step % self.args.every == 0:
+            self.hold(trainer)
+        if (self.root / "stop").exists() or trainer.global_step - self.first >= self.args.steps:
             trainer.should_stop = True
+
+    def hold(self, trainer) -> None:
+        """Wait here (this step's checkpoint complete, DIR/replica{I}/held written) while DIR/hold exists."""
+        folder = self.path.parent
+        while (self.root / "hold").exists():
+            last = find_last(trainer.checkpoint_dir)
+            if last is not None and last.name == f"step-{trainer.global_step:08d}":
+                (folder / "held").write_text(str(trainer.global_step))
+            time.sleep(0.02)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--root", required=True)
-    p.add_argument("--resume", action="store_true")  # fit(ckpt_path="last"): this group's last checkpoint
     p.add_argument("--every", type=int, default=5)
     p.add_argument("--steps", type=int, default=100000)
     p.add_argument("--step-sleep", type=float, default=0.02)
@@ -75,14 +89,16 @@ def main() -> None:
         enable_model_summary=False,
         callbacks=[
             ModelCheckpoint(every_n_steps=args.every, save_top_k=-1, validate=False),
-            StepLog(folder / "steps.jsonl", Path(args.root) / "stop", args.steps, args.step_sleep),
+            StepLog(folder / "steps.jsonl", Path(args.root), args),
         ],
         fault_tolerance=ft,
     )
     trainer.fit(
         Regression(lr=LR, optimizer="sgd"),
         regression_loader(batch_size=BATCH, n=N),
-        ckpt_path="last" if args.resume else None,
+        # resume or start: a restarted group (torchrun) or a relaunched job continues from this group's newest
+        # checkpoint in its own run folder, then the quorum brings it to the live step
+        ckpt_path="last",
     )
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from trainer.config import ConfigError, load_recipe
 
-EPILOG = """A recipe runs as `trainer fit RECIPE [overrides] [--ckpt-path ...]` in every group, with
+EPILOG = """A recipe runs as `trainer fit RECIPE [overrides] [--ckpt-path ...]` (default --ckpt-path last:
+a restarted group resumes from its own checkpoints, then takes the live state) in every group, with
 fault_tolerance.{lighthouse,replica_id,replicas,min_replicas,bind} set and the run folder
 trainer.default_root_dir/replica_I. A script runs as `torchrun ... SCRIPT [args]`; its Trainer takes
 fault_tolerance=FaultTolerance.from_env(), which reads TORCHFT_LIGHTHOUSE, REPLICA_GROUP_ID,
@@ -78,6 +79,8 @@ def _entry(target: Path, rest: list[str], launch):
     if target.suffix not in (".yaml", ".yml"):
         raise ValueError(f"replicas target '{target}'; allowed: a recipe (.yaml) or a Python script (.py)")
     overrides = [item for item in rest if "=" in item and not item.startswith("-")]
+    # resume or start: a group torchrun restarts continues in its own run folder, then heals to the live step
+    resume = [] if any(item.split("=")[0] == "--ckpt-path" for item in rest) else ["--ckpt-path", "last"]
     root = (
         load_recipe(target, overrides)["trainer"].get("default_root_dir") or "runs"
     )  # checked before starting
@@ -86,7 +89,7 @@ def _entry(target: Path, rest: list[str], launch):
         ft = {"lighthouse": lighthouse, "replica_id": replica, "replicas": launch.groups,
               "min_replicas": launch.min_replicas, "bind": launch.bind}  # fmt: skip
         mine = [f"fault_tolerance.{key}={value}" for key, value in ft.items()]
-        return ["-m", "trainer.cli", "fit", str(target), *rest, *mine,
+        return ["-m", "trainer.cli", "fit", str(target), *rest, *resume, *mine,
                 f"trainer.default_root_dir={Path(root) / f'replica_{replica}'}"]  # fmt: skip
 
     return recipe
