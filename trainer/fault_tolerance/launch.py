@@ -6,6 +6,7 @@ pieces are started by hand or by the scheduler (README: one torchrun per group, 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -137,6 +138,7 @@ def _summary(launch: Launch, codes: list[int], stopped: list[int]) -> tuple[str,
 def _prefixed(pipe: IO[bytes], sink: IO[str], prefix: str) -> None:
     """Copy a group's output line by line, each prefixed with the group, until the group closes it."""
     for raw in iter(pipe.readline, b""):
-        sink.write(prefix + raw.decode(errors="replace"))
+        # a progress bar redraws its line after a carriage return: the redrawn line keeps the prefix
+        sink.write(prefix + re.sub(r"\r(?!\n)", "\r" + prefix, raw.decode(errors="replace")))
         sink.flush()
     pipe.close()
