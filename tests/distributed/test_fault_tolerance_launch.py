@@ -221,8 +221,8 @@ def test_replicas_launcher_survives_a_hang_a_restart_and_the_whole_job_killed(tm
         assert "[replica 0] " in err and "[replica 1] " in err, "each group's output is prefixed"
         assert not any(alive(row["pid"]) for log in before for row in log), "a group process outlived the job"
         for replica in (0, 1):
-            saved = sorted(p.name for p in (tmp_path / f"replica{replica}" / "checkpoints").iterdir())
-            assert f"step-{step:08d}" in saved and len(saved) >= 2, (replica, saved)
+            saved = [p.name for p in (tmp_path / f"replica{replica}" / "checkpoints").glob("step-*")]
+            assert f"step-{step:08d}" in saved, (replica, saved)  # each group's own run folder
         # what every group saw: one decision and the same parameters per step, through the hang and the kill
         agree(*before)
 

@@ -71,9 +71,9 @@ class StepLog(Callback):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--root", required=True)
-    p.add_argument("--every", type=int, default=5)
+    p.add_argument("--every", type=int, default=10)
     p.add_argument("--steps", type=int, default=100000)
-    p.add_argument("--step-sleep", type=float, default=0.02)
+    p.add_argument("--step-sleep", type=float, default=0.05)
     p.add_argument("--timeout-s", type=float, default=4.0)
     args = p.parse_args()
     torch.set_num_threads(1)
