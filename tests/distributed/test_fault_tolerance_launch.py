@@ -129,6 +129,27 @@ def test_replicas_refuses_a_target_it_cannot_run(tmp_path, capsys):
     assert "allowed: a recipe (.yaml) or a Python script (.py)" in capsys.readouterr().err
 
 
+def test_a_recipe_runs_in_each_group_as_that_group_with_a_run_folder_of_its_own(tmp_path):
+    from helpers import SMALL, TINY
+
+    from trainer.commands.replicas import group_entry
+    from trainer.config import load_recipe
+    from trainer.fault_tolerance.launch import Launch
+
+    launch = Launch(groups=3, min_replicas=2, bind="10.0.0.7")
+    argv = group_entry(TINY, [*SMALL, f"trainer.default_root_dir={tmp_path}"], launch)(2, "10.0.0.1:29510")
+    assert argv[:4] == ["-m", "trainer.cli", "fit", str(TINY)]
+    assert argv[argv.index("--ckpt-path") + 1] == "last"  # a restarted group resumes in its own folder
+    recipe = [item for item in argv[4:] if "=" in item]
+    config = load_recipe(TINY, recipe)  # what `trainer fit` in group 2 resolves
+    assert config["fault_tolerance"] == {"lighthouse": "10.0.0.1:29510", "replica_id": 2, "replicas": 3,
+                                         "min_replicas": 2, "timeout_s": 60.0, "quorum_timeout_s": 60.0,
+                                         "bind": "10.0.0.7"}  # fmt: skip
+    assert Path(config["trainer"]["default_root_dir"]) == tmp_path / "replica_2"
+    given = group_entry(TINY, [*SMALL, "--ckpt-path", "none"], launch)(0, "10.0.0.1:29510")
+    assert given.count("--ckpt-path") == 1 and given[given.index("--ckpt-path") + 1] == "none"
+
+
 def test_the_summary_names_the_groups_that_failed_for_good():
     from trainer.fault_tolerance.launch import Launch, _summary
 

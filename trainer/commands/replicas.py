@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trainer.config import ConfigError, load_recipe
+
+if TYPE_CHECKING:
+    from trainer.fault_tolerance.launch import Launch
 
 EPILOG = """A recipe runs as `trainer fit RECIPE [overrides] [--ckpt-path ...]` (default --ckpt-path last:
 a restarted group resumes from its own checkpoints, then takes the live state) in every group, with
@@ -62,16 +67,16 @@ def run(args: argparse.Namespace) -> int:
             heartbeat_timeout_ms=args.heartbeat_timeout_ms,
             join_timeout_ms=args.join_timeout_ms,
         )
-        entry = _entry(Path(args.target), args.args, launch)
+        entry = group_entry(Path(args.target), args.args, launch)
         return run_replica_groups(launch, entry)
     except (ImportError, ValueError, ConfigError) as err:
         print(f"trainer: error: {err}", file=sys.stderr)
         return 2
 
 
-def _entry(target: Path, rest: list[str], launch):
-    """What follows torchrun's options in group I: the recipe's `trainer fit` with this group's settings,
-    or the script as given (it reads them from the environment)."""
+def group_entry(target: Path, rest: list[str], launch: Launch) -> Callable[[int, str], list[str]]:
+    """What follows torchrun's options in group I (given the lighthouse's address): the recipe's `trainer fit`
+    with this group's settings, or the script as given (it reads them from the environment)."""
     if target.suffix == ".py":
         if not target.is_file():
             raise ValueError(f"replicas script '{target}' does not exist; allowed: a Python file")
