@@ -224,13 +224,15 @@ def test_replicas_launcher_survives_a_hang_a_restart_and_the_whole_job_killed(tm
         )  # fmt: skip
         assert restarted["first"] > back["step"], "the restarted group continued at the current step"
 
-        # (b) the whole job killed: both groups hold at the same completed checkpoint, then SIGTERM to the
-        # launcher goes to every group and ends the job
-        (tmp_path / "hold").touch()
+        # (b) the whole job killed: both groups hold at a checkpoint two intervals ahead (the script's
+        # ModelCheckpoint saves every 10 steps), then SIGTERM to the launcher goes to every group
+        target = (max(r["step"] for r in rows(tmp_path, 0)) // 10 + 2) * 10
+        (tmp_path / "hold.tmp").write_text(str(target))
+        (tmp_path / "hold.tmp").rename(tmp_path / "hold")  # whole, when a group reads it
         held = [tmp_path / f"replica{replica}" / "held" for replica in (0, 1)]
         wait_until("both groups at a checkpoint", lambda: all(p.exists() for p in held), job, tmp_path)
-        step = int(held[0].read_text())
-        assert int(held[1].read_text()) == step
+        step = target
+        assert [int(p.read_text()) for p in held] == [step, step]
         before = [rows(tmp_path, replica) for replica in (0, 1)]
         job.send_signal(signal.SIGTERM)
         job.wait(timeout=DEADLINE_S)

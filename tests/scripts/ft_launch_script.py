@@ -3,9 +3,10 @@
 group reads who it is from the launcher's environment (`FaultTolerance.from_env`), trains the tests' Regression
 model with SGD in DIR/replica{I} with a ModelCheckpoint every `--every` steps, and appends one line per step to
 DIR/replica{I}/steps.jsonl: the step, whether it committed, the participants, a hash of the parameters, this
-process's pid and torchrun's restart count. It trains `--steps` steps, or until DIR/stop exists. While DIR/hold
-exists, the group stops at its next checkpoint: once it is complete, it writes DIR/replica{I}/held and waits
-(every group then holds at the same step: the test's way to kill the whole job with known checkpoints)."""
+process's pid and torchrun's restart count. It trains `--steps` steps, or until DIR/stop exists. When DIR/hold
+names a step, the group stops at that step's end: once its checkpoint is complete, it writes
+DIR/replica{I}/held and waits while DIR/hold exists (the test's way to kill the whole job at a known
+checkpoint: every group holds at the same step)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from trainer.fault_tolerance import FaultTolerance  # noqa: E402
 
 class StepLog(Callback):
     """One line per step in `path`; stops the fit once ROOT/stop exists or after `steps` steps of this run;
-    holds at a checkpoint while ROOT/hold exists."""
+    holds at the checkpoint of the step ROOT/hold names."""
 
     def __init__(self, path: Path, root: Path, args: argparse.Namespace) -> None:
         self.path, self.root, self.args = path, root, args
@@ -53,7 +54,8 @@ class StepLog(Callback):
         }
         with open(self.path, "a") as log:
             log.write(json.dumps(row) + "\n")
-        if (self.root / "hold").exists() and trainer.global_step % self.args.every == 0:
+        hold = self.root / "hold"
+        if hold.exists() and hold.read_text() == str(trainer.global_step):
             self.hold(trainer)
         if (self.root / "stop").exists() or trainer.global_step - self.first >= self.args.steps:
             trainer.should_stop = True
