@@ -49,12 +49,8 @@ examples:
 """
 
 
-TOOLS = {
-    "doctor": doctor,
-    "plan": plan,
-    "lighthouse": lighthouse,
-    "replicas": replicas,
-}  # subcommands with a module each
+# subcommands with a module each
+TOOLS = {"doctor": doctor, "plan": plan, "lighthouse": lighthouse, "replicas": replicas}
 
 
 def main(argv: list[str] | None = None) -> int:
