@@ -120,14 +120,41 @@ def message_elements(nbytes: int, n: int) -> int:
     return max(nbytes // DTYPE.itemsize // n, 1) * n
 
 
-def matmul_tflops(device: torch.device, n: int, dtype: torch.dtype, iters: int) -> float:
-    """Achieved dense matmul rate of this rank, in TFLOP/s (2n^3 FLOPs per n x n product)."""
+def matmul_tflops(device: torch.device, n: int, dtype: torch.dtype, iters: int, repeats: int = 3) -> float:
+    """Achieved dense matmul rate of this rank, in TFLOP/s (2n^3 FLOPs per n x n product): the best of
+    `repeats` timings of `iters` calls (what the device gives when nothing else on the host interferes)."""
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     torch.mm(a, b)  # warm-up: kernel selection, first-touch of the memory
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(iters):
-        torch.mm(a, b)
-    _sync(device)
-    return 2 * n**3 * iters / (time.perf_counter() - start) / 1e12
+    best = 0.0
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(iters):
+            torch.mm(a, b)
+        _sync(device)
+        best = max(best, 2 * n**3 * iters / (time.perf_counter() - start) / 1e12)
+    return best
+
+
+def matmul_by_size(
+    device: torch.device, sizes: tuple[int, ...], dtype: torch.dtype, iters: int
+) -> dict[int, float]:
+    """This rank's matmul rate (TFLOP/s) at each n x n size: small products run below a large one's rate
+    (less arithmetic per byte moved, fixed per-call costs). `iters` calls at the largest size, as many more
+    at the smaller ones as keep the FLOPs about equal (at most 64x), so each is timed over a similar span."""
+    largest = max(sizes)
+    return {
+        n: matmul_tflops(device, n, dtype, min(iters * (largest // n) ** 3, iters * 64))
+        for n in sorted(sizes)
+    }
+
+
+def matmul_together(device: torch.device, n: int, dtype: torch.dtype, iters: int) -> list[float]:
+    """Every rank's matmul rate (TFLOP/s) with all ranks multiplying at once, after one barrier: ranks that
+    share a host's cores, caches and memory bandwidth each get less than one rank alone."""
+    dist.barrier()
+    mine = matmul_tflops(device, n, dtype, iters)
+    rates = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(rates, torch.tensor([mine], dtype=torch.float64, device=device))
+    return [float(r.item()) for r in rates]
