@@ -102,7 +102,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--keep-rates", type=Path, default=None, help="copy the doctor's rates file here")
+    parser.add_argument(
+        "--measured",
+        default=None,
+        help="tokens/s of the 5 layouts, comma-separated, from an earlier run (with --rates: predict only)",
+    )
     args = parser.parse_args()
+    if args.measured is not None and args.rates is None:
+        parser.error("--measured needs --rates (the rates of the run that measured them)")
     with tempfile.TemporaryDirectory() as tmp:
         source = "given" if args.rates else "trainer doctor --devices 2"
         print(f"load before: {_load()}", flush=True)
@@ -112,7 +119,11 @@ def main() -> None:
         rates = Rates.read(rates_path)
         shape = plan_inputs(load_recipe(RECIPE, [*BASE, f"data.seq_len={SEQ}"])).shape
         rounds: list[list[float]] = [[] for _ in LAYOUTS]
-        for r in range(args.rounds):
+        if args.measured is not None:
+            rounds = [[float(x)] for x in args.measured.split(",")]
+            if len(rounds) != len(LAYOUTS):
+                parser.error(f"--measured has {len(rounds)} values; allowed: {len(LAYOUTS)}, one per layout")
+        for r in range(args.rounds if args.measured is None else 0):
             order = [(i + r) % len(LAYOUTS) for i in range(len(LAYOUTS))]
             for i in order:
                 name, n, layout, run = LAYOUTS[i]

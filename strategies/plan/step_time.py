@@ -195,9 +195,15 @@ def step_time(shape: ModelShape, layout: Layout, run: RunShape, hardware: Hardwa
     fpt = flops_per_token(shape, run.seq_len)
     work = fpt + recompute_flops_per_token(shape, run.seq_len, L.activation_checkpointing)
     on_host = min(L.world, gpn)  # ranks that share one host
-    rate = matmul_rate(shape, L, seqs * run.seq_len / cp, run.seq_len, hw) * hw.sharing(on_host)
+    rate = matmul_rate(shape, L, seqs * run.seq_len / cp, run.seq_len, hw)
     rate *= hw.device.fp32_ratio if L.precision == "fp32" and hw.rates is None else 1.0
-    compute = tokens_replica * work / (tp * pp * cp) / rate
+    alone = tokens_replica * work / (tp * pp * cp) / rate  # this rank's compute with the host to itself
+    # a pipeline's bubble is (p-1)/(v m) of a stage's work; while the other stages fill and drain a rank
+    # computes with fewer neighbours: that share of its work runs at the rate of a rank alone (exact for
+    # two stages, where one rank idles exactly while the other works alone)
+    bubble = (pp - 1) / (STAGES_PER_RANK[L.pp_schedule] * L.pp_microbatches) if pp > 1 else 0.0
+    bubble = min(bubble, 1.0)
+    compute = alone * bubble + alone * (1 - bubble) / hw.sharing(on_host)
     overlap = hw.overlap(on_host)
     backward_share = (2 + (1 if L.activation_checkpointing == "full" else 0)) / (
         3 + (1 if L.activation_checkpointing == "full" else 0)
@@ -294,7 +300,7 @@ def step_time(shape: ModelShape, layout: Layout, run: RunShape, hardware: Hardwa
     # pipeline: the bubble idles a stage for (p-1)/(v m) of its work; activations cross each boundary
     if pp > 1:
         v = STAGES_PER_RANK[L.pp_schedule]
-        busy = compute + exposed.get("tp", 0.0) + exposed.get("cp", 0.0) + exposed.get("ep", 0.0)
+        busy = alone + exposed.get("tp", 0.0) + exposed.get("cp", 0.0) + exposed.get("ep", 0.0)
         exposed["pp bubble"] = busy * (pp - 1) / (v * L.pp_microbatches)
         inter = crosses_nodes(_stride(L, "pp"), pp, gpn)
         s = seqs * run.seq_len / cp * shape.dim * act_bytes / (tp if L.sequence_parallel else 1)

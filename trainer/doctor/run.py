@@ -119,10 +119,9 @@ def _run(strategy: _WorldStrategy, options: DoctorOptions, sizes: list[int]) -> 
 
     measurements = measure.measure_collectives(layouts, groups, sizes, device, warmup, iters)
     sizes_mm, dtype, calls = MATMUL[device.type]
-    by_size = measure.matmul_by_size(device, sizes_mm, dtype, calls) if world.rank == 0 else {}
-    dist.barrier()
+    by_size, together = measure.matmul_alone_and_together(device, sizes_mm, dtype, calls)
+    together = together[:gpus_per_node]  # node 0's ranks
     n = max(sizes_mm)
-    together = measure.matmul_together(device, n, dtype, calls)[:gpus_per_node]  # node 0's ranks
 
     node = None
     if local_zero:
