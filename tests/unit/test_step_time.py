@@ -288,3 +288,15 @@ def test_on_a_cpu_host_without_a_spare_core_nothing_hides_behind_compute():
         exposed = step_time(SMALL, layout, run, busy)
         assert hidden.exposed_s[name] < 0.5 * hidden.comm_s[name], name  # slow compute hides most of it
         assert exposed.exposed_s[name] == pytest.approx(exposed.comm_s[name]), name
+
+
+def test_a_pipeline_fills_and_drains_at_the_rate_of_a_rank_alone():
+    # 2 stages, 2 micro-batches of 1F1B: the bubble is half a stage's work, and while one
+    # stage idles the other has the host to itself
+    rates = hockney_rates(0.0, 1e6, matmul_together_tflops=0.08)  # 0.8 of 0.1 alone when both compute
+    hw = measured_hardware(rates, 4e9)
+    run = RunShape(micro_batch=2, seq_len=128)
+    t = step_time(SMALL, Layout(pp=2, pp_microbatches=2, precision="fp32"), run, hw)
+    alone = run.micro_batch * run.seq_len * flops_per_token(SMALL, 128) / 2 / 0.1e12
+    assert t.compute_s == pytest.approx(alone / 2 + alone / 2 / 0.8)
+    assert t.exposed_s["pp bubble"] == pytest.approx(alone / 2)
