@@ -6,7 +6,11 @@ matmul rate and busbw only) and one calibrated on the single-process run (the mo
 so that one row matches: a small model's GEMMs, its elementwise work and Python run below a large matmul's
 rate), the error of each, and whether the ranking by predicted speed is the measured one.
 
-    python bench/plan_accuracy.py [--rates rates.json] [--steps 30]
+The layouts run in rounds, each round in a rotated order, and each keeps its best round: on a host other
+jobs load, a layout's disturbed runs then do not decide its number (the load average is printed with each
+round). `--keep-rates F` keeps the doctor's rates file.
+
+    python bench/plan_accuracy.py [--rates rates.json] [--steps 20] [--rounds 2] [--keep-rates F]
 """
 
 from __future__ import annotations
@@ -79,6 +83,11 @@ def measured_tokens_per_s(
     )
 
 
+def _load() -> str:
+    """The 1, 5 and 15 minute load averages (uptime's)."""
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
@@ -90,16 +99,43 @@ def _order(values: list[float]) -> list[int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", type=Path, default=None, help="a rates file (default: run trainer doctor)")
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--keep-rates", type=Path, default=None, help="copy the doctor's rates file here")
+    parser.add_argument(
+        "--measured",
+        default=None,
+        help="tokens/s of the 5 layouts, comma-separated, from an earlier run (with --rates: predict only)",
+    )
     args = parser.parse_args()
+    if args.measured is not None and args.rates is None:
+        parser.error("--measured needs --rates (the rates of the run that measured them)")
     with tempfile.TemporaryDirectory() as tmp:
         source = "given" if args.rates else "trainer doctor --devices 2"
-        rates = Rates.read(args.rates or doctor_rates(Path(tmp) / "rates.json"))
+        print(f"load before: {_load()}", flush=True)
+        rates_path = args.rates or doctor_rates(Path(tmp) / "rates.json")
+        if args.keep_rates is not None:
+            args.keep_rates.write_text(Path(rates_path).read_text())
+        rates = Rates.read(rates_path)
         shape = plan_inputs(load_recipe(RECIPE, [*BASE, f"data.seq_len={SEQ}"])).shape
-        measured = [
-            measured_tokens_per_s(name, n, layout, run, Path(tmp) / f"run{i}", args.steps)
-            for i, (name, n, layout, run) in enumerate(LAYOUTS)
-        ]
+        rounds: list[list[float]] = [[] for _ in LAYOUTS]
+        if args.measured is not None:
+            rounds = [[float(x)] for x in args.measured.split(",")]
+            if len(rounds) != len(LAYOUTS):
+                parser.error(f"--measured has {len(rounds)} values; allowed: {len(LAYOUTS)}, one per layout")
+        for r in range(args.rounds if args.measured is None else 0):
+            order = [(i + r) % len(LAYOUTS) for i in range(len(LAYOUTS))]
+            for i in order:
+                name, n, layout, run = LAYOUTS[i]
+                root = Path(tmp) / f"run{i}-{r}"
+                rounds[i].append(measured_tokens_per_s(name, n, layout, run, root, args.steps))
+            print(
+                f"round {r + 1}: "
+                + ", ".join(f"{LAYOUTS[i][0]} {rounds[i][-1]:,.0f}" for i in range(len(LAYOUTS)))
+                + f" tokens/s; load {_load()}",
+                flush=True,
+            )
+        measured = [max(found) for found in rounds]
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     raw_hw = measured_hardware(rates, host / 2, gpus_per_node=2)
     raw = [step_time(shape, layout, run, raw_hw) for _, _, layout, run in LAYOUTS]
@@ -109,10 +145,14 @@ def main() -> None:
         raw_hw, rates=dataclasses.replace(rates, matmul_tflops=rates.matmul_tflops * efficiency)
     )
     calibrated = [step_time(shape, layout, run, calibrated_hw) for _, _, layout, run in LAYOUTS]
+    together = calibrated_hw.sharing(2)
+    fit = rates.latency_bandwidth("all_gather", "world")
     print(
         f"tiny Llama (vocab 258), {GLOBAL} x {SEQ} tokens per step, gloo, {os.cpu_count()} cores; rates from "
-        f"{source}: matmul {rates.matmul_tflops * 1e3:.1f} GFLOP/s per rank, all-reduce busbw "
-        f"{rates.intra_busbw_GBps:.2f} GB/s; calibration: compute at {efficiency:.2f} x the doctor's matmul rate"
+        f"{source}: matmul {rates.matmul_tflops * 1e3:.1f} GFLOP/s per rank ({together:.2f} x that with 2 "
+        f"ranks at once), all-reduce busbw {rates.intra_busbw_GBps:.2f} GB/s, all-gather latency "
+        f"{(fit[0] * 1e6 if fit else 0):.0f} us; calibration: compute at {efficiency:.2f} x the doctor's "
+        f"matmul rate; measured: best of {args.rounds} rounds of {args.steps} steps; load now {_load()}"
     )
     print(
         f"  {'layout':<10} {'measured':>10} {'raw':>10} {'err':>7} {'calibrated':>11} {'err':>7}  dominant (calibrated)"
@@ -122,6 +162,8 @@ def main() -> None:
             f"  {name:<10} {m:>10,.0f} {r.tokens_per_s:>10,.0f} {r.tokens_per_s / m - 1:>+7.0%} "
             f"{c.tokens_per_s:>11,.0f} {c.tokens_per_s / m - 1:>+7.0%}  {c.dominant}"
         )
+    for (name, *_), c in zip(LAYOUTS, calibrated, strict=True):
+        print(f"  {name:<10} calibrated: {c.line()}")
     names = [name for name, *_ in LAYOUTS]
     for label, predicted in (("raw", raw), ("calibrated", calibrated)):
         p_order = _order([t.tokens_per_s for t in predicted])

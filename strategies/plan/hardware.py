@@ -4,8 +4,16 @@ model reads one `Hardware`: a device's achievable matmul rate, the links a group
 measured, the bus bandwidth of each collective by message size.
 
 Bandwidths are bus bandwidths in nccl-tests' sense (GB/s, GB = 1e9 bytes): the rate at which each rank
-moves its share, so a collective of S bytes over n ranks takes S * factor / busbw, factor 2(n-1)/n for
-an all-reduce and (n-1)/n for an all-gather, reduce-scatter or all-to-all.
+moves its share, so a collective of S bytes over n ranks takes alpha + S * factor / busbw (Hockney's
+latency-bandwidth model), factor 2(n-1)/n for an all-reduce and (n-1)/n for an all-gather, reduce-scatter
+or all-to-all, and alpha a fixed cost per step of the ring (2(n-1) steps for an all-reduce, n-1 for the
+others): what a small message pays whatever its size.
+
+Compute runs at the device's matmul rate, which a measured machine refines by the size of each matmul (the
+doctor times n x n products at a few n) and by what ranks sharing one host cost each other (the doctor
+times the matmul on every rank at once against one rank alone: CPU processes share cores, caches and
+memory bandwidth; GPUs share nothing). On a CPU host with no core to spare, a collective runs on the cores
+that compute, so it hides behind nothing.
 """
 
 from __future__ import annotations
@@ -43,6 +51,18 @@ class Link:
     name: str
     nominal_GBps: float
     busbw_GBps: float
+    latency_us: float = 0.0  # fixed cost of one step of a ring over this link (NCCL's LL protocol)
+
+
+def ring_steps(op: str, n: int) -> int:
+    """Sequential steps of a ring collective over `n` ranks: 2(n-1) for an all-reduce (a reduce-scatter then
+    an all-gather), n-1 for the others; each pays the link's latency once."""
+    return (2 if op == "all_reduce" else 1) * max(n - 1, 0)
+
+
+def bus_factor(op: str, n: int) -> float:
+    """The share of a message of S bytes each rank moves: 2(n-1)/n for an all-reduce, (n-1)/n otherwise."""
+    return (2 if op == "all_reduce" else 1) * (n - 1) / n
 
 
 # Sources: NVIDIA's datasheets (H100: "H100 Tensor Core GPU" datasheet, SXM column, 989 TFLOP/s bf16
@@ -62,13 +82,16 @@ DEVICES: dict[str, Device] = {
 # Gen5 x16: 64 GB/s per direction (PCI-SIG), ~80% reached. InfiniBand NDR 400 Gb/s = 50 GB/s per port and
 # direction, one port per GPU (rail-optimised DGX SuperPOD, NVIDIA's reference architecture), ~90%
 # reached by NCCL across nodes; RoCE at 400 GbE the same port rate, ~80% reached (congestion control).
+# Latency per ring step: nccl-tests' small-message all_reduce_perf on one 8-GPU NVLink node takes ~10-15 us
+# (14 steps: ~1 us each); a hop between nodes costs the NIC, the switch and NCCL's proxy thread, ~5 us on
+# IB (1-2 us of wire and switch) and somewhat more on RoCE; a PCIe hop through the host ~2 us.
 LINKS: dict[str, Link] = {
-    "nvlink3": Link("NVLink 3 (A100)", 300.0, 240.0),
-    "nvlink4": Link("NVLink 4 (H100/H200)", 450.0, 360.0),
-    "nvlink5": Link("NVLink 5 (B200)", 900.0, 720.0),
-    "pcie5": Link("PCIe Gen5 x16", 64.0, 51.0),
-    "ib-ndr": Link("InfiniBand NDR 400G, one NIC per GPU", 50.0, 45.0),
-    "roce": Link("RoCE 400GbE, one NIC per GPU", 50.0, 40.0),
+    "nvlink3": Link("NVLink 3 (A100)", 300.0, 240.0, 1.0),
+    "nvlink4": Link("NVLink 4 (H100/H200)", 450.0, 360.0, 1.0),
+    "nvlink5": Link("NVLink 5 (B200)", 900.0, 720.0, 1.0),
+    "pcie5": Link("PCIe Gen5 x16", 64.0, 51.0, 2.0),
+    "ib-ndr": Link("InfiniBand NDR 400G, one NIC per GPU", 50.0, 45.0, 5.0),
+    "roce": Link("RoCE 400GbE, one NIC per GPU", 50.0, 40.0, 7.0),
 }
 NVLINK_OF = {"h100": "nvlink4", "h200": "nvlink4", "b200": "nvlink5", "a100": "nvlink3"}
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -87,6 +110,10 @@ class Rates:
     intra_busbw_GBps: float
     inter_busbw_GBps: float
     collectives: dict[str, dict[str, dict[int, float]]] = field(default_factory=dict)
+    group_ranks: dict[str, int] = field(default_factory=dict)  # ranks in each measured group
+    matmul_by_size: dict[int, float] = field(default_factory=dict)  # n -> TFLOP/s of one rank alone
+    matmul_together_tflops: float | None = None  # per rank with every rank of a node multiplying at once
+    host_cores: int | None = None  # CPU cores a rank may run on; None on GPUs
 
     @classmethod
     def read(cls, path: str | Path) -> Rates:
@@ -123,6 +150,12 @@ class Rates:
                     (links.get("inter_node") or {}).get("busbw_GBps") or links["intra_node"]["busbw_GBps"]
                 ),
                 collectives=collectives,
+                group_ranks={str(g): int(n) for g, n in (data.get("group_ranks") or {}).items()},
+                matmul_by_size={
+                    int(n): float(r) for n, r in (data.get("matmul_tflops_by_size") or {}).items()
+                },
+                matmul_together_tflops=_optional_float(data.get("matmul_together_tflops")),
+                host_cores=None if data.get("host_cores") is None else int(data["host_cores"]),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise ValueError(
@@ -130,22 +163,55 @@ class Rates:
                 "(backend, device, world_size, gpus_per_node, matmul_tflops, links, collectives)"
             ) from None
 
+    def _table(self, op: str, group: str) -> tuple[str, dict[int, float]] | None:
+        groups = self.collectives.get(op, {})
+        name = group if groups.get(group) else "world"
+        return (name, groups[name]) if groups.get(name) else None
+
     def busbw(self, op: str, group: str, nbytes: float) -> float | None:
         """The measured busbw (GB/s) of `op` over `group` (else over the world) for a message of `nbytes`,
         interpolated in log(size) between measured sizes and held flat outside them; None if not measured."""
-        groups = self.collectives.get(op, {})
-        table = groups.get(group) or groups.get("world")
-        if not table:
+        found = self._table(op, group)
+        return None if found is None else _log_interpolate(found[1], nbytes)
+
+    def latency_bandwidth(self, op: str, group: str) -> tuple[float, dict[int, float]] | None:
+        """`op` over `group` (else the world) split as Hockney's model: the fixed cost of one ring step
+        (seconds) and, per measured size, the busbw (GB/s) of what is left of its time. The fixed cost is
+        where the line through the two smallest sizes' times meets size 0 (0 when the larger was the
+        faster); None if not measured."""
+        found = self._table(op, group)
+        if found is None:
             return None
-        sizes = sorted(table)
-        if nbytes <= sizes[0]:
-            return table[sizes[0]]
-        if nbytes >= sizes[-1]:
-            return table[sizes[-1]]
-        i = bisect.bisect_left(sizes, nbytes)
-        lo, hi = sizes[i - 1], sizes[i]
-        t = (math.log(nbytes) - math.log(lo)) / (math.log(hi) - math.log(lo))
-        return table[lo] + t * (table[hi] - table[lo])
+        name, table = found
+        n = self.group_ranks.get(name) or self.world_size
+        factor = bus_factor(op, n)
+        times = {size: size * factor / (bw * GB) for size, bw in table.items()}
+        sizes = sorted(times)
+        alpha = 0.0
+        if len(sizes) > 1:
+            s0, s1 = sizes[:2]
+            slope = (times[s1] - times[s0]) / (s1 - s0)
+            if slope > 0:  # else noise: a bigger message was faster, no fixed cost can be told apart
+                alpha = max(times[s0] - slope * s0, 0.0)
+        rest = {size: size * factor / (times[size] - alpha) / GB for size in sizes}
+        return alpha / max(ring_steps(op, n), 1), rest
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _log_interpolate(table: dict[int, float], x: float) -> float:
+    """table's value at x, linear in log(x) between its keys and held flat outside them."""
+    keys = sorted(table)
+    if x <= keys[0]:
+        return table[keys[0]]
+    if x >= keys[-1]:
+        return table[keys[-1]]
+    i = bisect.bisect_left(keys, x)
+    lo, hi = keys[i - 1], keys[i]
+    t = (math.log(x) - math.log(lo)) / (math.log(hi) - math.log(lo))
+    return table[lo] + t * (table[hi] - table[lo])
 
 
 @dataclass(frozen=True)
@@ -172,6 +238,53 @@ class Hardware:
         if measured is not None:
             return measured * GB
         return (self.inter if inter_node else self.intra).busbw_GBps * GB
+
+    def collective_s(self, op: str, group: str, nbytes: float, n: int, inter_node: bool) -> float:
+        """Seconds of one `op` of `nbytes` (the full buffer) over `n` ranks of `group`: the ring's steps
+        times a step's fixed cost, plus the bytes each rank moves over the bus bandwidth. Measured rates
+        give both per op and group (`Rates.latency_bandwidth`), else the link's table values."""
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        fit = self.rates.latency_bandwidth(op, group) if self.rates is not None else None
+        if fit is not None:
+            step_s, busbw = fit[0], _log_interpolate(fit[1], nbytes) * GB
+        else:
+            link = self.inter if inter_node else self.intra
+            step_s, busbw = link.latency_us * 1e-6, link.busbw_GBps * GB
+        return ring_steps(op, n) * step_s + nbytes * bus_factor(op, n) / busbw
+
+    def matmul_rate(self, n: float) -> float:
+        """FLOP/s of a matmul whose arithmetic intensity is an n x n product's: measured at a few sizes
+        (interpolated in log n, flat outside), scaled to the rate `flops_per_s` gives; flat otherwise."""
+        sizes = self.rates.matmul_by_size if self.rates is not None else {}
+        if not sizes:
+            return self.flops_per_s
+        return self.flops_per_s * _log_interpolate(sizes, n) / sizes[max(sizes)]
+
+    def sharing(self, ranks_on_host: int) -> float:
+        """Each rank's share of its matmul rate when `ranks_on_host` ranks of a host compute at once: the
+        doctor's all-ranks-at-once rate over one rank's alone, at its ranks per node (linear in between
+        from 1 alone); 1 when not measured (GPUs: a rank has its device to itself)."""
+        r = self.rates
+        if r is None or r.matmul_together_tflops is None or ranks_on_host <= 1 or r.gpus_per_node <= 1:
+            return 1.0
+        alone = (
+            r.matmul_by_size.get(max(r.matmul_by_size), r.matmul_tflops)
+            if r.matmul_by_size
+            else r.matmul_tflops
+        )
+        measured = min(r.matmul_together_tflops / alone, 1.0)
+        t = min((ranks_on_host - 1) / (r.gpus_per_node - 1), 1.0)
+        return 1.0 - t * (1.0 - measured)
+
+    def overlap(self, ranks_on_host: int) -> float:
+        """The share of a collective that can run behind compute: all of it on a GPU (its copy engines and
+        NCCL's kernels run beside the compute), on a CPU host only as much as its spare cores carry (gloo
+        moves and reduces the bytes on CPU threads)."""
+        cores = self.rates.host_cores if self.rates is not None else None
+        if cores is None:
+            return 1.0
+        return min(max((cores - ranks_on_host) / max(ranks_on_host, 1), 0.0), 1.0)
 
 
 def parse_bytes(text: str) -> float:

@@ -4,8 +4,14 @@ bytes over the bus bandwidth of the link their group spans) and what of them the
 compute. A model of a rank in the steady state, to rank layouts and to say which cost dominates; it
 ignores kernel launch latencies and stragglers.
 
-Collective times follow nccl-tests' bus bandwidth: S bytes over n ranks take S * f / busbw, f = 2(n-1)/n
-for a ring all-reduce and (n-1)/n for an all-gather, reduce-scatter or all-to-all (S the gathered size).
+Collective times follow Hockney's model over nccl-tests' bus bandwidth: S bytes over n ranks take
+alpha * steps + S * f / busbw, f = 2(n-1)/n for a ring all-reduce and (n-1)/n for an all-gather,
+reduce-scatter or all-to-all (S the gathered size), steps the ring's 2(n-1) or n-1 (hardware.py): many small
+collectives (tp's per block, FSDP's per block over many ranks) pay the fixed cost each time.
+
+Compute runs each matmul at the rate the hardware gives a product of its arithmetic intensity (split
+matmuls of tp, attention's per-head products: smaller, slower) times each rank's share of a host its
+ranks compute on together (hardware.py's `matmul_rate` and `sharing`).
 
 What overlaps, as the strategies run it:
 - FSDP (zero 2/3) gathers block i+1 while block i computes and reduce-scatters in the backward: only
@@ -15,6 +21,8 @@ What overlaps, as the strategies run it:
   once per step (the last micro-batch's backward).
 - DDP all-reduces buckets during the last micro-batch's backward; the last bucket waits. ZeRO-1 adds the
   all-gather of the updated parameters after the optimizer step, which nothing hides.
+- What hides, hides only as far as `Hardware.overlap` says (all of it on GPUs; on a CPU host without a spare
+  core, gloo's transfers run on the computing cores: nothing hides).
 - Tensor, context and expert parallel collectives sit on the critical path of every block (not hidden);
   the pipeline's bubble is (p-1)/m of a stage's work for GPipe and 1F1B, (p-1)/(v m) interleaved.
 """
@@ -120,10 +128,50 @@ def crosses_nodes(stride: int, size: int, gpus_per_node: int) -> bool:
 
 def _seconds(hw: Hardware, op: str, group: str, nbytes: float, n: int, inter: bool) -> float:
     """One collective of `nbytes` (the full buffer: all-reduce's, the gathered all-gather's) over `n` ranks."""
-    if n <= 1 or nbytes <= 0:
-        return 0.0
-    factor = 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
-    return nbytes * factor / hw.busbw(op, group, nbytes, inter)
+    return hw.collective_s(op, group, nbytes, n, inter)
+
+
+def _wait(comm: float, window: float, overlap: float) -> float:
+    """What of `comm` seconds the step waits for when `window` seconds of compute could hide it and the
+    hardware hides a share `overlap` of what fits."""
+    return comm - overlap * min(comm, max(window, 0.0))
+
+
+def _intensity_size(m: float, k: float, n: float) -> float:
+    """The n of an n x n x n product as arithmetic-intense (FLOPs per element moved) as an m x k by k x n
+    one: 3 / (1/m + 1/k + 1/n). A product's backward (its transposes) has the same."""
+    return 3.0 / (1.0 / m + 1.0 / k + 1.0 / n)
+
+
+def matmuls(shape: ModelShape, layout: Layout, tokens: float, seq_len: int) -> list[tuple[float, float]]:
+    """(FLOPs, intensity size) of the matmuls of one rank's pass over `tokens` tokens of sequences of
+    `seq_len`, forward and backward, as `flops_per_token` counts them (6 per weight and token, 12 L H hd T
+    for attention's scores): tp splits each weight's heads or hidden width, cp each sequence's queries."""
+    tp, d, T = layout.tp, shape.dim, tokens
+    q, kv = shape.n_heads * shape.head_dim / tp, shape.n_kv_heads * shape.head_dim / tp
+    if shape.n_experts:  # the router, each routed expert on its share of the tokens, the shared experts
+        f, routed = shape.expert_ffn_dim / tp, T * shape.top_k / shape.n_experts
+        ffn = [(d * shape.n_experts, _intensity_size(T, d, shape.n_experts))]
+        ffn.append((3 * d * f * shape.top_k, _intensity_size(routed, d, f)))
+        if shape.n_shared_experts:
+            ffn.append((3 * d * f * shape.n_shared_experts, _intensity_size(T, d, f)))
+    else:
+        f = shape.ffn_dim / tp
+        ffn = [(3 * d * f, _intensity_size(T, d, f))]
+    block = [(2 * d * q, _intensity_size(T, d, q)), (2 * d * kv, _intensity_size(T, d, kv)), *ffn]
+    found = [(6 * w * T * shape.n_layers, n) for w, n in block]
+    queries = seq_len / layout.cp
+    scores = 12 * shape.n_layers * q * seq_len * T
+    found.append((scores, _intensity_size(queries, shape.head_dim, seq_len)))
+    vocab = shape.vocab_size / tp
+    found.append((6 * d * vocab * T, _intensity_size(T, d, vocab)))
+    return found
+
+
+def matmul_rate(shape: ModelShape, layout: Layout, tokens: float, seq_len: int, hw: Hardware) -> float:
+    """One rank's FLOP/s over its pass's matmuls: their FLOPs over the time each takes at its size's rate."""
+    found = matmuls(shape, layout, tokens, seq_len)
+    return sum(f for f, _ in found) / sum(f / hw.matmul_rate(n) for f, n in found)
 
 
 def step_time(shape: ModelShape, layout: Layout, run: RunShape, hardware: Hardware) -> StepTime:
@@ -146,8 +194,17 @@ def step_time(shape: ModelShape, layout: Layout, run: RunShape, hardware: Hardwa
     # compute: this rank's share of its replica's tokens (tp, cp split each token's work; pp its blocks)
     fpt = flops_per_token(shape, run.seq_len)
     work = fpt + recompute_flops_per_token(shape, run.seq_len, L.activation_checkpointing)
-    rate = hw.flops_per_s * (hw.device.fp32_ratio if L.precision == "fp32" and hw.rates is None else 1.0)
-    compute = tokens_replica * work / (tp * pp * cp) / rate
+    on_host = min(L.world, gpn)  # ranks that share one host
+    rate = matmul_rate(shape, L, seqs * run.seq_len / cp, run.seq_len, hw)
+    rate *= hw.device.fp32_ratio if L.precision == "fp32" and hw.rates is None else 1.0
+    alone = tokens_replica * work / (tp * pp * cp) / rate  # this rank's compute with the host to itself
+    # a pipeline's bubble is (p-1)/(v m) of a stage's work; while the other stages fill and drain a rank
+    # computes with fewer neighbours: that share of its work runs at the rate of a rank alone (exact for
+    # two stages, where one rank idles exactly while the other works alone)
+    bubble = (pp - 1) / (STAGES_PER_RANK[L.pp_schedule] * L.pp_microbatches) if pp > 1 else 0.0
+    bubble = min(bubble, 1.0)
+    compute = alone * bubble + alone * (1 - bubble) / hw.sharing(on_host)
+    overlap = hw.overlap(on_host)
     backward_share = (2 + (1 if L.activation_checkpointing == "full" else 0)) / (
         3 + (1 if L.activation_checkpointing == "full" else 0)
     )
@@ -203,7 +260,7 @@ def step_time(shape: ModelShape, layout: Layout, run: RunShape, hardware: Hardwa
             )  # fp32 slices after the step
             comm["zero1"] = reduce + gather
             last_backward = compute * backward_share / micro
-            exposed["zero1"] = max(0.0, reduce - last_backward) + gather
+            exposed["zero1"] = _wait(reduce, last_backward, overlap) + gather
         else:
             # per block and micro-batch: the forward gathers it (stage 2: only the micro-batches that find
             # it resharded), the backward gathers it again (stage 3) and, in the step's last micro-batch,
@@ -221,12 +278,14 @@ def step_time(shape: ModelShape, layout: Layout, run: RunShape, hardware: Hardwa
             fwd_block = compute * (1 - backward_share) / (micro * max(blocks, 1))
             bwd_block = compute * backward_share / (micro * max(blocks, 1))
             waits = blocks * (
-                forward_gathers * max(0.0, gather - fwd_block)
-                + max(0, backward_gathers - 1) * max(0.0, gather - bwd_block)
-                + max(0.0, reduce + (gather if backward_gathers else 0.0) - bwd_block)
+                forward_gathers * _wait(gather, fwd_block, overlap)
+                + max(0, backward_gathers - 1) * _wait(gather, bwd_block, overlap)
+                + _wait(reduce + (gather if backward_gathers else 0.0), bwd_block, overlap)
             )
             comm["fsdp"] = blocks * (gather * (forward_gathers + backward_gathers) + reduce)
-            exposed["fsdp"] = waits + gather + reduce  # the first gather and the last reduce-scatter
+            # the first gather and the last reduce-scatter have no compute to hide behind (counted as
+            # hidden in `waits` where anything hides)
+            exposed["fsdp"] = waits + overlap * (gather + reduce)
     elif L.dp_replicate > 1:  # DDP: one all-reduce of the gradients, in buckets during the last backward
         inter = crosses_nodes(_stride(L, "dp_replicate"), L.dp_replicate, gpn)
         size = (dense_rank + expert_rank) * grad_bytes  # DDP keeps fp32 parameters and gradients
@@ -236,19 +295,18 @@ def step_time(shape: ModelShape, layout: Layout, run: RunShape, hardware: Hardwa
         )
         comm["ddp"] = reduce
         last_backward = compute * backward_share / micro
-        exposed["ddp"] = max(0.0, reduce - last_backward) + bucket
+        exposed["ddp"] = _wait(reduce, last_backward, overlap) + overlap * min(bucket, reduce)
 
     # pipeline: the bubble idles a stage for (p-1)/(v m) of its work; activations cross each boundary
     if pp > 1:
         v = STAGES_PER_RANK[L.pp_schedule]
-        busy = compute + exposed.get("tp", 0.0) + exposed.get("cp", 0.0) + exposed.get("ep", 0.0)
+        busy = alone + exposed.get("tp", 0.0) + exposed.get("cp", 0.0) + exposed.get("ep", 0.0)
         exposed["pp bubble"] = busy * (pp - 1) / (v * L.pp_microbatches)
         inter = crosses_nodes(_stride(L, "pp"), pp, gpn)
         s = seqs * run.seq_len / cp * shape.dim * act_bytes / (tp if L.sequence_parallel else 1)
-        bw = (hw.inter if inter else hw.intra).busbw_GBps * 1e9
-        comm["pp p2p"] = exposed["pp p2p"] = (
-            2 * v * micro * s / bw
-        )  # an activation forward, its gradient back
+        # a send of s bytes to the next stage moves what a 2-rank all-gather of 2s does, latency included
+        send = _seconds(hw, "all_gather", "pp", 2 * s, 2, inter)
+        comm["pp p2p"] = exposed["pp p2p"] = 2 * v * micro * send  # an activation forward, its gradient back
 
     step = compute + sum(exposed.values())
     tokens = tokens_replica * dp

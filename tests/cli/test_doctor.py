@@ -5,6 +5,7 @@ no GPU), the NCCL variable hints on given facts, and bad input refused before an
 from __future__ import annotations
 
 import json
+import os
 import re
 from types import SimpleNamespace
 
@@ -71,6 +72,14 @@ def test_doctor_on_four_gloo_processes_prints_busbw_per_group_and_size(tmp_path)
     assert "no nominal rate" in result.stdout and "none, this run is gloo on the CPU" in result.stdout
     assert rates["backend"] == "gloo" and rates["device"] == "cpu" and rates["world_size"] == 4
     assert rates["gpus_per_node"] == 2 and rates["matmul_tflops"] > 0 and "note" not in rates
+    # what the planner's step time reads besides busbw: each group's ranks, the matmul by size (the largest
+    # is the one reported), every rank of a node multiplying at once, the cores the ranks share
+    assert rates["group_ranks"] == groups
+    by_size = {int(n): rate for n, rate in rates["matmul_tflops_by_size"].items()}
+    assert sorted(by_size) == [64, 128, 256, 512, 1024] and all(rate > 0 for rate in by_size.values())
+    assert by_size[1024] == rates["matmul_tflops"] and rates["matmul_together_tflops"] > 0
+    assert rates["host_cores"] == len(os.sched_getaffinity(0))
+    assert "matmul with every rank of a node at once" in result.stdout
     for kind in ("intra_node", "inter_node"):
         best = max(rates["collectives"]["all_reduce"][kind].values())
         assert rates["links"][kind] == {"busbw_GBps": best, "nominal_GBps": None}, kind

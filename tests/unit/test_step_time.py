@@ -9,7 +9,16 @@ import pytest
 import torch
 
 from strategies.plan.checkpoint_interval import effective_fraction, llama3_mtbf_s, young_daly_interval
-from strategies.plan.hardware import GB, Device, Hardware, Link, Rates, build_hardware, parse_bytes
+from strategies.plan.hardware import (
+    GB,
+    Device,
+    Hardware,
+    Link,
+    Rates,
+    build_hardware,
+    measured_hardware,
+    parse_bytes,
+)
 from strategies.plan.search import search
 from strategies.plan.shapes import Layout, ModelShape, RunShape
 from strategies.plan.step_time import dense_params, flops_per_token, step_time
@@ -200,3 +209,94 @@ def test_young_daly_interval_and_llama3_failure_rate():
     assert effective_fraction(60.0, best, 86400.0) > effective_fraction(60.0, best * 2, 86400.0)
     with pytest.raises(ValueError, match="gpus=0 is invalid"):
         llama3_mtbf_s(0)
+
+
+def hockney_rates(alpha_step: float, busbw: float, n: int = 2, **changes) -> Rates:
+    """Rates whose all-gather over `n` ranks took exactly steps * alpha_step + S (n-1)/n / busbw at each size."""
+    factor = (n - 1) / n
+    table = {}
+    for size in (4096, 65536, 1048576, 8388608):
+        seconds = (n - 1) * alpha_step + size * factor / (busbw * GB)
+        table[str(size)] = size * factor / seconds / GB  # the busbw the doctor prints
+    data = {
+        "backend": "gloo", "device": "cpu", "world_size": n, "gpus_per_node": n, "matmul_tflops": 0.1,
+        "links": {"intra_node": {"busbw_GBps": busbw, "nominal_GBps": None}},
+        "collectives": {"all_gather": {"world": table}}, "group_ranks": {"world": n},
+    }  # fmt: skip
+    data.update(changes)
+    return Rates.from_dict(data)
+
+
+def test_measured_collectives_split_into_a_fixed_cost_per_ring_step_and_a_bandwidth():
+    rates = hockney_rates(alpha_step=200e-6, busbw=1.0, n=4)
+    step_s, busbw = rates.latency_bandwidth("all_gather", "tp")  # no tp group measured: the world's
+    assert step_s == pytest.approx(200e-6) and all(bw == pytest.approx(1.0) for bw in busbw.values())
+    hw = measured_hardware(rates, 4e9)
+    # 8 ranks: twice-and-a-bit the steps of the 4 measured; a tiny message pays the steps, a big one the bytes
+    assert hw.collective_s("all_gather", "dense", 8, 8, False) == pytest.approx(7 * 200e-6 + 8 * 7 / 8 / GB)
+    assert hw.collective_s("all_gather", "dense", 1e9, 8, False) == pytest.approx(7 * 200e-6 + 7 / 8)
+    assert hw.collective_s("all_gather", "dense", 1e9, 1, False) == 0.0
+
+
+def test_table_links_charge_nccl_latencies_per_ring_step():
+    hw = build_hardware("h100", 8, "ib-ndr")
+    small = hw.collective_s("all_reduce", "tp", 8, 8, inter_node=False)
+    assert 10e-6 <= small <= 30e-6, "one NVLink node: nccl-tests' small all-reduce takes ~10-20 us"
+    across = hw.collective_s("all_gather", "dense", 8, 64, inter_node=True)
+    assert across == pytest.approx(63 * 5e-6, rel=1e-3), "a 64-rank ring across IB: 63 hops"
+
+
+def test_many_small_tensor_parallel_collectives_pay_their_latency():
+    run = RunShape(micro_batch=2, seq_len=128)
+    layout = Layout(tp=2, sequence_parallel=True)
+    act = 2 * 128 * SMALL.dim * 2
+    fast = step_time(SMALL, layout, run, measured_hardware(hockney_rates(0.0, 1.0), 4e9))
+    slow = step_time(SMALL, layout, run, measured_hardware(hockney_rates(1e-3, 1.0), 4e9))
+    collectives = 2 * 4 * SMALL.n_layers  # reduce-scatter + all-gather, 4 times per block
+    assert fast.comm_s["tp"] == pytest.approx(collectives * act / 2 / GB, rel=1e-3)
+    # only the all-gathers were measured: the reduce-scatters fall back to the link (no latency)
+    assert slow.comm_s["tp"] - fast.comm_s["tp"] == pytest.approx(collectives / 2 * 1e-3, rel=1e-3)
+
+
+def test_small_matmuls_and_ranks_sharing_a_host_slow_the_compute():
+    sizes = {"64": 0.025, "256": 0.05, "1024": 0.1}  # TFLOP/s: a quarter of the large rate at n = 64
+    rates = hockney_rates(0.0, 1.0, matmul_tflops_by_size=sizes, matmul_together_tflops=0.08, host_cores=2)
+    hw = measured_hardware(rates, 4e9)
+    assert hw.matmul_rate(1024) == pytest.approx(0.1e12) and hw.matmul_rate(128) == pytest.approx(0.0375e12)
+    assert hw.matmul_rate(16) == pytest.approx(0.025e12), "held flat below the smallest size measured"
+    assert hw.sharing(1) == 1.0 and hw.sharing(2) == pytest.approx(0.8)
+    run = RunShape(micro_batch=2, seq_len=128)
+    one = step_time(SMALL, Layout(precision="fp32"), run, hw)
+    split = step_time(SMALL, Layout(tp=2, precision="fp32"), run, hw)
+    # tp halves each rank's FLOPs, but its halved matmuls run slower and two ranks share the host
+    assert one.compute_s / 2 / 0.8 < split.compute_s < one.compute_s
+    flat = step_time(
+        SMALL, Layout(tp=2, precision="fp32"), run, measured_hardware(hockney_rates(0.0, 1.0), 4e9)
+    )
+    assert flat.compute_s == pytest.approx(
+        run.micro_batch * run.seq_len * flops_per_token(SMALL, 128) / 2 / 0.1e12
+    ), "one measured size: every matmul at the doctor's rate"
+
+
+def test_on_a_cpu_host_without_a_spare_core_nothing_hides_behind_compute():
+    run = RunShape(micro_batch=2, seq_len=128)
+    spare = measured_hardware(hockney_rates(0.0, 1.0, host_cores=8, matmul_tflops=1e-4), 4e9)
+    busy = measured_hardware(hockney_rates(0.0, 1.0, host_cores=2, matmul_tflops=1e-4), 4e9)
+    assert spare.overlap(2) == 1.0 and busy.overlap(2) == 0.0 and busy.overlap(1) == pytest.approx(1.0)
+    for layout, name in ((Layout(dp_replicate=2), "ddp"), (Layout(dp_shard=2, zero_stage=3), "fsdp")):
+        hidden = step_time(SMALL, layout, run, spare)
+        exposed = step_time(SMALL, layout, run, busy)
+        assert hidden.exposed_s[name] < 0.5 * hidden.comm_s[name], name  # slow compute hides most of it
+        assert exposed.exposed_s[name] == pytest.approx(exposed.comm_s[name]), name
+
+
+def test_a_pipeline_fills_and_drains_at_the_rate_of_a_rank_alone():
+    # 2 stages, 2 micro-batches of 1F1B: the bubble is half a stage's work, and while one
+    # stage idles the other has the host to itself
+    rates = hockney_rates(0.0, 1e6, matmul_together_tflops=0.08)  # 0.8 of 0.1 alone when both compute
+    hw = measured_hardware(rates, 4e9)
+    run = RunShape(micro_batch=2, seq_len=128)
+    t = step_time(SMALL, Layout(pp=2, pp_microbatches=2, precision="fp32"), run, hw)
+    alone = run.micro_batch * run.seq_len * flops_per_token(SMALL, 128) / 2 / 0.1e12
+    assert t.compute_s == pytest.approx(alone / 2 + alone / 2 / 0.8)
+    assert t.exposed_s["pp bubble"] == pytest.approx(alone / 2)

@@ -120,14 +120,60 @@ def message_elements(nbytes: int, n: int) -> int:
     return max(nbytes // DTYPE.itemsize // n, 1) * n
 
 
-def matmul_tflops(device: torch.device, n: int, dtype: torch.dtype, iters: int) -> float:
-    """Achieved dense matmul rate of this rank, in TFLOP/s (2n^3 FLOPs per n x n product)."""
+def matmul_tflops(device: torch.device, n: int, dtype: torch.dtype, iters: int, repeats: int = 3) -> float:
+    """Achieved dense matmul rate of this rank, in TFLOP/s (2n^3 FLOPs per n x n product): the best of
+    `repeats` timings of `iters` calls (what the device gives when nothing else on the host interferes)."""
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     torch.mm(a, b)  # warm-up: kernel selection, first-touch of the memory
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(iters):
-        torch.mm(a, b)
-    _sync(device)
-    return 2 * n**3 * iters / (time.perf_counter() - start) / 1e12
+    best = 0.0
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(iters):
+            torch.mm(a, b)
+        _sync(device)
+        best = max(best, 2 * n**3 * iters / (time.perf_counter() - start) / 1e12)
+    return best
+
+
+def matmul_by_size(
+    device: torch.device, sizes: tuple[int, ...], dtype: torch.dtype, iters: int, repeats: int = 3
+) -> dict[int, float]:
+    """This rank's matmul rate (TFLOP/s) at each n x n size: small products run below a large one's rate
+    (less arithmetic per byte moved, fixed per-call costs). `iters` calls at the largest size, as many more
+    at the smaller ones as keep the FLOPs about equal (at most 64x), so each is timed over a similar span."""
+    largest = max(sizes)
+    return {
+        n: matmul_tflops(device, n, dtype, min(iters * (largest // n) ** 3, iters * 64), repeats)
+        for n in sorted(sizes)
+    }
+
+
+def matmul_together(
+    device: torch.device, n: int, dtype: torch.dtype, iters: int, repeats: int = 3
+) -> list[float]:
+    """Every rank's matmul rate (TFLOP/s) with all ranks multiplying at once, after one barrier: ranks that
+    share a host's cores, caches and memory bandwidth each get less than one rank alone."""
+    dist.barrier()
+    mine = matmul_tflops(device, n, dtype, iters, repeats)
+    rates = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(rates, torch.tensor([mine], dtype=torch.float64, device=device))
+    return [float(r.item()) for r in rates]
+
+
+def matmul_alone_and_together(
+    device: torch.device, sizes: tuple[int, ...], dtype: torch.dtype, iters: int, repeats: int = 3
+) -> tuple[dict[int, float], list[float]]:
+    """Rank zero's rate at each size alone (the other ranks wait) and every rank's at the largest size with
+    all at once, alternated `repeats` times and the best of each kept: on a host other jobs load, the two
+    are then measured under the same load and their ratio is the ranks' own effect on each other."""
+    alone: dict[int, float] = {}
+    together: list[float] = []
+    for _ in range(repeats):
+        if dist.get_rank() == 0:
+            for n, rate in matmul_by_size(device, sizes, dtype, iters, repeats=1).items():
+                alone[n] = max(alone.get(n, 0.0), rate)
+        rates = matmul_together(device, max(sizes), dtype, iters, repeats=1)
+        together = [max(a, b) for a, b in zip(together, rates, strict=True)] if together else rates
+    return alone, together

@@ -42,6 +42,9 @@ class Findings:
     measurements: list[Measurement]
     nominal: dict[str, LinkRate]  # group name -> the rate of the link it spans
     nodes: list[NodeReport]
+    matmul_by_size: dict[int, float] = dataclasses.field(default_factory=dict)  # n -> rank 0's TFLOP/s alone
+    matmul_together_tflops: float | None = None  # per rank, node 0's ranks all multiplying at once
+    host_cores: int | None = None  # the CPU cores a rank may run on (CPU runs: ranks share them)
 
     def best(self, op: str, group: str) -> float | None:
         """The highest busbw of `op` over `group` across sizes."""
@@ -57,6 +60,18 @@ def text_report(f: Findings) -> str:
         "GB = 1e9 bytes",
         f"matmul (rank 0): {f.matmul_tflops:.4g} TFLOP/s ({f.matmul_what})",
     ]
+    if f.matmul_by_size:
+        lines.append(
+            "matmul by size (rank 0 alone): "
+            + ", ".join(f"{n}: {rate:.4g}" for n, rate in sorted(f.matmul_by_size.items()))
+            + " TFLOP/s"
+        )
+    if f.matmul_together_tflops is not None:
+        cores = f", {f.host_cores} cores" if f.host_cores is not None else ""
+        lines.append(
+            f"matmul with every rank of a node at once: {f.matmul_together_tflops:.4g} TFLOP/s per rank, "
+            f"{f.matmul_together_tflops / f.matmul_tflops:.2f} x one rank alone ({f.gpus_per_node} ranks{cores})"
+        )
     for op in OPS:
         rows = [m for m in f.measurements if m.op == op]
         lines += ["", f"{op}: busbw = {FORMULAS[op]} (nccl-tests)", _row(HEADER)]
@@ -160,6 +175,10 @@ def rates_file(f: Findings) -> dict[str, Any]:
             for kind, group in (("intra_node", intra), ("inter_node", inter))
         },  # intra_node is null with one GPU per node: no group of one node to measure
         "collectives": {op: _by_group([m for m in f.measurements if m.op == op]) for op in OPS},
+        "group_ranks": {m.group: m.ranks for m in f.measurements},
+        "matmul_tflops_by_size": {str(n): rate for n, rate in sorted(f.matmul_by_size.items())},
+        "matmul_together_tflops": f.matmul_together_tflops,
+        "host_cores": f.host_cores,
     }
     if not several_nodes:
         data["note"] = (

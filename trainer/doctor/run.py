@@ -30,9 +30,14 @@ from trainer.doctor.topology import NodeProbe, load_nvml
 from trainer.launch import detect_world
 from trainer.precision import Precision
 
-DEFAULT_SIZES = {"gloo": "64K,1M,8M", "nccl": "1M,16M,128M,1G"}
+# the smallest size is latency-bound: the planner reads each collective's fixed cost from it
+DEFAULT_SIZES = {"gloo": "4K,64K,1M,8M", "nccl": "64K,1M,16M,128M,1G"}
 DEFAULT_CALLS = {"gloo": (2, 5), "nccl": (5, 20)}  # (warm-up, timed) calls per size
-MATMUL = {"cpu": (1024, torch.float32, 3), "cuda": (8192, torch.bfloat16, 20)}  # (n, dtype, timed calls)
+# (n x n sizes, dtype, timed calls at the largest size); the largest is the rate the report leads with
+MATMUL = {
+    "cpu": ((64, 128, 256, 512, 1024), torch.float32, 5),
+    "cuda": ((1024, 2048, 4096, 8192), torch.bfloat16, 20),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,9 +118,10 @@ def _run(strategy: _WorldStrategy, options: DoctorOptions, sizes: list[int]) -> 
             why = f"NVML did not start: {err}"
 
     measurements = measure.measure_collectives(layouts, groups, sizes, device, warmup, iters)
-    n, dtype, calls = MATMUL[device.type]
-    tflops = measure.matmul_tflops(device, n, dtype, calls) if world.rank == 0 else 0.0
-    dist.barrier()
+    sizes_mm, dtype, calls = MATMUL[device.type]
+    by_size, together = measure.matmul_alone_and_together(device, sizes_mm, dtype, calls)
+    together = together[:gpus_per_node]  # node 0's ranks
+    n = max(sizes_mm)
 
     node = None
     if local_zero:
@@ -141,8 +147,11 @@ def _run(strategy: _WorldStrategy, options: DoctorOptions, sizes: list[int]) -> 
         gpus_per_node=gpus_per_node,
         warmup=warmup,
         iters=iters,
-        matmul_tflops=tflops,
+        matmul_tflops=by_size[n],
         matmul_what=f"{n}x{n} {str(dtype).removeprefix('torch.')}, {calls} calls",
+        matmul_by_size=by_size,
+        matmul_together_tflops=sum(together) / len(together),
+        host_cores=len(os.sched_getaffinity(0)) if device.type == "cpu" else None,
         measurements=measurements,
         nominal=_nominal(layouts, gpus_per_node, backend, nodes),
         nodes=nodes,
