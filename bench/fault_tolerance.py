@@ -134,12 +134,12 @@ def rank_main(args: argparse.Namespace) -> None:
     out = Path(args.out)
     # one lighthouse per fit: one serves one run (the next fit's groups must not meet this one's)
     lighthouses = (args.lighthouses or "").split(",")
-    ft = [None if args.arm == "ddp" else FaultTolerance(lh, args.replica, timeout_s=30) for lh in lighthouses]
+    ft = [FaultTolerance(lh, args.replica, timeout_s=30) if lh else None for lh in lighthouses]
     if args.arm in ("ddp", "ft"):
         times = {}
         for i, width in enumerate(WIDTHS):
             clock = Clock()
-            fit(width, out / f"{args.arm}-{args.round}-{width}", ft[i], [clock], STEPS)
+            fit(width, out / f"{args.arm}-{args.round}-{width}", ft[i % len(ft)], [clock], STEPS)
             times[width] = {"wall": per_step(clock.wall), "cpu": per_step(clock.cpu)}
         if int(os.environ.get("RANK", "0")) == 0:  # DDP: rank 0's; torchft: each group writes its own
             (out / f"{args.arm}-{args.round}-{args.replica}.json").write_text(json.dumps(times))
@@ -184,8 +184,9 @@ def wait_exit(what: str, proc: subprocess.Popen, log: Path, code: int | None = 0
             f"waiting for {what} to exit: still running after {DEADLINE_S} s (see {log})"
         ) from None
     if code is not None and got != code:
-        tail = log.read_text().strip().splitlines()[-1:] if log.exists() else []
-        raise BenchFailed(f"{what} exited with {got}, not {code} (see {log}: {' '.join(tail)[-300:]})")
+        lines = log.read_text().splitlines() if log.exists() else []
+        said = [line for line in lines if "Error" in line] or lines or [""]  # the error, else the last line
+        raise BenchFailed(f"{what} exited with {got}, not {code} (see {log}: {said[-1].strip()[-300:]})")
 
 
 def rows(path: Path) -> list[dict]:

@@ -101,3 +101,21 @@ def test_a_second_backward_or_a_token_weighted_step_leaves_the_gradients_alone()
     assert not overlap.finish(use=False)
     assert all(torch.equal(p.grad, g) for p, g in zip(model.net[0].parameters(), grads, strict=True))
     overlap.remove()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "overlaps"),
+    [
+        ({}, True),
+        ({"accumulate_grad_batches": 2}, False),  # an earlier micro-batch's backward must not launch it
+        ({"precision": "16-mixed"}, False),  # each group unscales by its own scale after the backward
+    ],
+)
+def test_the_backward_launches_the_average_only_where_its_gradients_are_final(kwargs, overlaps):
+    from trainer import Trainer
+    from trainer.fault_tolerance import FaultTolerance
+    from trainer.fault_tolerance.replica_group import _overlap_is_valid
+
+    trainer = Trainer(fault_tolerance=FaultTolerance("127.0.0.1:29510", 0), **kwargs)
+    trainer.module = _model()
+    assert _overlap_is_valid(trainer) is overlaps
