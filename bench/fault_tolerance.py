@@ -41,7 +41,12 @@ from trainer.fault_tolerance import FaultTolerance  # noqa: E402
 WIDTHS = (16, 256, 1024)  # 1.1K, 0.5M, 8.4M parameters
 BATCHES = {16: 64, 256: 64, 1024: 192}  # the largest arm's batch makes plain DDP's step >= 100 ms here
 STEPS, SKIP = 40, 10
-KILL_AT, AFTER_REJOIN, DRILL_STEPS = 30, 20, 5000  # the drill's fits end by AFTER_REJOIN, DRILL_STEPS at most
+KILL_AT, AFTER_REJOIN, DRILL_STEPS = (
+    30,
+    20,
+    20000,
+)  # the drill's fits end by AFTER_REJOIN, DRILL_STEPS at most
+# KILL_AT counts group 1's own steps: it joins a running job, healing to the survivor's step first
 DEADLINE_S = 600  # every wait of the bench: a launch, the kill, the outage, the rejoin, the end
 LLAMA3_MTBF_S = 54 * 86400 / 466  # 16K GPUs: one interruption every 2.8 h
 
@@ -85,7 +90,7 @@ def per_step(stamps: list[float]) -> float:
 
 
 class Drill(Callback):
-    """Group 1 dies at KILL_AT (after that step's commit); every step's end time and participants go to a
+    """Group 1 dies after its KILL_AT-th step (that step committed); every step's end time and participants go to a
     JSONL file (one per incarnation); both groups stop AFTER_REJOIN steps after group 1 rejoined: the
     relaunched group counts from its first step, the survivor from its first 2-participant step after it
     went solo (the bench relaunches group 1 only once the survivor committed a solo step)."""
@@ -107,7 +112,7 @@ class Drill(Callback):
         row = {"t": time.time(), "step": step, "n": self.seen[-1], "committed": not outputs["skipped"]}
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
-        if self.replica == 1 and not self.rejoining and step + 1 == KILL_AT:
+        if self.replica == 1 and not self.rejoining and len(self.seen) == KILL_AT:
             os.kill(os.getpid(), signal.SIGKILL)
         if self.back_at is not None and trainer.global_step >= self.back_at + AFTER_REJOIN:
             trainer.should_stop = True
@@ -194,6 +199,7 @@ def rows(path: Path) -> list[dict]:
 
 
 def main(rounds: int) -> None:
+    os.environ.setdefault("RUST_LOG", "warn")  # the lighthouses here log every quorum at INFO otherwise
     from trainer.fault_tolerance.lighthouse import start_lighthouse
 
     out = Path(tempfile.mkdtemp(prefix="bench-ft-"))
@@ -201,8 +207,8 @@ def main(rounds: int) -> None:
     procs: list[subprocess.Popen] = []
     servers = []
 
-    def lighthouses(n: int) -> str:
-        new = [start_lighthouse("127.0.0.1:0", heartbeat_timeout_ms=5000) for _ in range(n)]
+    def lighthouses(n: int, min_replicas: int) -> str:
+        new = [start_lighthouse("127.0.0.1:0", min_replicas, heartbeat_timeout_ms=5000) for _ in range(n)]
         servers.extend(new)
         return ",".join(f"127.0.0.1:{s.address().rpartition(':')[2]}" for s in new)
 
@@ -211,7 +217,9 @@ def main(rounds: int) -> None:
             ddp = spawn(["--arm", "ddp", "--round", str(r)], out, f"ddp-{r}", torchrun=2)
             procs.append(ddp)
             wait_exit(f"round {r}'s DDP arm", ddp, out / f"ddp-{r}.err")
-            address = lighthouses(len(WIDTHS))
+            # both groups in every step's quorum: a group that starts a fit first would otherwise train
+            # alone, and the other would heal from it mid-fit (its clock then misses the steps)
+            address = lighthouses(len(WIDTHS), min_replicas=2)
             groups = [
                 spawn(
                     ["--arm", "ft", "--round", str(r), "--replica", str(g), "--lighthouses", address],
@@ -223,22 +231,32 @@ def main(rounds: int) -> None:
             procs.extend(groups)
             for g, proc in enumerate(groups):
                 wait_exit(f"round {r}'s torchft group {g}", proc, out / f"ft-{r}-{g}.err")
-        address = lighthouses(1)
-        drill = [
-            spawn(["--arm", "drill", "--replica", str(g), "--lighthouses", address], out, f"drill-{g}")
-            for g in (0, 1)
-        ]
+        address = lighthouses(1, min_replicas=1)
+        drill = [spawn(["--arm", "drill", "--replica", "0", "--lighthouses", address], out, "drill-0")]
         procs.extend(drill)
-        # group 1 dies at KILL_AT; relaunched only once the survivor committed a step alone, so that the
-        # survivor sees the outage (a relaunch quicker than the heartbeat timeout would join the very next
-        # quorum: the survivor never went solo, and never knew when to stop)
-        wait_exit(
-            "group 1's SIGKILL at the drill's step 30", drill[1], out / "drill-1.err", code=-signal.SIGKILL
+        # group 1 joins the running job (as a relaunch does), so the survivor's participants go 1, 2, 1, 2
+        wait_until(
+            "the survivor's first drill step",
+            lambda: bool(rows(out / "drill-0.jsonl")),
+            drill,
+            out / "drill-0.err",
         )
+        drill.append(spawn(["--arm", "drill", "--replica", "1", "--lighthouses", address], out, "drill-1"))
+        procs.append(drill[1])
+        # group 1 dies after KILL_AT steps; relaunched only once the survivor committed a step alone, so that
+        # the survivor sees the outage (a relaunch quicker than the heartbeat timeout would join the very
+        # next quorum: the survivor never went solo, and never knew when to stop)
+        wait_exit(
+            f"group 1's SIGKILL after its {KILL_AT}th drill step",
+            drill[1],
+            out / "drill-1.err",
+            code=-signal.SIGKILL,
+        )
+        killed_at = rows(out / "drill-1.jsonl")[-1]["step"]
         wait_until(
             "the survivor's first solo committed step",
             lambda: any(
-                r["step"] >= KILL_AT and r["n"] == 1 and r["committed"] for r in rows(out / "drill-0.jsonl")
+                r["step"] > killed_at and r["n"] == 1 and r["committed"] for r in rows(out / "drill-0.jsonl")
             ),
             [drill[0]],
             out / "drill-0.err",
@@ -258,10 +276,10 @@ def main(rounds: int) -> None:
                 proc.wait()
         for server in servers:
             server.shutdown()
-    report(out, rounds, relaunched_at)
+    report(out, rounds, relaunched_at, killed_at)
 
 
-def report(out: Path, rounds: int, relaunched_at: float) -> None:
+def report(out: Path, rounds: int, relaunched_at: float, killed_at: int) -> None:
     def arm(name: str, width: int, kind: str) -> float:  # the median over rounds (rank 0 / group 0)
         return statistics.median(
             json.loads((out / f"{name}-{r}-0.json").read_text())[str(width)][kind] * 1e3
@@ -286,13 +304,16 @@ def report(out: Path, rounds: int, relaunched_at: float) -> None:
         )
     survivor, back = rows(out / "drill-0.jsonl"), rows(out / "drill-1-rejoin.jsonl")
     gaps = [(b["t"] - a["t"], b) for a, b in zip(survivor, survivor[1:], strict=False)]
-    stall, at = max((g, b) for g, b in gaps if b["step"] <= KILL_AT + 2)
-    solo = sum(1 for r in survivor if r["n"] == 1 and r["committed"])
+    stall, at = max((g, b) for g, b in gaps if killed_at < b["step"] <= killed_at + 3)
+    solo = sum(1 for r in survivor if r["step"] > killed_at and r["n"] == 1 and r["committed"])
     first_back = min((r for r in back if r["committed"]), key=lambda r: r["t"])
     rejoin_s = first_back["t"] - relaunched_at
     startup_s = json.loads((out / "drill-1-rejoin.started").read_text()) - relaunched_at
     sent = next(g for g, b in gaps if b["step"] == first_back["step"])
-    print(f"stall after the kill: {stall:.2f} s (survivor's step {at['step']}; heartbeat timeout 5 s)")
+    print(
+        f"stall after the kill (group 1's last step {killed_at}): {stall:.2f} s (survivor's step {at['step']}; "
+        "heartbeat timeout 5 s)"
+    )
     print(
         f"solo steps during the outage: {solo}; discarded: {sum(1 for r in survivor if not r['committed'])}"
     )
