@@ -280,11 +280,14 @@ def main(rounds: int) -> None:
 
 
 def report(out: Path, rounds: int, relaunched_at: float, killed_at: int) -> None:
-    def arm(name: str, width: int, kind: str) -> float:  # the median over rounds (rank 0 / group 0)
-        return statistics.median(
+    def each(name: str, width: int, kind: str) -> list[float]:  # ms per round (rank 0 / group 0)
+        return [
             json.loads((out / f"{name}-{r}-0.json").read_text())[str(width)][kind] * 1e3
             for r in range(rounds)
-        )
+        ]
+
+    def arm(name: str, width: int, kind: str) -> float:  # the median over rounds
+        return statistics.median(each(name, width, kind))
 
     print(
         f"per step, median of {rounds} interleaved rounds (each the median of steps {SKIP + 1}-{STEPS}); "
@@ -292,7 +295,7 @@ def report(out: Path, rounds: int, relaunched_at: float, killed_at: int) -> None
     )
     print(
         f"{'MLP width':>10} {'params':>8} {'batch':>6} {'DDP ms':>7} {'torchft ms':>11} {'ratio':>6} "
-        f"{'fixed ms':>9} {'DDP cpu':>8} {'ft cpu':>7} {'cpu ratio':>9}"
+        f"{'fixed ms':>9} {'DDP cpu':>8} {'ft cpu':>7} {'cpu ratio':>9} {'fixed cpu':>9}  wall ratio per round"
     )
     for width in WIDTHS:
         params = 8 * width * width + 5 * width
@@ -300,7 +303,11 @@ def report(out: Path, rounds: int, relaunched_at: float, killed_at: int) -> None
         ca, cb = arm("ddp", width, "cpu"), arm("ft", width, "cpu")
         print(
             f"{width:>10} {params:>8} {BATCHES[width]:>6} {a:>7.1f} {b:>11.1f} {b / a:>6.2f} {b - a:>9.1f} "
-            f"{ca:>8.1f} {cb:>7.1f} {cb / ca:>9.2f}"
+            f"{ca:>8.1f} {cb:>7.1f} {cb / ca:>9.2f} {cb - ca:>9.1f}  "
+            + " ".join(
+                f"{y / x:.2f}"
+                for x, y in zip(each("ddp", width, "wall"), each("ft", width, "wall"), strict=True)
+            )
         )
     survivor, back = rows(out / "drill-0.jsonl"), rows(out / "drill-1-rejoin.jsonl")
     gaps = [(b["t"] - a["t"], b) for a, b in zip(survivor, survivor[1:], strict=False)]
@@ -336,6 +343,7 @@ def project(stall_s: float, rejoin_s: float, step_s: float, ratio: float) -> Non
     ckpt = (1 - save_s / interval_s) * (1 - lost_ckpt / LLAMA3_MTBF_S)
     # live: the survivors stall once, then run at (R-1)/R until the group is back (its own restart_s)
     lost_live = stall_s + step_s + restart_s / groups
+    ratio = max(ratio, 1.0)  # torchft adds work to a step: a measured ratio below 1 is noise
     live = (1 - save_s / interval_s) * (1 - lost_live / LLAMA3_MTBF_S) / ratio
     print(
         f"projection at Llama 3's rate (one interruption per {LLAMA3_MTBF_S / 3600:.1f} h), {groups} replica groups, "
