@@ -73,7 +73,8 @@ class OverlappedAverage:
 
     def finish(self, use: bool) -> bool:
         """After the backward: launch what did not launch (a parameter without a gradient this step counts as
-        zeros and keeps no gradient) and wait for every bucket; with `use`, write the averages into `.grad`.
+        zeros and keeps no gradient) and wait for every bucket; with `use`, the averages become `.grad` (views
+        of the buckets, which the next step's backward refills).
         False when they were not written: not `use`, or a second backward changed a gradient after it was
         copied (every group sees the same, and the caller averages again after the backward)."""
         if not self.armed:
@@ -87,11 +88,11 @@ class OverlappedAverage:
         if not use or self.stale:
             return False
         for bucket in self.buckets:
-            pairs = [
-                (p.grad, v) for p, v in zip(bucket.params, bucket.views, strict=True) if p.grad is not None
-            ]
-            if pairs:
-                torch._foreach_copy_([g for g, _ in pairs], [v for _, v in pairs])
+            for p, view in zip(bucket.params, bucket.views, strict=True):
+                if p.grad is not None and p.grad.dtype == view.dtype:
+                    p.grad = view  # as DDP's gradient_as_bucket_view (the Trainer's default): no copy back
+                elif p.grad is not None:
+                    p.grad.copy_(view)
         return True
 
     def remove(self) -> None:
