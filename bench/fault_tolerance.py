@@ -343,12 +343,12 @@ def project(stall_s: float, rejoin_s: float, step_s: float, ratio: float) -> Non
     ckpt = (1 - save_s / interval_s) * (1 - lost_ckpt / LLAMA3_MTBF_S)
     # live: the survivors stall once, then run at (R-1)/R until the group is back (its own restart_s)
     lost_live = stall_s + step_s + restart_s / groups
-    ratio = max(ratio, 1.0)  # torchft adds work to a step: a measured ratio below 1 is noise
-    live = (1 - save_s / interval_s) * (1 - lost_live / LLAMA3_MTBF_S) / ratio
+    cost = max(ratio, 1.0)  # torchft adds work to a step: a measured ratio below 1 is noise
+    live = (1 - save_s / interval_s) * (1 - lost_live / LLAMA3_MTBF_S) / cost
     print(
         f"projection at Llama 3's rate (one interruption per {LLAMA3_MTBF_S / 3600:.1f} h), {groups} replica groups, "
         f"checkpoint every {interval_s / 60:.0f} min ({save_s:.0f} s to save), {restart_s:.0f} s to restart a job: "
-        f"restart-from-checkpoint {ckpt:.1%}, live recovery {live:.1%} (per-step cost {ratio:.2f}x, "
+        f"restart-from-checkpoint {ckpt:.1%}, live recovery {live:.1%} (per-step cost {cost:.2f}x from the measured {ratio:.2f}x, "
         f"stall {stall_s:.1f} s, rejoin measured here {rejoin_s:.1f} s)"
     )
 
