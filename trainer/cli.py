@@ -10,7 +10,7 @@ import yaml
 
 from callbacks.checkpoint import ModelNotFiniteError
 from trainer.checkpoint import CheckpointError, find_last
-from trainer.commands import doctor, lighthouse, plan
+from trainer.commands import doctor, lighthouse, plan, replicas
 from trainer.config import SECTIONS, ConfigError, build_run, load_recipe, memory_lines
 from trainer.export import export_checkpoint, export_llama
 from trainer.logging import configure_console_logging
@@ -49,7 +49,8 @@ examples:
 """
 
 
-TOOLS = {"doctor": doctor, "plan": plan, "lighthouse": lighthouse}  # subcommands with a module each
+# subcommands with a module each
+TOOLS = {"doctor": doctor, "plan": plan, "lighthouse": lighthouse, "replicas": replicas}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(
         dest="command",
         required=True,
-        metavar="{fit,validate,test,config,memory,plan,doctor,lighthouse,export}",
+        metavar="{fit,validate,test,config,memory,plan,doctor,lighthouse,replicas,export}",
     )
     for name, text in (
         ("fit", "train (with validation) as the recipe describes"),

@@ -3,7 +3,18 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
+from typing import Any
+
+# what `trainer replicas` (and torchft's own TorchX launcher) tells each replica group's processes
+ENV = {
+    "lighthouse": "TORCHFT_LIGHTHOUSE",
+    "replica_id": "REPLICA_GROUP_ID",
+    "replicas": "NUM_REPLICA_GROUPS",
+    "min_replicas": "TRAINER_FT_MIN_REPLICAS",
+    "bind": "TRAINER_FT_BIND",
+}
 
 
 @dataclass(frozen=True)
@@ -54,6 +65,29 @@ class FaultTolerance:
             raise ValueError(
                 f"FaultTolerance bind={self.bind!r}; allowed: a host name or IP address (no port)"
             )
+
+    @classmethod
+    def from_env(cls, **fields: Any) -> FaultTolerance:
+        """This group's settings from the environment a launcher gives it: TORCHFT_LIGHTHOUSE,
+        REPLICA_GROUP_ID, NUM_REPLICA_GROUPS (required), TRAINER_FT_MIN_REPLICAS and TRAINER_FT_BIND
+        (optional); `fields` (timeout_s, ...) are set as given and win over the environment."""
+        for name, var in ENV.items():
+            if name in fields or var not in os.environ:
+                continue
+            value = os.environ[var]
+            if name in ("replica_id", "replicas", "min_replicas"):
+                if not value.strip().isdigit():
+                    raise ValueError(f"FaultTolerance.from_env: {var}={value!r}; allowed: an int >= 0")
+                fields[name] = int(value)
+            else:
+                fields[name] = value
+        missing = [ENV[name] for name in ("lighthouse", "replica_id", "replicas") if name not in fields]
+        if missing:
+            raise ValueError(
+                f"FaultTolerance.from_env: {', '.join(missing)} not set; allowed: run under `trainer replicas` "
+                "or set them (the lighthouse's host:port, this group's index, the number of groups)"
+            )
+        return cls(**fields)
 
     @property
     def lighthouse_url(self) -> str:
