@@ -2,16 +2,19 @@
 
 1. Step time with and without torchft on the same MLP sizes (the tiny one: the fixed cost; the largest: a
    step of >= 100 ms here): plain DDP of 2 gloo processes under torchrun vs 2 replica groups of 1 process
-   under a lighthouse. Prints both, their ratio (target <= 1.1 on the >= 100 ms step) and the fixed cost
-   per step in ms (quorum + gradient all-reduce through torchft + commit vote).
-2. A kill: group 1 SIGKILLs itself at step 30 and is relaunched as a fresh process. Prints the survivor's
+   under a lighthouse, in interleaved rounds (DDP, torchft, DDP, torchft: a drifting load hits both arms).
+   Prints both (wall, and the process's CPU time), their ratio (target <= 1.1 on the >= 100 ms step) and
+   the fixed cost per step in ms (quorum + gradient all-reduce through torchft + commit vote).
+2. A kill: group 1 SIGKILLs itself at step 30 and is relaunched as a fresh process once the survivor has
+   committed a step alone (so the survivor sees the outage). Prints the survivor's
    stall (its longest step around the kill: the lighthouse's heartbeat timeout plus the discarded step),
    its solo steps during the outage, the rejoin time (relaunch to the group's first committed step: start-up,
    quorum, live recovery) and the survivor's step that sent the state.
 3. The projection: effective training time at Llama 3's failure rate (466 interruptions in 54 days) for
    restart-from-checkpoint vs live recovery, from the measured costs and the stated assumptions.
 
-`python bench/fault_tolerance.py` (about 3 minutes here). Numbers on a shared machine are noisy.
+`python bench/fault_tolerance.py [--rounds 2]` (about 4 minutes here). Numbers on a shared machine are noisy;
+every wait has a deadline (DEADLINE_S) and a failed one ends the bench with one line naming it.
 """
 
 from __future__ import annotations
@@ -25,21 +28,26 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
-
-sys.path.insert(0, str(Path(__file__).parent))
-from common import StepClock  # noqa: E402
 
 from callbacks import Callback  # noqa: E402
 from trainer import Trainer, TrainModule  # noqa: E402
 from trainer.fault_tolerance import FaultTolerance  # noqa: E402
 
 WIDTHS = (16, 256, 1024)  # 1.1K, 0.5M, 8.4M parameters
-BATCH, STEPS, SKIP = 64, 40, 10
-KILL_AT, AFTER_REJOIN = 30, 20
+BATCHES = {16: 64, 256: 64, 1024: 192}  # the largest arm's batch makes plain DDP's step >= 100 ms here
+STEPS, SKIP = 40, 10
+KILL_AT, AFTER_REJOIN, DRILL_STEPS = (
+    30,
+    20,
+    20000,
+)  # the drill's fits end by AFTER_REJOIN, DRILL_STEPS at most
+# KILL_AT counts group 1's own steps: it joins a running job, healing to the survivor's step first
+DEADLINE_S = 600  # every wait of the bench: a launch, the kill, the outage, the rejoin, the end
 LLAMA3_MTBF_S = 54 * 86400 / 466  # 16K GPUs: one interruption every 2.8 h
 
 
@@ -60,13 +68,32 @@ class MLP(TrainModule):
 
 def loader(width: int, steps: int, groups: int) -> DataLoader:
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(steps * BATCH * groups, width, generator=g)
-    return DataLoader(TensorDataset(x, torch.tanh(x)), batch_size=BATCH)
+    x = torch.randn(steps * BATCHES[width] * groups, width, generator=g)
+    return DataLoader(TensorDataset(x, torch.tanh(x)), batch_size=BATCHES[width])
+
+
+class Clock(Callback):
+    """Wall and CPU time (this process, every thread: gloo's included) at the end of every step."""
+
+    def __init__(self) -> None:
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+
+    def on_train_batch_end(self, trainer, module, outputs):
+        self.wall.append(time.perf_counter())
+        self.cpu.append(time.process_time())
+
+
+def per_step(stamps: list[float]) -> float:
+    """Median step after SKIP warm-up steps."""
+    return statistics.median(b - a for a, b in zip(stamps[SKIP:-1], stamps[SKIP + 1 :], strict=True))
 
 
 class Drill(Callback):
-    """Group 1 dies at KILL_AT; every step's end time and participants go to a JSONL file; both groups
-    stop AFTER_REJOIN steps after group 1 rejoined."""
+    """Group 1 dies after its KILL_AT-th step (that step committed); every step's end time and participants go to a
+    JSONL file (one per incarnation); both groups stop AFTER_REJOIN steps after group 1 rejoined: the
+    relaunched group counts from its first step, the survivor from its first 2-participant step after it
+    went solo (the bench relaunches group 1 only once the survivor committed a solo step)."""
 
     def __init__(self, path: Path, replica: int, rejoining: bool) -> None:
         self.file, self.replica, self.rejoining = open(path, "a"), replica, rejoining
@@ -85,16 +112,13 @@ class Drill(Callback):
         row = {"t": time.time(), "step": step, "n": self.seen[-1], "committed": not outputs["skipped"]}
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
-        if self.replica == 1 and not self.rejoining and step + 1 == KILL_AT:
+        if self.replica == 1 and not self.rejoining and len(self.seen) == KILL_AT:
             os.kill(os.getpid(), signal.SIGKILL)
         if self.back_at is not None and trainer.global_step >= self.back_at + AFTER_REJOIN:
             trainer.should_stop = True
 
 
-def fit(
-    width: int, out: Path, ft: FaultTolerance | None, callbacks: list, steps: int, groups: int
-) -> list[float]:
-    clock = StepClock()
+def fit(width: int, out: Path, ft: FaultTolerance | None, callbacks: list, steps: int) -> None:
     trainer = Trainer(
         strategy="ddp" if ft is None else "auto",
         max_steps=steps,
@@ -102,38 +126,33 @@ def fit(
         enable_progress_bar=False,
         enable_model_summary=False,
         log_every_n_steps=1000,
-        callbacks=[clock, *callbacks],
+        callbacks=callbacks,
         default_root_dir=str(out),
         fault_tolerance=ft,
     )
-    trainer.fit(MLP(width), loader(width, min(steps, STEPS), groups))  # the drill's epochs repeat the data
-    return clock.stamps
+    trainer.fit(MLP(width), loader(width, min(steps, STEPS), 2))  # the drill's epochs repeat the data
 
 
 def rank_main(args: argparse.Namespace) -> None:
-    """A process of one arm: the DDP ranks (under torchrun) or one replica group."""
+    """A process of one arm: the DDP ranks (under torchrun), one replica group, or a drill's group."""
     torch.set_num_threads(1)
     out = Path(args.out)
     # one lighthouse per fit: one serves one run (the next fit's groups must not meet this one's)
     lighthouses = (args.lighthouses or "").split(",")
-    ft = [None if args.arm == "ddp" else FaultTolerance(lh, args.replica, timeout_s=30) for lh in lighthouses]
-    if args.arm != "rejoin":
+    ft = [FaultTolerance(lh, args.replica, timeout_s=30) if lh else None for lh in lighthouses]
+    if args.arm in ("ddp", "ft"):
         times = {}
         for i, width in enumerate(WIDTHS):
-            stamps = fit(width, out / f"{args.arm}-{width}", ft[i % len(ft)], [], STEPS, 2)
-            times[width] = statistics.median(
-                b - a for a, b in zip(stamps[SKIP:-1], stamps[SKIP + 1 :], strict=True)
-            )
-        if args.arm == "ddp" and int(os.environ.get("RANK", "0")) != 0:
-            return
-        (out / f"{args.arm}-{args.replica}.json").write_text(json.dumps(times))
-        if args.arm == "ddp":
-            return
-    started = time.time()
-    drill = Drill(out / f"drill-{args.replica}.jsonl", args.replica, args.arm == "rejoin")
-    fit(WIDTHS[1], out / f"drill-{args.replica}-{args.arm}", ft[-1], [drill], 100000, 2)
-    if args.arm == "rejoin":
-        (out / "rejoin.json").write_text(json.dumps({"started": started}))
+            clock = Clock()
+            fit(width, out / f"{args.arm}-{args.round}-{width}", ft[i % len(ft)], [clock], STEPS)
+            times[width] = {"wall": per_step(clock.wall), "cpu": per_step(clock.cpu)}
+        if int(os.environ.get("RANK", "0")) == 0:  # DDP: rank 0's; torchft: each group writes its own
+            (out / f"{args.arm}-{args.round}-{args.replica}.json").write_text(json.dumps(times))
+        return
+    name = f"drill-{args.replica}" + ("-rejoin" if args.arm == "rejoin" else "")
+    (out / f"{name}.started").write_text(json.dumps(time.time()))
+    drill = Drill(out / f"{name}.jsonl", args.replica, args.arm == "rejoin")
+    fit(WIDTHS[1], out / name, ft[0], [drill], DRILL_STEPS)
 
 
 def spawn(args: list[str], out: Path, name: str, torchrun: int = 0) -> subprocess.Popen:
@@ -143,60 +162,178 @@ def spawn(args: list[str], out: Path, name: str, torchrun: int = 0) -> subproces
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(out / f"{name}.err", "w"))
 
 
-def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
-    return [p.wait(timeout=timeout) for p in procs]
+class BenchFailed(Exception):
+    """A wait of the bench ran past its deadline, or a process it waited for failed (one line)."""
 
 
-def main() -> None:
+def wait_until(what: str, ready: Callable[[], bool], procs: list[subprocess.Popen], log: Path) -> None:
+    """Poll `ready` until it holds; BenchFailed naming `what` after DEADLINE_S or when one of `procs` ended."""
+    deadline = time.monotonic() + DEADLINE_S
+    while not ready():
+        ended = [p for p in procs if p.poll() is not None]
+        if ended:
+            raise BenchFailed(
+                f"waiting for {what}: a process ended with {ended[0].returncode} first (see {log})"
+            )
+        if time.monotonic() > deadline:
+            raise BenchFailed(f"waiting for {what}: not within {DEADLINE_S} s (see {log})")
+        time.sleep(0.05)
+
+
+def wait_exit(what: str, proc: subprocess.Popen, log: Path, code: int | None = 0) -> None:
+    """Wait for `proc` to exit (with `code`, unless None); BenchFailed naming `what` otherwise."""
+    try:
+        got = proc.wait(timeout=DEADLINE_S)
+    except subprocess.TimeoutExpired:
+        raise BenchFailed(
+            f"waiting for {what} to exit: still running after {DEADLINE_S} s (see {log})"
+        ) from None
+    if code is not None and got != code:
+        lines = log.read_text().splitlines() if log.exists() else []
+        said = [line for line in lines if "Error" in line] or lines or [""]  # the error, else the last line
+        raise BenchFailed(f"{what} exited with {got}, not {code} (see {log}: {said[-1].strip()[-300:]})")
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def main(rounds: int) -> None:
+    os.environ.setdefault("RUST_LOG", "warn")  # the lighthouses here log every quorum at INFO otherwise
     from trainer.fault_tolerance.lighthouse import start_lighthouse
 
     out = Path(tempfile.mkdtemp(prefix="bench-ft-"))
-    servers = [start_lighthouse("127.0.0.1:0", heartbeat_timeout_ms=5000) for _ in range(len(WIDTHS) + 1)]
-    address = ",".join(f"127.0.0.1:{s.address().rpartition(':')[2]}" for s in servers)
+    print(f"bench folder: {out}", flush=True)
+    procs: list[subprocess.Popen] = []
+    servers = []
+
+    def lighthouses(n: int, min_replicas: int) -> str:
+        new = [start_lighthouse("127.0.0.1:0", min_replicas, heartbeat_timeout_ms=5000) for _ in range(n)]
+        servers.extend(new)
+        return ",".join(f"127.0.0.1:{s.address().rpartition(':')[2]}" for s in new)
+
     try:
-        assert wait_all([spawn(["--arm", "ddp"], out, "ddp", torchrun=2)], 900) == [0], (
-            out / "ddp.err"
-        ).read_text()[-2000:]
-        groups = [
-            spawn(["--arm", "ft", "--replica", str(r), "--lighthouses", address], out, f"ft{r}")
-            for r in (0, 1)
-        ]
-        # group 1 dies at KILL_AT of the drill; relaunched as a fresh process as soon as it is gone
-        groups[1].wait(timeout=900)
+        for r in range(rounds):  # interleaved: DDP, torchft, DDP, torchft... (load drift hits both arms)
+            ddp = spawn(["--arm", "ddp", "--round", str(r)], out, f"ddp-{r}", torchrun=2)
+            procs.append(ddp)
+            wait_exit(f"round {r}'s DDP arm", ddp, out / f"ddp-{r}.err")
+            # both groups in every step's quorum: a group that starts a fit first would otherwise train
+            # alone, and the other would heal from it mid-fit (its clock then misses the steps)
+            address = lighthouses(len(WIDTHS), min_replicas=2)
+            groups = [
+                spawn(
+                    ["--arm", "ft", "--round", str(r), "--replica", str(g), "--lighthouses", address],
+                    out,
+                    f"ft-{r}-{g}",
+                )
+                for g in (0, 1)
+            ]
+            procs.extend(groups)
+            for g, proc in enumerate(groups):
+                wait_exit(f"round {r}'s torchft group {g}", proc, out / f"ft-{r}-{g}.err")
+        address = lighthouses(1, min_replicas=1)
+        drill = [spawn(["--arm", "drill", "--replica", "0", "--lighthouses", address], out, "drill-0")]
+        procs.extend(drill)
+        # group 1 joins the running job (as a relaunch does), so the survivor's participants go 1, 2, 1, 2
+        wait_until(
+            "the survivor's first drill step",
+            lambda: bool(rows(out / "drill-0.jsonl")),
+            drill,
+            out / "drill-0.err",
+        )
+        drill.append(spawn(["--arm", "drill", "--replica", "1", "--lighthouses", address], out, "drill-1"))
+        procs.append(drill[1])
+        # group 1 dies after KILL_AT steps; relaunched only once the survivor committed a step alone, so that
+        # the survivor sees the outage (a relaunch quicker than the heartbeat timeout would join the very
+        # next quorum: the survivor never went solo, and never knew when to stop)
+        wait_exit(
+            f"group 1's SIGKILL after its {KILL_AT}th drill step",
+            drill[1],
+            out / "drill-1.err",
+            code=-signal.SIGKILL,
+        )
+        killed_at = rows(out / "drill-1.jsonl")[-1]["step"]
+        wait_until(
+            "the survivor's first solo committed step",
+            lambda: any(
+                r["step"] > killed_at and r["n"] == 1 and r["committed"] for r in rows(out / "drill-0.jsonl")
+            ),
+            [drill[0]],
+            out / "drill-0.err",
+        )
         relaunched_at = time.time()
-        rejoin = spawn(["--arm", "rejoin", "--replica", "1", "--lighthouses", address], out, "rejoin")
-        assert wait_all([groups[0], rejoin], 900) == [0, 0], (out / "ft0.err").read_text()[-2000:]
+        rejoin = spawn(["--arm", "rejoin", "--replica", "1", "--lighthouses", address], out, "drill-1-rejoin")
+        procs.append(rejoin)
+        wait_exit("the relaunched group 1", rejoin, out / "drill-1-rejoin.err")
+        wait_exit("the survivor (group 0)", drill[0], out / "drill-0.err")
+    except BenchFailed as err:
+        print(f"bench failed: {err}")
+        sys.exit(1)
     finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
         for server in servers:
             server.shutdown()
-    report(out, relaunched_at)
+    report(out, rounds, relaunched_at, killed_at)
 
 
-def report(out: Path, relaunched_at: float) -> None:
-    ddp = json.loads((out / "ddp-0.json").read_text())
-    ft = json.loads((out / "ft-0.json").read_text())
-    print(f"{'MLP width':>10} {'params':>8} {'DDP ms':>8} {'torchft ms':>11} {'ratio':>6} {'fixed ms':>9}")
+def report(out: Path, rounds: int, relaunched_at: float, killed_at: int) -> None:
+    def each(name: str, width: int, kind: str) -> list[float]:  # ms per round (rank 0 / group 0)
+        return [
+            json.loads((out / f"{name}-{r}-0.json").read_text())[str(width)][kind] * 1e3
+            for r in range(rounds)
+        ]
+
+    def arm(name: str, width: int, kind: str) -> float:  # the median over rounds
+        return statistics.median(each(name, width, kind))
+
+    print(
+        f"per step, median of {rounds} interleaved rounds (each the median of steps {SKIP + 1}-{STEPS}); "
+        "wall and this process's CPU time (rank 0 / group 0)"
+    )
+    print(
+        f"{'MLP width':>10} {'params':>8} {'batch':>6} {'DDP ms':>7} {'torchft ms':>11} {'ratio':>6} "
+        f"{'fixed ms':>9} {'DDP cpu':>8} {'ft cpu':>7} {'cpu ratio':>9} {'fixed cpu':>9}  wall ratio per round"
+    )
     for width in WIDTHS:
         params = 8 * width * width + 5 * width
-        a, b = ddp[str(width)] * 1e3, ft[str(width)] * 1e3
-        print(f"{width:>10} {params:>8} {a:>8.1f} {b:>11.1f} {b / a:>6.2f} {b - a:>9.1f}")
-    rows = [json.loads(line) for line in (out / "drill-0.jsonl").read_text().splitlines()]
-    back = [json.loads(line) for line in (out / "drill-1.jsonl").read_text().splitlines()]
-    gaps = [(b["t"] - a["t"], b) for a, b in zip(rows, rows[1:], strict=False)]
-    stall, at = max((g, b) for g, b in gaps if b["step"] <= KILL_AT + 2)
-    solo = sum(1 for r in rows if r["n"] == 1 and r["committed"])
-    first_back = min((r for r in back if r["step"] > KILL_AT and r["committed"]), key=lambda r: r["t"])
+        a, b = arm("ddp", width, "wall"), arm("ft", width, "wall")
+        ca, cb = arm("ddp", width, "cpu"), arm("ft", width, "cpu")
+        print(
+            f"{width:>10} {params:>8} {BATCHES[width]:>6} {a:>7.1f} {b:>11.1f} {b / a:>6.2f} {b - a:>9.1f} "
+            f"{ca:>8.1f} {cb:>7.1f} {cb / ca:>9.2f} {cb - ca:>9.1f}  "
+            + " ".join(
+                f"{y / x:.2f}"
+                for x, y in zip(each("ddp", width, "wall"), each("ft", width, "wall"), strict=True)
+            )
+        )
+    survivor, back = rows(out / "drill-0.jsonl"), rows(out / "drill-1-rejoin.jsonl")
+    gaps = [(b["t"] - a["t"], b) for a, b in zip(survivor, survivor[1:], strict=False)]
+    stall, at = max((g, b) for g, b in gaps if killed_at < b["step"] <= killed_at + 3)
+    solo = sum(1 for r in survivor if r["step"] > killed_at and r["n"] == 1 and r["committed"])
+    first_back = min((r for r in back if r["committed"]), key=lambda r: r["t"])
     rejoin_s = first_back["t"] - relaunched_at
-    startup_s = json.loads((out / "rejoin.json").read_text())["started"] - relaunched_at
+    startup_s = json.loads((out / "drill-1-rejoin.started").read_text()) - relaunched_at
     sent = next(g for g, b in gaps if b["step"] == first_back["step"])
-    step_s = ft[str(WIDTHS[1])]
-    print(f"stall after the kill: {stall:.2f} s (survivor's step {at['step']}; heartbeat timeout 5 s)")
-    print(f"solo steps during the outage: {solo}; discarded: {sum(1 for r in rows if not r['committed'])}")
     print(
-        f"rejoin: {rejoin_s:.2f} s from relaunch to its first committed step ({startup_s:.2f} s of it start-up "
-        f"to fit); the survivor's step that sent the state: {sent * 1e3:.0f} ms"
+        f"stall after the kill (group 1's last step {killed_at}): {stall:.2f} s (survivor's step {at['step']}; "
+        "heartbeat timeout 5 s)"
     )
-    project(stall, rejoin_s, step_s, ft[str(WIDTHS[-1])] / ddp[str(WIDTHS[-1])])
+    print(
+        f"solo steps during the outage: {solo}; discarded: {sum(1 for r in survivor if not r['committed'])}"
+    )
+    print(
+        f"rejoin: {rejoin_s:.2f} s from relaunch to its first committed step, {first_back['step']} "
+        f"({startup_s:.2f} s of it start-up to fit); the survivor's step that sent the state: {sent * 1e3:.0f} ms"
+    )
+    project(
+        stall,
+        rejoin_s,
+        arm("ft", WIDTHS[1], "wall") / 1e3,
+        arm("ft", WIDTHS[-1], "wall") / arm("ddp", WIDTHS[-1], "wall"),
+    )
 
 
 def project(stall_s: float, rejoin_s: float, step_s: float, ratio: float) -> None:
@@ -206,20 +343,23 @@ def project(stall_s: float, rejoin_s: float, step_s: float, ratio: float) -> Non
     ckpt = (1 - save_s / interval_s) * (1 - lost_ckpt / LLAMA3_MTBF_S)
     # live: the survivors stall once, then run at (R-1)/R until the group is back (its own restart_s)
     lost_live = stall_s + step_s + restart_s / groups
-    live = (1 - save_s / interval_s) * (1 - lost_live / LLAMA3_MTBF_S) / ratio
+    cost = max(ratio, 1.0)  # torchft adds work to a step: a measured ratio below 1 is noise
+    live = (1 - save_s / interval_s) * (1 - lost_live / LLAMA3_MTBF_S) / cost
     print(
         f"projection at Llama 3's rate (one interruption per {LLAMA3_MTBF_S / 3600:.1f} h), {groups} replica groups, "
         f"checkpoint every {interval_s / 60:.0f} min ({save_s:.0f} s to save), {restart_s:.0f} s to restart a job: "
-        f"restart-from-checkpoint {ckpt:.1%}, live recovery {live:.1%} (per-step cost {ratio:.2f}x, "
+        f"restart-from-checkpoint {ckpt:.1%}, live recovery {live:.1%} (per-step cost {cost:.2f}x from the measured {ratio:.2f}x, "
         f"stall {stall_s:.1f} s, rejoin measured here {rejoin_s:.1f} s)"
     )
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--arm", choices=["ddp", "ft", "rejoin"], default=None)
+    p.add_argument("--arm", choices=["ddp", "ft", "drill", "rejoin"], default=None)
     p.add_argument("--replica", type=int, default=0)
+    p.add_argument("--round", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=2, help="interleaved DDP/torchft rounds (at least 2)")
     p.add_argument("--lighthouses", default=None)  # one per fit: the overhead widths, then the drill
     p.add_argument("--out", default=None)
     a = p.parse_args()
-    rank_main(a) if a.arm else main()
+    rank_main(a) if a.arm else main(a.rounds)

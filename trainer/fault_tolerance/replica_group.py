@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainer.fault_tolerance.overlap import OverlappedAverage
 from trainer.fault_tolerance.state import load_replica_state, replica_state
 
 if TYPE_CHECKING:
@@ -83,6 +84,7 @@ class ReplicaGroup:
         self.manager.register_state_dict_fn("trainer", self._load, lambda: replica_state(trainer))
         self.recovered = False  # this step's quorum replaced the training state with a peer's
         self.participants = 0
+        self.overlap = OverlappedAverage(trainer.module, self.manager) if _overlap_is_valid(trainer) else None
 
     def start_step(self) -> bool:
         """Join this step's quorum; True when this group was behind and now holds a peer's training state
@@ -99,12 +101,18 @@ class ReplicaGroup:
                 f"quorum_timeout_s={self.config.quorum_timeout_s:g} at lighthouse {self.config.lighthouse} ({_first_line(err)})"
             ) from err
         self.participants = self.manager.num_participants()
+        if self.overlap is not None:
+            self.overlap.arm()
         return self.recovered
 
-    def average_gradients(self, module: nn.Module) -> None:
-        """Average the step's gradients over the participating groups: one all-reduce per dtype of a flat
-        copy, not one per tensor. A failure (a peer died mid-reduce) is not raised: torchft records it and
-        the step is discarded by `commit`; the gradients may then be garbage, and are never applied."""
+    def average_gradients(self, module: nn.Module, token_weighted: bool = False) -> None:
+        """Average the step's gradients over the participating groups: the buckets the backward launched
+        (see `OverlappedAverage`), else one all-reduce per dtype of a flat copy. A failure (a peer died
+        mid-reduce) is not raised: torchft records it and `commit` discards the step; the gradients may then
+        be garbage, and are never applied. `token_weighted`: the strategy has just divided this group's
+        token-sum gradients by its own token count, so what the backward reduced (the sums) is not used."""
+        if self.overlap is not None and self.overlap.finish(use=not token_weighted):
+            return
         grads = [_local(p.grad) for p in module.parameters() if p.grad is not None]
         by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         for g in grads:
@@ -133,7 +141,9 @@ class ReplicaGroup:
         return committed
 
     def shutdown(self) -> None:
-        """Stop this group's manager server, its transport and the quorum thread."""
+        """Stop this group's manager server, its transport and the quorum thread; take the hooks off."""
+        if self.overlap is not None:
+            self.overlap.remove()
         self.manager.shutdown(wait=False)
         self.pg.abort()
         self._store = None  # rank 0's store server stops with its last reference
@@ -156,6 +166,22 @@ class ReplicaGroup:
 
 class PeerStateMismatch(RuntimeError):
     """A peer group's state does not fit this group's model (another run at the same lighthouse)."""
+
+
+def _overlap_is_valid(trainer: Trainer) -> bool:
+    """Whether the backward may launch the cross-group average (the same answer in every group: they run the
+    same configuration). Only where a parameter's accumulated gradient is already the group's final one:
+    one process (under DDP the group's own reducer must average first; under FSDP the gradients exist only
+    after the reduce-scatter), one micro-batch per step (an earlier micro-batch's backward must not launch
+    it, and the hooks cannot tell it from the last) and no fp16 scaler (the gradients are unscaled after
+    the backward, each group by its own scale and inf check)."""
+    strategy = trainer.strategy
+    return (
+        strategy.world_size == 1
+        and trainer.accumulate_grad_batches == 1
+        and strategy.precision.scaler is None
+        and not any(hasattr(p, "to_local") for p in trainer.module.parameters())
+    )
 
 
 def _first_line(err: BaseException) -> str:

@@ -1,0 +1,121 @@
+"""The cross-group gradient average overlapped with the backward (trainer/fault_tolerance/overlap.py), against
+a stand-in for torchft's manager whose all-reduce of a bucket halves it when waited for (a peer of zeros):
+buckets launch in order while the backward runs, unused parameters keep no gradient, and a second backward
+in one step leaves the gradients to the after-backward path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("torchft")
+
+from trainer.fault_tolerance.overlap import OverlappedAverage  # noqa: E402
+
+
+class _Work:
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def wait(self) -> bool:
+        self.tensor.mul_(0.5)
+        return True
+
+
+class _Manager:
+    def __init__(self) -> None:
+        self.launched: list[torch.Tensor] = []  # each bucket's buffer, in launch order
+        self.during_backward = 0  # launches seen before the backward returned
+
+    def allreduce(self, tensor: torch.Tensor) -> _Work:
+        self.launched.append(tensor)
+        return _Work(tensor)
+
+
+class _Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = torch.nn.Linear(2, 2)  # no gradient in the step (in the last bucket)
+        self.frozen = torch.nn.Linear(2, 2).requires_grad_(False)
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def _model() -> _Model:
+    torch.manual_seed(0)
+    return _Model()
+
+
+def _backward(model: torch.nn.Module) -> None:
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+    model(x).pow(2).sum().backward()
+
+
+def test_buckets_launch_in_order_during_the_backward_and_hold_the_averages():
+    model, manager = _model(), _Manager()
+    # at most 24 floats per bucket: one tensor each here, in reverse parameter order
+    overlap = OverlappedAverage(model, manager, bucket_bytes=24 * 4)
+    assert [b.params for b in overlap.buckets[:2]] == [[model.net[2].bias], [model.net[2].weight]]
+    assert len(overlap.buckets) == 5
+    reference = _model()
+    _backward(reference)
+
+    overlap.arm()
+    _backward(model)
+    launched_in_backward = len(manager.launched)
+    assert overlap.finish(use=True)
+    # the Sequential's buckets launched as their gradients arrived; the unused layer's only at the end
+    assert launched_in_backward == 4
+    assert [t.data_ptr() for t in manager.launched] == [b.flat.data_ptr() for b in overlap.buckets]
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None)
+        if q.grad is not None:
+            assert torch.equal(p.grad, q.grad * 0.5)
+    assert model.unused.weight.grad is None and model.frozen.weight.grad is None
+
+    # unarmed (between steps): the hooks do nothing
+    model.zero_grad(set_to_none=True)
+    before = len(manager.launched)
+    _backward(model)
+    assert len(manager.launched) == before and not overlap.finish(use=True)
+    overlap.remove()
+
+
+def test_a_second_backward_or_a_token_weighted_step_leaves_the_gradients_alone():
+    model, manager = _model(), _Manager()
+    overlap = OverlappedAverage(model, manager, bucket_bytes=24 * 4)
+    overlap.arm()
+    _backward(model)
+    _backward(model)  # accumulates into gradients the first backward's hooks already copied
+    grads = [p.grad.clone() for p in model.net[0].parameters()]
+    assert not overlap.finish(use=True)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.net[0].parameters(), grads, strict=True))
+    assert len(manager.launched) == len(overlap.buckets)  # every bucket still reduced once, in every group
+
+    model.zero_grad(set_to_none=True)
+    overlap.arm()
+    _backward(model)
+    grads = [p.grad.clone() for p in model.net[0].parameters()]
+    assert not overlap.finish(use=False)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.net[0].parameters(), grads, strict=True))
+    overlap.remove()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "overlaps"),
+    [
+        ({}, True),
+        ({"accumulate_grad_batches": 2}, False),  # an earlier micro-batch's backward must not launch it
+        ({"precision": "16-mixed"}, False),  # each group unscales by its own scale after the backward
+    ],
+)
+def test_the_backward_launches_the_average_only_where_its_gradients_are_final(kwargs, overlaps):
+    from trainer import Trainer
+    from trainer.fault_tolerance import FaultTolerance
+    from trainer.fault_tolerance.replica_group import _overlap_is_valid
+
+    trainer = Trainer(fault_tolerance=FaultTolerance("127.0.0.1:29510", 0), **kwargs)
+    trainer.module = _model()
+    assert _overlap_is_valid(trainer) is overlaps
