@@ -252,13 +252,15 @@ def test_replicas_launcher_survives_a_hang_a_restart_and_the_whole_job_killed(tm
         # the recovery path when every group died: a relaunch resumes each group from its checkpoint. With
         # --min-replicas 2 no group trains alone before the other is up (with 1, the first one up would take
         # steps from its checkpoint alone, and a group that comes up after it ended would train alone too)
+        # Group 0 resumes from its checkpoint before the newest (as if its newest save were lost): the newest
+        # state wins whoever torchft ranks first, so group 0 heals to group 1's step
         (tmp_path / "hold").unlink()
-        jobs.append(job := start(tmp_path, "relaunch", 2, "--steps", "4"))
+        jobs.append(job := start(tmp_path, "relaunch", 2, "--steps", "4", "--older", "0"))
         assert job.wait(timeout=DEADLINE_S) == 0, _tail(tmp_path)
         out = (tmp_path / "relaunch.out").read_text()
         assert out.splitlines()[-1] == "replicas: 2 replica group(s) finished", out
     after = [rows(tmp_path, replica)[len(before[replica]) :] for replica in (0, 1)]
-    assert [log[0]["first"] for log in after] == [step, step], "a group did not resume from its checkpoint"
+    assert [log[0]["first"] for log in after] == [step, step], "the relaunch did not go on from the newest checkpoint"
     agree(*after)
     assert all(r["replicas"] == 2 for log in after for r in log), (
         "the relaunched groups did not train together"

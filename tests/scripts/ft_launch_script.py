@@ -77,6 +77,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=100000)
     p.add_argument("--step-sleep", type=float, default=0.05)
     p.add_argument("--timeout-s", type=float, default=4.0)
+    p.add_argument("--older", type=int, help="this group resumes from the checkpoint before its newest")
     args = p.parse_args()
     torch.set_num_threads(1)
     ft = FaultTolerance.from_env(timeout_s=args.timeout_s, quorum_timeout_s=60)
@@ -100,8 +101,13 @@ def main() -> None:
         regression_loader(batch_size=BATCH, n=N),
         # resume or start: a restarted group (torchrun) or a relaunched job continues from this group's newest
         # checkpoint in its own run folder, then the quorum brings it to the live step
-        ckpt_path="last",
+        ckpt_path=older(folder) if args.older == ft.replica_id else "last",
     )
+
+
+def older(folder: Path) -> str:
+    """The checkpoint before this group's newest (a group whose newest save was lost)."""
+    return str(sorted((folder / "checkpoints").glob("step-*"))[-2])
 
 
 if __name__ == "__main__":
