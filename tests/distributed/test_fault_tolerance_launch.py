@@ -260,7 +260,9 @@ def test_replicas_launcher_survives_a_hang_a_restart_and_the_whole_job_killed(tm
         out = (tmp_path / "relaunch.out").read_text()
         assert out.splitlines()[-1] == "replicas: 2 replica group(s) finished", out
     after = [rows(tmp_path, replica)[len(before[replica]) :] for replica in (0, 1)]
-    assert [log[0]["first"] for log in after] == [step, step], "the relaunch did not go on from the newest checkpoint"
+    assert [log[0]["first"] for log in after] == [step, step], (
+        "the relaunch did not go on from the newest checkpoint"
+    )
     agree(*after)
     assert all(r["replicas"] == 2 for log in after for r in log), (
         "the relaunched groups did not train together"
