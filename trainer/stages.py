@@ -18,6 +18,7 @@ from trainer.entry_checks import check_not_empty
 from trainer.fault_tolerance.data import replica_loader
 from trainer.fault_tolerance.replica_group import ReplicaGroup
 from trainer.fit_loop import FitLoop
+from trainer.host_memory import keep_freed_memory
 from trainer.logging import rank_zero_info, set_rank
 from trainer.module import TrainModule, uncalled_lightning_methods
 from trainer.rng import seed_everything, seeds_workers, worker_init_function
@@ -94,6 +95,7 @@ def _setup(trainer: Trainer, module: TrainModule, stage: str, datamodule: Any) -
     strategy = trainer.strategy
     strategy.setup_environment()
     set_rank(strategy.global_rank)
+    keep_freed_memory()  # steps reuse the host pages of the step before (trainer/host_memory.py)
     trainer.datamodule = datamodule
     _prepare_data(trainer, module, datamodule)
     call_if_defined(datamodule, "setup", stage)
