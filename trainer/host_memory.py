@@ -7,7 +7,10 @@ soon as more than twice that is free. Every step then faults its memory in again
 the kernel: on a CPU run that was 10-70 ms of system time per step (DP-SGD's text classifier of
 bench/dpsgd.py at batch 64 and 256: some 7,000 and 30,000 page faults per step). With blocks up to
 glibc's largest threshold served from the heap and freed memory kept at its top, a step reuses the pages
-of the one before: the process holds its peak between steps, which the next step needs anyway.
+of the one before: the process holds its peak between steps, which the next step needs anyway. The cost:
+blocks in the heap fragment it more than unmapped ones, so the peak can be higher (in bench/dpsgd.py's
+ghost arm at batch 256, about 200 -> 235 MiB of peak RSS over the start). Set for CPU runs only (a GPU
+run's large tensors live in the CUDA caching allocator).
 """
 
 from __future__ import annotations

@@ -95,7 +95,8 @@ def _setup(trainer: Trainer, module: TrainModule, stage: str, datamodule: Any) -
     strategy = trainer.strategy
     strategy.setup_environment()
     set_rank(strategy.global_rank)
-    keep_freed_memory()  # steps reuse the host pages of the step before (trainer/host_memory.py)
+    if strategy.root_device.type == "cpu":  # a CPU step reuses the pages of the one before (host_memory.py)
+        keep_freed_memory()
     trainer.datamodule = datamodule
     _prepare_data(trainer, module, datamodule)
     call_if_defined(datamodule, "setup", stage)
