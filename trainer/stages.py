@@ -18,6 +18,7 @@ from trainer.entry_checks import check_not_empty
 from trainer.fault_tolerance.data import replica_loader
 from trainer.fault_tolerance.replica_group import ReplicaGroup
 from trainer.fit_loop import FitLoop
+from trainer.host_memory import keep_freed_memory
 from trainer.logging import rank_zero_info, set_rank
 from trainer.module import TrainModule, uncalled_lightning_methods
 from trainer.rng import seed_everything, seeds_workers, worker_init_function
@@ -94,6 +95,8 @@ def _setup(trainer: Trainer, module: TrainModule, stage: str, datamodule: Any) -
     strategy = trainer.strategy
     strategy.setup_environment()
     set_rank(strategy.global_rank)
+    if strategy.root_device.type == "cpu":  # a CPU step reuses the pages of the one before (host_memory.py)
+        keep_freed_memory()
     trainer.datamodule = datamodule
     _prepare_data(trainer, module, datamodule)
     call_if_defined(datamodule, "setup", stage)
