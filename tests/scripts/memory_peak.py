@@ -33,13 +33,23 @@ class PeakBytes:
             stack.extend(node.children)
         # frees of blocks allocated before the window (the profiler remembers earlier windows' sizes)
         # would count against this one: only blocks allocated inside it are counted
-        live_ptrs: set[int] = set()
+        live_ptrs: dict[int, int] = {}  # address -> size of the block that holds it now
+        late_frees: dict[int, list[int]] = {}  # address -> sizes of blocks it held before, frees to come
         live = peak = 0
         for _, ptr, size in sorted(events):
             if size > 0:
-                live_ptrs.add(ptr)
+                if ptr in live_ptrs:
+                    # another thread freed this address and recorded it only after this allocation took it
+                    # (gloo's and autograd's threads free tensors too): the old block went first, and its
+                    # free, still to come, is not this block's
+                    live -= live_ptrs[ptr]
+                    late_frees.setdefault(ptr, []).append(live_ptrs[ptr])
+                live_ptrs[ptr] = size
+            elif -size in late_frees.get(ptr, ()):
+                late_frees[ptr].remove(-size)
+                continue
             elif ptr in live_ptrs:
-                live_ptrs.discard(ptr)
+                del live_ptrs[ptr]
             else:
                 continue
             live += size
