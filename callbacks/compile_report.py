@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from torch._dynamo.utils import get_compilation_metrics
-
 from callbacks.base import Callback
 from strategies.compile_blocks import compiled_units
 from trainer.logging import rank_zero_info
@@ -26,7 +24,7 @@ class CompileReport(Callback):
         self._first = True
 
     def on_fit_start(self, trainer: Trainer, module: TrainModule) -> None:
-        self._seen = {str(m.compile_id) for m in get_compilation_metrics()}  # compiled before this fit
+        self._seen = {str(m.compile_id) for m in _compilation_metrics()}  # compiled before this fit
 
     def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: dict[str, Any]) -> None:
         if self._first or trainer.global_step % trainer.log_every_n_steps == 0:
@@ -36,7 +34,7 @@ class CompileReport(Callback):
         self._report(trainer, module)
 
     def _report(self, trainer: Trainer, module: TrainModule) -> None:
-        new = [m for m in get_compilation_metrics() if str(m.compile_id) not in self._seen]
+        new = [m for m in _compilation_metrics() if str(m.compile_id) not in self._seen]
         self._seen.update(str(m.compile_id) for m in new)
         if self._first:
             self._first = False
@@ -74,3 +72,12 @@ def first_step_line(module: TrainModule, records: list[Any], mode: str) -> str:
         f"torch.compile (mode {mode}): {len(units)} unit(s) ({', '.join(names)}), {graphs} graph(s) "
         f"compiled in {seconds:.1f} s by the end of the first step (0: compiled earlier in this process); {how}"
     )
+
+
+def _compilation_metrics() -> list[Any]:
+    """dynamo's records of every compilation in this process. Imported here, not with this module (which the
+    Trainer imports): torch._dynamo is half a second of every process's start-up, paid only by a run that
+    compiles."""
+    from torch._dynamo.utils import get_compilation_metrics
+
+    return get_compilation_metrics()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -23,9 +23,12 @@ from strategies.mesh import MeshStrategy
 from strategies.meta_init import materialize
 from strategies.parallel_dims import ParallelDims
 from strategies.parallelize import Parallelized, ParallelOptions, parallelize
-from strategies.pipeline import V_SHAPED, Pipeline, check_layers_per_stage
+from strategies.pipeline import V_SHAPED, check_layers_per_stage
 from strategies.zero1 import SlicedParameters
 from trainer.tree import apply_to_tensors
+
+if TYPE_CHECKING:
+    from strategies.pipeline_schedule import Pipeline
 
 # the methods the Trainer calls on the module: each runs FSDP's root pre/post-forward like `forward`
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
@@ -246,6 +249,8 @@ class ParallelStrategy(MeshStrategy):
         for method in self._step_methods:
             register_fsdp_forward_method(module, method)
         if self.pp > 1:  # built from the stages as FSDP left them
+            from strategies.pipeline_schedule import Pipeline  # imports torch._dynamo: only when used
+
             options = self.options
             self.pipeline = Pipeline(
                 self._parts.views,

@@ -1,5 +1,5 @@
 """Pipeline parallelism, first of the techniques: this rank keeps only its stages' parts of the model
-(strategies/pipeline.py cuts and schedules them)."""
+(strategies/pipeline.py cuts them, pipeline_schedule.py runs them)."""
 
 from __future__ import annotations
 
