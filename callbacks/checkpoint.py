@@ -18,6 +18,7 @@ from callbacks.base import Callback
 from strategies.plan.checkpoint_interval import effective_fraction, young_daly_interval
 from trainer import checkpoint as ckpt
 from trainer import flags
+from trainer.dtensors import local_part
 from trainer.logging import log, rank_zero_info
 from trainer.module import TrainModule
 from trainer.rng import isolated_rng
@@ -564,7 +565,7 @@ class ModelCheckpoint(Callback):
                 # a module's get_extra_state may put any object in it (saving names it)
                 if isinstance(t, torch.Tensor)
                 and t.is_floating_point()
-                and not bool(torch.isfinite(_local(t)).all())
+                and not bool(torch.isfinite(local_part(t)).all())
             ),
             None,
         )
@@ -687,10 +688,6 @@ def _minutes(interval: datetime.timedelta | None) -> float | None:
             f"train_time_interval={interval!r} is invalid; allowed: a datetime.timedelta or None"
         )
     return interval.total_seconds() / 60
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _share(seconds: float, entry: dict[str, Any]) -> str:

@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_tensor
 
 from trainer.models.moe_dispatch import LocalDispatcher, Routing
 
@@ -102,6 +101,8 @@ class AllToAllDispatcher(LocalDispatcher):
 def shard_experts(experts: nn.Module, mesh: DeviceMesh) -> None:
     """w1, w2, w3 become DTensors Shard(0) on the 1-D `mesh` (this rank keeps its E/ep experts), sliced
     locally from the full tensor (identical on every rank, or meta before materialisation)."""
+    from torch.distributed.tensor import Shard, distribute_tensor  # ~0.4 s of start-up: only an ep run
+
     for name, param in list(experts.named_parameters(recurse=False)):
         if param.shape[0] % mesh.size():
             raise ValueError(f"{param.shape[0]} experts are not divisible by ep={mesh.size()}")

@@ -16,7 +16,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from trainer.dtensors import local_part
 
 
 def local_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -25,7 +26,7 @@ def local_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
     for t in tensors:
         if t is None:
             continue
-        local = t.to_local() if isinstance(t, DTensor) else t
+        local = local_part(t)
         total += local.numel() * local.element_size()
     return total
 

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from strategies.experts import expert_modules
+from trainer.dtensors import is_dtensor, local_part
 
 if TYPE_CHECKING:
     from strategies.parallel import ParallelStrategy
@@ -101,7 +101,7 @@ def _measure(module: nn.Module, rank: int, stage: int) -> RankMemory:
     experts = {id(p) for layer in expert_modules(module) for p in layer.experts.parameters()}
     numel = expert_numel = stored = even = optimizer = 0
     for p in module.parameters():
-        local = p.to_local() if isinstance(p, DTensor) else p
+        local = local_part(p)
         numel += local.numel()
         expert_numel += local.numel() if id(p) in experts else 0
         stored += local.untyped_storage().nbytes()  # a view of FSDP's padded shard
@@ -114,7 +114,7 @@ def _measure(module: nn.Module, rank: int, stage: int) -> RankMemory:
 def _ranks_sharing(p: torch.Tensor) -> int:
     """Over how many ranks a parameter is split: the sizes of the mesh dimensions it is not replicated on
     (FSDP's over the expert mesh is a strided shard, which `is_shard` does not count)."""
-    if not isinstance(p, DTensor):
+    if not is_dtensor(p):
         return 1
     return math.prod(
         s for s, pl in zip(p.device_mesh.shape, p.placements, strict=True) if not pl.is_replicate()

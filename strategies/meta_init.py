@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.overrides import TorchFunctionMode
+
+from trainer.dtensors import is_dtensor
 
 _RANDOM_INPLACE = {
     torch.Tensor.normal_,
@@ -44,7 +45,7 @@ class FullShapeRandomInit(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = dict(kwargs or {})
         target = args[0] if args else kwargs.get("tensor")
-        if func not in _RANDOM_INPLACE or not isinstance(target, DTensor):
+        if func not in _RANDOM_INPLACE or not is_dtensor(target):
             return func(*args, **kwargs)
         local = target.to_local()
         full = torch.empty(target.shape, dtype=target.dtype, device=local.device)
@@ -52,6 +53,8 @@ class FullShapeRandomInit(TorchFunctionMode):
             func(full, *args[1:], **kwargs)  # the same draws, in the same order, as a non-sharded init
         else:
             func(**{**kwargs, "tensor": full})
+        from torch.distributed.tensor import distribute_tensor  # loaded: `target` is a DTensor
+
         shard = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
         local.copy_(shard.to_local())
         return target

@@ -5,15 +5,13 @@ in order. DDPStrategy, FSDPStrategy and Parallel3DStrategy are named presets of 
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 
 from strategies.base import StepOutput, combine_micro_batches
 from strategies.checkpoint_io.zero1 import Zero1Slices
@@ -25,6 +23,7 @@ from strategies.parallel_dims import ParallelDims
 from strategies.parallelize import Parallelized, ParallelOptions, parallelize
 from strategies.pipeline import V_SHAPED, check_layers_per_stage
 from strategies.zero1 import SlicedParameters
+from trainer.dtensors import full_value, is_dtensor
 from trainer.tree import apply_to_tensors
 
 if TYPE_CHECKING:
@@ -246,8 +245,11 @@ class ParallelStrategy(MeshStrategy):
         # step gathers them as `forward` would; `self(x)` inside it is a nested forward FSDP2 tolerates.
         self._root = module
         self._step_methods = [m for m in STEP_METHODS if hasattr(module, m)]
-        for method in self._step_methods:
-            register_fsdp_forward_method(module, method)
+        if self._step_methods:
+            from torch.distributed.fsdp import register_fsdp_forward_method  # DTensor: only when used
+
+            for method in self._step_methods:
+                register_fsdp_forward_method(module, method)
         if self.pp > 1:  # built from the stages as FSDP left them
             from strategies.pipeline_schedule import Pipeline  # imports torch._dynamo: only when used
 
@@ -303,7 +305,11 @@ class ParallelStrategy(MeshStrategy):
 
     def _loss_parallel(self) -> contextlib.AbstractContextManager:
         """Cross-entropy over vocabulary-sharded logits; must enclose the loss's forward and backward."""
-        return loss_parallel() if self.tp > 1 and self.options.loss_parallel else contextlib.nullcontext()
+        if self.tp > 1 and self.options.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
 
     def call_step(self, module: nn.Module, method: str, *args: Any) -> Any:
         with self._loss_parallel():
@@ -356,14 +362,14 @@ class ParallelStrategy(MeshStrategy):
         shards), then the squares summed over the pipeline stages, which hold different parameters."""
         by_mesh: dict[Any, list[torch.Tensor]] = {}
         for g in grads:
-            by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+            by_mesh.setdefault(g.device_mesh if is_dtensor(g) else None, []).append(g)
         if len(by_mesh) <= 1 and self.pp == 1:  # one mesh (or none: replicas): one norm
             norm = super().global_norm(grads)
-            return norm.full_tensor() if isinstance(norm, DTensor) else norm
+            return full_value(norm)
         squares = torch.zeros((), device=self.root_device)
         for group in by_mesh.values():
             norm = torch.nn.utils.get_total_norm(group, 2.0)
-            squares = squares + (norm.full_tensor() if isinstance(norm, DTensor) else norm).float() ** 2
+            squares = squares + full_value(norm).float() ** 2
         if self.pp > 1:
             dist.all_reduce(squares, group=self.mesh.group("pp"))
         return squares.sqrt()
@@ -387,8 +393,9 @@ class ParallelStrategy(MeshStrategy):
 
     def reshard(self, module: nn.Module) -> None:
         # stage 2 keeps parameters gathered after a forward without backward (an eval step)
-        for m in module.modules():
-            if isinstance(m, FSDPModule):
+        fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing was sharded by FSDP2
+        for m in module.modules() if fsdp is not None else ():
+            if isinstance(m, fsdp.FSDPModule):
                 m.reshard()
 
     def teardown(self) -> None:

@@ -4,13 +4,16 @@ root; MoE experts as units of their own over the "expert" mesh."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard
+
+from trainer.dtensors import local_part
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import Shard
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,9 @@ class FSDPOptions:
 
     def kwargs(self, mesh: DeviceMesh, device: torch.device) -> dict[str, Any]:
         """`fully_shard`'s arguments over `mesh` (the one place the MixedPrecisionPolicy is written)."""
+        # FSDP2 imports DTensor (~0.4 s of start-up): a DDP run's import of this module does not
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+
         kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": self.zero_stage == 3}
         if self.bf16_compute:
             kwargs["mp_policy"] = MixedPrecisionPolicy(
@@ -41,6 +47,8 @@ def apply_fsdp(
 ) -> None:
     """Shard each block, then `root` (what is left), over `mesh` (2-D with dp_replicate for hybrid
     sharding, else 1-D), each block prefetching the next one's parameters."""
+    from torch.distributed.fsdp import fully_shard
+
     kwargs = options.kwargs(mesh, device)
     for block in blocks:
         fully_shard(block, **kwargs)
@@ -68,6 +76,8 @@ def apply_fsdp_to_experts(
     weight is sharded on the dim `_expert_placement` picks. The gradient's divide
     factor, the norm (DTensor, over every mesh dim) and DCP (each shard's global offsets from its
     placements) do not depend on which dim that is."""
+    from torch.distributed.fsdp import fully_shard
+
     kwargs = options.kwargs(mesh, device)
     kwargs["shard_placement_fn"] = lambda param: _expert_placement(param, shards)
     for unit in experts:
@@ -87,7 +97,9 @@ def _expert_placement(param: torch.Tensor, shards: int) -> Shard:
     dim 1, so dim 0 stays where neither divides. Dim 1 costs a copy around each all-gather and reduce-scatter
     (FSDP regroups the ranks' slices): the exception, not the rule. (TorchTitan's rule, ep * shards > E,
     keeps dim 0 for E/ep = 3 over 2 ranks, padded to 4.)"""
-    local = param.to_local() if isinstance(param, DTensor) else param
+    from torch.distributed.tensor import Shard
+
+    local = local_part(param)
     return Shard(1) if local.shape[0] % shards and local.shape[1] % shards == 0 else Shard(0)
 
 

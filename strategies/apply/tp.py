@@ -7,12 +7,13 @@ import logging
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import parallelize_module
 
 
 def apply_tp(module: nn.Module, mesh: DeviceMesh, sequence_parallel: bool, loss_parallel: bool) -> None:
     """Parallelize `module` by its plan: `sequence_parallel` shards the activations between blocks over
     the tp ranks, `loss_parallel` keeps the logits vocabulary-sharded for the loss."""
+    from torch.distributed.tensor.parallel import parallelize_module  # DTensor: only a tp run imports it
+
     parallelize_module(module, mesh, module.tensor_parallel_plan(sequence_parallel, loss_parallel))
 
 

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from strategies import sharded_checkpoint
 from strategies.checkpoint_io import checked_state, checkpointed_state_dict
 from strategies.checkpoint_io.sharded import ShardedState
 from strategies.checkpoint_io.whole_files import load_module_state
@@ -40,6 +39,8 @@ class Zero1Slices(ShardedState):
         }
 
     def load_parts(self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        from strategies import sharded_checkpoint  # DCP: imported by the first load (sharded.py says why)
+
         strategy = self.strategy
         strategy.begin_io(ckpt.manifest_bytes(path) // strategy.world_size)
         load = functools.partial(sharded_checkpoint.load, path=path, group=strategy.io_group)

@@ -15,12 +15,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: helpers
 from helpers import LLAMA, Regression, TokenMeanLM, regression_loader, token_loader, uneven_token_data  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from callbacks import Callback, ModelCheckpoint  # noqa: E402
 from strategies import Strategy  # noqa: E402
 from trainer import Trainer, TrainModule  # noqa: E402
+from trainer.dtensors import full_value, local_part  # noqa: E402
 from trainer.models.causal_lm import CausalLM  # noqa: E402
 
 TIMEOUT_S = 600.0  # the collective timeout of a run that does not probe timeouts (failure_script's --timeout)
@@ -72,10 +72,7 @@ class ActivationProbe:
     def measure(self, module: torch.nn.Module, step):
         from torch.profiler import ProfilerActivity, profile
 
-        own = {
-            (p.to_local() if isinstance(p, DTensor) else p).untyped_storage().data_ptr()
-            for p in module.parameters()
-        }
+        own = {local_part(p).untyped_storage().data_ptr() for p in module.parameters()}
         saved: dict[int, int] = {}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -169,10 +166,7 @@ def train(
     if a.validate:
         val_loader = token_loader(micro) if a.model == "llama" else regression_loader(batch_size=micro)
     trainer.fit(module, loader, val_loader, ckpt_path="last" if a.resume else None)
-    params = [
-        (p.full_tensor() if isinstance(p, DTensor) else p).detach().flatten().tolist()
-        for p in module.parameters()
-    ]
+    params = [full_value(p).detach().flatten().tolist() for p in module.parameters()]
     rank = trainer.strategy.global_rank
     Path(a.root, f"rank{rank}.json").write_text(
         json.dumps({"pid": os.getpid(), "ppid": os.getppid(), "params": params, **rank_results()})

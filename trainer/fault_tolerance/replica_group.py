@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainer.dtensors import local_part
 from trainer.fault_tolerance.overlap import OverlappedAverage
 from trainer.fault_tolerance.state import load_replica_state, replica_state
 
@@ -120,7 +121,7 @@ class ReplicaGroup:
         token-sum gradients by its own token count, so what the backward reduced (the sums) is not used."""
         if self.overlap is not None and self.overlap.finish(use=not token_weighted):
             return
-        grads = [_local(p.grad) for p in module.parameters() if p.grad is not None]
+        grads = [local_part(p.grad) for p in module.parameters() if p.grad is not None]
         by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         for g in grads:
             by_kind.setdefault((g.dtype, g.device), []).append(g)
@@ -201,11 +202,6 @@ def _process_group(device: torch.device, timeout: timedelta) -> Any:
     from torchft import ProcessGroupGloo, ProcessGroupNCCL
 
     return ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
-
-
-def _local(grad: torch.Tensor) -> torch.Tensor:
-    """A sharded gradient's local shard (the same shard on the same rank of every group), else itself."""
-    return grad.to_local() if hasattr(grad, "to_local") else grad
 
 
 @contextlib.contextmanager

@@ -1,0 +1,25 @@
+"""DTensor checks that do not import DTensor: `torch.distributed.tensor` is ~0.4 s of a process's start-up
+(DCP's ~0.3 s more) that a one-process or DDP run never needs. Until something imported it (FSDP2, tensor
+parallelism, DCP), no DTensor can exist, so "not imported" means "not a DTensor"."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+
+def is_dtensor(t: object) -> bool:
+    """Whether `t` is a DTensor, without importing torch.distributed.tensor."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor; any other tensor as it is."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def full_value(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor gathered into one plain tensor on every rank; any other tensor as it is."""
+    return t.full_tensor() if is_dtensor(t) else t
