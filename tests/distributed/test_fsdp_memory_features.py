@@ -17,7 +17,7 @@ shared by the tests of this module.
 from __future__ import annotations
 
 import pytest
-from helpers import FSDP_SCRIPT, run_script, script_result
+from helpers import FSDP_SCRIPT, run_world, script_result
 
 pytestmark = pytest.mark.slow
 
@@ -32,28 +32,23 @@ BLOCKS = 2  # LLAMA's n_layers: each block and the root are fully_shard-ed
 
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
-    """name -> rank 0's result of a 2-rank ZeRO-3 Llama run with CONFIGS[name], run once per module."""
-    results: dict[str, dict] = {}
+    """name -> rank 0's result of a 2-rank ZeRO-3 Llama run with CONFIGS[name]: all of them one after another
+    in one torchrun world, launched once per module."""
     tmp = tmp_path_factory.mktemp("fsdp-memory")
-
-    def get(name: str) -> dict:
-        if name not in results:
-            args = [
-                "--stage",
-                "3",
-                "--model",
-                "llama",
-                "--steps",
-                "1",
-                "--report-activations",
-                "--report-placement",
-            ]
-            run_script(2, FSDP_SCRIPT, tmp, name, *args, *CONFIGS[name], timeout=180)
-            results[name] = script_result(tmp, name)
-            assert results[name]["world_size"] == 2
-        return results[name]
-
-    return get
+    common = [
+        "--stage",
+        "3",
+        "--model",
+        "llama",
+        "--steps",
+        "1",
+        "--report-activations",
+        "--report-placement",
+    ]
+    run_world(2, FSDP_SCRIPT, tmp, CONFIGS, *common)
+    results = {name: script_result(tmp, name) for name in CONFIGS}
+    assert all(r["world_size"] == 2 for r in results.values())
+    return results.__getitem__
 
 
 def test_full_activation_checkpointing_keeps_a_fraction_of_the_activations(fsdp_run):

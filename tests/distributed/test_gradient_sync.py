@@ -25,7 +25,7 @@ from helpers import (
     fit,
     read_metrics,
     regression_data,
-    run_script,
+    run_world,
     script_result,
     token_loader,
     uneven_token_data,
@@ -42,10 +42,42 @@ NORM_RTOL = 1e-6
 PARAM_ATOL = 1e-6
 
 
-def run(tmp: Path, name: str, script: Path, *args: str) -> tuple[dict, Path]:
-    """`script` self-spawning 2 ranks; rank 0's result and the run root."""
-    _, root = run_script(2, script, tmp, name, *args, timeout=180)
-    return script_result(tmp, name), root
+SGD = ["--no-clip", "--steps", str(STEPS), "--global-batch", str(GLOBAL_BATCH)]
+# each script's 2-rank runs, one after another in one torchrun world launched once (name -> arguments)
+RUNS = {
+    DDP_SCRIPT: {
+        "ddp-accumulate2": ["--model", "regression", "--optimizer", "sgd", "--accumulate", "2"],
+        "tokens": ["--model", "tokens", "--accumulate", "2"],
+    },
+    FSDP_SCRIPT: {
+        "zero1": ["--stage", "1", "--model", "regression", "--optimizer", "sgd", "--accumulate", "1"],
+        "zero2-llama": ["--stage", "2", "--model", "llama", "--optimizer", "sgd", "--accumulate", "1"],
+        "zero3-llama-accumulate2": [
+            "--stage",
+            "3",
+            "--model",
+            "llama",
+            "--optimizer",
+            "sgd",
+            "--accumulate",
+            "2",
+        ],
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory) -> Path:
+    """The folder holding every run of RUNS (each under its name, as `run_script` leaves it)."""
+    tmp = tmp_path_factory.mktemp("gradient-sync")
+    for script, runs in RUNS.items():
+        run_world(2, script, tmp, runs, *SGD)
+    return tmp
+
+
+def run(tmp: Path, name: str) -> tuple[dict, Path]:
+    """Rank 0's result and the run root of the run `name` of RUNS."""
+    return script_result(tmp, name), tmp / name
 
 
 def one_process(tmp: Path, module, loader) -> tuple[list[list[float]], dict[int, float]]:
@@ -76,34 +108,11 @@ def assert_same_training(out: dict, root: Path, params: list, norms: dict[int, f
 
 
 @pytest.mark.parametrize(
-    "strategy, model, accumulate",
-    [
-        ((DDP_SCRIPT,), "regression", 2),
-        ((FSDP_SCRIPT, "--stage", "1"), "regression", 1),
-        ((FSDP_SCRIPT, "--stage", "2"), "llama", 1),
-        ((FSDP_SCRIPT, "--stage", "3"), "llama", 2),
-    ],
-    ids=["ddp-accumulate2", "zero1", "zero2-llama", "zero3-llama-accumulate2"],
-)
-def test_two_ranks_with_sgd_and_no_clipping_match_one_process_step_by_step(
-    tmp_path, strategy, model, accumulate
-):
-    out, root = run(
-        tmp_path,
-        "dist",
-        *strategy,
-        "--model",
-        model,
-        "--optimizer",
-        "sgd",
-        "--no-clip",
-        "--accumulate",
-        str(accumulate),
-        "--steps",
-        str(STEPS),
-        "--global-batch",
-        str(GLOBAL_BATCH),
-    )
+    "name, model", [("ddp-accumulate2", "regression"), ("zero1", "regression"), ("zero2-llama", "llama"),
+                    ("zero3-llama-accumulate2", "llama")],
+)  # fmt: skip
+def test_two_ranks_with_sgd_and_no_clipping_match_one_process_step_by_step(tmp_path, worlds, name, model):
+    out, root = run(worlds, name)
     assert out["world_size"] == 2 and out["global_step"] == STEPS
 
     torch.manual_seed(0)  # the script builds its module right after the Trainer's seed_everything(0)
@@ -119,30 +128,15 @@ def test_two_ranks_with_sgd_and_no_clipping_match_one_process_step_by_step(
         x, y = regression_data()[:GLOBAL_BATCH]
         expected = grad_norm_of(torch.nn.functional.mse_loss(first(x), y), first)
         assert norms[1] == pytest.approx(expected, rel=1e-6)
-    assert_same_training(
-        out, root, params, norms, f"{strategy[0].stem} {' '.join(strategy[1:])} with {model}"
-    )
+    assert_same_training(out, root, params, norms, f"{name} with {model}")
 
 
-def test_token_mean_loss_with_uneven_tokens_per_rank_matches_one_process(tmp_path):
+def test_token_mean_loss_with_uneven_tokens_per_rank_matches_one_process(tmp_path, worlds):
     """Rank 0 reads ~4x the valid tokens of rank 1 (uneven_token_data). The loss is the mean over the
     global batch's valid tokens: each rank back-propagates its token *sum*, DDP averages over the 2 ranks,
     and finish_gradients multiplies by dp_size / (all ranks' tokens). Without the dp_size factor the
     gradient halves; with each rank's own token count instead of the global one it is wrong by far more."""
-    out, root = run(
-        tmp_path,
-        "tokens",
-        DDP_SCRIPT,
-        "--model",
-        "tokens",
-        "--no-clip",
-        "--accumulate",
-        "2",
-        "--steps",
-        str(STEPS),
-        "--global-batch",
-        str(GLOBAL_BATCH),
-    )
+    out, root = run(worlds, "tokens")
     assert out["world_size"] == 2
 
     data = uneven_token_data(by_parity=True)

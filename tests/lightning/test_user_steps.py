@@ -51,16 +51,22 @@ def test_steps_calling_self_forward_or_a_submodule_train_in_one_process(referenc
         assert ref["fit_metrics"]["val_mse"] < ref["validate"]["val_mse"], f"{call}: training did not help"
 
 
+LAYOUTS = ["ddp", "fsdp1", "fsdp2", "fsdp3", "fsdp3:full"]
+
+
+@pytest.fixture(scope="module")
+def wrapped(tmp_path_factory) -> dict:
+    """Every layout's results (steps_script.py), trained one after another in one launch of 2 processes."""
+    tmp = tmp_path_factory.mktemp("wrapped")
+    out = tmp / "out.json"
+    run_ranks(2, SCRIPT, "--layouts", ",".join(LAYOUTS), "--root", str(tmp), "--out", str(out), timeout=400)
+    return json.loads(out.read_text())
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "strategy, ac",
-    [("ddp", None), ("fsdp1", None), ("fsdp2", None), ("fsdp3", None), ("fsdp3", "full")],
-)
-def test_user_steps_under_every_wrapper_match_one_process(tmp_path, references, strategy, ac):
-    out = tmp_path / "out.json"
-    args = ["--strategy", strategy, "--root", str(tmp_path), "--out", str(out), *(["--ac", ac] if ac else [])]
-    run_ranks(2, SCRIPT, *args, timeout=300)
-    got = json.loads(out.read_text())
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_user_steps_under_every_wrapper_match_one_process(wrapped, references, layout):
+    got = wrapped[layout]
     for call, ref in references.items():
         run = got[call]
         assert run["training_steps"] == STEPS, (
@@ -68,9 +74,9 @@ def test_user_steps_under_every_wrapper_match_one_process(tmp_path, references, 
         )
         for i, (g, e) in enumerate(zip(run["params"], ref["params"], strict=True)):
             diff = (torch.tensor(g) - torch.tensor(e)).abs().max().item()
-            assert diff <= 1e-5, f"{strategy} {call}: parameter {i} differs from one process by {diff:.2e}"
+            assert diff <= 1e-5, f"{layout} {call}: parameter {i} differs from one process by {diff:.2e}"
         for key in ("val_mse", "train_mse"):
             a, b = run["fit_metrics"][key], ref["fit_metrics"][key]
-            assert abs(a - b) <= 1e-5, f"{strategy} {call}: fit {key} {a} vs one process {b}"
+            assert abs(a - b) <= 1e-5, f"{layout} {call}: fit {key} {a} vs one process {b}"
         a, b = run["validate"]["val_mse"], ref["validate"]["val_mse"]
-        assert abs(a - b) <= 1e-5, f"{strategy} {call}: validate val_mse {a} vs one process {b}"
+        assert abs(a - b) <= 1e-5, f"{layout} {call}: validate val_mse {a} vs one process {b}"

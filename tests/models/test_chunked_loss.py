@@ -238,11 +238,20 @@ def test_peak_memory_is_below_half_the_plain_loss():
     assert peaks["512"] < peaks["plain"] / 2, peaks
 
 
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> Path:
+    """The runs of chunked_loss_script.py under FSDP and DDP, one after the other in one 2-process launch."""
+    tmp = tmp_path_factory.mktemp("chunked-2")
+    run_ranks(
+        2, SCRIPTS / "chunked_loss_script.py", "--strategies", "fsdp,ddp", "--root", str(tmp), timeout=300
+    )
+    return tmp
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
-def test_on_two_processes_it_gives_the_one_process_plain_losses(tmp_path, strategy):
-    root = tmp_path / strategy
-    run_ranks(2, SCRIPTS / "chunked_loss_script.py", "--strategy", strategy, "--root", str(root), timeout=300)
+def test_on_two_processes_it_gives_the_one_process_plain_losses(tmp_path, two_processes, strategy):
+    root = two_processes / strategy
     for rank in (0, 1):
         calls = json.loads((root / f"rank{rank}.json").read_text())["fused_calls"]
         assert calls >= 6, f"rank {rank}: the fused loss ran {calls} times in 6 steps"
