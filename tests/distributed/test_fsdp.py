@@ -44,6 +44,8 @@ def fsdp(tmp, name: str, *args: str, devices: int = 2, timeout: float = 180):
     return result(tmp, name), root
 
 
+# 12 ZeRO-3 steps, a checkpoint every 4: trained on 2 and on 4 ranks in the shared worlds, resumed on the other
+STRAIGHT_12 = ["--stage", "3", "--steps", "12", "--ckpt-every", "4"]
 # the runs of the tests below that start from nothing, by world size: each world is launched once (on first use)
 # and trains them one after another, instead of one launch each
 SHARED_RUNS = {
@@ -59,11 +61,13 @@ SHARED_RUNS = {
         "sharded": ["--stage", "3", "--steps", "4"],
         "small": ["--stage", "3", "--steps", "2", "--ckpt-every", "2"],
         "fresh-regression": ["--model", "regression", "--stage", "3", "--resume"],  # nothing to resume
+        "straight-12": STRAIGHT_12,
     },
     4: {
         **{f"zero-{s}": ["--stage", str(s), "--accumulate", "2"] for s in (1, 3)},
         "plain": ["--stage", "3"],
         "replicate-2": ["--stage", "3", "--replicate", "2"],
+        "straight-12": STRAIGHT_12,
     },
 }
 
@@ -119,16 +123,13 @@ def test_each_zero_stage_matches_one_process_and_holds_the_formula_memory(tmp_pa
         )
 
 
-@pytest.mark.parametrize(
-    "stage, saved_on, resumed_on", [(3, 4, 2), (3, 2, 4)]
-)  # ZeRO-1: test_zero1_checkpoint
-def test_a_sharded_checkpoint_resumes_on_another_world_size(tmp_path, stage, saved_on, resumed_on):
-    common = ["--stage", str(stage), "--steps", "12", "--ckpt-every", "4"]
-    straight, root = fsdp(tmp_path, "straight", *common, devices=saved_on)
+@pytest.mark.parametrize("saved_on, resumed_on", [(4, 2), (2, 4)])  # ZeRO-1: test_zero1_checkpoint
+def test_a_sharded_checkpoint_resumes_on_another_world_size(tmp_path, shared, saved_on, resumed_on):
+    straight, root = shared(saved_on, "straight-12")
     resumed_root = tmp_path / "resumed"
     (resumed_root / "checkpoints").mkdir(parents=True)
     shutil.copytree(root / "checkpoints" / "step-00000008", resumed_root / "checkpoints" / "step-00000008")
-    resumed, _ = fsdp(tmp_path, "resumed", *common, "--resume", devices=resumed_on)
+    resumed, _ = fsdp(tmp_path, "resumed", *STRAIGHT_12, "--resume", devices=resumed_on)
     expected, got = read_metrics(root), read_metrics(resumed_root)
     assert sorted(got) == list(range(9, 13))
     for step in range(9, 13):
