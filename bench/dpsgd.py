@@ -7,8 +7,9 @@ The model is a text classifier (embedding 512 x 128, two pre-norm MLP blocks 128
 each grad_sample_mode (through the Trainer), and Opacus's PrivacyEngine in its "hooks" and "ghost" modes (a
 hand-written loop, the way its tutorials train). Each arm runs in a fresh child process; the arms are
 interleaved, round after round, and each arm's best round counts (memory also by its median round: a
-process's peak varies by about 10% from run to run). Memory is what training adds on top of the model and data: the peak over training minus the level before it (`torch.cuda.max_memory_allocated`
-on a GPU; on the CPU the process's peak RSS minus its RSS before training). Printed: ms/step, the ratio to
+process's peak varies by about 10% from run to run). Memory is what training adds on top of the model and
+data: the peak over training minus the level before it (`torch.cuda.max_memory_allocated` on a GPU; on the
+CPU the process's peak RSS minus its RSS before training). Printed: ms/step, the ratio to
 plain training, and ours/Opacus for time and memory per mode ("mixed", our default, against Opacus ghost).
 Time is the median step's wall time and its process CPU time (one thread per arm by default: on a shared
 machine the CPU time is what the step itself costs).
