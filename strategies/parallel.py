@@ -244,12 +244,11 @@ class ParallelStrategy(MeshStrategy):
         # A step reads root parameters outside `forward` (`self.net(x)`, a tied head): registered, each
         # step gathers them as `forward` would; `self(x)` inside it is a nested forward FSDP2 tolerates.
         self._root = module
-        self._step_methods = [m for m in STEP_METHODS if hasattr(module, m)]
-        if self._step_methods:
-            from torch.distributed.fsdp import register_fsdp_forward_method  # DTensor: only when used
+        from torch.distributed.fsdp import register_fsdp_forward_method  # here: a DDP run need not load it
 
-            for method in self._step_methods:
-                register_fsdp_forward_method(module, method)
+        self._step_methods = [m for m in STEP_METHODS if hasattr(module, m)]
+        for method in self._step_methods:
+            register_fsdp_forward_method(module, method)
         if self.pp > 1:  # built from the stages as FSDP left them
             from strategies.pipeline_schedule import Pipeline  # imports torch._dynamo: only when used
 
@@ -393,8 +392,10 @@ class ParallelStrategy(MeshStrategy):
 
     def reshard(self, module: nn.Module) -> None:
         # stage 2 keeps parameters gathered after a forward without backward (an eval step)
-        fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: nothing was sharded by FSDP2
-        for m in module.modules() if fsdp is not None else ():
+        fsdp = sys.modules.get("torch.distributed.fsdp")
+        if fsdp is None:
+            return  # not imported: nothing in this process was sharded by FSDP2
+        for m in module.modules():
             if isinstance(m, fsdp.FSDPModule):
                 m.reshard()
 

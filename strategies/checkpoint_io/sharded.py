@@ -1,7 +1,7 @@
 """DCP state dict: every rank writes its own shards into `dcp/` (torch.distributed.checkpoint), hashed as
 written; nothing is gathered, and any world size reads them back (strategies/sharded_checkpoint.py).
 torch.distributed.checkpoint is imported by the first save or load (~0.7 s of start-up with DTensor): every
-mesh strategy holds this layout, and a DDP run saving whole files never uses it."""
+mesh strategy holds this layout, and a run that never saves or resumes need not load it."""
 
 from __future__ import annotations
 
