@@ -17,14 +17,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     lighthouse.add_argument(
         "--bind", required=True, help="host:port to listen on (port 0: one the system picks)"
     )
-    lighthouse.add_argument("--min-replicas", type=int, default=1, help="groups a quorum needs (default 1)")
-    lighthouse.add_argument(
+    add_quorum_options(lighthouse)
+
+
+def add_quorum_options(parser: argparse.ArgumentParser) -> None:
+    """The lighthouse's quorum options, which `trainer replicas` passes on to the lighthouse it starts."""
+    parser.add_argument(
+        "--min-replicas", type=int, default=1, help="groups a quorum, and so a step, needs (default 1)"
+    )
+    parser.add_argument(
         "--heartbeat-timeout-ms",
         type=int,
         default=5000,
         help="a silent group is dead after this (default 5000)",
     )
-    lighthouse.add_argument(
+    parser.add_argument(
         "--join-timeout-ms",
         type=int,
         default=60000,

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from trainer.commands.lighthouse import add_quorum_options
 from trainer.config import ConfigError, load_recipe
 
 if TYPE_CHECKING:
@@ -40,14 +41,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     cmd.add_argument("--groups", type=int, required=True, help="replica groups (>= 1)")
     cmd.add_argument("--nproc-per-group", type=int, default=1, help="processes per group (default 1)")
     cmd.add_argument("--max-restarts", type=int, default=3, help="torchrun restarts per group (default 3)")
-    cmd.add_argument("--min-replicas", type=int, default=1, help="groups a step needs (default 1)")
     cmd.add_argument("--bind", default="127.0.0.1", help="address of the lighthouse and the groups' servers")
-    cmd.add_argument(
-        "--heartbeat-timeout-ms", type=int, default=5000, help="a silent group is dead after this"
-    )
-    cmd.add_argument(
-        "--join-timeout-ms", type=int, default=60000, help="a quorum waits this long for late groups"
-    )
+    add_quorum_options(cmd)
     cmd.add_argument("target", help="a recipe (.yaml) or a Python script (.py)")
     cmd.add_argument(
         "args", nargs=argparse.REMAINDER, help="the recipe's overrides and options, or the script's"
