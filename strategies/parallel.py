@@ -244,7 +244,7 @@ class ParallelStrategy(MeshStrategy):
         # A step reads root parameters outside `forward` (`self.net(x)`, a tied head): registered, each
         # step gathers them as `forward` would; `self(x)` inside it is a nested forward FSDP2 tolerates.
         self._root = module
-        from torch.distributed.fsdp import register_fsdp_forward_method  # here: a DDP run need not load it
+        from torch.distributed.fsdp import register_fsdp_forward_method  # not at import: see dtensors.py
 
         self._step_methods = [m for m in STEP_METHODS if hasattr(module, m)]
         for method in self._step_methods:

@@ -1,6 +1,7 @@
 """DTensor checks that do not import DTensor: `torch.distributed.tensor` is ~0.4 s of a process's start-up
-(DCP's ~0.3 s more) that a one-process or DDP run never needs. Until something imported it (FSDP2, tensor
-parallelism, DCP), no DTensor can exist, so "not imported" means "not a DTensor"."""
+(DCP's ~0.3 s more) that a one-process run never needs (torch's own DDP and FSDP2 load it in every rank).
+Until something imported it (FSDP2, tensor parallelism, DCP, dynamo), no DTensor can exist, so "not
+imported" means "not a DTensor"."""
 
 from __future__ import annotations
 

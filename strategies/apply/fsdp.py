@@ -28,7 +28,7 @@ class FSDPOptions:
 
     def kwargs(self, mesh: DeviceMesh, device: torch.device) -> dict[str, Any]:
         """`fully_shard`'s arguments over `mesh` (the one place the MixedPrecisionPolicy is written)."""
-        # FSDP2 imports DTensor (~0.4 s of start-up): a DDP run's import of this module does not
+        # FSDP2 imports DTensor (~0.4 s of start-up): imported here, so importing this module does not
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
         kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": self.zero_stage == 3}
