@@ -8,14 +8,18 @@ import fcntl
 import importlib
 import json
 import os
+import select
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import types
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import preloaded
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -334,20 +338,117 @@ def run_ranks(
     env: dict | None = None,
     timeout: float = 240,
     check: bool = True,
+    fresh: bool = False,
 ) -> subprocess.CompletedProcess:
     """Run `script ARGS` on n gloo ranks (see `rank_command`) to its end, within `timeout` seconds; with
-    `check`, a job that fails fails the test with the ranks' stderr (a failing rank's traceback is there)."""
+    `check`, a job that fails fails the test with the ranks' stderr (a failing rank's traceback is there).
+    The ranks are forks of a preloaded interpreter (tests/preloaded.py) and a torchrun job the world torchrun
+    starts (`torchrun_world`); one with restarts, or `fresh`, is launched as a user does (fresh interpreters,
+    torchrun itself)."""
+    if fresh or (torchrun and max_restarts):
+        return _run_launched(
+            n,
+            script,
+            *args,
+            torchrun=torchrun,
+            max_restarts=max_restarts,
+            env=env,
+            timeout=timeout,
+            check=check,
+        )
+    env = launch_env(**(env or {}))
+    with rank_slots(n), contextlib.ExitStack() as stack:
+        if torchrun:
+            commands = torchrun_world(n, [str(script), *args], env, stack)
+        else:
+            commands = [(rank_command(n, script, *args), env)]
+        done = run_commands(commands, os.getcwd(), timeout)
+    if done is None:
+        raise AssertionError(f"{script.name} on {n} ranks ran past {timeout}s") from None
+    if check:
+        assert done.returncode == 0, (
+            f"{script.name} on {n} ranks exited {done.returncode}:\n{done.stderr[-4000:]}"
+        )
+    return done
+
+
+def _run_launched(
+    n: int,
+    script: Path,
+    *args: str,
+    torchrun: bool,
+    max_restarts: int,
+    env: dict | None,
+    timeout: float,
+    check: bool,
+) -> subprocess.CompletedProcess:
     proc = start_ranks(n, script, *args, torchrun=torchrun, max_restarts=max_restarts, env=env)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()  # as subprocess.run's timeout does; self-spawned ranks die with it (PR_SET_PDEATHSIG)
+        proc.kill()  # as subprocess.run's timeout does
         stdout, stderr = proc.communicate()
         raise AssertionError(f"{script.name} on {n} ranks ran past {timeout}s:\n{stderr[-4000:]}") from None
     done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     if check:
         assert done.returncode == 0, f"{script.name} on {n} ranks exited {done.returncode}:\n{stderr[-4000:]}"
     return done
+
+
+def torchrun_world(
+    n: int, program: list[str], env: dict[str, str], stack: contextlib.ExitStack
+) -> list[tuple[list[str], dict[str, str]]]:
+    """The n commands `torchrun --standalone --nproc_per_node=n PROGRAM` runs, with the variables its agent
+    gives them, and its store (hosted here for as long as `stack` is open: its ranks connect to it)."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, n, is_master=True, wait_for_workers=False)
+    stack.callback(lambda: store)  # kept alive until the job has ended
+    world = {
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "WORLD_SIZE": str(n),
+        "LOCAL_WORLD_SIZE": str(n), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default",
+        "ROLE_WORLD_SIZE": str(n), "TORCHELASTIC_RUN_ID": uuid.uuid4().hex, "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }  # fmt: skip
+    return [
+        (
+            [sys.executable, *program],
+            {**env, **world, "RANK": str(r), "LOCAL_RANK": str(r), "ROLE_RANK": str(r)},
+        )
+        for r in range(n)
+    ]
+
+
+def run_commands(
+    commands: list[tuple[list[str], dict[str, str]]], cwd: str, timeout: float
+) -> subprocess.CompletedProcess | None:
+    """Run (command, environment) pairs side by side as one job, forked from the preloaded interpreter where
+    they run the same there (tests/preloaded.py), their stdout and stderr each in one stream as a launcher's;
+    the first to fail ends the others, as torchrun does. None if the job ran past `timeout` (then killed)."""
+    deadline = time.monotonic() + timeout
+    with open(os.devnull) as null, tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        fds = {0: null.fileno(), 1: out.fileno(), 2: err.fileno()}
+        procs = [preloaded.popen(cmd, env, cwd, fds, launch_env()) for cmd, env in commands]
+        ended = {_ended_fd(p): p for p in procs}
+        code = 0
+        while ended and (left := deadline - time.monotonic()) > 0:
+            for fd in select.select(list(ended), [], [], left)[0]:
+                proc = ended.pop(fd)
+                if proc.wait() != 0 and code == 0:
+                    code = proc.returncode
+                    for other in procs:
+                        other.kill()
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        out.seek(0), err.seek(0)
+        stdout, stderr = (f.read().decode(errors="replace") for f in (out, err))
+    return None if ended else subprocess.CompletedProcess(commands[0][0], code, stdout, stderr)
+
+
+def _ended_fd(proc: preloaded.PreloadedProcess | subprocess.Popen) -> int:
+    """A descriptor that becomes readable when `proc` ends."""
+    return proc.fileno() if isinstance(proc, preloaded.PreloadedProcess) else os.pidfd_open(proc.pid)
 
 
 def run_script(
@@ -406,15 +507,12 @@ def run_cli(
     """`trainer ARGS` as a user runs it, in its own process, offline (TRAINER_CACHE: the test's tmp_path
     unless `env` names one); the caller checks its exit code and output. `ranks`: the processes it starts
     (`rank_slots`)."""
+    cmd = [sys.executable, "-m", "trainer.cli", *args]
     with rank_slots(ranks):
-        return subprocess.run(
-            [sys.executable, "-m", "trainer.cli", *args],
-            capture_output=True,
-            text=True,
-            cwd=cwd,
-            env=launch_env(**env),
-            timeout=timeout,
-        )
+        done = run_commands([(cmd, launch_env(**env))], str(cwd), timeout)
+    if done is None:
+        raise subprocess.TimeoutExpired(cmd, timeout)
+    return done
 
 
 def hand_f1(predicted: torch.Tensor, labels: torch.Tensor) -> float:

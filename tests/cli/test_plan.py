@@ -3,12 +3,10 @@ the recipe loader, and `strategy: auto` choosing a layout at start-up that train
 
 import json
 import shlex
-import subprocess
-import sys
 
 import pytest
 import yaml
-from helpers import REPO, SMALL, TINY, launch_env, rank_slots
+from helpers import REPO, SMALL, TINY, run_cli
 
 from trainer.cli import main
 from trainer.config import load_recipe
@@ -69,13 +67,11 @@ def test_bad_plan_arguments_are_one_line_errors(capsys):
 @pytest.mark.slow
 def test_strategy_auto_plans_a_layout_that_trains_on_8_processes(tmp_path):
     root = tmp_path / "run"
-    with rank_slots(8):
-        done = subprocess.run(
-            [sys.executable, "-m", "trainer.cli", "fit", str(TINY), *SMALL, "strategy.name=auto", "trainer.devices=8",
-            "data.global_batch_size=16", "trainer.max_steps=3", "trainer.warmup_steps=1",
-            "trainer.val_check_interval=3", "trainer.limit_val_batches=1", f"trainer.default_root_dir={root}"],
-            cwd=tmp_path, env=launch_env(TRAINER_CACHE=str(tmp_path)), capture_output=True, text=True, timeout=400,
-        )  # fmt: skip
+    done = run_cli(
+        "fit", str(TINY), *SMALL, "strategy.name=auto", "trainer.devices=8", "data.global_batch_size=16",
+        "trainer.max_steps=3", "trainer.warmup_steps=1", "trainer.val_check_interval=3",
+        "trainer.limit_val_batches=1", f"trainer.default_root_dir={root}", cwd=tmp_path, timeout=400, ranks=8,
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     chosen = next(line for line in done.stderr.splitlines() if "strategy auto:" in line)
     assert "on 8 processes" in chosen and "as overrides: " in chosen

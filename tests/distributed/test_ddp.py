@@ -53,9 +53,9 @@ def single_process(tmp: Path, module=None, loader=None, steps: int = 8):
 @pytest.fixture(scope="module")
 def spawned(tmp_path_factory) -> Path:
     """The folder holding the default self-spawned 2-rank run "spawned", which three tests inspect or compare
-    other launchers with: launched once for all of them."""
+    other launchers with: launched once for all of them, as a user launches it (a fresh interpreter)."""
     tmp = tmp_path_factory.mktemp("ddp")
-    run_script(2, DDP_SCRIPT, tmp, "spawned")
+    run_script(2, DDP_SCRIPT, tmp, "spawned", fresh=True)
     return tmp
 
 
@@ -100,7 +100,7 @@ def test_self_spawn_then_torchrun_spawns_nothing_more(tmp_path, spawned):
     ranks = [json.loads((spawned / "spawned" / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[1]["ppid"] == ranks[0]["pid"], "rank 0 is the user's process and the parent of rank 1"
 
-    _, root = run_script(2, DDP_SCRIPT, tmp_path, "torchrun", "--devices", "2", torchrun=True)
+    _, root = run_script(2, DDP_SCRIPT, tmp_path, "torchrun", "--devices", "2", torchrun=True, fresh=True)
     ranks = [json.loads((root / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["ppid"] == ranks[1]["ppid"], "both ranks are children of torchrun's agent"
     assert not (root / "rank2.json").exists()

@@ -1,0 +1,356 @@
+"""Test processes forked from a preloaded interpreter. A server per pytest process imports torch, this
+project and torch's distributed parts once; each `python SCRIPT ARGS` or `python -m MODULE ARGS` a test
+starts through it is a fork that runs as that command would (its argv, environment, working directory,
+file descriptors, exit code, atexit handlers) without the ~2.5 CPU-s of imports a fresh interpreter pays
+on this machine: most of what the multi-process tests cost (tests/helpers.py `run_ranks`).
+
+They are real processes in real gloo groups; only the imports are shared. What a fork would change is
+kept on fresh interpreters: a different import-time environment (IMPORT_TIME), torchrun's restarts and
+signals (`start_ranks`), and the tests of start-up itself. Run as `python tests/preloaded.py SOCKET`, this
+file is the server."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+import types
+from pathlib import Path
+
+# what a rank script, `trainer fit` or a DDP/FSDP/3D rank imports before its first step
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "torch.distributed.tensor",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+    "torch.distributed.pipelining",
+    "trainer",
+    "trainer.cli",
+    "strategies",
+    "callbacks",
+)
+# variables read while those modules import (thread pools, allocators, torch's and the HF hub's flags,
+# the import path): a command whose values differ from the server's gets a fresh interpreter
+IMPORT_TIME = (
+    "TORCH_", "TORCHDYNAMO", "TORCHINDUCTOR", "PYTORCH", "OMP_", "MKL", "KMP_", "OPENBLAS", "PYTHON", "LD_", "CUDA", "NCCL", "GLOO", "HF_",
+    "HUGGINGFACE", "TRANSFORMERS", "TOKENIZERS", "MALLOC", "GLIBC",
+)  # fmt: skip
+# ... but read only when used: set by torch (the inductor cache's location) and Lightning (how to look for
+# CUDA) in a rank before it starts the others
+RUNTIME_READ = {"TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK"}
+_LENGTH = struct.Struct("!I")
+_MAX_FDS = 16
+
+
+# ---- the client: what a test (or a rank that starts other ranks) uses ------------------------------
+class Server:
+    """The preloading server this process started (once), with the environment it imported under."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.folder = tempfile.mkdtemp(prefix="preload-")
+        self.path = os.path.join(self.folder, "socket")
+        self.env = dict(env)
+        self.process = subprocess.Popen(
+            [sys.executable, __file__, self.path],
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            preexec_fn=_die_with_parent,
+        )
+        ready = self.process.stdout.readline()  # written once the imports are done and the socket listens
+        if ready.strip() != b"ready":
+            raise RuntimeError(f"the preloading server did not start (exit {self.process.wait()})")
+        atexit.register(self.stop)
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.wait()
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+            os.rmdir(self.folder)
+
+
+def runs_forked(cmd: list[str], env: dict[str, str], server_env: dict[str, str]) -> bool:
+    """Whether `cmd` with `env` runs the same forked from a server that imported under `server_env` as in a
+    fresh interpreter: a Python script or module, and the same import-time variables."""
+    python = len(cmd) >= 2 and cmd[0] == sys.executable
+    runnable = python and (cmd[1].endswith(".py") or (cmd[1] == "-m" and len(cmd) >= 3))
+    keys = {k for k in (*env, *server_env) if k.startswith(IMPORT_TIME)} - RUNTIME_READ
+    return runnable and all(env.get(k) == server_env.get(k) for k in keys)
+
+
+_server: list[Server] = []
+_SERVER_PATH = "TRAINER_TEST_PRELOAD_SOCKET"  # set in a forked process: where to start further ones
+
+
+def server(env: dict[str, str]) -> Server:
+    """This process's server, started on first use with `env` as its import-time environment."""
+    if not _server:
+        _server.append(Server(env))
+    return _server[0]
+
+
+class PreloadedProcess:
+    """`cmd` forked from the server at `path`: as much of subprocess.Popen as the tests and
+    trainer/launch.py use (pid, returncode, poll, wait, kill, terminate, send_signal)."""
+
+    def __init__(self, path: str, cmd: list[str], env: dict[str, str], cwd: str, fds: dict[int, int]) -> None:
+        self.args = cmd
+        self.returncode: int | None = None
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.connect(path)
+        request = json.dumps({"argv": cmd[1:], "env": env, "cwd": cwd, "fds": list(fds)}).encode()
+        socket.send_fds(self._sock, [_LENGTH.pack(len(request)) + request], list(fds.values()))
+        self._buffer = b""
+        self.pid = int(self._line(None))
+
+    def fileno(self) -> int:
+        """Readable when the process has ended (select on it; -1 once `returncode` is known)."""
+        return self._sock.fileno()
+
+    def _line(self, timeout: float | None) -> str | None:
+        while b"\n" not in self._buffer:
+            if not select.select([self._sock], [], [], timeout)[0]:
+                return None
+            chunk = self._sock.recv(64)
+            if not chunk:
+                raise RuntimeError(f"the preloading server lost process {self.args[1:3]}")
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line.decode()
+
+    def poll(self) -> int | None:
+        if self.returncode is None and (line := self._line(0)) is not None:
+            self._ended(line)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            line = self._line(timeout)
+            if line is None:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self._ended(line)
+        return self.returncode
+
+    def _ended(self, line: str) -> None:
+        self.returncode = int(line)
+        self._sock.close()
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
+def popen(
+    cmd: list[str], env: dict[str, str], cwd: str, fds: dict[int, int], server_env: dict[str, str]
+) -> PreloadedProcess | subprocess.Popen:
+    """`cmd` forked from this process's server (started with `server_env` the first time) when it runs the
+    same there (`runs_forked`), else in a fresh interpreter; `fds`: the command's descriptor -> this
+    process's (0, 1 and 2 at least)."""
+    found = server(server_env)
+    if runs_forked(cmd, env, found.env):
+        return PreloadedProcess(found.path, cmd, env, cwd, fds)
+    return subprocess.Popen(
+        cmd, env=env, cwd=cwd, stdin=fds[0], stdout=fds[1], stderr=fds[2],
+        pass_fds=[fd for target, fd in fds.items() if target > 2], preexec_fn=_die_with_parent,
+    )  # fmt: skip
+
+
+# the modules that start ranks as copies of their own command: trainer/launch.py's self-spawn, Lightning's
+LAUNCHERS = (
+    "trainer.launch",
+    "lightning_fabric.strategies.launchers.subprocess_script",
+    "pytorch_lightning.strategies.launchers.subprocess_script",
+)
+_FORWARDED = {"env", "cwd", "pass_fds", "preexec_fn"}  # what such a launcher passes, kept by a fork
+
+
+def _forking_popen(server_env: dict[str, str]) -> type[subprocess.Popen]:
+    """subprocess.Popen for a forked process: a copy of the command that a LAUNCHERS module starts is forked
+    from the server too (when it runs the same there); every other process starts as usual."""
+
+    class ForkingPopen(subprocess.Popen):
+        def __new__(cls, args, *rest, **kwargs):
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            env = dict(os.environ if kwargs.get("env") is None else kwargs["env"])
+            if (
+                caller in LAUNCHERS
+                and not rest
+                and set(kwargs) <= _FORWARDED
+                and runs_forked(args, env, server_env)
+            ):
+                fds = {0: 0, 1: 1, 2: 2, **{fd: fd for fd in kwargs.get("pass_fds", ())}}
+                cwd = str(kwargs.get("cwd") or os.getcwd())
+                return PreloadedProcess(os.environ[_SERVER_PATH], list(args), env, cwd, fds)
+            return super().__new__(cls)
+
+    return ForkingPopen
+
+
+# ---- the server ------------------------------------------------------------------------------------
+def serve(path: str) -> None:
+    """Import PRELOAD, listen at `path`, fork each request (see `_run`) until killed."""
+    for name in PRELOAD:
+        importlib.import_module(name)
+    env = dict(os.environ)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the middle processes
+    held = {int(fd) for fd in os.listdir("/proc/self/fd")}
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    while True:
+        conn, _ = listener.accept()
+        request, fds = _receive(conn)
+        if os.fork() == 0:
+            listener.close()
+            _middle(conn, request, fds, env, path, held)
+        conn.close()
+        for fd in fds:
+            os.close(fd)
+
+
+def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
+    data, fds, _, _ = socket.recv_fds(conn, 1 << 16, _MAX_FDS)
+    while len(data) < _LENGTH.size or len(data) < _LENGTH.size + _LENGTH.unpack_from(data)[0]:
+        chunk = conn.recv(1 << 16)
+        if not chunk:
+            raise ConnectionError("a request ended early")
+        data += chunk
+    return json.loads(data[_LENGTH.size :]), list(fds)
+
+
+def _middle(conn: socket.socket, request: dict, fds: list[int], env: dict, path: str, held: set) -> None:
+    """Between the server and the command: forks it, sends its pid, then its exit code when it ends; kills
+    it when the client goes away first (as PR_SET_PDEATHSIG does a rank whose rank 0 died)."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    pid = os.fork()
+    if pid == 0:
+        conn.close()
+        _run(request, fds, env, path, held)
+    for fd in fds:
+        os.close(fd)
+    with contextlib.suppress(OSError):
+        conn.sendall(f"{pid}\n".encode())
+    ended = os.pidfd_open(pid)
+    watch = [conn, ended]
+    while ended not in select.select(watch, [], [])[0]:
+        if not conn.recv(64):  # the client is gone
+            watch.remove(conn)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    _, status = os.waitpid(pid, 0)
+    with contextlib.suppress(OSError):
+        conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+    os._exit(0)
+
+
+def _run(request: dict, fds: list[int], server_env: dict, path: str, held: set) -> None:
+    """In the fork: the command's descriptors, directory and environment, then its program, then exit as
+    the interpreter does (threads joined, atexit handlers, streams flushed)."""
+    code = 1
+    try:
+        moved = [_high(fd) for fd in fds]
+        for target, fd in zip(request["fds"], moved, strict=True):
+            if target > 2 and target in held:
+                raise RuntimeError(f"fd {target} is the server's; allowed: a descriptor it does not hold")
+            os.dup2(fd, target)
+        for fd in moved:
+            os.close(fd)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"], **{_SERVER_PATH: path})
+        subprocess.Popen = _forking_popen(server_env)
+        code = _main(request["argv"])
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def _high(fd: int) -> int:
+    """`fd` moved above the descriptors a command is given (fds 0-2 and its pass_fds)."""
+    import fcntl
+
+    high = fcntl.fcntl(fd, fcntl.F_DUPFD, 200)
+    os.close(fd)
+    return high
+
+
+def _main(argv: list[str]) -> int:
+    """Run `python ARGV` in this process as the interpreter would; its exit code."""
+    import runpy
+
+    main = types.ModuleType("__main__")
+    sys.modules["__main__"] = main
+    try:
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            sys.path[0] = os.getcwd()
+            sys.modules.pop(argv[1], None)  # preloaded, but a fresh `python -m` runs it as __main__ only
+            runpy._run_module_as_main(argv[1], alter_argv=True)
+        else:
+            script = Path(argv[0])
+            sys.argv = list(argv)
+            sys.path[0] = str(script.resolve().parent)
+            main.__file__ = os.path.abspath(script)
+            main.__builtins__ = __builtins__
+            exec(compile(script.read_bytes(), main.__file__, "exec", dont_inherit=True), main.__dict__)
+        code = 0
+    except SystemExit as stop:
+        code = _exit_code(stop.code)
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    threading._shutdown()  # the interpreter's order at exit: non-daemon threads, then atexit
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    return code
+
+
+def _exit_code(code: object) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _die_with_parent() -> None:
+    import ctypes
+
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+if __name__ == "__main__":
+    sys.path[0] = os.path.dirname(
+        sys.argv[1]
+    )  # not tests/ (nothing to import there); each command sets its own
+    serve(sys.argv[1])
