@@ -1,0 +1,71 @@
+"""The forked test processes (tests/preloaded.py) run a command as a fresh interpreter would: its argv,
+module globals, sys.path, directory, environment, exit code, atexit handlers and output; a job's first
+failure ends the rest; a different import-time environment gets a fresh interpreter."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from helpers import launch_env, run_commands
+
+REPORT = """
+import atexit, json, os, sys
+atexit.register(lambda: print("atexit ran", flush=True))
+print(json.dumps({"argv": sys.argv, "name": __name__, "file": __file__, "path0": sys.path[0],
+                  "cwd": os.getcwd(), "var": os.environ.get("SOME_VAR"), "torch": "torch" in sys.modules,
+                  "pid": os.getpid(), "ppid": os.getppid()}))
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def _report(tmp_path: Path, code: int, **env: str) -> tuple[int, dict, str]:
+    script = tmp_path / "report.py"
+    script.write_text(REPORT)
+    done = run_commands([([sys.executable, str(script), str(code)], launch_env(**env))], str(tmp_path), 60)
+    assert done is not None, "the command ran past its timeout"
+    first, *rest = done.stdout.splitlines()
+    return done.returncode, json.loads(first), "\n".join(rest)
+
+
+def test_a_forked_script_sees_what_python_script_would_and_exits_with_its_code(tmp_path):
+    code, seen, after = _report(tmp_path, 3, SOME_VAR="here")
+    script = str(tmp_path / "report.py")
+    assert code == 3
+    assert seen["argv"] == [script, "3"] and seen["name"] == "__main__" and seen["file"] == script
+    assert seen["path0"] == str(tmp_path) and seen["cwd"] == str(tmp_path) and seen["var"] == "here"
+    assert seen["torch"], "forked from the server, which imported torch"
+    assert after == "atexit ran"
+
+
+def test_another_import_time_environment_gets_a_fresh_interpreter(tmp_path):
+    code, seen, after = _report(tmp_path, 0, PYTHONHASHSEED="123")
+    assert code == 0 and not seen["torch"] and after == "atexit ran"
+
+
+def test_an_uncaught_error_exits_1_with_its_traceback(tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text("raise ValueError('the reason')\n")
+    done = run_commands([([sys.executable, str(script)], launch_env())], str(tmp_path), 60)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == "ValueError: the reason"
+
+
+def test_the_first_failure_ends_the_rest_of_the_job(tmp_path):
+    waits = tmp_path / "waits.py"
+    waits.write_text("import signal\nsignal.pause()\n")  # would never end by itself
+    fails = tmp_path / "fails.py"
+    fails.write_text("import sys\nsys.exit(7)\n")
+    env = launch_env()
+    done = run_commands(
+        [([sys.executable, str(waits)], env), ([sys.executable, str(fails)], env)], str(tmp_path), 120
+    )
+    assert done is not None, "the waiting process was not ended"
+    assert done.returncode == 7
+
+
+def test_a_module_runs_as_python_m_does(tmp_path):
+    done = run_commands([([sys.executable, "-m", "trainer.cli", "--help"], launch_env())], str(tmp_path), 60)
+    assert done.returncode == 0 and done.stdout.startswith("usage: trainer")
+    assert "RuntimeWarning" not in done.stderr, done.stderr
