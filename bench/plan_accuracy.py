@@ -151,7 +151,8 @@ def main() -> None:
         f"tiny Llama (vocab 258), {GLOBAL} x {SEQ} tokens per step, gloo, {os.cpu_count()} cores; rates from "
         f"{source}: matmul {rates.matmul_tflops * 1e3:.1f} GFLOP/s per rank ({together:.2f} x that with 2 "
         f"ranks at once), all-reduce busbw {rates.intra_busbw_GBps:.2f} GB/s, all-gather latency "
-        f"{(fit[0] * 1e6 if fit else 0):.0f} us; calibration: compute at {efficiency:.2f} x the doctor's "
+        f"{(fit[0] * 1e6 if fit else 0):.0f} us, tensor parallel's host time {(rates.tp_block_s or 0) * 1e3:.1f} ms "
+        f"per block pass + {(rates.tp_pass_s or 0) * 1e3:.1f} ms per pass; calibration: compute at {efficiency:.2f} x the doctor's "
         f"matmul rate; measured: best of {args.rounds} rounds of {args.steps} steps; load now {_load()}"
     )
     print(

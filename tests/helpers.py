@@ -16,7 +16,7 @@ import threading
 import time
 import types
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import preloaded
@@ -270,8 +270,17 @@ def fake_time(monkeypatch, module: str, clock: FakeClock, *clocks: str) -> None:
 def launch_env(**extra: str) -> dict[str, str]:
     """This process's environment without any launcher's variables, one torch thread per process, offline
     (Weights & Biases and the Hugging Face hub), plus `extra`."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_KEYS}
+    return _launch_env(os.environ, extra)
+
+
+def _launch_env(environ: Mapping[str, str], extra: dict[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in environ.items() if k not in LAUNCHER_KEYS}
     return {**env, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", **extra}
+
+
+# the environment the session started with: the preloaded interpreter imports under it, not under what a
+# test (monkeypatch) or a library in this process (torch, Lightning) set since
+_SESSION_ENV = _launch_env(dict(os.environ), {})
 
 
 RANK_SLOTS = (
@@ -428,7 +437,7 @@ def run_commands(
     deadline = time.monotonic() + timeout
     with open(os.devnull) as null, tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         fds = {0: null.fileno(), 1: out.fileno(), 2: err.fileno()}
-        procs = [preloaded.popen(cmd, env, cwd, fds, launch_env()) for cmd, env in commands]
+        procs = [preloaded.popen(cmd, env, cwd, fds, _SESSION_ENV) for cmd, env in commands]
         ended = {_ended_fd(p): p for p in procs}
         code = 0
         while ended and (left := deadline - time.monotonic()) > 0:

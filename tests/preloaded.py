@@ -48,9 +48,11 @@ IMPORT_TIME = (
     "TORCH_", "TORCHDYNAMO", "TORCHINDUCTOR", "PYTORCH", "OMP_", "MKL", "KMP_", "OPENBLAS", "PYTHON", "LD_", "CUDA", "NCCL", "GLOO", "HF_",
     "HUGGINGFACE", "TRANSFORMERS", "TOKENIZERS", "MALLOC", "GLIBC",
 )  # fmt: skip
-# ... but read only when used: set by torch (the inductor cache's location) and Lightning (how to look for
-# CUDA) in a rank before it starts the others
-RUNTIME_READ = {"TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK"}
+# ... but read only when used, or by what torch does not load: set by torch (the inductor cache's location),
+# Lightning (how to look for CUDA) and scikit-learn's import (for Intel's OpenMP; torch's CPU build loads
+# GNU's) in a process before it starts others
+RUNTIME_READ = {"TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK", "KMP_DUPLICATE_LIB_OK"}
+LOG = "TRAINER_TEST_PRELOAD_LOG"  # a file: each launch, and whether it was forked (else why not), appended
 _LENGTH = struct.Struct("!I")
 _MAX_FDS = 16
 
@@ -83,13 +85,15 @@ class Server:
             os.rmdir(self.folder)
 
 
-def runs_forked(cmd: list[str], env: dict[str, str], server_env: dict[str, str]) -> bool:
-    """Whether `cmd` with `env` runs the same forked from a server that imported under `server_env` as in a
-    fresh interpreter: a Python script or module, and the same import-time variables."""
+def fork_blockers(cmd: list[str], env: dict[str, str], server_env: dict[str, str]) -> list[str]:
+    """What keeps `cmd` with `env` from running the same forked from a server that imported under
+    `server_env` as in a fresh interpreter ([] when nothing does): not a Python script or module, or the
+    import-time variables that differ."""
     python = len(cmd) >= 2 and cmd[0] == sys.executable
-    runnable = python and (cmd[1].endswith(".py") or (cmd[1] == "-m" and len(cmd) >= 3))
+    if not (python and (cmd[1].endswith(".py") or (cmd[1] == "-m" and len(cmd) >= 3))):
+        return ["not `python SCRIPT.py` or `python -m MODULE`"]
     keys = {k for k in (*env, *server_env) if k.startswith(IMPORT_TIME)} - RUNTIME_READ
-    return runnable and all(env.get(k) == server_env.get(k) for k in keys)
+    return sorted(k for k in keys if env.get(k) != server_env.get(k))
 
 
 _server: list[Server] = []
@@ -165,10 +169,14 @@ def popen(
     cmd: list[str], env: dict[str, str], cwd: str, fds: dict[int, int], server_env: dict[str, str]
 ) -> PreloadedProcess | subprocess.Popen:
     """`cmd` forked from this process's server (started with `server_env` the first time) when it runs the
-    same there (`runs_forked`), else in a fresh interpreter; `fds`: the command's descriptor -> this
+    same there (no `fork_blockers`), else in a fresh interpreter; `fds`: the command's descriptor -> this
     process's (0, 1 and 2 at least)."""
     found = server(server_env)
-    if runs_forked(cmd, env, found.env):
+    blockers = fork_blockers(cmd, env, found.env)
+    if os.environ.get(LOG):
+        with open(os.environ[LOG], "a") as log:
+            log.write(f"{cmd[1:3]} {'forked' if not blockers else f'fresh: {blockers}'}\n")
+    if not blockers:
         return PreloadedProcess(found.path, cmd, env, cwd, fds)
     return subprocess.Popen(
         cmd, env=env, cwd=cwd, stdin=fds[0], stdout=fds[1], stderr=fds[2],
@@ -197,7 +205,7 @@ def _forking_popen(server_env: dict[str, str]) -> type[subprocess.Popen]:
                 caller in LAUNCHERS
                 and not rest
                 and set(kwargs) <= _FORWARDED
-                and runs_forked(args, env, server_env)
+                and not fork_blockers(args, env, server_env)
             ):
                 fds = {0: 0, 1: 1, 2: 2, **{fd: fd for fd in kwargs.get("pass_fds", ())}}
                 cwd = str(kwargs.get("cwd") or os.getcwd())

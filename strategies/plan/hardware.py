@@ -114,6 +114,10 @@ class Rates:
     matmul_by_size: dict[int, float] = field(default_factory=dict)  # n -> TFLOP/s of one rank alone
     matmul_together_tflops: float | None = None  # per rank with every rank of a node multiplying at once
     host_cores: int | None = None  # CPU cores a rank may run on; None on GPUs
+    # tensor parallelism's host time (DTensor's bookkeeping) per block pass and per model pass, forward and
+    # backward (trainer/doctor/tp_overhead.py); None: not measured (counted as 0)
+    tp_block_s: float | None = None
+    tp_pass_s: float | None = None
 
     @classmethod
     def read(cls, path: str | Path) -> Rates:
@@ -156,6 +160,8 @@ class Rates:
                 },
                 matmul_together_tflops=_optional_float(data.get("matmul_together_tflops")),
                 host_cores=None if data.get("host_cores") is None else int(data["host_cores"]),
+                tp_block_s=_optional_float(data.get("tp_block_s")),
+                tp_pass_s=_optional_float(data.get("tp_pass_s")),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise ValueError(

@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+import preloaded
 from helpers import launch_env, run_commands
 
 REPORT = """
@@ -20,28 +21,32 @@ sys.exit(int(sys.argv[1]))
 """
 
 
-def _report(tmp_path: Path, code: int, **env: str) -> tuple[int, dict, str]:
+def _report(tmp_path: Path, code: int, **env: str) -> tuple[int, dict, str, list[str]]:
+    """Run REPORT with exit `code` and `env`: its exit code, what it saw, what it printed after, and what
+    kept it from being forked."""
     script = tmp_path / "report.py"
     script.write_text(REPORT)
-    done = run_commands([([sys.executable, str(script), str(code)], launch_env(**env))], str(tmp_path), 60)
+    cmd = [sys.executable, str(script), str(code)]
+    done = run_commands([(cmd, launch_env(**env))], str(tmp_path), 60)
     assert done is not None, "the command ran past its timeout"
     first, *rest = done.stdout.splitlines()
-    return done.returncode, json.loads(first), "\n".join(rest)
+    blockers = preloaded.fork_blockers(cmd, launch_env(**env), preloaded.server({}).env)
+    return done.returncode, json.loads(first), "\n".join(rest), blockers
 
 
 def test_a_forked_script_sees_what_python_script_would_and_exits_with_its_code(tmp_path):
-    code, seen, after = _report(tmp_path, 3, SOME_VAR="here")
+    code, seen, after, blockers = _report(tmp_path, 3, SOME_VAR="here")
     script = str(tmp_path / "report.py")
     assert code == 3
     assert seen["argv"] == [script, "3"] and seen["name"] == "__main__" and seen["file"] == script
     assert seen["path0"] == str(tmp_path) and seen["cwd"] == str(tmp_path) and seen["var"] == "here"
-    assert seen["torch"], "forked from the server, which imported torch"
+    assert seen["torch"] and not blockers, f"not forked from the server (which imported torch): {blockers}"
     assert after == "atexit ran"
 
 
 def test_another_import_time_environment_gets_a_fresh_interpreter(tmp_path):
-    code, seen, after = _report(tmp_path, 0, PYTHONHASHSEED="123")
-    assert code == 0 and not seen["torch"] and after == "atexit ran"
+    code, seen, after, blockers = _report(tmp_path, 0, PYTHONHASHSEED="123")
+    assert code == 0 and not seen["torch"] and after == "atexit ran" and blockers == ["PYTHONHASHSEED"]
 
 
 def test_an_uncaught_error_exits_1_with_its_traceback(tmp_path):

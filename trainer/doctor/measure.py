@@ -16,8 +16,8 @@ from trainer.doctor.groups import GroupLayout
 
 DTYPE = torch.float32  # as nccl-tests' default; the bandwidth does not depend on it
 # torch 2.13 renamed the tensor forms (the old names warn); a torch before the rename has only the old ones
-_ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,9 +62,9 @@ def collective(
     if op == "all_reduce":
         return lambda: dist.all_reduce(full, group=group)
     if op == "all_gather":  # the message is the gathered buffer
-        return lambda: _ALL_GATHER(out, part, group=group)
+        return lambda: ALL_GATHER(out, part, group=group)
     if op == "reduce_scatter":  # the message is the buffer reduced
-        return lambda: _REDUCE_SCATTER(part, full, group=group)
+        return lambda: REDUCE_SCATTER(part, full, group=group)
     if op == "all_to_all":
         return lambda: dist.all_to_all_single(out, full, group=group)
     raise ValueError(f"collective {op!r} is unknown; allowed: {', '.join(OPS)}")

@@ -45,6 +45,9 @@ class Findings:
     matmul_by_size: dict[int, float] = dataclasses.field(default_factory=dict)  # n -> rank 0's TFLOP/s alone
     matmul_together_tflops: float | None = None  # per rank, node 0's ranks all multiplying at once
     host_cores: int | None = None  # the CPU cores a rank may run on (CPU runs: ranks share them)
+    # tensor parallelism's host time over the world (tp_overhead.py): per block pass and per model pass
+    tp_block_s: float | None = None
+    tp_pass_s: float | None = None
 
     def best(self, op: str, group: str) -> float | None:
         """The highest busbw of `op` over `group` across sizes."""
@@ -71,6 +74,11 @@ def text_report(f: Findings) -> str:
         lines.append(
             f"matmul with every rank of a node at once: {f.matmul_together_tflops:.4g} TFLOP/s per rank, "
             f"{f.matmul_together_tflops / f.matmul_tflops:.2f} x one rank alone ({f.gpus_per_node} ranks{cores})"
+        )
+    if f.tp_block_s is not None and f.tp_pass_s is not None:
+        lines.append(
+            "tensor parallel (pairs of ranks), host time beyond compute and wire: "
+            f"{f.tp_block_s * 1e3:.3g} ms per block pass, {f.tp_pass_s * 1e3:.3g} ms per model pass (forward + backward)"
         )
     for op in OPS:
         rows = [m for m in f.measurements if m.op == op]
@@ -179,6 +187,8 @@ def rates_file(f: Findings) -> dict[str, Any]:
         "matmul_tflops_by_size": {str(n): rate for n, rate in sorted(f.matmul_by_size.items())},
         "matmul_together_tflops": f.matmul_together_tflops,
         "host_cores": f.host_cores,
+        "tp_block_s": f.tp_block_s,
+        "tp_pass_s": f.tp_pass_s,
     }
     if not several_nodes:
         data["note"] = (

@@ -27,6 +27,7 @@ from trainer.doctor.groups import (
 )
 from trainer.doctor.report import Findings, NodeReport, rates_file, text_report
 from trainer.doctor.topology import NodeProbe, load_nvml
+from trainer.doctor.tp_overhead import tp_overhead
 from trainer.launch import detect_world
 from trainer.precision import Precision
 
@@ -122,6 +123,7 @@ def _run(strategy: _WorldStrategy, options: DoctorOptions, sizes: list[int]) -> 
     by_size, together = measure.matmul_alone_and_together(device, sizes_mm, dtype, calls)
     together = together[:gpus_per_node]  # node 0's ranks
     n = max(sizes_mm)
+    tp_block_s, tp_pass_s = tp_overhead(device)
 
     node = None
     if local_zero:
@@ -152,6 +154,8 @@ def _run(strategy: _WorldStrategy, options: DoctorOptions, sizes: list[int]) -> 
         matmul_by_size=by_size,
         matmul_together_tflops=sum(together) / len(together),
         host_cores=len(os.sched_getaffinity(0)) if device.type == "cpu" else None,
+        tp_block_s=tp_block_s,
+        tp_pass_s=tp_pass_s,
         measurements=measurements,
         nominal=_nominal(layouts, gpus_per_node, backend, nodes),
         nodes=nodes,
