@@ -226,7 +226,11 @@ def step_time(shape: ModelShape, layout: Layout, run: RunShape, hardware: Hardwa
         else:
             one = _seconds(hw, "all_reduce", "tp", s, tp, inter)
         per_block = 4 + (2 if L.activation_checkpointing == "full" else 0)
-        comm["tp"] = exposed["tp"] = one * per_block * blocks * micro
+        # outside the blocks, per pass: the embedding's output (reduce-scattered into the sequence shards,
+        # all-gathered back in the backward) and the output layer's input (the reverse); a pipeline's
+        # slowest stage holds one of the two
+        outside = 2 if pp == 1 else 1
+        comm["tp"] = exposed["tp"] = one * (per_block * blocks + outside) * micro
         # DTensor's host time (dispatch, sharding propagation, redistribution bookkeeping) as the doctor
         # measured it per block pass (again for the forward a full recompute reruns) and per model pass: a CPU
         # host spends it inside the step; a GPU's host queues the kernels meanwhile, so it shows only where
