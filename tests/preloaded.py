@@ -45,8 +45,8 @@ PRELOAD = (
 # variables read while those modules import (thread pools, allocators, torch's and the HF hub's flags,
 # the import path): a command whose values differ from the server's gets a fresh interpreter
 IMPORT_TIME = (
-    "TORCH_", "TORCHDYNAMO", "TORCHINDUCTOR", "PYTORCH", "OMP_", "MKL", "KMP_", "OPENBLAS", "PYTHON", "LD_", "CUDA", "NCCL", "GLOO", "HF_",
-    "HUGGINGFACE", "TRANSFORMERS", "TOKENIZERS", "MALLOC", "GLIBC",
+    "TORCH_", "TORCHDYNAMO", "TORCHINDUCTOR", "PYTORCH", "OMP_", "MKL", "KMP_", "OPENBLAS", "PYTHON", "LD_",
+    "CUDA", "NCCL", "GLOO", "HF_", "HUGGINGFACE", "TRANSFORMERS", "TOKENIZERS", "MALLOC", "GLIBC",
 )  # fmt: skip
 # ... but read only when used, or by what torch does not load: set by torch (the inductor cache's location),
 # Lightning (how to look for CUDA) and scikit-learn's import (for Intel's OpenMP; torch's CPU build loads

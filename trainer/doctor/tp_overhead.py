@@ -1,7 +1,8 @@
 """The host time tensor parallelism adds beyond its matmuls and its collectives' wire time: DTensor's
-dispatch, sharding propagation and redistribution bookkeeping, the parallel styles' hooks. It is per block
-and per pass, whatever the block's size, and the step-time model counts it (strategies/plan/step_time.py):
-on a CPU host it adds to the step, on a GPU it hides behind the kernels it queues when they take longer.
+dispatch, sharding propagation and redistribution bookkeeping, the parallel styles' hooks. The step-time
+model (strategies/plan/step_time.py) counts it as a fixed cost per block pass and per model pass (copies
+that grow with the activation, e.g. of gathered shards, are not in a tiny pass): on a CPU host it adds to
+the step, on a GPU it hides behind the kernels it queues when they take longer.
 
 Measured in tensor-parallel pairs of the doctor's ranks (all at once): a tiny Llama of one and of two
 blocks (the project's own blocks and tensor-parallel plan, sequence parallel), forward and backward,
