@@ -371,9 +371,12 @@ def run_ranks(
             commands = torchrun_world(n, [str(script), *args], env, stack)
         else:
             commands = [(rank_command(n, script, *args), env)]
-        done = run_commands(commands, os.getcwd(), timeout)
-    if done is None:
-        raise AssertionError(f"{script.name} on {n} ranks ran past {timeout}s") from None
+        try:
+            done = run_commands(commands, os.getcwd(), timeout)
+        except subprocess.TimeoutExpired as late:
+            raise AssertionError(
+                f"{script.name} on {n} ranks ran past {timeout}s:\n{late.stderr[-4000:]}"
+            ) from None
     if check:
         assert done.returncode == 0, (
             f"{script.name} on {n} ranks exited {done.returncode}:\n{done.stderr[-4000:]}"
@@ -395,7 +398,7 @@ def _run_launched(
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()  # as subprocess.run's timeout does
+        proc.kill()  # as subprocess.run's timeout does; self-spawned ranks die with it (PR_SET_PDEATHSIG)
         stdout, stderr = proc.communicate()
         raise AssertionError(f"{script.name} on {n} ranks ran past {timeout}s:\n{stderr[-4000:]}") from None
     done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
@@ -430,15 +433,17 @@ def torchrun_world(
 
 def run_commands(
     commands: list[tuple[list[str], dict[str, str]]], cwd: str, timeout: float
-) -> subprocess.CompletedProcess | None:
+) -> subprocess.CompletedProcess:
     """Run (command, environment) pairs side by side as one job, forked from the preloaded interpreter where
     they run the same there (tests/preloaded.py), their stdout and stderr each in one stream as a launcher's;
-    the first to fail ends the others, as torchrun does. None if the job ran past `timeout` (then killed)."""
+    the first to fail ends the others, as torchrun does. Past `timeout` the job is killed and, as in
+    subprocess.run, TimeoutExpired carries what it printed."""
     deadline = time.monotonic() + timeout
     with open(os.devnull) as null, tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         fds = {0: null.fileno(), 1: out.fileno(), 2: err.fileno()}
         procs = [preloaded.popen(cmd, env, cwd, fds, _SESSION_ENV) for cmd, env in commands]
         ended = {_ended_fd(p): p for p in procs}
+        pidfds = [fd for fd, p in ended.items() if not isinstance(p, preloaded.PreloadedProcess)]
         code = 0
         while ended and (left := deadline - time.monotonic()) > 0:
             for fd in select.select(list(ended), [], [], left)[0]:
@@ -450,9 +455,13 @@ def run_commands(
         for proc in procs:
             proc.kill()
             proc.wait()
+        for fd in pidfds:
+            os.close(fd)
         out.seek(0), err.seek(0)
         stdout, stderr = (f.read().decode(errors="replace") for f in (out, err))
-    return None if ended else subprocess.CompletedProcess(commands[0][0], code, stdout, stderr)
+    if ended:
+        raise subprocess.TimeoutExpired(commands[0][0], timeout, output=stdout, stderr=stderr)
+    return subprocess.CompletedProcess(commands[0][0], code, stdout, stderr)
 
 
 def _ended_fd(proc: preloaded.PreloadedProcess | subprocess.Popen) -> int:
@@ -518,10 +527,7 @@ def run_cli(
     (`rank_slots`)."""
     cmd = [sys.executable, "-m", "trainer.cli", *args]
     with rank_slots(ranks):
-        done = run_commands([(cmd, launch_env(**env))], str(cwd), timeout)
-    if done is None:
-        raise subprocess.TimeoutExpired(cmd, timeout)
-    return done
+        return run_commands([(cmd, launch_env(**env))], str(cwd), timeout)
 
 
 def hand_f1(predicted: torch.Tensor, labels: torch.Tensor) -> float:
