@@ -45,7 +45,7 @@ class Findings:
     matmul_by_size: dict[int, float] = dataclasses.field(default_factory=dict)  # n -> rank 0's TFLOP/s alone
     matmul_together_tflops: float | None = None  # per rank, node 0's ranks all multiplying at once
     host_cores: int | None = None  # the CPU cores a rank may run on (CPU runs: ranks share them)
-    # tensor parallelism's host time over the world (tp_overhead.py): per block pass and per model pass
+    # tensor parallelism's host time in pairs of ranks (tp_overhead.py): per block pass and per model pass
     tp_block_s: float | None = None
     tp_pass_s: float | None = None
 
