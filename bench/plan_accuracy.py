@@ -4,7 +4,8 @@ same global batch, against the model's tokens/s from the rates `trainer doctor -
 measured in the same invocation (or `--rates FILE`). Printed side by side: the raw prediction (the doctor's
 matmul rate and busbw only) and one calibrated on the single-process run (the model's compute rate scaled
 so that one row matches: a small model's GEMMs, its elementwise work and Python run below a large matmul's
-rate), the error of each, and whether the ranking by predicted speed is the measured one.
+rate), the error of each, and whether the ranking by predicted speed is the measured one: as a whole (best
+rounds) and pair by pair, on the pairs the rounds decide (one layout faster in every round).
 
 The layouts run in rounds, each round in a rotated order, and each keeps its best round: on a host other
 jobs load, a layout's disturbed runs then do not decide its number (the load average is printed with each
@@ -96,6 +97,26 @@ def _order(values: list[float]) -> list[int]:
     return sorted(range(len(values)), key=lambda i: -values[i])
 
 
+def _pairs(names: list[str], predicted_order: list[int], rounds: list[list[float]]) -> str:
+    """The predicted ranking pair by pair against the pairs the rounds decide: one layout measured faster
+    than the other in every round (their rounds' ranges do not overlap). On a host whose speed drifts
+    between runs, a pair whose ranges overlap has no measured order to match."""
+    right, wrong, undecided = [], [], []
+    for a, i in enumerate(predicted_order):
+        for j in predicted_order[a + 1 :]:  # predicted: i faster than j
+            pair = f"{names[i]} > {names[j]}"
+            if min(rounds[i]) > max(rounds[j]):
+                right.append(pair)
+            elif min(rounds[j]) > max(rounds[i]):
+                wrong.append(pair)
+            else:
+                undecided.append(pair)
+    text = f"{len(right)} of the {len(right) + len(wrong)} pairs the rounds decide in the predicted order"
+    if wrong:
+        text += f"; the wrong way round: {', '.join(wrong)}"
+    return text + (f"; undecided (rounds overlap): {', '.join(undecided)}" if undecided else "")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", type=Path, default=None, help="a rates file (default: run trainer doctor)")
@@ -175,6 +196,7 @@ def main() -> None:
             f"  {label}: worst error {worst:.0%} ({'within' if worst <= 0.25 else 'outside'} 25%); predicted "
             f"ranking {' > '.join(names[i] for i in p_order)} {same} measured {' > '.join(names[i] for i in m_order)}"
         )
+        print(f"  {label}: {_pairs(names, p_order, rounds)}")
 
 
 if __name__ == "__main__":

@@ -118,6 +118,9 @@ class Rates:
     # backward (trainer/doctor/tp_overhead.py); None: not measured (counted as 0)
     tp_block_s: float | None = None
     tp_pass_s: float | None = None
+    # and per optimizer step: AdamW and the norm clip on DTensor parameters, per block and fixed
+    tp_step_block_s: float | None = None
+    tp_step_s: float | None = None
 
     @classmethod
     def read(cls, path: str | Path) -> Rates:
@@ -162,6 +165,8 @@ class Rates:
                 host_cores=None if data.get("host_cores") is None else int(data["host_cores"]),
                 tp_block_s=_optional_float(data.get("tp_block_s")),
                 tp_pass_s=_optional_float(data.get("tp_pass_s")),
+                tp_step_block_s=_optional_float(data.get("tp_step_block_s")),
+                tp_step_s=_optional_float(data.get("tp_step_s")),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise ValueError(

@@ -24,8 +24,8 @@ What overlaps, as the strategies run it:
 - What hides, hides only as far as `Hardware.overlap` says (all of it on GPUs; on a CPU host without a spare
   core, gloo's transfers run on the computing cores: nothing hides).
 - Tensor, context and expert parallel collectives sit on the critical path of every block (not hidden);
-  so does tensor parallelism's host time on a CPU host (DTensor's bookkeeping per block, when the doctor
-  measured it); on a GPU it hides behind the kernels it queues;
+  so does tensor parallelism's host time on a CPU host (DTensor's bookkeeping per block and in the
+  optimizer step, when the doctor measured it); on a GPU it hides behind the kernels it queues;
   the pipeline's bubble is (p-1)/m of a stage's work for GPipe and 1F1B, (p-1)/(v m) interleaved.
 """
 
@@ -232,13 +232,14 @@ def step_time(shape: ModelShape, layout: Layout, run: RunShape, hardware: Hardwa
         outside = 2 if pp == 1 else 1
         comm["tp"] = exposed["tp"] = one * (per_block * blocks + outside) * micro
         # DTensor's host time (dispatch, sharding propagation, redistribution bookkeeping) as the doctor
-        # measured it per block pass (again for the forward a full recompute reruns) and per model pass: a CPU
-        # host spends it inside the step; a GPU's host queues the kernels meanwhile, so it shows only where
-        # it exceeds them
+        # measured it per block pass (again for the forward a full recompute reruns) and per model pass, and
+        # once a step in the optimizer step and the clip over the DTensor parameters: a CPU host spends it
+        # inside the step; a GPU's host queues the kernels meanwhile, so it shows only where it exceeds them
         rates = hw.rates
         if rates is not None and rates.tp_block_s is not None:
             rerun = 4 / 3 if L.activation_checkpointing == "full" else 1.0
             host = micro * (rates.tp_block_s * blocks * rerun + (rates.tp_pass_s or 0.0))
+            host += (rates.tp_step_block_s or 0.0) * blocks + (rates.tp_step_s or 0.0)
             exposed["tp host"] = host if rates.host_cores is not None else max(host - compute, 0.0)
     # context parallel: each block all-gathers K and V of the whole sequence (again in the backward and in a
     # recompute) and reduce-scatters their gradients

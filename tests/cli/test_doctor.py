@@ -82,7 +82,10 @@ def test_doctor_on_four_gloo_processes_prints_busbw_per_group_and_size(tmp_path)
     assert "matmul with every rank of a node at once" in result.stdout
     # DTensor's bookkeeping costs milliseconds of host time per block pass on a CPU (tp_overhead.py)
     assert rates["tp_block_s"] > 0 and rates["tp_pass_s"] >= 0
+    # and per optimizer step: AdamW and the clip dispatch each DTensor parameter's ops through DTensor
+    assert rates["tp_step_block_s"] + rates["tp_step_s"] > 0
     assert "tensor parallel (pairs of ranks), host time beyond compute and wire" in result.stdout
+    assert "optimizer step and clip:" in result.stdout
     for kind in ("intra_node", "inter_node"):
         best = max(rates["collectives"]["all_reduce"][kind].values())
         assert rates["links"][kind] == {"busbw_GBps": best, "nominal_GBps": None}, kind

@@ -306,17 +306,23 @@ def test_a_pipeline_fills_and_drains_at_the_rate_of_a_rank_alone():
 
 def test_tensor_parallel_host_time_adds_per_block_and_pass_on_a_cpu_host_and_hides_on_a_gpu():
     run = RunShape(micro_batch=2, seq_len=128, accumulation=3)
-    timed = {"tp_block_s": 0.01, "tp_pass_s": 0.004}
+    timed = {"tp_block_s": 0.01, "tp_pass_s": 0.004, "tp_step_block_s": 0.002, "tp_step_s": 0.005}
     plain = measured_hardware(hockney_rates(0.0, 1.0, host_cores=2), 4e9)
     cpu = measured_hardware(hockney_rates(0.0, 1.0, host_cores=2, **timed), 4e9)
     gpu = measured_hardware(hockney_rates(0.0, 1.0, **timed), 4e9)  # no host cores: a GPU's host
     tp = Layout(tp=2, precision="fp32")
     base, added = step_time(SMALL, tp, run, plain), step_time(SMALL, tp, run, cpu)
-    host = 3 * (0.01 * SMALL.n_layers + 0.004)  # 3 passes a step
+    step = 0.002 * SMALL.n_layers + 0.005  # the optimizer step and clip on DTensor parameters, once a step
+    host = 3 * (0.01 * SMALL.n_layers + 0.004) + step  # 3 passes a step
     assert "tp host" not in base.exposed_s and added.exposed_s["tp host"] == pytest.approx(host)
     assert added.step_s == pytest.approx(base.step_s + host)
     full = step_time(SMALL, Layout(tp=2, precision="fp32", activation_checkpointing="full"), run, cpu)
-    assert full.exposed_s["tp host"] == pytest.approx(3 * (0.01 * SMALL.n_layers * 4 / 3 + 0.004))
+    assert full.exposed_s["tp host"] == pytest.approx(3 * (0.01 * SMALL.n_layers * 4 / 3 + 0.004) + step)
+    stages = step_time(SMALL, Layout(tp=2, pp=2, pp_microbatches=2, precision="fp32"), run, cpu)
+    per_stage = SMALL.n_layers // 2  # a stage steps its own blocks' parameters
+    assert stages.exposed_s["tp host"] == pytest.approx(
+        6 * (0.01 * per_stage + 0.004) + 0.002 * per_stage + 0.005
+    )
     assert step_time(SMALL, tp, run, gpu).exposed_s["tp host"] == pytest.approx(max(host - base.compute_s, 0))
     assert base.compute_s > host, "here the GPU's kernels outlast the host's bookkeeping: all of it hides"
     assert "tp host" not in step_time(SMALL, Layout(dp_replicate=2), run, cpu).exposed_s

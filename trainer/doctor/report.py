@@ -45,9 +45,12 @@ class Findings:
     matmul_by_size: dict[int, float] = dataclasses.field(default_factory=dict)  # n -> rank 0's TFLOP/s alone
     matmul_together_tflops: float | None = None  # per rank, node 0's ranks all multiplying at once
     host_cores: int | None = None  # the CPU cores a rank may run on (CPU runs: ranks share them)
-    # tensor parallelism's host time in pairs of ranks (tp_overhead.py): per block pass and per model pass
+    # tensor parallelism's host time in pairs of ranks (tp_overhead.py): per block pass and per model pass,
+    # and per optimizer step (AdamW and the clip on DTensor parameters) per block and fixed
     tp_block_s: float | None = None
     tp_pass_s: float | None = None
+    tp_step_block_s: float | None = None
+    tp_step_s: float | None = None
 
     def best(self, op: str, group: str) -> float | None:
         """The highest busbw of `op` over `group` across sizes."""
@@ -79,6 +82,11 @@ def text_report(f: Findings) -> str:
         lines.append(
             "tensor parallel (pairs of ranks), host time beyond compute and wire: "
             f"{f.tp_block_s * 1e3:.3g} ms per block pass, {f.tp_pass_s * 1e3:.3g} ms per model pass (forward + backward)"
+            + (
+                f"; optimizer step and clip: {f.tp_step_block_s * 1e3:.3g} ms per block, {f.tp_step_s * 1e3:.3g} ms more"
+                if f.tp_step_block_s is not None and f.tp_step_s is not None
+                else ""
+            )
         )
     for op in OPS:
         rows = [m for m in f.measurements if m.op == op]
@@ -189,6 +197,8 @@ def rates_file(f: Findings) -> dict[str, Any]:
         "host_cores": f.host_cores,
         "tp_block_s": f.tp_block_s,
         "tp_pass_s": f.tp_pass_s,
+        "tp_step_block_s": f.tp_step_block_s,
+        "tp_step_s": f.tp_step_s,
     }
     if not several_nodes:
         data["note"] = (
