@@ -97,6 +97,13 @@ def _order(values: list[float]) -> list[int]:
     return sorted(range(len(values)), key=lambda i: -values[i])
 
 
+def _host(rates: Rates, name: str) -> str:
+    """The doctor's sharding host time `name` of each kind, in ms: 'tp 15.1, fsdp 8.2 ms'."""
+    return (
+        ", ".join(f"{kind} {found.get(name, 0.0) * 1e3:.1f}" for kind, found in rates.sharded.items()) + " ms"
+    )
+
+
 def _pairs(names: list[str], predicted_order: list[int], rounds: list[list[float]]) -> str:
     """The predicted ranking pair by pair against the pairs the rounds decide: one layout measured faster
     than the other in every round (their rounds' ranges do not overlap). On a host whose speed drifts
@@ -172,8 +179,8 @@ def main() -> None:
         f"tiny Llama (vocab 258), {GLOBAL} x {SEQ} tokens per step, gloo, {os.cpu_count()} cores; rates from "
         f"{source}: matmul {rates.matmul_tflops * 1e3:.1f} GFLOP/s per rank ({together:.2f} x that with 2 "
         f"ranks at once), all-reduce busbw {rates.intra_busbw_GBps:.2f} GB/s, all-gather latency "
-        f"{(fit[0] * 1e6 if fit else 0):.0f} us, tensor parallel's host time {(rates.tp_block_s or 0) * 1e3:.1f} ms "
-        f"per block pass + {(rates.tp_pass_s or 0) * 1e3:.1f} ms per pass; calibration: compute at {efficiency:.2f} x the doctor's "
+        f"{(fit[0] * 1e6 if fit else 0):.0f} us, host time per block pass {_host(rates, 'block_s')}, per pass {_host(rates, 'pass_s')}, "
+        f"per step {_host(rates, 'step_block_s')} per block + {_host(rates, 'step_s')}; calibration: compute at {efficiency:.2f} x the doctor's "
         f"matmul rate; measured: best of {args.rounds} rounds of {args.steps} steps; load now {_load()}"
     )
     print(

@@ -95,6 +95,9 @@ LINKS: dict[str, Link] = {
 }
 NVLINK_OF = {"h100": "nvlink4", "h200": "nvlink4", "b200": "nvlink5", "a100": "nvlink3"}
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+# the doctor's sharding overheads: the rates file's keys are "<kind>_<field>" (tp_block_s, fsdp_step_s, ...)
+SHARDED_KINDS = ("tp", "fsdp")
+SHARDED_FIELDS = ("block_s", "pass_s", "step_block_s", "step_s")
 
 
 @dataclass(frozen=True)
@@ -114,13 +117,10 @@ class Rates:
     matmul_by_size: dict[int, float] = field(default_factory=dict)  # n -> TFLOP/s of one rank alone
     matmul_together_tflops: float | None = None  # per rank with every rank of a node multiplying at once
     host_cores: int | None = None  # CPU cores a rank may run on; None on GPUs
-    # tensor parallelism's host time (DTensor's bookkeeping) per block pass and per model pass, forward and
-    # backward (trainer/doctor/tp_overhead.py); None: not measured (counted as 0)
-    tp_block_s: float | None = None
-    tp_pass_s: float | None = None
-    # and per optimizer step: AdamW and the norm clip on DTensor parameters, per block and fixed
-    tp_step_block_s: float | None = None
-    tp_step_s: float | None = None
+    # the host time sharding adds (trainer/doctor/sharded_overhead.py): sharding ("tp", "fsdp") -> its
+    # seconds per block pass, per model pass (forward and backward), per optimizer step per block and fixed
+    # (AdamW and the clip on DTensor parameters), keyed by SHARDED_FIELDS; a missing one: not measured (0)
+    sharded: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @classmethod
     def read(cls, path: str | Path) -> Rates:
@@ -163,10 +163,14 @@ class Rates:
                 },
                 matmul_together_tflops=_optional_float(data.get("matmul_together_tflops")),
                 host_cores=None if data.get("host_cores") is None else int(data["host_cores"]),
-                tp_block_s=_optional_float(data.get("tp_block_s")),
-                tp_pass_s=_optional_float(data.get("tp_pass_s")),
-                tp_step_block_s=_optional_float(data.get("tp_step_block_s")),
-                tp_step_s=_optional_float(data.get("tp_step_s")),
+                sharded={
+                    kind: {
+                        f: float(data[f"{kind}_{f}"])
+                        for f in SHARDED_FIELDS
+                        if data.get(f"{kind}_{f}") is not None
+                    }
+                    for kind in SHARDED_KINDS
+                },
             )
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise ValueError(

@@ -24,8 +24,9 @@ What overlaps, as the strategies run it:
 - What hides, hides only as far as `Hardware.overlap` says (all of it on GPUs; on a CPU host without a spare
   core, gloo's transfers run on the computing cores: nothing hides).
 - Tensor, context and expert parallel collectives sit on the critical path of every block (not hidden);
-  so does tensor parallelism's host time on a CPU host (DTensor's bookkeeping per block and in the
-  optimizer step, when the doctor measured it); on a GPU it hides behind the kernels it queues;
+  so does the host time of tensor parallelism and of FSDP on a CPU host (DTensor's bookkeeping, FSDP's
+  hooks, per block and in the optimizer step, when the doctor measured it); on a GPU it hides behind the
+  kernels it queues;
   the pipeline's bubble is (p-1)/m of a stage's work for GPipe and 1F1B, (p-1)/(v m) interleaved.
 """
 
@@ -176,6 +177,23 @@ def matmul_rate(shape: ModelShape, layout: Layout, tokens: float, seq_len: int, 
     return sum(f for f, _ in found) / sum(f / hw.matmul_rate(n) for f, n in found)
 
 
+def _sharded_host(
+    exposed: dict[str, float], kind: str, hw: Hardware, L: Layout, micro: int, blocks: float, compute: float
+) -> None:
+    """`kind` sharding's host time (DTensor's dispatch and bookkeeping, tp's styles, FSDP's hooks and
+    copies) as the doctor measured it per block pass (again for the forward a full recompute reruns) and
+    per model pass, and once a step in the optimizer step and the clip over the DTensor parameters: a CPU
+    host spends it inside the step; a GPU's host queues the kernels meanwhile, so it shows only where it
+    exceeds them. Nothing when the doctor did not measure it."""
+    found = hw.rates.sharded.get(kind) if hw.rates is not None else None
+    if not found:
+        return
+    rerun = 4 / 3 if L.activation_checkpointing == "full" else 1.0
+    host = micro * (found.get("block_s", 0.0) * blocks * rerun + found.get("pass_s", 0.0))
+    host += found.get("step_block_s", 0.0) * blocks + found.get("step_s", 0.0)
+    exposed[f"{kind} host"] = host if hw.rates.host_cores is not None else max(host - compute, 0.0)
+
+
 def step_time(shape: ModelShape, layout: Layout, run: RunShape, hardware: Hardware) -> StepTime:
     """The predicted time of one optimizer step of `layout` on `hardware` (see the module's docstring)."""
     hw, L = hardware, layout
@@ -231,16 +249,7 @@ def step_time(shape: ModelShape, layout: Layout, run: RunShape, hardware: Hardwa
         # slowest stage holds one of the two
         outside = 2 if pp == 1 else 1
         comm["tp"] = exposed["tp"] = one * (per_block * blocks + outside) * micro
-        # DTensor's host time (dispatch, sharding propagation, redistribution bookkeeping) as the doctor
-        # measured it per block pass (again for the forward a full recompute reruns) and per model pass, and
-        # once a step in the optimizer step and the clip over the DTensor parameters: a CPU host spends it
-        # inside the step; a GPU's host queues the kernels meanwhile, so it shows only where it exceeds them
-        rates = hw.rates
-        if rates is not None and rates.tp_block_s is not None:
-            rerun = 4 / 3 if L.activation_checkpointing == "full" else 1.0
-            host = micro * (rates.tp_block_s * blocks * rerun + (rates.tp_pass_s or 0.0))
-            host += (rates.tp_step_block_s or 0.0) * blocks + (rates.tp_step_s or 0.0)
-            exposed["tp host"] = host if rates.host_cores is not None else max(host - compute, 0.0)
+        _sharded_host(exposed, "tp", hw, L, micro, blocks, compute)
     # context parallel: each block all-gathers K and V of the whole sequence (again in the backward and in a
     # recompute) and reduce-scatters their gradients
     if cp > 1:
@@ -302,6 +311,7 @@ def step_time(shape: ModelShape, layout: Layout, run: RunShape, hardware: Hardwa
             # the first gather and the last reduce-scatter have no compute to hide behind (counted as
             # hidden in `waits` where anything hides)
             exposed["fsdp"] = waits + overlap * (gather + reduce)
+            _sharded_host(exposed, "fsdp", hw, L, micro, blocks, compute)
     elif L.dp_replicate > 1:  # DDP: one all-reduce of the gradients, in buckets during the last backward
         inter = crosses_nodes(_stride(L, "dp_replicate"), L.dp_replicate, gpn)
         size = (dense_rank + expert_rank) * grad_bytes  # DDP keeps fp32 parameters and gradients

@@ -80,12 +80,15 @@ def test_doctor_on_four_gloo_processes_prints_busbw_per_group_and_size(tmp_path)
     assert by_size[1024] == rates["matmul_tflops"] and rates["matmul_together_tflops"] > 0
     assert rates["host_cores"] == len(os.sched_getaffinity(0))
     assert "matmul with every rank of a node at once" in result.stdout
-    # DTensor's bookkeeping costs milliseconds of host time per block pass on a CPU (tp_overhead.py)
-    assert rates["tp_block_s"] > 0 and rates["tp_pass_s"] >= 0
-    # and per optimizer step: AdamW and the clip dispatch each DTensor parameter's ops through DTensor
-    assert rates["tp_step_block_s"] + rates["tp_step_s"] > 0
-    assert "tensor parallel (pairs of ranks), host time beyond compute and wire" in result.stdout
-    assert "optimizer step and clip:" in result.stdout
+    # DTensor's bookkeeping and FSDP's hooks cost milliseconds of host time per block pass on a CPU
+    # (sharded_overhead.py), and per optimizer step: AdamW and the clip run each DTensor parameter's ops
+    # through DTensor
+    for kind in ("tp", "fsdp"):
+        assert rates[f"{kind}_block_s"] + rates[f"{kind}_pass_s"] > 0, kind
+        assert rates[f"{kind}_step_block_s"] + rates[f"{kind}_step_s"] > 0, kind
+    for name in ("tensor parallel", "FSDP"):
+        assert f"{name} (pairs of ranks), host time beyond compute and wire" in result.stdout
+    assert result.stdout.count("optimizer step and clip:") == 2
     for kind in ("intra_node", "inter_node"):
         best = max(rates["collectives"]["all_reduce"][kind].values())
         assert rates["links"][kind] == {"busbw_GBps": best, "nominal_GBps": None}, kind

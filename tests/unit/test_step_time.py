@@ -326,3 +326,17 @@ def test_tensor_parallel_host_time_adds_per_block_and_pass_on_a_cpu_host_and_hid
     assert step_time(SMALL, tp, run, gpu).exposed_s["tp host"] == pytest.approx(max(host - base.compute_s, 0))
     assert base.compute_s > host, "here the GPU's kernels outlast the host's bookkeeping: all of it hides"
     assert "tp host" not in step_time(SMALL, Layout(dp_replicate=2), run, cpu).exposed_s
+
+
+def test_fsdp_host_time_adds_per_block_pass_and_step_where_fsdp_shards():
+    run = RunShape(micro_batch=2, seq_len=128, accumulation=3)
+    timed = {"fsdp_block_s": 0.02, "fsdp_pass_s": 0.01, "fsdp_step_block_s": 0.003, "fsdp_step_s": 0.004}
+    plain = measured_hardware(hockney_rates(0.0, 1.0, host_cores=2), 4e9)
+    cpu = measured_hardware(hockney_rates(0.0, 1.0, host_cores=2, **timed), 4e9)
+    fsdp = Layout(dp_shard=2, zero_stage=3, precision="fp32")
+    base, added = step_time(SMALL, fsdp, run, plain), step_time(SMALL, fsdp, run, cpu)
+    host = 3 * (0.02 * SMALL.n_layers + 0.01) + 0.003 * SMALL.n_layers + 0.004  # 3 passes, 1 step
+    assert "fsdp host" not in base.exposed_s and added.exposed_s["fsdp host"] == pytest.approx(host)
+    assert added.step_s == pytest.approx(base.step_s + host)
+    for other in (Layout(dp_replicate=2), Layout(tp=2), Layout(dp_shard=2, zero_stage=1)):
+        assert "fsdp host" not in step_time(SMALL, other, run, cpu).exposed_s, other  # no FSDP there

@@ -9,7 +9,10 @@ from trainer.doctor.busbw import OPS
 from trainer.doctor.groups import INTER, INTRA
 from trainer.doctor.measure import Measurement
 from trainer.doctor.nominal import LinkRate
+from trainer.doctor.sharded_overhead import FIELDS, Overhead
 from trainer.doctor.topology import NodeTopology
+
+SHARDED_NAMES = {"tp": "tensor parallel", "fsdp": "FSDP"}
 
 WARN_FRACTION = 0.70  # nccl-tests' rule of thumb: a healthy link reaches 70% or more of its rate
 FORMULAS = {"all_reduce": "algbw x 2(n-1)/n"} | {op: "algbw x (n-1)/n" for op in OPS[1:]}
@@ -45,12 +48,8 @@ class Findings:
     matmul_by_size: dict[int, float] = dataclasses.field(default_factory=dict)  # n -> rank 0's TFLOP/s alone
     matmul_together_tflops: float | None = None  # per rank, node 0's ranks all multiplying at once
     host_cores: int | None = None  # the CPU cores a rank may run on (CPU runs: ranks share them)
-    # tensor parallelism's host time in pairs of ranks (tp_overhead.py): per block pass and per model pass,
-    # and per optimizer step (AdamW and the clip on DTensor parameters) per block and fixed
-    tp_block_s: float | None = None
-    tp_pass_s: float | None = None
-    tp_step_block_s: float | None = None
-    tp_step_s: float | None = None
+    # the host time of tensor parallelism and FSDP in pairs of ranks (sharded_overhead.py), by kind
+    sharded: dict[str, Overhead] = dataclasses.field(default_factory=dict)
 
     def best(self, op: str, group: str) -> float | None:
         """The highest busbw of `op` over `group` across sizes."""
@@ -78,15 +77,11 @@ def text_report(f: Findings) -> str:
             f"matmul with every rank of a node at once: {f.matmul_together_tflops:.4g} TFLOP/s per rank, "
             f"{f.matmul_together_tflops / f.matmul_tflops:.2f} x one rank alone ({f.gpus_per_node} ranks{cores})"
         )
-    if f.tp_block_s is not None and f.tp_pass_s is not None:
+    for kind, o in f.sharded.items():
         lines.append(
-            "tensor parallel (pairs of ranks), host time beyond compute and wire: "
-            f"{f.tp_block_s * 1e3:.3g} ms per block pass, {f.tp_pass_s * 1e3:.3g} ms per model pass (forward + backward)"
-            + (
-                f"; optimizer step and clip: {f.tp_step_block_s * 1e3:.3g} ms per block, {f.tp_step_s * 1e3:.3g} ms more"
-                if f.tp_step_block_s is not None and f.tp_step_s is not None
-                else ""
-            )
+            f"{SHARDED_NAMES[kind]} (pairs of ranks), host time beyond compute and wire: "
+            f"{o.block_s * 1e3:.3g} ms per block pass, {o.pass_s * 1e3:.3g} ms per model pass (forward + backward); "
+            f"optimizer step and clip: {o.step_block_s * 1e3:.3g} ms per block, {o.step_s * 1e3:.3g} ms more"
         )
     for op in OPS:
         rows = [m for m in f.measurements if m.op == op]
@@ -195,10 +190,7 @@ def rates_file(f: Findings) -> dict[str, Any]:
         "matmul_tflops_by_size": {str(n): rate for n, rate in sorted(f.matmul_by_size.items())},
         "matmul_together_tflops": f.matmul_together_tflops,
         "host_cores": f.host_cores,
-        "tp_block_s": f.tp_block_s,
-        "tp_pass_s": f.tp_pass_s,
-        "tp_step_block_s": f.tp_step_block_s,
-        "tp_step_s": f.tp_step_s,
+        **{f"{kind}_{name}": getattr(o, name) for kind, o in f.sharded.items() for name in FIELDS},
     }
     if not several_nodes:
         data["note"] = (

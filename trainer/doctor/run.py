@@ -26,8 +26,8 @@ from trainer.doctor.groups import (
     parse_mesh,
 )
 from trainer.doctor.report import Findings, NodeReport, rates_file, text_report
+from trainer.doctor.sharded_overhead import sharded_overhead
 from trainer.doctor.topology import NodeProbe, load_nvml
-from trainer.doctor.tp_overhead import tp_overhead
 from trainer.launch import detect_world
 from trainer.precision import Precision
 
@@ -123,7 +123,7 @@ def _run(strategy: _WorldStrategy, options: DoctorOptions, sizes: list[int]) -> 
     by_size, together = measure.matmul_alone_and_together(device, sizes_mm, dtype, calls)
     together = together[:gpus_per_node]  # node 0's ranks
     n = max(sizes_mm)
-    tp = tp_overhead(device)
+    sharded = sharded_overhead(device)
 
     node = None
     if local_zero:
@@ -154,10 +154,7 @@ def _run(strategy: _WorldStrategy, options: DoctorOptions, sizes: list[int]) -> 
         matmul_by_size=by_size,
         matmul_together_tflops=sum(together) / len(together),
         host_cores=len(os.sched_getaffinity(0)) if device.type == "cpu" else None,
-        tp_block_s=tp.block_s,
-        tp_pass_s=tp.pass_s,
-        tp_step_block_s=tp.step_block_s,
-        tp_step_s=tp.step_s,
+        sharded=sharded,
         measurements=measurements,
         nominal=_nominal(layouts, gpus_per_node, backend, nodes),
         nodes=nodes,
