@@ -23,16 +23,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from strategies.plan.hardware import SHARDED_FIELDS as FIELDS
+from strategies.plan.hardware import SHARDED_KINDS as KINDS
 from trainer.doctor.measure import ALL_GATHER, REDUCE_SCATTER, time_call
 from trainer.dtensors import full_value
 from trainer.fused_optim import prefer_fused
 
 VOCAB, HEAD_DIM = 256, 16
-KINDS = ("tp", "fsdp")
 # all-gather + reduce-scatter pairs of a sequence-parallel pass that the step-time model counts: per block,
 # and outside the blocks (the embedding's output, the output layer's input)
 PAIRS_PER_BLOCK, PAIRS_OUTSIDE = 4, 2
-FIELDS = ("block_s", "pass_s", "step_block_s", "step_s")  # the rates file's keys: "<kind>_<field>"
 
 
 @dataclass(frozen=True)
@@ -57,8 +57,8 @@ def sharded_overhead(device: torch.device, iters: int = 10) -> dict[str, Overhea
     measured = [x for kind in KINDS for x in _measure(kind, heads, tokens, mesh, device, iters)]
     slowest = torch.tensor(measured, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    values = [max(x, 0.0) for x in slowest.tolist()]
-    return {kind: Overhead(*values[4 * i : 4 * i + 4]) for i, kind in enumerate(KINDS)}
+    values = iter(max(x, 0.0) for x in slowest.tolist())
+    return {kind: Overhead(**{name: next(values) for name in FIELDS}) for kind in KINDS}
 
 
 def _measure(kind: str, heads: int, tokens: int, mesh, device: torch.device, iters: int) -> list[float]:
