@@ -165,7 +165,7 @@ class Rates:
                 host_cores=None if data.get("host_cores") is None else int(data["host_cores"]),
                 sharded={
                     kind: {
-                        f: float(data[f"{kind}_{f}"])
+                        f: _named_float(data, f"{kind}_{f}")
                         for f in SHARDED_FIELDS
                         if data.get(f"{kind}_{f}") is not None
                     }
@@ -210,6 +210,14 @@ class Rates:
                 alpha = max(times[s0] - slope * s0, 0.0)
         rest = {size: size * factor / (times[size] - alpha) / GB for size in sizes}
         return alpha / max(ring_steps(op, n), 1), rest
+
+
+def _named_float(data: dict[str, Any], key: str) -> float:
+    """data[key] as a float; a ValueError naming the key when it is not a number."""
+    try:
+        return float(data[key])
+    except (TypeError, ValueError):
+        raise ValueError(f"{key} is {data[key]!r}, not a number") from None
 
 
 def _optional_float(value: Any) -> float | None:

@@ -340,3 +340,9 @@ def test_fsdp_host_time_adds_per_block_pass_and_step_where_fsdp_shards():
     assert added.step_s == pytest.approx(base.step_s + host)
     for other in (Layout(dp_replicate=2), Layout(tp=2), Layout(dp_shard=2, zero_stage=1)):
         assert "fsdp host" not in step_time(SMALL, other, run, cpu).exposed_s, other  # no FSDP there
+
+
+def test_a_rates_file_whose_sharding_time_is_not_a_number_is_refused_by_name():
+    with pytest.raises(ValueError, match="fsdp_step_s is 'abc', not a number"):
+        hockney_rates(0.0, 1.0, fsdp_step_s="abc")
+    assert hockney_rates(0.0, 1.0, tp_block_s=0.01).sharded == {"tp": {"block_s": 0.01}, "fsdp": {}}
