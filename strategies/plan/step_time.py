@@ -178,20 +178,29 @@ def matmul_rate(shape: ModelShape, layout: Layout, tokens: float, seq_len: int, 
 
 
 def _sharded_host(
-    exposed: dict[str, float], kind: str, hw: Hardware, L: Layout, micro: int, blocks: float, compute: float
+    hosts: dict[str, float], kind: str, hw: Hardware, L: Layout, micro: int, blocks: float
 ) -> None:
-    """`kind` sharding's host time (DTensor's dispatch and bookkeeping, tp's styles, FSDP's hooks and
-    copies) as the doctor measured it per block pass (again for the forward a full recompute reruns) and
-    per model pass, and once a step in the optimizer step and the clip over the DTensor parameters: a CPU
-    host spends it inside the step; a GPU's host queues the kernels meanwhile, so it shows only where it
-    exceeds them. Nothing when the doctor did not measure it."""
+    """`kind` sharding's host time of a step into `hosts` (DTensor's dispatch and bookkeeping, tp's
+    styles, FSDP's hooks and copies) as the doctor measured it per block pass (again for the forward a full
+    recompute reruns) and per model pass, and once a step in the optimizer step and the clip over the
+    DTensor parameters; nothing when the doctor did not measure it."""
     found = hw.rates.sharded.get(kind) if hw.rates is not None else None
     if not found:
         return
     rerun = 4 / 3 if L.activation_checkpointing == "full" else 1.0
     host = micro * (found.get("block_s", 0.0) * blocks * rerun + found.get("pass_s", 0.0))
-    host += found.get("step_block_s", 0.0) * blocks + found.get("step_s", 0.0)
-    exposed[f"{kind} host"] = host if hw.rates.host_cores is not None else max(host - compute, 0.0)
+    hosts[kind] = host + found.get("step_block_s", 0.0) * blocks + found.get("step_s", 0.0)
+
+
+def _host_waits(hosts: dict[str, float], hw: Hardware, compute: float) -> dict[str, float]:
+    """What of the shardings' host time the step waits for: a CPU host spends all of it inside the step; a
+    GPU's host queues the kernels meanwhile, so only what all of it together exceeds them by shows (shared
+    in proportion)."""
+    if hw.rates is None or hw.rates.host_cores is not None:
+        return {f"{kind} host": s for kind, s in hosts.items()}
+    total = sum(hosts.values())
+    shown = max(total - compute, 0.0)
+    return {f"{kind} host": s / total * shown if total else 0.0 for kind, s in hosts.items()}
 
 
 def step_time(shape: ModelShape, layout: Layout, run: RunShape, hardware: Hardware) -> StepTime:
@@ -231,6 +240,7 @@ def step_time(shape: ModelShape, layout: Layout, run: RunShape, hardware: Hardwa
 
     comm: dict[str, float] = {}
     exposed: dict[str, float] = {}
+    hosts: dict[str, float] = {}  # each sharding's host time (_sharded_host)
     # tensor parallel: 2 all-reduces (SP: reduce-scatter + all-gather, the same bytes) per block in the
     # forward, 2 in the backward, 2 more when full AC reruns the forward; on every block's critical path
     if tp > 1:
@@ -249,7 +259,7 @@ def step_time(shape: ModelShape, layout: Layout, run: RunShape, hardware: Hardwa
         # slowest stage holds one of the two
         outside = 2 if pp == 1 else 1
         comm["tp"] = exposed["tp"] = one * (per_block * blocks + outside) * micro
-        _sharded_host(exposed, "tp", hw, L, micro, blocks, compute)
+        _sharded_host(hosts, "tp", hw, L, micro, blocks)
     # context parallel: each block all-gathers K and V of the whole sequence (again in the backward and in a
     # recompute) and reduce-scatters their gradients
     if cp > 1:
@@ -311,7 +321,7 @@ def step_time(shape: ModelShape, layout: Layout, run: RunShape, hardware: Hardwa
             # the first gather and the last reduce-scatter have no compute to hide behind (counted as
             # hidden in `waits` where anything hides)
             exposed["fsdp"] = waits + overlap * (gather + reduce)
-            _sharded_host(exposed, "fsdp", hw, L, micro, blocks, compute)
+            _sharded_host(hosts, "fsdp", hw, L, micro, blocks)
     elif L.dp_replicate > 1:  # DDP: one all-reduce of the gradients, in buckets during the last backward
         inter = crosses_nodes(_stride(L, "dp_replicate"), L.dp_replicate, gpn)
         size = (dense_rank + expert_rank) * grad_bytes  # DDP keeps fp32 parameters and gradients
@@ -323,6 +333,7 @@ def step_time(shape: ModelShape, layout: Layout, run: RunShape, hardware: Hardwa
         last_backward = compute * backward_share / micro
         exposed["ddp"] = _wait(reduce, last_backward, overlap) + overlap * min(bucket, reduce)
 
+    exposed.update(_host_waits(hosts, hw, compute))
     # pipeline: the bubble idles a stage for (p-1)/(v m) of its work; activations cross each boundary
     if pp > 1:
         v = STAGES_PER_RANK[L.pp_schedule]

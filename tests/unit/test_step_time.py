@@ -346,3 +346,16 @@ def test_a_rates_file_whose_sharding_time_is_not_a_number_is_refused_by_name():
     with pytest.raises(ValueError, match="fsdp_step_s is 'abc', not a number"):
         hockney_rates(0.0, 1.0, fsdp_step_s="abc")
     assert hockney_rates(0.0, 1.0, tp_block_s=0.01).sharded == {"tp": {"block_s": 0.01}, "fsdp": {}}
+
+
+def test_a_gpu_hides_the_shardings_host_time_together_behind_its_kernels():
+    # tp x FSDP on a GPU: each sharding's host time alone fits under the kernels, both together do not
+    run = RunShape(micro_batch=2, seq_len=128)
+    both = Layout(tp=2, dp_shard=2, zero_stage=3, precision="fp32")
+    compute = step_time(SMALL, both, run, measured_hardware(hockney_rates(0.0, 1.0, n=4), 4e9)).compute_s
+    per_block = 0.6 * compute / SMALL.n_layers  # 0.6 of the kernels' time each
+    timed = {"tp_block_s": per_block, "fsdp_block_s": per_block}
+    gpu = measured_hardware(hockney_rates(0.0, 1.0, n=4, **timed), 4e9)  # no host cores: a GPU's host
+    waits = step_time(SMALL, both, run, gpu).exposed_s
+    assert waits["tp host"] + waits["fsdp host"] == pytest.approx(0.2 * compute)
+    assert waits["tp host"] == pytest.approx(waits["fsdp host"])
