@@ -11,7 +11,8 @@ the parts present.
 from __future__ import annotations
 
 import copy
-from typing import Any
+import itertools
+from typing import Any, TypeVar
 
 from torch import nn
 
@@ -44,7 +45,12 @@ def stage_ids(schedule: str, pp_rank: int, pp: int) -> list[int]:
     return [pp_rank + i * pp for i in range(per_rank)]
 
 
-def split_blocks(names: list[str], n_stages: int, per_stage: list[int] | None = None) -> list[list[str]]:
+_Block = TypeVar("_Block")
+
+
+def split_blocks(
+    names: list[_Block], n_stages: int, per_stage: list[int] | None = None
+) -> list[list[_Block]]:
     """The blocks of each stage, in order. Balanced: the modules before and after the blocks weigh one
     block each (TorchTitan's rule), so the first and last stages get a block less where that evens
     the load; every stage keeps at least one block. `per_stage` gives the counts explicitly."""
@@ -57,7 +63,7 @@ def split_blocks(names: list[str], n_stages: int, per_stage: list[int] | None = 
         if min(per_stage) < 1:  # weighting would leave a stage with no block: split the blocks evenly
             base, extra = divmod(len(names), n_stages)
             per_stage = [base + (i < extra) for i in range(n_stages)]
-    starts = [sum(per_stage[:i]) for i in range(n_stages)]
+    starts = [0, *itertools.accumulate(per_stage)][:-1]
     return [names[s : s + n] for s, n in zip(starts, per_stage, strict=True)]
 
 

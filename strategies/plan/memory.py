@@ -19,6 +19,7 @@ tensor); CUDA's fused AdamW (trainer/fused_optim.py) has none, so there this mom
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 from strategies.pipeline import split_blocks, stage_ids
@@ -30,6 +31,7 @@ from strategies.plan.tensors import (
     block_saved_bytes,
     block_unit,
     compute_bytes,
+    is_moe_layer,
     root_unit,
 )
 
@@ -70,7 +72,32 @@ def per_rank_memory(shape: ModelShape, layout: Layout, run: RunShape) -> MemoryE
 def per_stage_memory(shape: ModelShape, layout: Layout, run: RunShape) -> list[MemoryEstimate]:
     """`per_rank_memory` of a rank of each pipeline rank 0..pp-1 (one item without a pipeline)."""
     _check(shape, layout, run)
-    return [_stage_memory(shape, layout, run, rank) for rank in range(layout.pp)]
+    n_stages = layout.pp * (2 if layout.pp_schedule == "interleaved_1f1b" else 1)
+    cut = split_blocks(list(range(shape.n_layers)), n_stages)
+    kinds = _BlockKinds(shape, layout)
+    return [_stage_memory(shape, layout, run, rank, cut, kinds) for rank in range(layout.pp)]
+
+
+class _BlockKinds:
+    """A layout's block units, one per kind of block (dense or MoE: every block of a kind has the same
+    shapes), so that a model of 80 or 128 blocks is counted per kind, not per block: `trainer plan` tries
+    thousands of layouts."""
+
+    def __init__(self, shape: ModelShape, layout: Layout) -> None:
+        self.shape, self.layout = shape, layout
+        self.units: dict[bool, Unit] = {}
+
+    def unit(self, layer: int) -> Unit:
+        moe = is_moe_layer(self.shape, layer)
+        if moe not in self.units:
+            self.units[moe] = block_unit(self.shape, self.layout, layer)
+        return self.units[moe]
+
+    def first_of_each(self, layers: list[int]) -> dict[int, int]:
+        """One layer of each kind among `layers` -> how many of `layers` are of its kind."""
+        counts = Counter(is_moe_layer(self.shape, i) for i in layers)
+        first = {is_moe_layer(self.shape, i): i for i in reversed(layers)}
+        return {first[moe]: n for moe, n in counts.items()}
 
 
 def _check(shape: ModelShape, layout: Layout, run: RunShape) -> None:
@@ -97,22 +124,25 @@ def _check(shape: ModelShape, layout: Layout, run: RunShape) -> None:
         raise ValueError("memory model: " + "; ".join(problems))
 
 
-def _stage_memory(shape: ModelShape, layout: Layout, run: RunShape, pp_rank: int) -> MemoryEstimate:
-    """The peak of a rank of pipeline rank `pp_rank`: its stages' units, sharded as the layout says."""
+def _stage_memory(
+    shape: ModelShape, layout: Layout, run: RunShape, pp_rank: int, cut: list[list[int]], kinds: _BlockKinds
+) -> MemoryEstimate:
+    """The peak of a rank of pipeline rank `pp_rank`: its stages' units (`cut`: each stage's blocks),
+    sharded as the layout says."""
     schedule = SCHEDULE_NAMES[layout.pp_schedule]
-    n_stages = layout.pp * (2 if layout.pp_schedule == "interleaved_1f1b" else 1)
-    cut = split_blocks([str(i) for i in range(shape.n_layers)], n_stages)
+    n_stages = len(cut)
     ids = stage_ids(schedule, pp_rank, layout.pp) if layout.pp > 1 else [0]
-    layers = [int(name) for i in ids for name in cut[i]]
-    blocks = [block_unit(shape, layout, i) for i in layers]
+    layers = [layer for i in ids for layer in cut[i]]
+    each = kinds.first_of_each(layers)  # a layer of each kind -> its count
+    blocks = [kinds.unit(i) for i in layers]
     roots = [root_unit(shape, layout, i == 0, i == n_stages - 1) for i in ids]
     shard = _Sharding(layout, shape.dim)
 
     # what the rank stores across steps (FSDP: shards; DDP/ZeRO-1: whole replicas)
-    units = [*blocks, *roots]
-    params = sum(shard.stored(u) for u in units) * FP32
+    counted = [(kinds.unit(i), n) for i, n in each.items()] + [(u, 1) for u in roots]
+    params = sum(n * shard.stored(u) for u, n in counted) * FP32
     grads = params
-    optimizer = OPTIMIZER_STATES[run.optimizer] * sum(shard.optimizer_numel(u) for u in units) * FP32
+    optimizer = OPTIMIZER_STATES[run.optimizer] * sum(n * shard.optimizer_numel(u) for u, n in counted) * FP32
     if layout.cpu_offload:  # FSDP's CPUOffloadPolicy: shards, gradients and the optimizer step on the host
         params = grads = optimizer = 0
 
@@ -120,14 +150,14 @@ def _stage_memory(shape: ModelShape, layout: Layout, run: RunShape, pp_rank: int
     micro = run.micro_batch // layout.pp_microbatches
     tokens = micro * run.seq_len // layout.cp
     in_flight = _in_flight(layout, pp_rank, len(ids))
-    per_micro = sum(_kept(shape, layout, i, tokens) for i in layers)
+    per_micro = sum(n * _kept(shape, layout, i, tokens) for i, n in each.items())
     first, last = 0 in ids, n_stages - 1 in ids
     per_micro += _ends_saved(shape, layout, tokens, first, last)
     activations = in_flight * per_micro
 
     # bf16 autocast's copies of the matmul weights, which the matmuls keep for their backward (FSDP's
     # mixed precision gathers bf16 parameters instead: nothing to cast)
-    cast = 2 * sum(u.cast for u in units) if layout.precision == "bf16" and not shard.fsdp else 0
+    cast = 2 * sum(n * u.cast for u, n in counted) if layout.precision == "bf16" and not shard.fsdp else 0
     resident = params + optimizer + (grads if shard.buckets else 0) + activations + cast
     loss = _loss_bytes(shape, layout, tokens) if last else 0
     at_loss = shard.gathered_at_loss(blocks, roots)
@@ -139,7 +169,7 @@ def _stage_memory(shape: ModelShape, layout: Layout, run: RunShape, pp_rank: int
     }
     # the first block's backward (recomputed first when checkpointed): the loss's buffers are gone; the
     # gradients made so far (the output projection's) and FSDP's working set are there
-    recompute = max(block_saved_bytes(shape, layout, i, tokens) for i in layers)
+    recompute = max(block_saved_bytes(shape, layout, i, tokens) for i in each)
     redo = recompute if layout.activation_checkpointing != "none" else 0
     working = shard.backward_working_set(blocks, roots, last)
     name = (
@@ -151,11 +181,11 @@ def _stage_memory(shape: ModelShape, layout: Layout, run: RunShape, pp_rank: int
     if layout.pp > 1 and shard.fsdp:
         # a pipeline holds its stages gathered, and their gradients unsharded, across the micro-batches
         # of a step (the reduce-scatter waits for the last one)
-        whole = sum(u.numel + u.expert_numel for u in units)
+        whole = sum(n * (u.numel + u.expert_numel) for u, n in counted)
         held = whole * (compute_bytes(layout) + FP32)
         one = resident - activations + per_micro + loss  # the last micro-batch's backward
         moments["pipeline backward"] = (one + held, held, "pipeline's gathered stage and its gradients")
-    opt_transient, opt_name = shard.optimizer_transient(units, run)
+    opt_transient, opt_name = shard.optimizer_transient([u for u, _ in counted], run)
     moments["optimizer"] = (params + grads + optimizer + opt_transient, opt_transient, opt_name)
     moment = max(moments, key=lambda m: moments[m][0])
     peak, transient, name = moments[moment]

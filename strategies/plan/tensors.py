@@ -7,6 +7,7 @@ backward (what autograd keeps of each op in the Llama's forward, under each acti
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from strategies.plan.shapes import Layout, ModelShape
 
@@ -21,11 +22,11 @@ class Unit:
     experts: tuple[tuple[int, int], ...] = ()  # routed experts: their own FSDP unit over the expert mesh
     cast: int = 0  # elements bf16 autocast copies (matmul weights, experts included): not norms, not lookups
 
-    @property
+    @cached_property
     def numel(self) -> int:
         return sum(n for _, n in self.params)
 
-    @property
+    @cached_property
     def expert_numel(self) -> int:
         return sum(n for _, n in self.experts)
 
