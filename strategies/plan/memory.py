@@ -81,7 +81,7 @@ def per_stage_memory(shape: ModelShape, layout: Layout, run: RunShape) -> list[M
 class _BlockKinds:
     """A layout's block units, one per kind of block (dense or MoE: every block of a kind has the same
     shapes), so that a model of 80 or 128 blocks is counted per kind, not per block: `trainer plan` tries
-    thousands of layouts."""
+    thousands of layouts. A kind's unit stands for each of its blocks (it carries the first one's name)."""
 
     def __init__(self, shape: ModelShape, layout: Layout) -> None:
         self.shape, self.layout = shape, layout
