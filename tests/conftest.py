@@ -60,11 +60,10 @@ LONG_POLES = (
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The LONG_POLES modules' tests first, longest module first; the rest keep their order (`make test`
     passes --no-loadscope-reorder so that xdist keeps this one)."""
-    rank = {name: i for i, name in enumerate(LONG_POLES)}
 
     def place(item: pytest.Item) -> int:
         path = item.path.as_posix()
-        return next((i for name, i in rank.items() if path.endswith(name)), len(LONG_POLES))
+        return next((i for i, name in enumerate(LONG_POLES) if path.endswith(name)), len(LONG_POLES))
 
     items.sort(key=place)  # stable: within a module, and among the rest, the collection's order
 
