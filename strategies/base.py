@@ -27,6 +27,7 @@ from strategies.parallel_dims import check_group_name
 from strategies.step_skip import DECLARATION, may_return_none
 from trainer import checkpoint as ckpt
 from trainer.data.distributed import shard_loader
+from trainer.dtensors import local_part
 from trainer.precision import Precision
 from trainer.timing import PhaseClock
 from trainer.tree import apply_to_tensors
@@ -507,10 +508,8 @@ def _grads(module: nn.Module) -> list[torch.Tensor]:
 
 
 def scale_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
-    """Multiply `tensors` in place by `factor`, one fused op per DeviceMesh: a foreach op refuses
-    DTensors of different meshes (tensor-parallel weights next to data-parallel-only norms)."""
-    by_mesh: dict[Any, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_mesh.setdefault(getattr(t, "device_mesh", None), []).append(t)
-    for group in by_mesh.values():
-        torch._foreach_mul_(group, factor)
+    """Multiply `tensors` in place by the scalar `factor`, in one fused op over this rank's values: a scalar
+    scales each shard, replica and pending partial sum of a DTensor alike, so the op needs none of DTensor's
+    sharding propagation (uncached on each new mesh: most of a small model's first step) nor one op per mesh."""
+    if tensors:  # (a foreach op refuses an empty list: a step without gradients)
+        torch._foreach_mul_([local_part(t) for t in tensors], factor)
