@@ -1,11 +1,12 @@
 """Per-sample gradients for DP-SGD, computed from the ordinary forward/backward of `training_step`.
 
 While `PerSampleGradients.capture()` is active, a forward hook on every module that directly owns trainable
-parameters stores the module's input (detached) and puts a tensor hook on its output that stores the
-output's gradient. After the backward, a rule per layer type (strategies/per_sample_rules.py) turns
-activation A and output gradient G into per-sample gradients (Linear, Embedding, LayerNorm, GroupNorm,
-RMSNorm, Conv1d/Conv2d); any other module owning parameters gets them from torch.func (`vmap` over samples
-of the module's vjp), as Opacus's hooks mode does. The user's `training_step` stays plain Python.
+parameters stores the module's input (detached) and puts a tensor hook on its output. As the output's
+gradient arrives, a rule per layer type (strategies/per_sample_rules.py) turns activation A and output
+gradient G into per-sample gradients (Linear, Embedding, LayerNorm, GroupNorm, RMSNorm, Conv1d/Conv2d): a
+norm's (B x features) replace its A and G at once, which the rest of the backward then need not hold. Any
+other module owning parameters gets them after the backward from torch.func (`vmap` over samples of the
+module's vjp), as Opacus's hooks mode does. The user's `training_step` stays plain Python.
 
 Linear/Embedding/Conv weights stay factored (strategies/per_sample_factored.py): their per-sample norms come
 from Gram matrices of A and G (ghost norms) or from the per-sample gradients built a chunk of samples at a
@@ -64,13 +65,17 @@ def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor
 @dataclass
 class _Call:
     """One forward of a layer: its inputs (detached), its differentiable outputs' positions among the output's
-    leaves with their shapes/dtypes, and their gradients (filled by backward; None if none arrived)."""
+    leaves with their shapes/dtypes, their gradients (filled by backward; None if none arrived) and its batch
+    size. A layer with a rule gets its `terms` instead, as its output's gradient arrives, and lets go of
+    its inputs (a factored term keeps what it needs)."""
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     out_index: list[int]
     out_meta: list[tuple[torch.Size, torch.dtype]]
     grads: list[torch.Tensor | None]
+    batch: int
+    terms: dict[str, Contribution] | None = None
 
 
 @dataclass
@@ -102,7 +107,7 @@ class PerSampleGradients:
 
     `loss_reduction`: how the back-propagated loss combines the B samples' losses: "mean" (the captured
     output gradients carry 1/B, so every rule's result is multiplied by B) or "sum". The per-sample gradient
-    is always that of one sample's own loss. `mode` says how a Linear/Embedding/Conv weight's per-sample norms
+    is always that of one sample's own loss (one backward per `capture()`). `mode` says how a Linear/Embedding/Conv weight's per-sample norms
     are computed, all exactly: "mixed" per weight the cheaper way (Gram matrices where 2 T^2 < rows x cols, T
     its input rows per sample, else the per-sample gradients a chunk of samples at a time), "hooks" always
     from the per-sample gradients, "ghost" always from Gram matrices. Its clipped sum is one matmul in every
@@ -185,11 +190,31 @@ class PerSampleGradients:
             index,
             [(leaves[i].shape, leaves[i].dtype) for i in index],
             [None] * len(index),
+            _first_tensor(args, kwargs).shape[0],
         )
         for slot, i in enumerate(index):
-            leaves[i].register_hook(functools.partial(_store_grad, call, slot))
+            if layer.rule is not None and len(index) == 1:
+                leaves[i].register_hook(functools.partial(self._apply_rule, layer, call))
+            else:
+                leaves[i].register_hook(functools.partial(_store_grad, call, slot))
             self._edges.append(get_gradient_edge(leaves[i]))
         layer.calls.append(call)
+
+    @staticmethod
+    def _apply_rule(layer: _Layer, call: _Call, grad: torch.Tensor) -> None:
+        """Tensor hook of a layer with a rule: its per-sample terms as soon as its output's gradient arrives.
+        The call then drops its inputs: the rest of the backward holds a norm's (B x features) gradients,
+        not its input and output gradient (B x T x features each)."""
+        if call.terms is not None:
+            raise RuntimeError(
+                f"'{layer.name}' got a second output gradient in one capture(); per-sample gradients take one "
+                "backward per capture: sum the losses first"
+            )
+        dtype = _compute_dtype(layer.params.values())
+        with torch.no_grad():
+            x = _first_tensor(call.args, call.kwargs)
+            call.terms = layer.rule(layer.module, x, grad.detach().to(dtype), layer.params.keys())
+        call.args, call.kwargs = (), {}
 
     def backward(self, loss: torch.Tensor) -> None:
         """`loss.backward()` as far as per-sample gradients need it: to every captured layer output, and to
@@ -228,11 +253,14 @@ class PerSampleGradients:
         if self._parts is not None:
             return self._parts
         calls = [
-            (layer, c) for layer in self._layers for c in layer.calls if any(g is not None for g in c.grads)
+            (layer, c)
+            for layer in self._layers
+            for c in layer.calls
+            if c.terms is not None or any(g is not None for g in c.grads)
         ]
         if not calls:
             raise RuntimeError("nothing was captured: run the forward and loss.backward() inside capture()")
-        sizes = {(layer.name, _first_tensor(c.args, c.kwargs).shape[0]) for layer, c in calls}
+        sizes = {(layer.name, c.batch) for layer, c in calls}
         if len({b for _, b in sizes}) > 1:
             seen = ", ".join(f"'{n}': {b}" for n, b in sorted(sizes))
             raise ValueError(
@@ -243,16 +271,18 @@ class PerSampleGradients:
         B = next(iter(sizes))[1]
         parts: dict[nn.Parameter, list[Contribution]] = {p: [] for p in self.params}
         for layer, call in calls:
-            x = _first_tensor(call.args, call.kwargs)
-            grads = [
-                torch.zeros(shape, dtype=out_dtype, device=x.device) if g is None else g
-                for g, (shape, out_dtype) in zip(call.grads, call.out_meta, strict=True)
-            ]
             dtype = _compute_dtype(layer.params.values())
-            if layer.rule is not None:
-                terms = layer.rule(layer.module, x, grads[0].to(dtype), layer.params.keys())
-            else:
-                terms = self._vmap_rule(layer, call, grads, B)
+            terms = call.terms
+            if terms is None:
+                x = _first_tensor(call.args, call.kwargs)
+                grads = [
+                    torch.zeros(shape, dtype=out_dtype, device=x.device) if g is None else g
+                    for g, (shape, out_dtype) in zip(call.grads, call.out_meta, strict=True)
+                ]
+                if layer.rule is not None:  # (a layer with a rule and several outputs: the first's gradient)
+                    terms = layer.rule(layer.module, x, grads[0].to(dtype), layer.params.keys())
+                else:
+                    terms = self._vmap_rule(layer, call, grads, B)
             for name, term in terms.items():
                 parts[layer.params[name]].append(term if isinstance(term, Outer) else term.to(dtype))
         missing = [

@@ -12,21 +12,17 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: helpers
-sys.path.insert(0, str(Path(__file__).parent))
-from memory_peak import PeakBytes  # noqa: E402
-
-from callbacks import Callback  # noqa: E402
-from strategies.registry import build_strategy  # noqa: E402
-from trainer import Trainer  # noqa: E402
-from trainer.models.causal_lm import CausalLM  # noqa: E402
-from trainer.models.llama import LlamaConfig  # noqa: E402
+from callbacks import Callback
+from strategies.registry import build_strategy
+from trainer import Trainer
+from trainer.memory_peak import PeakBytes
+from trainer.models.causal_lm import CausalLM
+from trainer.models.llama import LlamaConfig
 
 # big enough that weights, optimizer state, activations and logits each show in the peak, small enough
 # for a few fits on a loaded CPU
