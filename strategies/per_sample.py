@@ -3,10 +3,10 @@
 While `PerSampleGradients.capture()` is active, a forward hook on every module that directly owns trainable
 parameters stores the module's input (detached) and puts a tensor hook on its output. As the output's
 gradient arrives, a rule per layer type (strategies/per_sample_rules.py) turns activation A and output
-gradient G into per-sample gradients (Linear, Embedding, LayerNorm, GroupNorm, RMSNorm, Conv1d/Conv2d): a
-norm's (B x features) replace its A and G at once, which the rest of the backward then need not hold. Any
-other module owning parameters gets them after the backward from torch.func (`vmap` over samples of the
-module's vjp), as Opacus's hooks mode does. The user's `training_step` stays plain Python.
+gradient G into per-sample gradients (Linear, Embedding, LayerNorm, GroupNorm, RMSNorm, Conv1d/Conv2d).
+Under `backward()` a norm's (B x features) replace its A and G at once: the rest of the backward need not
+hold them. Any other module owning parameters gets them after the backward from torch.func (`vmap` over
+samples of the module's vjp), as Opacus's hooks mode does. The user's `training_step` stays plain Python.
 
 Linear/Embedding/Conv weights stay factored (strategies/per_sample_factored.py): their per-sample norms come
 from Gram matrices of A and G (ghost norms) or from the per-sample gradients built a chunk of samples at a
@@ -66,8 +66,8 @@ def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor
 class _Call:
     """One forward of a layer: its inputs (detached), its differentiable outputs' positions among the output's
     leaves with their shapes/dtypes, their gradients (filled by backward; None if none arrived) and its batch
-    size. A layer with a rule gets its `terms` instead, as its output's gradient arrives, and lets go of
-    its inputs (a factored term keeps what it needs)."""
+    size. A layer with a rule gets its `terms` instead, one set per backward as its output's gradient
+    arrives."""
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
@@ -75,7 +75,7 @@ class _Call:
     out_meta: list[tuple[torch.Size, torch.dtype]]
     grads: list[torch.Tensor | None]
     batch: int
-    terms: dict[str, Contribution] | None = None
+    terms: list[dict[str, Contribution]] = field(default_factory=list)
 
 
 @dataclass
@@ -107,7 +107,7 @@ class PerSampleGradients:
 
     `loss_reduction`: how the back-propagated loss combines the B samples' losses: "mean" (the captured
     output gradients carry 1/B, so every rule's result is multiplied by B) or "sum". The per-sample gradient
-    is always that of one sample's own loss (one backward per `capture()`). `mode` says how a Linear/Embedding/Conv weight's per-sample norms
+    is always that of one sample's own loss. `mode` says how a Linear/Embedding/Conv weight's per-sample norms
     are computed, all exactly: "mixed" per weight the cheaper way (Gram matrices where 2 T^2 < rows x cols, T
     its input rows per sample, else the per-sample gradients a chunk of samples at a time), "hooks" always
     from the per-sample gradients, "ghost" always from Gram matrices. Its clipped sum is one matmul in every
@@ -144,6 +144,7 @@ class PerSampleGradients:
         self.layer_names: list[str] = list(dict.fromkeys(self._group_of.values()))
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._recording = False
+        self._last_backward = False  # inside `backward()`: no later backward can reach a captured output
         self.clear()
 
     # ---- capture ---------------------------------------------------------------------------------------
@@ -200,21 +201,18 @@ class PerSampleGradients:
             self._edges.append(get_gradient_edge(leaves[i]))
         layer.calls.append(call)
 
-    @staticmethod
-    def _apply_rule(layer: _Layer, call: _Call, grad: torch.Tensor) -> None:
-        """Tensor hook of a layer with a rule: its per-sample terms as soon as its output's gradient arrives.
-        The call then drops its inputs: the rest of the backward holds a norm's (B x features) gradients,
-        not its input and output gradient (B x T x features each)."""
-        if call.terms is not None:
-            raise RuntimeError(
-                f"'{layer.name}' got a second output gradient in one capture(); per-sample gradients take one "
-                "backward per capture: sum the losses first"
-            )
+    def _apply_rule(self, layer: _Layer, call: _Call, grad: torch.Tensor) -> None:
+        """Tensor hook of a layer with a rule: its per-sample terms as soon as its output's gradient arrives
+        (another backward in the same capture adds its own). Under `backward()`, after which no other can
+        reach this output (it keeps no graph), the call then drops its inputs: the rest of the backward holds
+        a norm's (B x features) gradients, not its input and output gradient (B x T x features each); a
+        factored term keeps what it needs."""
         dtype = _compute_dtype(layer.params.values())
         with torch.no_grad():
             x = _first_tensor(call.args, call.kwargs)
-            call.terms = layer.rule(layer.module, x, grad.detach().to(dtype), layer.params.keys())
-        call.args, call.kwargs = (), {}
+            call.terms.append(layer.rule(layer.module, x, grad.detach().to(dtype), layer.params.keys()))
+        if self._last_backward:
+            call.args, call.kwargs = (), {}
 
     def backward(self, loss: torch.Tensor) -> None:
         """`loss.backward()` as far as per-sample gradients need it: to every captured layer output, and to
@@ -230,7 +228,11 @@ class PerSampleGradients:
             dict.fromkeys(p for layer in self._layers if not layer.calls for p in layer.params.values())
         )
         # autograd.grad, not backward(inputs=): that would store a clone of each output's gradient in .grad
-        grads = torch.autograd.grad(loss, [*self._edges, *idle], allow_unused=True)
+        self._last_backward = True
+        try:
+            grads = torch.autograd.grad(loss, [*self._edges, *idle], allow_unused=True)
+        finally:
+            self._last_backward = False
         for p, grad in zip(idle, grads[len(self._edges) :], strict=True):
             if grad is not None:
                 p.grad = grad if p.grad is None else p.grad + grad
@@ -256,7 +258,7 @@ class PerSampleGradients:
             (layer, c)
             for layer in self._layers
             for c in layer.calls
-            if c.terms is not None or any(g is not None for g in c.grads)
+            if c.terms or any(g is not None for g in c.grads)
         ]
         if not calls:
             raise RuntimeError("nothing was captured: run the forward and loss.backward() inside capture()")
@@ -272,19 +274,20 @@ class PerSampleGradients:
         parts: dict[nn.Parameter, list[Contribution]] = {p: [] for p in self.params}
         for layer, call in calls:
             dtype = _compute_dtype(layer.params.values())
-            terms = call.terms
-            if terms is None:
+            sets = call.terms
+            if not sets:
                 x = _first_tensor(call.args, call.kwargs)
                 grads = [
                     torch.zeros(shape, dtype=out_dtype, device=x.device) if g is None else g
                     for g, (shape, out_dtype) in zip(call.grads, call.out_meta, strict=True)
                 ]
                 if layer.rule is not None:  # (a layer with a rule and several outputs: the first's gradient)
-                    terms = layer.rule(layer.module, x, grads[0].to(dtype), layer.params.keys())
+                    sets = [layer.rule(layer.module, x, grads[0].to(dtype), layer.params.keys())]
                 else:
-                    terms = self._vmap_rule(layer, call, grads, B)
-            for name, term in terms.items():
-                parts[layer.params[name]].append(term if isinstance(term, Outer) else term.to(dtype))
+                    sets = [self._vmap_rule(layer, call, grads, B)]
+            for terms in sets:
+                for name, term in terms.items():
+                    parts[layer.params[name]].append(term if isinstance(term, Outer) else term.to(dtype))
         missing = [
             self._names[p] for p in self.params if not parts[p] and p.grad is not None and bool(p.grad.any())
         ]
