@@ -1,21 +1,28 @@
-"""Fused optimizer kernels by default on CUDA: one kernel per step over all of a group's tensors instead
-of torch's default foreach launches; the result differs only in floating-point order."""
+"""Fused optimizer kernels by default, on CUDA and on the CPU: one kernel per step over all of a group's
+tensors instead of torch's default foreach launches (CUDA) or one tensor at a time (CPU: the tiny Llama's
+AdamW step 13.6 -> 4.0 ms); the result differs only in floating-point order, as TorchTitan's default."""
 
 from __future__ import annotations
 
 import torch
 from torch.optim.optimizer import _device_dtype_check_for_fused
 
+from trainer.dtensors import is_dtensor
+
 FUSABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
-FUSED_DEVICES = ("cuda",)
+# DTensor has sharding rules for fused Adam and AdamW but not for fused SGD (torch 2.13): an SGD over FSDP's
+# or tensor parallelism's sharded parameters keeps torch's default
+NO_DTENSOR_RULE = (torch.optim.SGD,)
+FUSED_DEVICES = ("cuda", "cpu")
 
 
 def prefer_fused(
     optimizer: torch.optim.Optimizer, device_types: tuple[str, ...] = FUSED_DEVICES
 ) -> torch.optim.Optimizer:
     """`optimizer` switched in place to its fused implementation when torch has one for its exact class,
-    the user set neither `fused` nor `foreach` (nor `differentiable`), and every parameter is a floating
-    tensor on a device of `device_types`. In place, so a scheduler built on it still drives it."""
+    the user set neither `fused` nor `foreach` (nor `differentiable`), every parameter is a floating
+    tensor on a device of `device_types`, and DTensor can run the fused kernel on sharded ones. In place,
+    so a scheduler built on it still drives it."""
     if type(optimizer) not in FUSABLE:  # a subclass may have its own step
         return optimizer
     settings = [optimizer.defaults, *optimizer.param_groups]
@@ -26,6 +33,8 @@ def prefer_fused(
         return optimizer
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if not params or any(p.device.type not in device_types for p in params):
+        return optimizer
+    if type(optimizer) in NO_DTENSOR_RULE and any(is_dtensor(p) for p in params):
         return optimizer
     try:
         for p in params:
