@@ -244,6 +244,17 @@ def checkpoint_steps(root: Path) -> list[int]:
     )
 
 
+def assert_validated(root: Path, step: int, with_loss: bool) -> None:
+    """The run's checkpoint of `step` under root/checkpoints passed validation in the run that wrote it:
+    checksums, reload under the run's own layout and, `with_loss` (a run with validation data), the reloaded
+    model's loss equal to the live one's."""
+    report = Path(root) / "checkpoints" / f"step-{step:08d}" / "validated.json"
+    assert report.exists(), f"{root.name}: no validated checkpoint of step {step}"
+    checked = json.loads(report.read_text())["checked"]
+    expected = ["checksums", "reload", "loss"] if with_loss else ["checksums", "reload"]
+    assert checked == expected, f"{root.name}: its step-{step} checkpoint was validated by {checked}"
+
+
 class FakeClock:
     """A clock that moves only when the test moves it: what a test expects of time is exact, and does not
     depend on how fast or loaded this machine is."""

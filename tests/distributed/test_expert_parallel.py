@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import REPO, SCRIPTS, launch_layouts, read_metrics, reference_run, run_cli
+from helpers import REPO, SCRIPTS, assert_validated, launch_layouts, read_metrics, reference_run, run_cli
 from moe_script import GLOBAL_BATCH, MODEL, make_run, tiny_moe
 from safetensors.torch import load_file
 
@@ -117,6 +117,7 @@ def assert_trains_like_one_process(
     for name, expected in weights.items() if not bf16 else ():
         diff = (torch.tensor(result["params"][name]) - expected).abs().max().item()
         assert diff <= PARAM_TOL, f"{tag}: {name} differs by {diff:.2e} from one process"
+    assert_validated(runs, max(steps), with_loss=True)  # the layout's own save path
     # (source rank, expert) pairs that sent no rows: the uneven case happened
     assert result["empty_chunks"] > 0, f"{tag}: every rank sent rows to every expert"
     if not bf16:  # (bf16 rounding may flip a routing choice)

@@ -5,12 +5,11 @@ activation memory, and bad layouts fail in one line before any process starts.""
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import SCRIPTS, Regression, launch_layouts, read_metrics, reference_run
+from helpers import SCRIPTS, Regression, assert_validated, launch_layouts, read_metrics, reference_run
 from parallel3d_script import MODEL, make_run
 
 from strategies import Parallel3DStrategy
@@ -62,11 +61,7 @@ def assert_trains_like_one_process(
     for name, expected in weights.items():
         diff = (torch.tensor(result["params"][name]) - expected).abs().max().item()
         assert diff <= PARAM_TOL, f"{tag}: {name} differs by {diff:.2e} from one process"
-    # the layout's own save path: its fit-end checkpoint reloaded under the layout, with the live model's loss
-    report = tmp / "runs" / tag / "checkpoints" / f"step-{max(steps):08d}" / "validated.json"
-    checked = json.loads(report.read_text())["checked"]
-    expected_checks = ["checksums", "reload", "loss"] if got_val else ["checksums", "reload"]
-    assert checked == expected_checks, f"{tag}: its checkpoint was validated by {checked}"
+    assert_validated(tmp / "runs" / tag, max(steps), with_loss=bool(got_val))  # the layout's own save path
 
 
 TWO_RANKS = [
