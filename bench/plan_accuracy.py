@@ -4,14 +4,16 @@ same global batch, against the model's tokens/s from the rates `trainer doctor -
 measured in the same invocation (or `--rates FILE`). Printed side by side: the raw prediction (the doctor's
 matmul rate and busbw only) and one calibrated on the single-process run (the model's compute rate scaled
 so that one row matches: a small model's GEMMs, its elementwise work and Python run below a large matmul's
-rate), the error of each, and whether the ranking by predicted speed is the measured one: as a whole (best
+rate), the error of each, and whether the ranking by predicted speed is the measured one: as a whole (median
 rounds) and pair by pair, on the pairs the rounds decide (one layout faster in every round).
 
-The layouts run in rounds, each round in a rotated order, and each keeps its best round: on a host other
-jobs load, a layout's disturbed runs then do not decide its number (the load average is printed with each
-round). `--keep-rates F` keeps the doctor's rates file.
+The layouts run in rounds, each round in a rotated order, and each layout's number is its median round:
+on a host whose speed drifts over minutes (by up to 25% between rounds on a 2-vCPU VM), the best round
+is a lucky moment, and calibrating on one layout's lucky moment shifts every other error by its luck; the
+median of 3 or more rounds is steady (the load average is printed with each round). `--keep-rates F`
+keeps the doctor's rates file.
 
-    python bench/plan_accuracy.py [--rates rates.json] [--steps 20] [--rounds 2] [--keep-rates F]
+    python bench/plan_accuracy.py [--rates rates.json] [--steps 20] [--rounds 3] [--keep-rates F]
 """
 
 from __future__ import annotations
@@ -128,7 +130,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", type=Path, default=None, help="a rates file (default: run trainer doctor)")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--keep-rates", type=Path, default=None, help="copy the doctor's rates file here")
     parser.add_argument(
         "--measured",
@@ -163,7 +165,7 @@ def main() -> None:
                 + f" tokens/s; load {_load()}",
                 flush=True,
             )
-        measured = [max(found) for found in rounds]
+        measured = [statistics.median(found) for found in rounds]
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     raw_hw = measured_hardware(rates, host / 2, gpus_per_node=2)
     raw = [step_time(shape, layout, run, raw_hw) for _, _, layout, run in LAYOUTS]
@@ -181,7 +183,7 @@ def main() -> None:
         f"ranks at once), all-reduce busbw {rates.intra_busbw_GBps:.2f} GB/s, all-gather latency "
         f"{(fit[0] * 1e6 if fit else 0):.0f} us, host time per block pass {_host(rates, 'block_s')}, per pass {_host(rates, 'pass_s')}, "
         f"per step {_host(rates, 'step_block_s')} per block + {_host(rates, 'step_s')}; calibration: compute at {efficiency:.2f} x the doctor's "
-        f"matmul rate; measured: best of {args.rounds} rounds of {args.steps} steps; load now {_load()}"
+        f"matmul rate; measured: median of {args.rounds} rounds of {args.steps} steps; load now {_load()}"
     )
     print(
         f"  {'layout':<10} {'measured':>10} {'raw':>10} {'err':>7} {'calibrated':>11} {'err':>7}  dominant (calibrated)"

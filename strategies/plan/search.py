@@ -40,6 +40,7 @@ class Plan:
     tried: int
     too_big: int
     why: str
+    versus: str | None = None  # the best layout of the other choice on pipelining across nodes, and its costs
 
     @property
     def best(self) -> Candidate:
@@ -170,7 +171,41 @@ def search(shape: ModelShape, hardware: Hardware, world: int, seq_len: int, glob
     winner = min(close, key=lambda c: (_complexity(c.layout), _passes(c), c.peak_bytes))
     fits.remove(winner)
     fits.insert(0, winner)
-    return Plan(_best_per_layout(fits), tried, too_big, why(shape, fits[0], hardware, world))
+    ranked = _best_per_layout(fits)
+    return Plan(ranked, tried, too_big, why(shape, winner, hardware, world), versus(ranked, hardware, world))
+
+
+def versus(ranked: list[Candidate], hardware: Hardware, world: int) -> str | None:
+    """On more than one node, the fastest layout that decides pipelining across nodes the other way from the
+    winner (the practice of Megatron-style recipes, or the lack of it), its predicted speed against the
+    winner's and the costs that decide between them; None on one node or when no such layout fits."""
+    gpn = hardware.gpus_per_node
+
+    def pipelined(c: Candidate) -> bool:
+        return c.layout.pp > 1 and crosses_nodes(world // c.layout.pp, c.layout.pp, gpn)
+
+    winner = ranked[0]
+    others = [c for c in ranked[1:] if pipelined(c) != pipelined(winner)]
+    if world <= gpn or not others:
+        return None
+    other = others[0]  # ranked: the fastest of them (or the simplest within TIE of it)
+    ratio = other.time.tokens_per_s / winner.time.tokens_per_s - 1
+    verdict = (
+        f"{ratio:+.0%}: within the {TIE:.0%} that counts as a tie, where fewer dimensions win"
+        if ratio > -TIE
+        else f"{ratio:+.0%}"
+    )
+    kind = "no pipeline across nodes" if pipelined(winner) else "pipeline stages across nodes"
+    return (
+        f"{kind}: {layout_text(other.layout)} predicts {other.time.tokens_per_s:,.0f} tokens/s ({verdict}); "
+        f"its step waits {_waits(other)}, the winner's {_waits(winner)}"
+    )
+
+
+def _waits(c: Candidate) -> str:
+    """The exposed costs of a candidate's step, largest first: 'pp bubble 0.31s + fsdp 0.015s' ('nothing')."""
+    shown = sorted(((s, name) for name, s in c.time.exposed_s.items() if s > 0), reverse=True)
+    return " + ".join(f"{name} {s:.2g}s" for s, name in shown) or "on nothing"
 
 
 def _complexity(layout: Layout) -> int:

@@ -36,6 +36,7 @@ def test_llama_8b_on_one_node_is_zero3_sharded_over_its_8_gpus(capsys, tmp_path)
     mfu = float(line.split("%")[0].split()[-1])
     assert 30 <= mfu <= 60, f"predicted MFU {mfu}% is outside what 8B runs on H100 report"
     assert "checkpoint: save" in out and "Young/Daly" in out
+    assert "\nvs " not in out, "one node: there is no pipelining across nodes to weigh"
     written = yaml.safe_load((tmp_path / "plan.yaml").read_text())
     assert written["strategy"]["zero_stage"] == 3 and written["data"]["global_batch_size"] == 64
 
@@ -55,6 +56,11 @@ def test_llama_70b_on_64_nodes_keeps_tp_in_the_node_and_shards_the_rest(capsys):
     line = next(line for line in out.splitlines() if line.startswith("   1  "))
     mfu = float(line.split("%")[0].split()[-1])
     assert 25 <= mfu <= 55, line
+    # the Megatron-style answer (pipeline stages across the nodes) is weighed in a line of its own: its
+    # layout, its speed against the winner's, and what each step waits on (the bubble among them)
+    versus = next(line for line in out.splitlines() if line.startswith("vs "))
+    assert versus.startswith("vs pipeline stages across nodes: ") and " pp=" in versus, versus
+    assert "tokens/s (" in versus and "pp bubble" in versus and "the winner's " in versus, versus
 
 
 def test_bad_plan_arguments_are_one_line_errors(capsys):

@@ -91,6 +91,8 @@ def _plan_lines(args: argparse.Namespace, plan, inputs, hardware) -> list[str]:
             f"{c.time.tokens_per_s:>12,.0f} {c.time.mfu:>6.1%}  {c.time.dominant}"
         )
     lines.append(f"why: {plan.why}")
+    if plan.versus is not None:
+        lines.append(f"vs {plan.versus}")
     return lines
 
 
