@@ -179,14 +179,12 @@ def versus(ranked: list[Candidate], hardware: Hardware, world: int) -> str | Non
     """On more than one node, the fastest layout that decides pipelining across nodes the other way from the
     winner (the practice of Megatron-style recipes, or the lack of it), its predicted speed against the
     winner's and the costs that decide between them; None on one node or when no such layout fits."""
-    gpn = hardware.gpus_per_node
-
-    def pipelined(c: Candidate) -> bool:
-        return c.layout.pp > 1 and crosses_nodes(world // c.layout.pp, c.layout.pp, gpn)
-
+    if world <= hardware.gpus_per_node:
+        return None
+    # pp is the mesh's outermost dimension: on more than one node, a pipeline's stages are on different nodes
     winner = ranked[0]
-    others = [c for c in ranked[1:] if pipelined(c) != pipelined(winner)]
-    if world <= gpn or not others:
+    others = [c for c in ranked[1:] if (c.layout.pp > 1) != (winner.layout.pp > 1)]
+    if not others:
         return None
     other = others[0]  # ranked: the fastest of them
     ratio = other.time.tokens_per_s / winner.time.tokens_per_s - 1
@@ -194,7 +192,7 @@ def versus(ranked: list[Candidate], hardware: Hardware, world: int) -> str | Non
     verdict = f"{ratio:+.0%}"
     if other.time.tokens_per_s >= (1 - TIE) * fastest:  # it lost the tie-break, not on speed
         verdict += f": within {TIE:.0%} of the fastest, a tie, which fewer dimensions, passes and memory win"
-    kind = "no pipeline across nodes" if pipelined(winner) else "pipeline stages across nodes"
+    kind = "no pipeline across nodes" if winner.layout.pp > 1 else "pipeline stages across nodes"
     return (
         f"{kind}: {layout_text(other.layout)} predicts {other.time.tokens_per_s:,.0f} tokens/s ({verdict}); "
         f"its step waits {_waits(other)}, the winner's {_waits(winner)}"
@@ -202,7 +200,7 @@ def versus(ranked: list[Candidate], hardware: Hardware, world: int) -> str | Non
 
 
 def _waits(c: Candidate) -> str:
-    """The exposed costs of a candidate's step, largest first: 'pp bubble 0.31s + fsdp 0.015s' ('on nothing')."""
+    """The exposed costs of a candidate's step, largest first: 'pp bubble 0.31s + fsdp 0.015s'."""
     shown = sorted(((s, name) for name, s in c.time.exposed_s.items() if s > 0), reverse=True)
     return " + ".join(f"{name} {s:.2g}s" for s, name in shown) or "on nothing"
 

@@ -188,9 +188,9 @@ def test_a_collective_timeout_names_the_rank_that_stopped_answering(tmp_path):
 
 
 def test_waits_on_a_slow_checkpoint_write_are_sized_to_its_bytes_not_to_the_collective_timeout(tmp_path):
-    # rank 1's disk takes 9 s for its first file (a sleep lasts at least that long), so rank 0 waits longer than the
-    # 6 s collective timeout. At an assumed floor of 30 B/s the ~4 kB state allows 6 s + ~130 s for the waits
-    # on its I/O: no load on this machine makes 9 s reach that, and a fixed 6 s wait would fail every time
+    # rank 1's disk takes 9 s for its first file (a sleep lasts at least that long), so rank 0 waits longer
+    # than the 6 s collective timeout. At an assumed floor of 30 B/s the ~4 kB state allows 6 s + ~130 s for
+    # the waits on its I/O: no load on this machine makes 9 s reach that; a fixed 6 s wait would always fail
     common = ["--steps", "2", "--ckpt-every", "2", "--timeout", "6", "--slow-disk", "9"]
     _, root = run_script(2, FAILURE_SCRIPT, tmp_path, "slow-disk", *common, "--io-floor", "30", timeout=180)
     assert (root / "checkpoints" / "step-00000002" / "validated.json").exists()

@@ -59,11 +59,12 @@ def slow_disk(seconds: float) -> None:
     save waits behind it, so the save as a whole takes longer than `seconds` (one slow file is the case; a
     sleep on each file only made the test longer)."""
     close = integrity.HashingFile.close
-    slow = [os.environ.get("RANK") == "1"]
+    first = os.environ.get("RANK") == "1"
 
     def slow_close(self) -> None:
-        if not self.closed and slow[0]:
-            slow[0] = False
+        nonlocal first
+        if not self.closed and first:
+            first = False
             time.sleep(seconds)
         close(self)
 
