@@ -5,19 +5,24 @@ parameters. The step-time model (strategies/plan/step_time.py) counts it as a fi
 and per model pass (copies that grow with the activation, e.g. of gathered shards, are not in a tiny pass),
 and per optimizer step.
 
-Measured in pairs of the doctor's ranks (all at once): tiny Llamas of one and of two blocks (the project's
-own blocks), forward and backward, sharded (tensor parallel with the project's plan and sequence
+Measured in pairs of the doctor's ranks (all at once): tiny Llamas of one and of three blocks (the
+project's own blocks), forward and backward, sharded (tensor parallel with the project's plan and sequence
 parallel; FSDP per block and at the root) against the same models unsharded, whose time is the compute
 the model gives a rank (over tp for tensor parallelism, which splits it; FSDP splits only the optimizer's
-work). The second block's extra time is the per-block cost, the rest the per-pass cost of the embedding,
-the output and the loss. The collectives the model counts are taken out at their time measured here:
-tensor parallelism's 4 all-gather and reduce-scatter pairs of the activation per block pass and 2 outside
-the blocks, FSDP's 2 all-gathers and 1 reduce-scatter of the parameters. The step: AdamW (as the Llama
-module configures it, fused where the Trainer fuses) and the global-norm clip, likewise per block and
-fixed."""
+work). The slope of the sharded time beyond it over the depth is the per-block cost, the intercept the
+per-pass cost of the embedding, the output and the loss. The collectives the model counts are taken out at
+their time measured here: tensor parallelism's 4 all-gather and reduce-scatter pairs of the activation per
+block pass and 2 outside the blocks, FSDP's 2 all-gathers and 1 reduce-scatter of the parameters. The step:
+AdamW (as the Llama module configures it, fused where the Trainer fuses) and the global-norm clip, likewise
+per block and fixed.
+
+Every arm is timed once per round, the rounds back to back, and each field is its median over the rounds'
+fits: the costs are differences of timings, and on a shared host whose speed drifts by 10-25% over
+minutes, differences of timings taken apart (the best of several) moved a field 30-fold between runs."""
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +38,7 @@ VOCAB, HEAD_DIM = 256, 16
 # all-gather + reduce-scatter pairs of a sequence-parallel pass that the step-time model counts: per block,
 # and outside the blocks (the embedding's output, the output layer's input)
 PAIRS_PER_BLOCK, PAIRS_OUTSIDE = 4, 2
+BLOCKS = (1, 3)  # the tiny Llamas' depths: a cost per block is the slope of the line through their times
 
 
 @dataclass(frozen=True)
@@ -45,53 +51,95 @@ class Overhead:
     step_s: float  # per optimizer step, the rest (embedding, output, final norm)
 
 
-def sharded_overhead(device: torch.device, iters: int = 10) -> dict[str, Overhead]:
+@dataclass(frozen=True)
+class Round:
+    """One round's seconds per call, each arm timed back to back with its pair: by depth in BLOCKS, the
+    sharded and the unsharded model's pass and optimizer step, and the wire time of the collectives the
+    step-time model counts per block pass and outside the blocks."""
+
+    sharded_pass: tuple[float, ...]
+    whole_pass: tuple[float, ...]
+    sharded_step: tuple[float, ...]
+    whole_step: tuple[float, ...]
+    block_wire: float
+    root_wire: float
+
+
+def sharded_overhead(device: torch.device, rounds: int = 7, iters: int = 3) -> dict[str, Overhead]:
     """The Overhead of tensor parallelism and of FSDP over pairs of ranks (all of them when their number is
-    odd). Every rank calls it."""
+    odd), from `rounds` rounds of `iters` calls per arm. Every rank calls it."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
     n = 2 if world % 2 == 0 else world
     mesh = init_device_mesh(device.type, (world // n, n), mesh_dim_names=("rest", "pair"))["pair"]
     heads, tokens = 2 * n, 8 * n  # divisible by n: heads split, sequence parallel splits the tokens
-    measured = [x for kind in KINDS for x in _measure(kind, heads, tokens, mesh, device, iters)]
+    measured = []
+    for kind in KINDS:
+        found = _rounds(kind, heads, tokens, mesh, device, rounds, iters)
+        measured += overhead_of(found, split=n if kind == "tp" else 1, shards=n)
     slowest = torch.tensor(measured, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     values = iter(max(x, 0.0) for x in slowest.tolist())
     return {kind: Overhead(**{name: next(values) for name in FIELDS}) for kind in KINDS}
 
 
-def _measure(kind: str, heads: int, tokens: int, mesh, device: torch.device, iters: int) -> list[float]:
-    """This rank's Overhead fields of `kind` sharding over `mesh` (unclamped)."""
-    n = mesh.size()
-    found = {  # (blocks, sharded) -> (pass seconds, step seconds, block's and root's parameters)
-        (blocks, sharded): _timed(blocks, heads, tokens, kind if sharded else None, mesh, device, iters)
-        for blocks in (1, 2)
+def overhead_of(rounds: list[Round], split: int, shards: int) -> list[float]:
+    """The Overhead fields (unclamped) from timed rounds: each round's sharded time beyond the unsharded
+    model's over `split` (the pass's compute a rank keeps: tp splits it, FSDP does not) or over `shards`
+    (the optimizer's work), fitted per round by a line over the depths (slope per block, intercept fixed),
+    less the wire time; then each field's median over the rounds. A round is timed within seconds, so the
+    host's drift over minutes moves its arms together and a slow round is outvoted."""
+    fields = []
+    for r in rounds:
+        passes = [s - w / split for s, w in zip(r.sharded_pass, r.whole_pass, strict=True)]
+        steps = [s - w / shards for s, w in zip(r.sharded_step, r.whole_step, strict=True)]
+        block, fixed = statistics.linear_regression(BLOCKS, passes)
+        step_block, step = statistics.linear_regression(BLOCKS, steps)
+        fields.append((block - r.block_wire, fixed - r.root_wire, step_block, step))
+    return [statistics.median(column) for column in zip(*fields, strict=True)]
+
+
+def _rounds(
+    kind: str, heads: int, tokens: int, mesh, device: torch.device, rounds: int, iters: int
+) -> list[Round]:
+    """`rounds` Rounds of `kind` sharding over `mesh`, as this rank timed them."""
+    arms = {
+        (blocks, sharded): _Arm(blocks, heads, tokens, kind if sharded else None, mesh, device)
+        for blocks in BLOCKS
         for sharded in (False, True)
     }
-    split = n if kind == "tp" else 1  # what of the pass's compute a rank keeps: tp splits it, FSDP does not
-
-    def beyond(blocks: int, which: int) -> float:  # sharded over unsharded / the split of its work
-        return found[blocks, True][which] - found[blocks, False][which] / (split if which == 0 else n)
-
     group = mesh.get_group()
     if kind == "tp":
-        pair = _wire_s(group, tokens * heads * HEAD_DIM, 1, 1, device, iters)
-        block_wire, root_wire = PAIRS_PER_BLOCK * pair, PAIRS_OUTSIDE * pair
+        pair = _wire(group, tokens * heads * HEAD_DIM, 1, 1, device)
+        wires = [pair] * PAIRS_PER_BLOCK, [pair] * PAIRS_OUTSIDE
     else:
-        block_params, root_params = found[1, False][2]
-        block_wire = _wire_s(group, block_params, 2, 1, device, iters)
-        root_wire = _wire_s(group, root_params, 2, 1, device, iters)
-    block = beyond(2, 0) - beyond(1, 0) - block_wire
-    step_block = beyond(2, 1) - beyond(1, 1)
-    return [block, beyond(1, 0) - block - root_wire, step_block, beyond(1, 1) - step_block]
+        block_params, root_params = arms[1, False].parameters
+        wires = [_wire(group, block_params, 2, 1, device)], [_wire(group, root_params, 2, 1, device)]
+    for arm in arms.values():  # sharding propagation's cache, the allocator, the gradients the step reads
+        time_call(arm.one_pass, device, 3, 1)
+        time_call(arm.step, device, 3, 1)
+    found = []
+    for _ in range(rounds):
+        passes = {key: time_call(arm.one_pass, device, 0, iters) for key, arm in arms.items()}
+        steps = {key: time_call(arm.step, device, 0, iters) for key, arm in arms.items()}
+        block_wire, root_wire = (sum(time_call(w, device, 0, iters) for w in calls) for calls in wires)
+        found.append(
+            Round(
+                sharded_pass=tuple(passes[b, True] for b in BLOCKS),
+                whole_pass=tuple(passes[b, False] for b in BLOCKS),
+                sharded_step=tuple(steps[b, True] for b in BLOCKS),
+                whole_step=tuple(steps[b, False] for b in BLOCKS),
+                block_wire=block_wire,
+                root_wire=root_wire,
+            )
+        )
+    return found
 
 
-def _wire_s(
-    group: dist.ProcessGroup, elements: int, gathers: int, reduces: int, device: torch.device, iters: int
-) -> float:
-    """`gathers` all-gathers and `reduces` reduce-scatters of `elements` (the gathered size) over `group`:
-    the wire time the model counts for them."""
+def _wire(group: dist.ProcessGroup, elements: int, gathers: int, reduces: int, device: torch.device):
+    """A call of `gathers` all-gathers and `reduces` reduce-scatters of `elements` (the gathered size) over
+    `group`: the collectives whose wire time the model counts."""
     n = dist.get_world_size(group)
     full = torch.ones(elements // n * n, device=device)
     part = torch.ones(elements // n, device=device)
@@ -102,67 +150,62 @@ def _wire_s(
         for _ in range(reduces):
             REDUCE_SCATTER(part, full, group=group)
 
-    return _best_s(calls, device, iters)
+    return calls
 
 
-def _timed(
-    blocks: int, heads: int, tokens: int, kind: str | None, mesh, device: torch.device, iters: int
-) -> tuple[float, float, tuple[int, int]]:
-    """Seconds of one forward and backward of a tiny Llama with `blocks` blocks over a sequence of `tokens`
-    (sharded by `kind` over `mesh`, else whole on this rank) and of its optimizer step with the clip, and
-    its parameters: one block's and the rest's."""
-    from trainer.models.llama import Llama, LlamaConfig
+class _Arm:
+    """A tiny Llama of `blocks` blocks over a sequence of `tokens`, sharded by `kind` over `mesh` (else
+    whole on this rank), with AdamW as the Llama module configures it (fused where the Trainer fuses)."""
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        dim=heads * HEAD_DIM,
-        n_layers=blocks,
-        n_heads=heads,
-        n_kv_heads=heads,
-        max_seq_len=tokens,
-    )
-    model = Llama(config).to(device)
-    total = sum(p.numel() for p in model.parameters())
-    block = sum(p.numel() for p in next(iter(model.layers.values())).parameters())
-    if kind == "tp":
-        from torch.distributed.tensor.parallel import parallelize_module
+    def __init__(self, blocks: int, heads: int, tokens: int, kind: str | None, mesh, device: torch.device):
+        from trainer.models.llama import Llama, LlamaConfig
 
-        parallelize_module(
-            model, mesh, model.tensor_parallel_plan(sequence_parallel=True, loss_parallel=False)
+        torch.manual_seed(0)
+        config = LlamaConfig(
+            vocab_size=VOCAB,
+            dim=heads * HEAD_DIM,
+            n_layers=blocks,
+            n_heads=heads,
+            n_kv_heads=heads,
+            max_seq_len=tokens,
         )
-    elif kind == "fsdp":
-        from torch.distributed.fsdp import fully_shard
+        model = Llama(config).to(device)
+        total = sum(p.numel() for p in model.parameters())
+        block = sum(p.numel() for p in next(iter(model.layers.values())).parameters())
+        self.parameters = block, total - blocks * block  # one block's and the rest's, unsharded
+        if kind == "tp":
+            from torch.distributed.tensor.parallel import parallelize_module
 
-        for layer in model.layers.values():
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    ids = torch.randint(0, VOCAB, (1, tokens), device=device)
+            parallelize_module(
+                model, mesh, model.tensor_parallel_plan(sequence_parallel=True, loss_parallel=False)
+            )
+        elif kind == "fsdp":
+            from torch.distributed.fsdp import fully_shard
 
-    def one() -> None:
-        out = model(ids)
+            for layer in model.layers.values():
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        self.model, self.ids = model, torch.randint(0, VOCAB, (1, tokens), device=device)
+        self.params = list(model.parameters())
+        matrices = [p for p in self.params if p.dim() >= 2]  # AdamW's groups as the Llama module makes them
+        self.optimizer = prefer_fused(
+            torch.optim.AdamW(
+                [
+                    {"params": matrices},
+                    {"params": [p for p in self.params if p.dim() < 2], "weight_decay": 0.0},
+                ],
+                lr=1e-9,  # the step's cost, not its effect
+            )
+        )
+
+    def one_pass(self) -> None:
+        """One forward and backward."""
+        out = self.model(self.ids)
         (out.to_local() if hasattr(out, "to_local") else out).float().sum().backward()
 
-    passed = _best_s(one, device, iters)
-    params = list(model.parameters())
-    matrices = [p for p in params if p.dim() >= 2]  # AdamW's groups as the Llama module makes them
-    optimizer = prefer_fused(
-        torch.optim.AdamW(
-            [{"params": matrices}, {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-            lr=1e-9,  # the step's cost, not its effect
-        )
-    )
-    grads = [p.grad for p in params]
-
-    def update() -> None:
+    def step(self) -> None:
+        """The global-norm clip and the optimizer step, as the Trainer runs them."""
+        grads = [p.grad for p in self.params]
         norm = full_value(torch.nn.utils.get_total_norm(grads, 2.0))
         torch._foreach_mul_(grads, (1.0 / (norm + 1e-6)).clamp(max=1.0))
-        optimizer.step()
-
-    return passed, _best_s(update, device, iters), (block, total - blocks * block)
-
-
-def _best_s(call, device: torch.device, iters: int) -> float:
-    """Seconds per call: the best of three timings of `iters` calls between barriers, after three warm-up
-    calls (sharding propagation's cache, the allocator)."""
-    return min(time_call(call, device, 3 if i == 0 else 0, iters) for i in range(3))
+        self.optimizer.step()
