@@ -255,6 +255,16 @@ class Hardware:
             return self.rates.matmul_tflops * 1e12
         return self.device.bf16_tflops * 1e12 * self.device.achievable
 
+    @property
+    def peak_flops_per_s(self) -> float:
+        """MFU's denominator (FLOP/s): the fastest matmul rate measured at any size, as `matmul_rate`
+        scales it (a CPU has no datasheet peak; its small products can outrun its largest), else the
+        device's datasheet bf16 peak."""
+        if self.rates is None:
+            return self.device.bf16_tflops * 1e12
+        sizes = self.rates.matmul_by_size
+        return self.flops_per_s * (max(sizes.values()) / sizes[max(sizes)] if sizes else 1.0)
+
     def busbw(self, op: str, group: str, nbytes: float, inter_node: bool) -> float:
         """Bus bandwidth (bytes/s) of `op` over the ranks of `group`, whose ring crosses nodes or not."""
         measured = self.rates.busbw(op, group, nbytes) if self.rates is not None else None

@@ -347,8 +347,7 @@ def step_time(shape: ModelShape, layout: Layout, run: RunShape, hardware: Hardwa
 
     step = compute + sum(exposed.values())
     tokens = tokens_replica * dp
-    # MFU against the measured matmul rate when there is one (a CPU has no datasheet peak), else the peak
-    peak = hw.rates.matmul_tflops * 1e12 if hw.rates is not None else hw.device.bf16_tflops * 1e12
+    peak = hw.peak_flops_per_s
     world = L.world
     costs = {"compute": compute, **exposed}
     return StepTime(

@@ -272,6 +272,11 @@ def test_small_matmuls_and_ranks_sharing_a_host_slow_the_compute():
     split = step_time(SMALL, Layout(tp=2, precision="fp32"), run, hw)
     # tp halves each rank's FLOPs, but its halved matmuls run slower and two ranks share the host
     assert one.compute_s / 2 / 0.8 < split.compute_s < one.compute_s
+    # MFU against the fastest size measured: here the largest, below it when a mid size runs faster
+    assert one.mfu == pytest.approx(one.tokens_per_s * flops_per_token(SMALL, 128) / 0.1e12)
+    bumpy = hockney_rates(0.0, 1.0, matmul_tflops_by_size={**sizes, "256": 0.125})
+    fast_mid = step_time(SMALL, Layout(precision="fp32"), run, measured_hardware(bumpy, 4e9))
+    assert fast_mid.mfu == pytest.approx(fast_mid.tokens_per_s * flops_per_token(SMALL, 128) / 0.125e12)
     flat = step_time(
         SMALL, Layout(tp=2, precision="fp32"), run, measured_hardware(hockney_rates(0.0, 1.0), 4e9)
     )
