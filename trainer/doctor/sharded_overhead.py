@@ -110,12 +110,12 @@ def _rounds(
         for sharded in (False, True)
     }
     group = mesh.get_group()
-    if kind == "tp":
+    if kind == "tp":  # (the collectives, how many times the model counts them): per block, outside
         pair = _wire(group, tokens * heads * HEAD_DIM, 1, 1, device)
-        wires = [pair] * PAIRS_PER_BLOCK, [pair] * PAIRS_OUTSIDE
+        wires = (pair, PAIRS_PER_BLOCK), (pair, PAIRS_OUTSIDE)
     else:
         block_params, root_params = arms[1, False].parameters
-        wires = [_wire(group, block_params, 2, 1, device)], [_wire(group, root_params, 2, 1, device)]
+        wires = (_wire(group, block_params, 2, 1, device), 1), (_wire(group, root_params, 2, 1, device), 1)
     for arm in arms.values():  # sharding propagation's cache, the allocator, the gradients the step reads
         time_call(arm.one_pass, device, 3, 1)
         time_call(arm.step, device, 3, 1)
@@ -123,7 +123,7 @@ def _rounds(
     for _ in range(rounds):
         passes = {key: time_call(arm.one_pass, device, 0, iters) for key, arm in arms.items()}
         steps = {key: time_call(arm.step, device, 0, iters) for key, arm in arms.items()}
-        block_wire, root_wire = (sum(time_call(w, device, 0, iters) for w in calls) for calls in wires)
+        block_wire, root_wire = (times * time_call(call, device, 0, iters) for call, times in wires)
         found.append(
             Round(
                 sharded_pass=tuple(passes[b, True] for b in BLOCKS),
