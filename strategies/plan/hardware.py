@@ -122,6 +122,25 @@ class Rates:
     # (AdamW and the clip on DTensor parameters), keyed by SHARDED_FIELDS; a missing one: not measured (0)
     sharded: dict[str, dict[str, float]] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        """Refuse, by its key, a rate that is not a positive number: the step-time model divides by each."""
+        rates = {
+            "matmul_tflops": self.matmul_tflops,
+            "links.intra_node.busbw_GBps": self.intra_busbw_GBps,
+            "links.inter_node.busbw_GBps": self.inter_busbw_GBps,
+            "matmul_together_tflops": self.matmul_together_tflops,
+            **{f"matmul_tflops_by_size.{n}": rate for n, rate in self.matmul_by_size.items()},
+            **{
+                f"collectives.{op}.{group}.{size}": bw
+                for op, groups in self.collectives.items()
+                for group, sizes in groups.items()
+                for size, bw in sizes.items()
+            },
+        }
+        bad = next((key for key, rate in rates.items() if rate is not None and not rate > 0), None)
+        if bad is not None:
+            raise ValueError(f"{bad} is {rates[bad]}, not a positive rate")
+
     @classmethod
     def read(cls, path: str | Path) -> Rates:
         """The rates file at `path`; a one-line ValueError naming the missing or bad key."""

@@ -170,6 +170,11 @@ def test_rates_interpolate_busbw_in_log_size_and_replace_the_table(tmp_path):
 def test_a_bad_rates_file_and_bad_names_are_one_line_errors(tmp_path):
     with pytest.raises(ValueError, match="matmul_tflops"):
         Rates.read(write_rates(tmp_path / "r.json", matmul_tflops="fast"))
+    # a rate the model divides by: zero or negative is refused by its key, not a ZeroDivisionError later
+    with pytest.raises(ValueError, match=r"matmul_tflops_by_size\.1024 is 0\.0, not a positive rate"):
+        Rates.read(write_rates(tmp_path / "r.json", matmul_tflops_by_size={"256": 0.05, "1024": 0}))
+    with pytest.raises(ValueError, match=r"collectives\.all_reduce\.world\.1048576 is -0\.5, not a positive"):
+        Rates.read(write_rates(tmp_path / "r.json", collectives={"all_reduce": {"world": {"1048576": -0.5}}}))
     with pytest.raises(ValueError, match="device 'h900' is unknown; allowed: h100"):
         build_hardware("h900")
     with pytest.raises(ValueError, match="link 'ib' is unknown"):
