@@ -110,12 +110,20 @@ def _rounds(
         for sharded in (False, True)
     }
     group = mesh.get_group()
-    if kind == "tp":  # (the collectives, how many times the model counts them): per block, outside
+    if kind == "tp":
         pair = _wire(group, tokens * heads * HEAD_DIM, 1, 1, device)
-        wires = (pair, PAIRS_PER_BLOCK), (pair, PAIRS_OUTSIDE)
+
+        def wire_s() -> tuple[float, float]:  # one timing of a pair, counted as the model counts them
+            seconds = time_call(pair, device, 0, iters)
+            return PAIRS_PER_BLOCK * seconds, PAIRS_OUTSIDE * seconds
     else:
         block_params, root_params = arms[1, False].parameters
-        wires = (_wire(group, block_params, 2, 1, device), 1), (_wire(group, root_params, 2, 1, device), 1)
+        block_call = _wire(group, block_params, 2, 1, device)
+        root_call = _wire(group, root_params, 2, 1, device)
+
+        def wire_s() -> tuple[float, float]:  # a block's parameters, and the root's
+            return time_call(block_call, device, 0, iters), time_call(root_call, device, 0, iters)
+
     for arm in arms.values():  # sharding propagation's cache, the allocator, the gradients the step reads
         time_call(arm.one_pass, device, 3, 1)
         time_call(arm.step, device, 3, 1)
@@ -123,7 +131,7 @@ def _rounds(
     for _ in range(rounds):
         passes = {key: time_call(arm.one_pass, device, 0, iters) for key, arm in arms.items()}
         steps = {key: time_call(arm.step, device, 0, iters) for key, arm in arms.items()}
-        block_wire, root_wire = (times * time_call(call, device, 0, iters) for call, times in wires)
+        block_wire, root_wire = wire_s()
         found.append(
             Round(
                 sharded_pass=tuple(passes[b, True] for b in BLOCKS),
