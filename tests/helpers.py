@@ -1,5 +1,5 @@
 """What the tests share: tiny modules and data, a fit-and-return helper, parameter comparison,
-checkpoint listing, and the one way a test launches processes (`run_ranks`, `start_ranks`, `run_cli`)."""
+checkpoint listing, and the one way a test launches processes (`run_ranks`, `start_ranks`, `call_ranks`, `run_cli`)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,9 @@ import threading
 import time
 import types
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import preloaded
 import torch
@@ -478,6 +479,26 @@ def run_commands(
 def _ended_fd(proc: preloaded.PreloadedProcess | subprocess.Popen) -> int:
     """A descriptor that becomes readable when `proc` ends."""
     return proc.fileno() if isinstance(proc, preloaded.PreloadedProcess) else os.pidfd_open(proc.pid)
+
+
+def call_ranks(fn: Callable[..., None], n: int, *args: Any, timeout: float = 240) -> None:
+    """`fn(rank, *args)` for rank 0..n-1 at once, as torch.multiprocessing.spawn runs them, each a fork of the
+    preloaded interpreter (tests/scripts/call_rank.py) instead of a fresh one (~3 CPU-s of imports a rank);
+    `fn` is a module-level function of a test module and `args` are JSON. A rank that raises fails the test
+    with its traceback."""
+    module = sys.modules[fn.__module__].__file__
+    command = [sys.executable, str(SCRIPTS / "call_rank.py"), module, fn.__name__, json.dumps(args)]
+    env = launch_env()
+    with rank_slots(n):
+        try:
+            done = run_commands([([*command, str(r)], env) for r in range(n)], os.getcwd(), timeout)
+        except subprocess.TimeoutExpired as late:
+            raise AssertionError(
+                f"{fn.__name__} on {n} ranks ran past {timeout}s:\n{late.stderr[-4000:]}"
+            ) from None
+    assert done.returncode == 0, (
+        f"{fn.__name__} on {n} ranks exited {done.returncode}:\n{done.stderr[-4000:]}"
+    )
 
 
 def run_script(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import importlib
 import json
 import os
@@ -220,6 +221,11 @@ def serve(path: str) -> None:
     """Import PRELOAD, listen at `path`, fork each request (see `_run`) until killed."""
     for name in PRELOAD:
         importlib.import_module(name)
+    # the imports' ~300,000 objects out of the collector's reach: else each fork's full collections (one in
+    # every rank's exit, trainer/launch.py destroy_process_group) walk them all, ~0.3 CPU-s and ~20,000 pages
+    # copied per fork; measured in a fork, 0.30 s -> 0.00 s
+    gc.collect()
+    gc.freeze()
     env = dict(os.environ)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)

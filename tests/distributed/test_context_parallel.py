@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from helpers import call_ranks
 
 from strategies.context_parallel import ContextParallel, check_sequence, load_balanced_positions
 
@@ -136,7 +136,4 @@ def _run_rank(world_rank: int, world: int, port: int) -> None:
 @pytest.mark.slow
 def test_sharded_attention_over_gloo_matches_full_sequence_causal_attention():
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # bound on a port it picks
-    from helpers import rank_slots  # here: mp.spawn's ranks import this module, and need not import helpers
-
-    with rank_slots(4):  # under xdist: the machine to itself while 4 ranks run
-        mp.spawn(_run_rank, args=(4, store.port), nprocs=4)
+    call_ranks(_run_rank, 4, 4, store.port)

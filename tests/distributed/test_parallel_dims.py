@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from helpers import call_ranks
 
 from strategies import MeshStrategy, ParallelDims, SingleDeviceStrategy
 from strategies.parallel_dims import GROUP_NAMES
@@ -269,7 +269,4 @@ def _check_rank(rank: int, world: int, port: int, degrees: dict[str, int]) -> No
 )
 def test_every_named_group_of_a_real_gloo_mesh_holds_the_expected_ranks(world, degrees):
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # bound on a port it picks
-    from helpers import rank_slots  # here: mp.spawn's ranks import this module, and need not import helpers
-
-    with rank_slots(world):  # under xdist: the machine to itself while the ranks run
-        mp.spawn(_check_rank, args=(world, store.port, degrees), nprocs=world)
+    call_ranks(_check_rank, world, world, store.port, degrees)
