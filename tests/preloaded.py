@@ -29,7 +29,8 @@ import traceback
 import types
 from pathlib import Path
 
-# what a rank script, `trainer fit` or a DDP/FSDP/3D rank imports before its first step
+# what a rank script, `trainer fit` or a DDP/FSDP/3D rank imports before its first step, then what the Hugging
+# Face and Lightning scripts import (in forks, ~5% of the suite's CPU went to importing these again)
 PRELOAD = (
     "torch",
     "torch.distributed",
@@ -42,12 +43,18 @@ PRELOAD = (
     "trainer.cli",
     "strategies",
     "callbacks",
+    "transformers",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.bert.modeling_bert",
+    "datasets",
+    "torchmetrics",
+    "pytorch_lightning",
 )
-# variables read while those modules import (thread pools, allocators, torch's and the HF hub's flags,
-# the import path): a command whose values differ from the server's gets a fresh interpreter
+# variables read while those modules import (thread pools, allocators, torch's and the HF hub's flags and
+# cache folders, the import path): a command whose values differ from the server's gets a fresh interpreter
 IMPORT_TIME = (
     "TORCH_", "TORCHDYNAMO", "TORCHINDUCTOR", "PYTORCH", "OMP_", "MKL", "KMP_", "OPENBLAS", "PYTHON", "LD_",
-    "CUDA", "NCCL", "GLOO", "HF_", "HUGGINGFACE", "TRANSFORMERS", "TOKENIZERS", "MALLOC", "GLIBC",
+    "CUDA", "NCCL", "GLOO", "HF_", "HUGGINGFACE", "TRANSFORMERS", "TOKENIZERS", "MALLOC", "GLIBC", "XDG_",
 )  # fmt: skip
 # ... but read only when used, or by what torch does not load: set by torch (the inductor cache's location),
 # Lightning (how to look for CUDA) and scikit-learn's import (for Intel's OpenMP; torch's CPU build loads
