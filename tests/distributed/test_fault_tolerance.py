@@ -30,8 +30,9 @@ ENV = launch_env(RUST_LOG="warn", PYTHONPATH=str(REPO))
 
 @pytest.fixture(autouse=True)
 def _alone():
-    """Each test's groups (and their restarts) run beside no other launch of the suite: a heartbeat missed on
-    an oversubscribed machine would read as a lost group."""
+    """Each test's groups (and their restarts) run beside no other launch of two or more processes (one process,
+    like an in-process test, is no more load than the machine has room for): a heartbeat missed on an
+    oversubscribed machine would read as a lost group."""
     with rank_slots(WIDE):
         yield
 

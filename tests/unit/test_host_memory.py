@@ -33,7 +33,7 @@ def test_later_rounds_of_allocations_reuse_the_freed_pages(monkeypatch):
     for _ in range(4):  # the heap grows to the rounds' size (it may take a few rounds to settle)
         _round_faults()
     pages = 4 * 24 * MIB // resource.getpagesize()
-    # glibc's defaults: about `pages` faults in every round, 4 x `pages` in four. With the memory kept, a
-    # block can still be faulted in again now and then, depending on the heap an xdist worker's earlier
-    # tests left (one full suite measured 6,144 faults: one of the 16 blocks)
+    # glibc's defaults: about `pages` faults a round until their dynamic thresholds settle (measured 98,176
+    # in these four rounds; some runs settle sooner). With the memory kept, a block can still be faulted in
+    # again, depending on the heap an xdist worker's earlier tests left (once 6,144: one of the 16 blocks)
     assert sum(_round_faults() for _ in range(4)) < pages
