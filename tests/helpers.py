@@ -386,16 +386,20 @@ def run_ranks(
             commands = torchrun_world(n, [str(script), *args], env, stack)
         else:
             commands = [(rank_command(n, script, *args), env)]
-        try:
-            done = run_commands(commands, os.getcwd(), timeout)
-        except subprocess.TimeoutExpired as late:
-            raise AssertionError(
-                f"{script.name} on {n} ranks ran past {timeout}s:\n{late.stderr[-4000:]}"
-            ) from None
+        return _run_job(commands, f"{script.name} on {n} ranks", timeout, check)
+
+
+def _run_job(
+    commands: list[tuple[list[str], dict[str, str]]], what: str, timeout: float, check: bool
+) -> subprocess.CompletedProcess:
+    """`run_commands` in this directory, a job past `timeout` (and with `check`, one that failed) failing the
+    test with the end of its stderr; `what` names the job."""
+    try:
+        done = run_commands(commands, os.getcwd(), timeout)
+    except subprocess.TimeoutExpired as late:
+        raise AssertionError(f"{what} ran past {timeout}s:\n{late.stderr[-4000:]}") from None
     if check:
-        assert done.returncode == 0, (
-            f"{script.name} on {n} ranks exited {done.returncode}:\n{done.stderr[-4000:]}"
-        )
+        assert done.returncode == 0, f"{what} exited {done.returncode}:\n{done.stderr[-4000:]}"
     return done
 
 
@@ -493,15 +497,7 @@ def call_ranks(fn: Callable[..., None], n: int, *args: Any, timeout: float = 240
     command = [sys.executable, str(SCRIPTS / "call_rank.py"), module, fn.__name__, json.dumps(args)]
     env = launch_env()
     with rank_slots(n):
-        try:
-            done = run_commands([([*command, str(r)], env) for r in range(n)], os.getcwd(), timeout)
-        except subprocess.TimeoutExpired as late:
-            raise AssertionError(
-                f"{fn.__name__} on {n} ranks ran past {timeout}s:\n{late.stderr[-4000:]}"
-            ) from None
-    assert done.returncode == 0, (
-        f"{fn.__name__} on {n} ranks exited {done.returncode}:\n{done.stderr[-4000:]}"
-    )
+        _run_job([([*command, str(r)], env) for r in range(n)], f"{fn.__name__} on {n} ranks", timeout, True)
 
 
 def run_script(
