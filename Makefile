@@ -17,9 +17,9 @@ $(VENV)/.installed: pyproject.toml
 train: setup  ## the main job: a tiny Llama on Python's own documentation text, on the CPU
 	$(BIN)/trainer fit recipes/llama_tiny.yaml
 
-# three pytest-xdist workers on 2 cores: while one waits (its ranks sleep on a timeout, a killed rank's
-# restart, a wide launch's turn), the other two keep both cores busy; a launch of 3+ processes waits to run
-# alone (tests/helpers.py rank_slots). Two left ~170 core-s idle, four packed no better (README, "Tests"). loadscope: a module's tests share a worker, so
+# three pytest-xdist workers on 2 cores: idle core time halves against two, though in a same-hour pair the
+# wall time did not fall (the busy CPU rose as much; README, "Tests"); a launch of 3+ processes waits to run
+# alone (tests/helpers.py rank_slots). loadscope: a module's tests share a worker, so
 # its module-scoped launches run once (loadgroup would not: xdist 3.8 marks groups in a test id pytest 9 ignores);
 # --no-loadscope-reorder: modules in the order tests/conftest.py gives them (the longest first), not by test count.
 # --durations: CI's log names the slowest tests, where the suite's time goes

@@ -304,11 +304,11 @@ WIDE = 3  # a launch of this many processes or more runs alone: 4 and 8 ranks on
 @contextlib.contextmanager
 def rank_slots(n: int) -> Iterator[None]:
     """Hold the cores for a launch of n processes while it runs. Under pytest-xdist (`make test`), launches of
-    up to two processes share the machine (one per worker: much of their time is a timeout, a restart or a
-    start-up that leaves cores idle), a wider one waits until it has the machine to itself: two 4- or 8-rank
-    jobs at once would thrash 2 cores and their memory. A launch of one process takes no slot: it loads the machine as much as a test
-    that runs in its worker's own process, which runs beside anything (waiting, it left a core idle while
-    the other worker's wide job slept on a timeout). Outside xdist nothing else runs beside a test, and this
+    up to two processes share the machine (much of their time is a timeout, a restart or a start-up that
+    leaves cores idle), a wider one waits until it has the machine to itself: two 4- or 8-rank jobs at once
+    would thrash 2 cores and their memory. A launch of one process takes no slot: it loads the machine as
+    much as a test that runs in its worker's own process, which runs beside anything (waiting, it left a
+    core idle while the other worker's wide job slept on a timeout). Outside xdist nothing else runs beside a test, and this
     does nothing."""
     path = os.environ.get(RANK_SLOTS)
     if path is None or n <= 1:
