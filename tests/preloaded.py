@@ -16,6 +16,7 @@ import contextlib
 import gc
 import importlib
 import json
+import locale
 import os
 import select
 import signal
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import traceback
 import types
 from pathlib import Path
@@ -119,14 +121,27 @@ class PreloadedProcess:
     """`cmd` forked from the server at `path`: as much of subprocess.Popen as the tests and
     trainer/launch.py use (pid, returncode, poll, wait, kill, terminate, send_signal)."""
 
-    def __init__(self, path: str, cmd: list[str], env: dict[str, str], cwd: str, fds: dict[int, int]) -> None:
+    def __init__(
+        self,
+        path: str,
+        cmd: list[str],
+        env: dict[str, str],
+        cwd: str,
+        fds: dict[int, int],
+        session: bool = False,
+        stdout: int | None = None,
+    ) -> None:
+        """`session`: the command leads a new session (Popen's start_new_session); `stdout`: the read end of
+        a pipe the command writes to (Popen's stdout=PIPE, in text mode), read by `communicate`."""
         self.args = cmd
         self.returncode: int | None = None
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.connect(path)
-        request = json.dumps({"argv": cmd[1:], "env": env, "cwd": cwd, "fds": list(fds)}).encode()
-        socket.send_fds(self._sock, [_LENGTH.pack(len(request)) + request], list(fds.values()))
+        request = {"argv": cmd[1:], "env": env, "cwd": cwd, "fds": list(fds), "session": session}
+        data = json.dumps(request).encode()
+        socket.send_fds(self._sock, [_LENGTH.pack(len(data)) + data], list(fds.values()))
         self._buffer = b""
+        self._stdout, self._read = stdout, b""
         self.pid = int(self._line(None))
 
     def fileno(self) -> int:
@@ -161,6 +176,23 @@ class PreloadedProcess:
         self.returncode = int(line)
         self._sock.close()
 
+    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
+        """As Popen.communicate for stdout=PIPE in text mode (stderr not piped): all the command wrote, once it
+        has closed the pipe and ended; past `timeout`, TimeoutExpired, and a later call goes on reading."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._stdout is not None:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([self._stdout], [], [], left)[0]:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            if chunk := os.read(self._stdout, 1 << 16):
+                self._read += chunk
+            else:
+                os.close(self._stdout)
+                self._stdout = None
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        text = self._read.decode(locale.getpreferredencoding(False))
+        return text.replace("\r\n", "\n").replace("\r", "\n"), None  # text mode's universal newlines
+
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
             with contextlib.suppress(ProcessLookupError):
@@ -193,32 +225,66 @@ def popen(
 
 
 # the modules that start ranks as copies of their own command: trainer/launch.py's self-spawn, Lightning's
+# (a script that starts its own file again, as the benches start their arms, is one too: see `_launcher`)
 LAUNCHERS = (
     "trainer.launch",
     "lightning_fabric.strategies.launchers.subprocess_script",
     "pytorch_lightning.strategies.launchers.subprocess_script",
 )
-_FORWARDED = {"env", "cwd", "pass_fds", "preexec_fn"}  # what such a launcher passes, kept by a fork
+# what such a launcher passes, kept by a fork (the streams: see `_streams`)
+_FORWARDED = {"env", "cwd", "pass_fds", "preexec_fn", "stdout", "stderr", "text", "start_new_session"}
+
+
+def _launcher(caller: dict, args: list[str]) -> bool:
+    """Whether the module whose globals are `caller` starts copies of its own command: a LAUNCHERS module,
+    or a script that runs its own file (`python SCRIPT ...` from SCRIPT)."""
+    script = caller.get("__file__")
+    own = caller.get("__name__") == "__main__" and script and len(args) > 1
+    return caller.get("__name__") in LAUNCHERS or bool(
+        own and os.path.abspath(args[1]) == os.path.abspath(script)
+    )
+
+
+def _streams(stdout: object, stderr: object, text: bool) -> tuple[dict[int, int], int | None] | None:
+    """A fork's fds 1 and 2 for Popen's `stdout` and `stderr` (None: this process's; a file; stdout=PIPE, in
+    text mode, with stderr None or STDOUT: a pipe) and the pipe's write end; None for what a fork does not
+    do (the pipe's read end is the caller's: see PreloadedProcess `stdout`)."""
+    if stdout == subprocess.PIPE and text and stderr in (None, subprocess.STDOUT):
+        read, write = os.pipe()
+        return {1: write, 2: write if stderr == subprocess.STDOUT else 2}, read
+    named = [s if s is None or isinstance(s, int) else s.fileno() for s in (stdout, stderr)]
+    if any(s is not None and s < 0 for s in named):  # PIPE, STDOUT, DEVNULL
+        return None
+    return {1: named[0] if named[0] is not None else 1, 2: named[1] if named[1] is not None else 2}, None
 
 
 def _forking_popen(server_env: dict[str, str]) -> type[subprocess.Popen]:
-    """subprocess.Popen for a forked process: a copy of the command that a LAUNCHERS module starts is forked
-    from the server too (when it runs the same there); every other process starts as usual."""
+    """subprocess.Popen for a forked process: a copy of the command that a launcher (`_launcher`) starts is
+    forked from the server too (when it runs the same there); every other process starts as usual."""
 
     class ForkingPopen(subprocess.Popen):
         def __new__(cls, args, *rest, **kwargs):
-            caller = sys._getframe(1).f_globals.get("__name__", "")
+            launcher = _launcher(sys._getframe(1).f_globals, args)
             env = dict(os.environ if kwargs.get("env") is None else kwargs["env"])
-            if (
-                caller in LAUNCHERS
+            if not (
+                launcher
                 and not rest
                 and set(kwargs) <= _FORWARDED
                 and not fork_blockers(args, env, server_env)
             ):
-                fds = {0: 0, 1: 1, 2: 2, **{fd: fd for fd in kwargs.get("pass_fds", ())}}
-                cwd = str(kwargs.get("cwd") or os.getcwd())
-                return PreloadedProcess(os.environ[_SERVER_PATH], list(args), env, cwd, fds)
-            return super().__new__(cls)
+                return super().__new__(cls)
+            streams = _streams(kwargs.get("stdout"), kwargs.get("stderr"), bool(kwargs.get("text")))
+            if streams is None:
+                return super().__new__(cls)
+            std, read = streams
+            fds = {0: 0, **std, **{fd: fd for fd in kwargs.get("pass_fds", ())}}
+            cwd = str(kwargs.get("cwd") or os.getcwd())
+            session = bool(kwargs.get("start_new_session"))
+            try:
+                return PreloadedProcess(os.environ[_SERVER_PATH], list(args), env, cwd, fds, session, read)
+            finally:
+                if read is not None:
+                    os.close(std[1])  # the command holds the pipe's write end now
 
     return ForkingPopen
 
@@ -301,6 +367,8 @@ def _run(request: dict, fds: list[int], server_env: dict, path: str, held: set) 
         for fd in moved:
             os.close(fd)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        if request["session"]:
+            os.setsid()
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"], **{_SERVER_PATH: path})

@@ -4,13 +4,12 @@ still run. No timing is asserted."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import launch_env
+from helpers import launch_env, run_commands
 
 REPO = Path(__file__).parents[2]
 BENCH = REPO / "bench" / "gpu_throughput.py"
@@ -19,14 +18,9 @@ SMOKE = ["--shape", "tiny", "--device", "cpu", "--steps", "2", "--warmup", "1"]
 
 
 def run_bench(*args: str) -> subprocess.CompletedProcess[str]:
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    return subprocess.run(
-        [sys.executable, str(BENCH), *SMOKE, *args],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=launch_env(PYTHONPATH=path),
-    )
+    """The bench as `python bench/gpu_throughput.py ...` (the project is installed, so no PYTHONPATH), forked
+    from the preloaded interpreter with its arms (tests/preloaded.py LAUNCHER_SCRIPTS)."""
+    return run_commands([([sys.executable, str(BENCH), *SMOKE, *args], launch_env())], str(REPO), 240)
 
 
 def table_rows(stdout: str) -> dict[str, list[str]]:

@@ -73,3 +73,42 @@ def test_a_module_runs_as_python_m_does(tmp_path):
     done = run_commands([([sys.executable, "-m", "trainer.cli", "--help"], launch_env())], str(tmp_path), 60)
     assert done.returncode == 0 and done.stdout.startswith("usage: trainer")
     assert "RuntimeWarning" not in done.stderr, done.stderr
+
+
+SELF_LAUNCHER = """
+import json, os, signal, subprocess, sys
+if sys.argv[1:] == ["child"]:
+    print(json.dumps({"torch": "torch" in sys.modules, "leader": os.getsid(0) == os.getpid()}))
+    print("to stderr", file=sys.stderr)
+    sys.exit(0)
+if sys.argv[1:] == ["hang"]:
+    signal.pause()
+def start(mode):
+    pipe = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return subprocess.Popen([sys.executable, __file__, mode], **pipe)
+child = start("child")
+out, _ = child.communicate(timeout=60)
+hang = start("hang")
+try:
+    hang.communicate(timeout=0.5)  # it never ends by itself
+    timed_out = False
+except subprocess.TimeoutExpired:
+    timed_out = True
+os.killpg(hang.pid, signal.SIGKILL)  # its own session, as the benches end an arm past its time
+hang.communicate()
+print(json.dumps({"out": out, "kinds": [type(p).__name__ for p in (child, hang)], "timed_out": timed_out,
+                  "codes": [child.returncode, hang.returncode]}))
+"""
+
+
+def test_a_script_that_starts_its_own_file_has_it_forked_with_a_pipe_and_its_own_session(tmp_path):
+    # the benches start each arm so (bench/gpu_throughput.py): stdout piped, stderr into it, a new session
+    script = tmp_path / "launcher.py"
+    script.write_text(SELF_LAUNCHER)
+    done = run_commands([([sys.executable, str(script)], launch_env())], str(tmp_path), 120)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert seen["kinds"] == ["PreloadedProcess", "PreloadedProcess"]
+    first, second = seen["out"].splitlines()
+    assert json.loads(first) == {"torch": True, "leader": True} and second == "to stderr"
+    assert seen["timed_out"] and seen["codes"] == [0, -9]
