@@ -119,7 +119,8 @@ def server(env: dict[str, str]) -> Server:
 
 class PreloadedProcess:
     """`cmd` forked from the server at `path`: as much of subprocess.Popen as the tests and
-    trainer/launch.py use (pid, returncode, poll, wait, kill, terminate, send_signal)."""
+    trainer/launch.py and the benches use (pid, returncode, poll, wait, communicate, kill, terminate,
+    send_signal)."""
 
     def __init__(
         self,
