@@ -247,9 +247,9 @@ def _launcher(caller: dict, args: list[str]) -> bool:
 
 
 def _streams(stdout: object, stderr: object, text: bool) -> tuple[dict[int, int], int | None] | None:
-    """A fork's fds 1 and 2 for Popen's `stdout` and `stderr` (None: this process's; a file; stdout=PIPE, in
-    text mode, with stderr None or STDOUT: a pipe) and the pipe's write end; None for what a fork does not
-    do (the pipe's read end is the caller's: see PreloadedProcess `stdout`)."""
+    """A fork's fds 1 and 2 for Popen's `stdout` and `stderr` (None: this process's; a file; stdout=PIPE in
+    text mode, with stderr None or STDOUT: a new pipe), and the pipe's read end, which the caller keeps (see
+    PreloadedProcess `stdout`); None for what a fork does not do."""
     if stdout == subprocess.PIPE and text and stderr in (None, subprocess.STDOUT):
         read, write = os.pipe()
         return {1: write, 2: write if stderr == subprocess.STDOUT else 2}, read

@@ -19,7 +19,7 @@ SMOKE = ["--shape", "tiny", "--device", "cpu", "--steps", "2", "--warmup", "1"]
 
 def run_bench(*args: str) -> subprocess.CompletedProcess[str]:
     """The bench as `python bench/gpu_throughput.py ...` (the project is installed, so no PYTHONPATH), forked
-    from the preloaded interpreter with its arms (tests/preloaded.py LAUNCHER_SCRIPTS)."""
+    from the preloaded interpreter, as its arms are (a script that starts its own file: tests/preloaded.py)."""
     return run_commands([([sys.executable, str(BENCH), *SMOKE, *args], launch_env())], str(REPO), 240)
 
 

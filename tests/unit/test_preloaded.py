@@ -1,6 +1,7 @@
 """The forked test processes (tests/preloaded.py) run a command as a fresh interpreter would: its argv,
 module globals, sys.path, directory, environment, exit code, atexit handlers and output; a job's first
-failure ends the rest; a different import-time environment gets a fresh interpreter."""
+failure ends the rest; a different import-time environment gets a fresh interpreter; a script that starts
+its own file has the copy forked, with a piped stdout and a session of its own."""
 
 from __future__ import annotations
 
