@@ -334,23 +334,37 @@ def rank_command(
 
 
 def start_ranks(
-    n: int, script: Path, *args: str, torchrun: bool = False, max_restarts: int = 0, env: dict | None = None
-) -> subprocess.Popen:
+    n: int,
+    script: Path,
+    *args: str,
+    torchrun: bool = False,
+    max_restarts: int = 0,
+    env: dict | None = None,
+    fresh: bool = False,
+) -> preloaded.PreloadedProcess | subprocess.Popen:
     """`rank_command(...)` started in the background (stdout and stderr piped, as text), for a test that acts
-    on the job while it runs (a signal); `run_ranks` waits for it instead."""
+    on the job while it runs (a signal); `run_ranks` waits for it instead. The launcher and its ranks (or
+    torchrun's agent and its workers) are forks of the preloaded interpreter (`start_process`); `fresh`: fresh
+    interpreters, as a user starts them."""
     cmd = rank_command(n, script, *args, torchrun=torchrun, max_restarts=max_restarts)
+    popen = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=launch_env(**(env or {})))
     slots = rank_slots(n)
     slots.__enter__()
     try:
-        proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=launch_env(**(env or {}))
-        )
+        proc = subprocess.Popen(cmd, **popen) if fresh else start_process(cmd, **popen)
     except BaseException:
         slots.__exit__(None, None, None)
         raise
-    # the job keeps its slots until it has exited, however the test ends it (Popen.wait is thread-safe)
+    # the job keeps its slots until it has exited, however the test ends it (`wait` is thread-safe)
     threading.Thread(target=lambda: (proc.wait(), slots.__exit__(None, None, None)), daemon=True).start()
     return proc
+
+
+def start_process(cmd: list[str], **popen: Any) -> preloaded.PreloadedProcess | subprocess.Popen:
+    """subprocess.Popen(cmd, **popen), forked from the preloaded interpreter where it runs the same there
+    (tests/preloaded.py `spawn`), as are the processes it starts as a launcher (torchrun, `trainer replicas`,
+    trainer/launch.py)."""
+    return preloaded.spawn(cmd, _SESSION_ENV, **popen)
 
 
 def run_ranks(
@@ -367,8 +381,8 @@ def run_ranks(
     """Run `script ARGS` on n gloo ranks (see `rank_command`) to its end, within `timeout` seconds; with
     `check`, a job that fails fails the test with the ranks' stderr (a failing rank's traceback is there).
     The ranks are forks of a preloaded interpreter (tests/preloaded.py) and a torchrun job the world torchrun
-    starts (`torchrun_world`); one with restarts, or `fresh`, is launched as a user does (fresh interpreters,
-    torchrun itself)."""
+    starts (`torchrun_world`); one with restarts runs under torchrun's agent (itself a fork, as are its
+    workers), and a `fresh` one is launched as a user does (fresh interpreters, torchrun itself)."""
     if fresh or (torchrun and max_restarts):
         return _run_launched(
             n,
@@ -379,6 +393,7 @@ def run_ranks(
             env=env,
             timeout=timeout,
             check=check,
+            fresh=fresh,
         )
     env = launch_env(**(env or {}))
     with rank_slots(n), contextlib.ExitStack() as stack:
@@ -412,8 +427,9 @@ def _run_launched(
     env: dict | None,
     timeout: float,
     check: bool,
+    fresh: bool,
 ) -> subprocess.CompletedProcess:
-    proc = start_ranks(n, script, *args, torchrun=torchrun, max_restarts=max_restarts, env=env)
+    proc = start_ranks(n, script, *args, torchrun=torchrun, max_restarts=max_restarts, env=env, fresh=fresh)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

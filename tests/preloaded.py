@@ -5,9 +5,10 @@ file descriptors, exit code, atexit handlers) without the ~2.5 CPU-s of imports 
 on this machine: most of what the multi-process tests cost (tests/helpers.py `run_ranks`).
 
 They are real processes in real gloo groups; only the imports are shared. What a fork would change is
-kept on fresh interpreters: a different import-time environment (IMPORT_TIME), torchrun's restarts and
-signals (`start_ranks`), and the tests of start-up itself. Run as `python tests/preloaded.py SOCKET`, this
-file is the server."""
+kept on fresh interpreters: a different import-time environment (IMPORT_TIME), one launch of each kind as a
+user starts it (`fresh` in tests/helpers.py), and the tests of start-up itself. A process a launcher starts
+(LAUNCHERS: torchrun's agent, `trainer replicas`, the self-spawn) is forked too. Run as
+`python tests/preloaded.py SOCKET`, this file is the server."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import atexit
 import contextlib
 import gc
 import importlib
+import io
 import json
 import locale
 import os
@@ -30,6 +32,7 @@ import time
 import traceback
 import types
 from pathlib import Path
+from typing import Any
 
 # what a rank script, `trainer fit` or a DDP/FSDP/3D rank imports before its first step, then what the Hugging
 # Face and Lightning scripts import (in forks, ~5% of the suite's CPU went to importing these again)
@@ -41,6 +44,7 @@ PRELOAD = (
     "torch.distributed.fsdp",
     "torch.distributed.checkpoint",
     "torch.distributed.pipelining",
+    "torch.distributed.run",
     "trainer",
     "trainer.cli",
     "strategies",
@@ -59,9 +63,11 @@ IMPORT_TIME = (
     "CUDA", "NCCL", "GLOO", "HF_", "HUGGINGFACE", "TRANSFORMERS", "TOKENIZERS", "MALLOC", "GLIBC", "XDG_",
 )  # fmt: skip
 # ... but read only when used, or by what torch does not load: set by torch (the inductor cache's location),
-# Lightning (how to look for CUDA) and scikit-learn's import (for Intel's OpenMP; torch's CPU build loads
-# GNU's) in a process before it starts others
-RUNTIME_READ = {"TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK", "KMP_DUPLICATE_LIB_OK"}
+# Lightning (how to look for CUDA), scikit-learn's import (for Intel's OpenMP; torch's CPU build loads GNU's)
+# and torchrun's agent (read as an NCCL group is made) in a process before it starts others
+RUNTIME_READ = {
+    "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK", "KMP_DUPLICATE_LIB_OK", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+}  # fmt: skip
 LOG = "TRAINER_TEST_PRELOAD_LOG"  # a file: each launch, and whether it was forked (else why not), appended
 _LENGTH = struct.Struct("!I")
 _MAX_FDS = 16
@@ -98,10 +104,13 @@ class Server:
 def fork_blockers(cmd: list[str], env: dict[str, str], server_env: dict[str, str]) -> list[str]:
     """What keeps `cmd` with `env` from running the same forked from a server that imported under
     `server_env` as in a fresh interpreter ([] when nothing does): not a Python script or module, or the
-    import-time variables that differ."""
+    import-time variables that differ. Python's -u (torchrun gives it its workers) may come first."""
     python = len(cmd) >= 2 and cmd[0] == sys.executable
-    if not (python and (cmd[1].endswith(".py") or (cmd[1] == "-m" and len(cmd) >= 3))):
-        return ["not `python SCRIPT.py` or `python -m MODULE`"]
+    program = list(cmd[2:] if python and cmd[1] == "-u" else cmd[1:])
+    if not (
+        python and program and (program[0].endswith(".py") or (program[0] == "-m" and len(program) >= 2))
+    ):
+        return ["not `python [-u] SCRIPT.py` or `python [-u] -m MODULE`"]
     keys = {k for k in (*env, *server_env) if k.startswith(IMPORT_TIME)} - RUNTIME_READ
     return sorted(k for k in keys if env.get(k) != server_env.get(k))
 
@@ -118,9 +127,9 @@ def server(env: dict[str, str]) -> Server:
 
 
 class PreloadedProcess:
-    """`cmd` forked from the server at `path`: as much of subprocess.Popen as the tests and
-    trainer/launch.py and the benches use (pid, returncode, poll, wait, communicate, kill, terminate,
-    send_signal)."""
+    """`cmd` forked from the server at `path`: as much of subprocess.Popen as the tests, trainer/launch.py,
+    `trainer replicas`, torchrun's agent and the benches use (pid, returncode, stdout, stderr, poll, wait,
+    communicate, kill, terminate, send_signal); `wait` and `poll` may be called from two threads, as Popen's."""
 
     def __init__(
         self,
@@ -130,19 +139,26 @@ class PreloadedProcess:
         cwd: str,
         fds: dict[int, int],
         session: bool = False,
-        stdout: int | None = None,
+        pipes: dict[int, int] | None = None,
+        text: bool = False,
     ) -> None:
-        """`session`: the command leads a new session (Popen's start_new_session); `stdout`: the read end of
-        a pipe the command writes to (Popen's stdout=PIPE, in text mode), read by `communicate`."""
+        """`session`: the command leads a new session (Popen's start_new_session), as it starts; `pipes`: the
+        read ends of pipes the command writes its fd 1 or 2 to (Popen's PIPE), kept as `stdout` and `stderr`."""
         self.args = cmd
         self.returncode: int | None = None
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.connect(path)
-        request = {"argv": cmd[1:], "env": env, "cwd": cwd, "fds": list(fds), "session": session}
+        request = {"argv": list(cmd[1:]), "env": env, "cwd": cwd, "fds": list(fds), "session": session}
         data = json.dumps(request).encode()
         socket.send_fds(self._sock, [_LENGTH.pack(len(data)) + data], list(fds.values()))
         self._buffer = b""
-        self._stdout, self._read = stdout, b""
+        self._lock = threading.Lock()  # one reader of the socket at a time
+        self._text = text
+        self._read = {1: b"", 2: b""}
+        pipes = pipes or {}
+        self.stdout, self.stderr = (
+            os.fdopen(pipes[fd], "r" if text else "rb") if fd in pipes else None for fd in (1, 2)
+        )
         self.pid = int(self._line(None))
 
     def fileno(self) -> int:
@@ -161,38 +177,63 @@ class PreloadedProcess:
         return line.decode()
 
     def poll(self) -> int | None:
-        if self.returncode is None and (line := self._line(0)) is not None:
-            self._ended(line)
+        if self.returncode is None and self._lock.acquire(blocking=False):  # else another thread waits
+            try:
+                if self.returncode is None and (line := self._line(0)) is not None:
+                    self._ended(line)
+            finally:
+                self._lock.release()
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
         if self.returncode is None:
-            line = self._line(timeout)
-            if line is None:
+            if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
                 raise subprocess.TimeoutExpired(self.args, timeout)
-            self._ended(line)
+            try:
+                if self.returncode is None:
+                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    line = self._line(left)
+                    if line is None:
+                        raise subprocess.TimeoutExpired(self.args, timeout)
+                    self._ended(line)
+            finally:
+                self._lock.release()
         return self.returncode
 
     def _ended(self, line: str) -> None:
         self.returncode = int(line)
         self._sock.close()
 
-    def communicate(self, timeout: float | None = None) -> tuple[str, None]:
-        """As Popen.communicate for stdout=PIPE in text mode (stderr not piped): all the command wrote, once it
-        has closed the pipe and ended; past `timeout`, TimeoutExpired, and a later call goes on reading."""
+    def communicate(self, timeout: float | None = None) -> tuple[str | bytes | None, str | bytes | None]:
+        """As Popen.communicate (no input): all the command wrote to each pipe, once it has closed them and
+        ended; past `timeout`, TimeoutExpired, and a later call goes on reading."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self._stdout is not None:
+        streams = {
+            f.fileno(): (fd, f) for fd, f in ((1, self.stdout), (2, self.stderr)) if f and not f.closed
+        }
+        while streams:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not select.select([self._stdout], [], [], left)[0]:
+            ready = select.select(list(streams), [], [], left)[0]
+            if not ready:
                 raise subprocess.TimeoutExpired(self.args, timeout)
-            if chunk := os.read(self._stdout, 1 << 16):
-                self._read += chunk
-            else:
-                os.close(self._stdout)
-                self._stdout = None
+            for raw in ready:
+                fd, stream = streams[raw]
+                if chunk := os.read(raw, 1 << 16):
+                    self._read[fd] += chunk
+                else:
+                    stream.close()
+                    del streams[raw]
         self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        text = self._read.decode(locale.getpreferredencoding(False))
-        return text.replace("\r\n", "\n").replace("\r", "\n"), None  # text mode's universal newlines
+        return self._output(1, self.stdout), self._output(2, self.stderr)
+
+    def _output(self, fd: int, stream: object) -> str | bytes | None:
+        if stream is None:
+            return None
+        if not self._text:
+            return self._read[fd]
+        text = self._read[fd].decode(locale.getpreferredencoding(False))
+        return text.replace("\r\n", "\n").replace("\r", "\n")  # text mode's universal newlines
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
@@ -214,9 +255,7 @@ def popen(
     process's (0, 1 and 2 at least)."""
     found = server(server_env)
     blockers = fork_blockers(cmd, env, found.env)
-    if os.environ.get(LOG):
-        with open(os.environ[LOG], "a") as log:
-            log.write(f"{cmd[1:3]} {'forked' if not blockers else f'fresh: {blockers}'}\n")
+    _log(cmd, blockers)
     if not blockers:
         return PreloadedProcess(found.path, cmd, env, cwd, fds)
     return subprocess.Popen(
@@ -225,20 +264,38 @@ def popen(
     )  # fmt: skip
 
 
-# the modules that start ranks as copies of their own command: trainer/launch.py's self-spawn, Lightning's
-# (a script that starts its own file again, as the benches start their arms, is one too: see `_launcher`)
+def spawn(cmd: list[str], server_env: dict[str, str], **kwargs: Any) -> PreloadedProcess | subprocess.Popen:
+    """subprocess.Popen(cmd, **kwargs), forked from this process's server (started with `server_env` the
+    first time) when it runs the same there and a fork takes those arguments (`_start`)."""
+    found = server(server_env)
+    proc = _start(found.path, found.env, cmd, kwargs)
+    return proc if proc is not None else subprocess.Popen(cmd, **kwargs)
+
+
+def _log(cmd: list[str], blockers: list[str]) -> None:
+    if os.environ.get(LOG):
+        with open(os.environ[LOG], "a") as log:
+            log.write(f"{list(cmd[1:3])} {'forked' if not blockers else f'fresh: {blockers}'}\n")
+
+
+# the modules that start processes a fork may run: trainer/launch.py's self-spawn and Lightning's (copies of
+# their own command), `trainer replicas` (torchrun per group) and torchrun's agent (its workers); a script
+# that starts its own file again, as the benches start their arms, is one too (see `_launcher`)
 LAUNCHERS = (
     "trainer.launch",
+    "trainer.fault_tolerance.launch",
+    "torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler",
     "lightning_fabric.strategies.launchers.subprocess_script",
     "pytorch_lightning.strategies.launchers.subprocess_script",
 )
-# what such a launcher passes, kept by a fork (the streams: see `_streams`)
+# the Popen arguments a fork takes (the streams: see `_streams`; preexec_fn: each launcher's is a death
+# signal, which a fork has from its middle process)
 _FORWARDED = {"env", "cwd", "pass_fds", "preexec_fn", "stdout", "stderr", "text", "start_new_session"}
 
 
 def _launcher(caller: dict, args: list[str]) -> bool:
-    """Whether the module whose globals are `caller` starts copies of its own command: a LAUNCHERS module,
-    or a script that runs its own file (`python SCRIPT ...` from SCRIPT)."""
+    """Whether the module whose globals are `caller` is one of LAUNCHERS, or a script that runs its own file
+    (`python SCRIPT ...` from SCRIPT)."""
     script = caller.get("__file__")
     own = caller.get("__name__") == "__main__" and script and len(args) > 1
     return caller.get("__name__") in LAUNCHERS or bool(
@@ -246,46 +303,66 @@ def _launcher(caller: dict, args: list[str]) -> bool:
     )
 
 
-def _streams(stdout: object, stderr: object, text: bool) -> tuple[dict[int, int], int | None] | None:
-    """A fork's fds 1 and 2 for Popen's `stdout` and `stderr` (None: this process's; a file; stdout=PIPE in
-    text mode, with stderr None or STDOUT: a new pipe), and the pipe's read end, which the caller keeps (see
-    PreloadedProcess `stdout`); None for what a fork does not do."""
-    if stdout == subprocess.PIPE and text and stderr in (None, subprocess.STDOUT):
-        read, write = os.pipe()
-        return {1: write, 2: write if stderr == subprocess.STDOUT else 2}, read
-    named = [s if s is None or isinstance(s, int) else s.fileno() for s in (stdout, stderr)]
-    if any(s is not None and s < 0 for s in named):  # PIPE, STDOUT, DEVNULL
+def _start(path: str, server_env: dict[str, str], cmd: list[str], kwargs: dict) -> PreloadedProcess | None:
+    """subprocess.Popen(cmd, **kwargs) forked from the server at `path`, which imported under `server_env`;
+    None when it would not run the same there (`fork_blockers`) or a fork does not take those arguments."""
+    env = dict(os.environ if kwargs.get("env") is None else kwargs["env"])
+    if set(kwargs) - _FORWARDED:
         return None
-    return {1: named[0] if named[0] is not None else 1, 2: named[1] if named[1] is not None else 2}, None
+    blockers = fork_blockers(list(cmd), env, server_env)
+    _log(cmd, blockers)
+    streams = None if blockers else _streams(kwargs.get("stdout"), kwargs.get("stderr"))
+    if streams is None:
+        return None
+    std, pipes, ours = streams
+    fds = {0: 0, **std, **{fd: fd for fd in kwargs.get("pass_fds", ())}}
+    cwd = str(kwargs.get("cwd") or os.getcwd())
+    session, text = bool(kwargs.get("start_new_session")), bool(kwargs.get("text"))
+    try:
+        return PreloadedProcess(path, list(cmd), env, cwd, fds, session, pipes, text)
+    finally:
+        for fd in ours:
+            os.close(fd)  # the command holds its own copies now
+
+
+def _streams(stdout: object, stderr: object) -> tuple[dict[int, int], dict[int, int], list[int]] | None:
+    """A fork's fds 1 and 2 for Popen's `stdout` and `stderr` (None: this process's; PIPE: a new pipe;
+    DEVNULL; for stderr, STDOUT; a descriptor or a file), the read ends of the pipes by fd, and what was
+    opened here for the command; None for anything else."""
+    for fd, spec in ((1, stdout), (2, stderr)):
+        named = spec is None or hasattr(spec, "fileno") or (isinstance(spec, int) and spec >= 0)
+        special = spec in (subprocess.PIPE, subprocess.DEVNULL) or (fd == 2 and spec == subprocess.STDOUT)
+        if not (named or special):
+            return None
+    std: dict[int, int] = {}
+    pipes: dict[int, int] = {}
+    ours: list[int] = []
+    for fd, spec in ((1, stdout), (2, stderr)):
+        if spec is None:
+            std[fd] = fd
+        elif spec == subprocess.PIPE:
+            pipes[fd], std[fd] = os.pipe()
+            ours.append(std[fd])
+        elif spec == subprocess.DEVNULL:
+            std[fd] = os.open(os.devnull, os.O_WRONLY)
+            ours.append(std[fd])
+        elif spec == subprocess.STDOUT:
+            std[fd] = std[1]
+        else:
+            std[fd] = spec if isinstance(spec, int) else spec.fileno()
+    return std, pipes, ours
 
 
 def _forking_popen(server_env: dict[str, str]) -> type[subprocess.Popen]:
-    """subprocess.Popen for a forked process: a copy of the command that a launcher (`_launcher`) starts is
-    forked from the server too (when it runs the same there); every other process starts as usual."""
+    """subprocess.Popen for a forked process: a command a launcher (`_launcher`) starts is forked from the
+    server too (`_start`); every other process starts as usual."""
 
     class ForkingPopen(subprocess.Popen):
         def __new__(cls, args, *rest, **kwargs):
-            launcher = _launcher(sys._getframe(1).f_globals, args)
-            env = dict(os.environ if kwargs.get("env") is None else kwargs["env"])
-            if not (
-                launcher
-                and not rest
-                and set(kwargs) <= _FORWARDED
-                and not fork_blockers(args, env, server_env)
-            ):
-                return super().__new__(cls)
-            streams = _streams(kwargs.get("stdout"), kwargs.get("stderr"), bool(kwargs.get("text")))
-            if streams is None:
-                return super().__new__(cls)
-            std, read = streams
-            fds = {0: 0, **std, **{fd: fd for fd in kwargs.get("pass_fds", ())}}
-            cwd = str(kwargs.get("cwd") or os.getcwd())
-            session = bool(kwargs.get("start_new_session"))
-            try:
-                return PreloadedProcess(os.environ[_SERVER_PATH], list(args), env, cwd, fds, session, read)
-            finally:
-                if read is not None:
-                    os.close(std[1])  # the command holds the pipe's write end now
+            proc = None
+            if not rest and _launcher(sys._getframe(1).f_globals, args):
+                proc = _start(os.environ[_SERVER_PATH], server_env, args, kwargs)
+            return proc if proc is not None else super().__new__(cls)
 
     return ForkingPopen
 
@@ -334,12 +411,22 @@ def _middle(conn: socket.socket, request: dict, fds: list[int], env: dict, path:
     """Between the server and the command: forks it, sends its pid, then its exit code when it ends; kills
     it when the client goes away first (as PR_SET_PDEATHSIG does a rank whose rank 0 died)."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    started, child_started = os.pipe()
     pid = os.fork()
     if pid == 0:
         conn.close()
+        os.close(started)
+        if request["session"]:
+            os.setsid()
+        os.close(child_started)
         _run(request, fds, env, path, held)
     for fd in fds:
         os.close(fd)
+    # the pid goes out once the command leads its session, as Popen returns after start_new_session took
+    # effect: torchrun's agent may killpg it at once
+    os.close(child_started)
+    os.read(started, 1)
+    os.close(started)
     with contextlib.suppress(OSError):
         conn.sendall(f"{pid}\n".encode())
     ended = os.pidfd_open(pid)
@@ -368,12 +455,14 @@ def _run(request: dict, fds: list[int], server_env: dict, path: str, held: set) 
         for fd in moved:
             os.close(fd)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        if request["session"]:
-            os.setsid()
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"], **{_SERVER_PATH: path})
-        subprocess.Popen = _forking_popen(server_env)
+        forking = _forking_popen(server_env)
+        for module in (sys.modules.get(name) for name in LAUNCHERS):
+            if getattr(module, "Popen", None) is subprocess.Popen:  # `from subprocess import Popen`
+                module.Popen = forking
+        subprocess.Popen = forking
         code = _main(request["argv"])
     except BaseException:
         traceback.print_exc()
@@ -394,6 +483,9 @@ def _main(argv: list[str]) -> int:
     """Run `python ARGV` in this process as the interpreter would; its exit code."""
     import runpy
 
+    if argv[0] == "-u":
+        _unbuffered()
+        argv = argv[1:]
     main = types.ModuleType("__main__")
     sys.modules["__main__"] = main
     try:
@@ -421,6 +513,17 @@ def _main(argv: list[str]) -> int:
         with contextlib.suppress(Exception):
             stream.flush()
     return code
+
+
+def _unbuffered() -> None:
+    """Python's -u: sys.stdout and sys.stderr write through to their descriptors at every write."""
+    for name in ("stdout", "stderr"):
+        old = getattr(sys, name)
+        old.flush()
+        raw = io.FileIO(old.fileno(), "w", closefd=False)
+        stream = io.TextIOWrapper(raw, encoding=old.encoding, errors=old.errors, write_through=True)
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
 
 
 def _exit_code(code: object) -> int:

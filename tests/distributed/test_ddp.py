@@ -200,9 +200,9 @@ def test_torchrun_restart_after_sigkill_resumes_from_the_checkpoint(tmp_path):
     common = ["--steps", "10", "--ckpt-every", "2", "--shuffle", "--global-batch", "64"]
     run_script(2, FAILURE_SCRIPT, tmp_path, "straight", *common)
     killed = ["--devices", "2", *common, "--resume", "--bad-rank", "1", "--bad-step", "7", "--sigkill"]
-    done, root = run_script(
-        2, FAILURE_SCRIPT, tmp_path, "restarted", *killed, torchrun=True, max_restarts=1, timeout=240
-    )
+    # torchrun's restart as a user runs it: fresh interpreters (the fault drill's restarts are forks)
+    launch = {"torchrun": True, "max_restarts": 1, "fresh": True}
+    done, root = run_script(2, FAILURE_SCRIPT, tmp_path, "restarted", *killed, timeout=240, **launch)
     assert "resuming from" in done.stderr and "step-00000006" in done.stderr  # mid-epoch: 4 steps per epoch
     assert_params_close(
         result(tmp_path, "restarted")["params"], result(tmp_path, "straight")["params"], atol=0

@@ -72,7 +72,10 @@ def terminate_mid_run(root, out, torchrun: bool = False):
     """Start a long 2-rank job of sleepy steps with a Timer, SIGTERM the launched process (rank 0, or
     torchrun's agent) once step 3 is logged, and return its exit code and stderr."""
     args = ["--steps", "1000", "--ckpt-every", "1000", "--timer", "--step-sleep", "0.02", "--shuffle"]
-    proc = start_ranks(2, TIMING_SCRIPT, *args, "--root", str(root), "--out", str(out), torchrun=torchrun)
+    # SIGTERM to torchrun as a user sends it: fresh interpreters (to rank 0: forks, as other launches)
+    proc = start_ranks(
+        2, TIMING_SCRIPT, *args, "--root", str(root), "--out", str(out), torchrun=torchrun, fresh=torchrun
+    )
     wait_for_step(root, 3, proc)
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=30)  # the grace period

@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 from ft_script import BATCH, LR, N, params_hash
-from helpers import REPO, SCRIPTS, SEED, WIDE, Regression, launch_env, rank_slots, regression_data
+from helpers import SCRIPTS, SEED, WIDE, Regression, launch_env, rank_slots, regression_data, start_process
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("torchft")
 
 FT_SCRIPT = SCRIPTS / "ft_script.py"
 DEADLINE_S = 240  # each group's run; the drill takes ~40 s on a loaded 2-core machine
-ENV = launch_env(RUST_LOG="warn", PYTHONPATH=str(REPO))
+ENV = launch_env(RUST_LOG="warn")
 
 
 @pytest.fixture(autouse=True)
@@ -52,9 +52,7 @@ def lighthouse(tmp_path_factory) -> str:
         "--heartbeat-timeout-ms",
         "1000",
     ]
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=open(root / "stderr", "w"), text=True, env=ENV
-    )
+    proc = start_process(cmd, stdout=subprocess.PIPE, stderr=open(root / "stderr", "w"), text=True, env=ENV)
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 120)
         line = proc.stdout.readline() if ready else ""
@@ -93,7 +91,7 @@ def start_group(root: Path, lighthouse: str, replica: int, kills: str, *extra: s
         "--kills", kills, "--seed", str(SEED), "--step-sleep", "0.01", "--root", str(folder),
         "--out", str(root / f"replica{replica}.json"), *extra,
     ]  # fmt: skip
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(folder / "stderr", "w"), env=ENV)
+    return start_process(cmd, stdout=subprocess.DEVNULL, stderr=open(folder / "stderr", "w"), env=ENV)
 
 
 def steps(root: Path, replica: int, rank: int = 0) -> list[dict]:
@@ -199,7 +197,7 @@ def test_fsdp_replica_groups_survive_a_rank_killed_during_the_all_reduce(tmp_pat
             if replica == 1:  # group 1 joins the running job (it waits for the survivor's first step)
                 cmd += ["--wait-for", str(tmp_path / "replica0" / "steps-rank0.jsonl")]
             groups.append(
-                subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(folder / "stderr", "w"), env=ENV)
+                start_process(cmd, stdout=subprocess.DEVNULL, stderr=open(folder / "stderr", "w"), env=ENV)
             )
     for rank in (0, 1):
         alive, killed = steps(tmp_path, 0, rank), steps(tmp_path, 1, rank)

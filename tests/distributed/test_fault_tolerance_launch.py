@@ -16,12 +16,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from helpers import REPO, SCRIPTS, WIDE, launch_env, rank_slots
+from helpers import SCRIPTS, WIDE, launch_env, rank_slots, start_process
 
 pytest.importorskip("torchft")
 
 SCRIPT = SCRIPTS / "ft_launch_script.py"
-ENV = launch_env(RUST_LOG="warn", PYTHONPATH=str(REPO))
+ENV = launch_env(RUST_LOG="warn")
 DEADLINE_S = 120  # each wait; the whole test takes ~40 s on a loaded 2-core machine
 
 
@@ -34,7 +34,7 @@ def start(root: Path, name: str, min_replicas: int, *script_args: str) -> subpro
         str(SCRIPT), "--root", str(root), *script_args,
     ]  # fmt: skip
     out, err = open(root / f"{name}.out", "w"), open(root / f"{name}.err", "w")
-    return subprocess.Popen(cmd, stdout=out, stderr=err, env=ENV)
+    return start_process(cmd, stdout=out, stderr=err, env=ENV)
 
 
 def rows(root: Path, replica: int) -> list[dict]:

@@ -144,17 +144,9 @@ def relaunch(args: argparse.Namespace) -> None:
     instead of Python's and torch's start-up, so that the test can afford many. The first attempt starts
     once the survivor (whose step log is `--wait-for`) took a step; each next one once the survivor
     committed a step alone after this group's last one: every outage is seen by the survivor."""
-    mine = Path(args.root) / "steps-rank0.jsonl"
     statuses: list[int] = []
     for attempt in range(args.restarts + 1):
-        if attempt == 0:
-            wait_for_row(Path(args.wait_for), lambda row: True)
-        else:
-            last = max(json.loads(line)["step"] for line in mine.read_text().splitlines())
-            wait_for_row(
-                Path(args.wait_for),
-                lambda row, last=last: row["step"] > last and row["committed"] and row["replicas"] == 1,
-            )
+        wait_for_the_survivor(args, attempt)
         pid = os.fork()
         if pid == 0:
             args.attempt, code = attempt, 1
@@ -171,6 +163,21 @@ def relaunch(args: argparse.Namespace) -> None:
         if statuses[-1] != -signal.SIGKILL:
             break
     raise SystemExit(0 if statuses[-1] == 0 else 1)
+
+
+def wait_for_the_survivor(args: argparse.Namespace, attempt: int) -> None:
+    """Until the survivor (whose step log is `--wait-for`) took a step, or for a later attempt, committed a
+    step alone after this group's last one: every outage is seen by the survivor, however fast the restart
+    (torchrun restarts at once, and a fork of the tests' preloaded interpreter starts in a few ms)."""
+    if attempt == 0:
+        wait_for_row(Path(args.wait_for), lambda row: True)
+        return
+    mine = Path(args.root) / "steps-rank0.jsonl"
+    last = max(json.loads(line)["step"] for line in mine.read_text().splitlines() if line.endswith("}"))
+    wait_for_row(
+        Path(args.wait_for),
+        lambda row: row["step"] > last and row["committed"] and row["replicas"] == 1,
+    )
 
 
 def wait_for_row(log: Path, wanted, timeout: float = 120.0) -> None:
@@ -210,8 +217,10 @@ def main() -> None:
     if args.restarts:
         relaunch(args)
         return
-    if args.wait_for:  # start-up overlaps the other group's; training waits for the survivor's first step
-        wait_for_row(Path(args.wait_for), lambda row: True)
+    if (
+        args.wait_for
+    ):  # start-up overlaps the other group's; training waits for the survivor (torchrun's restarts too)
+        wait_for_the_survivor(args, args.attempt)
     train(args)
 
 

@@ -1,16 +1,18 @@
 """The forked test processes (tests/preloaded.py) run a command as a fresh interpreter would: its argv,
 module globals, sys.path, directory, environment, exit code, atexit handlers and output; a job's first
 failure ends the rest; a different import-time environment gets a fresh interpreter; a script that starts
-its own file has the copy forked, with a piped stdout and a session of its own."""
+its own file has the copy forked, with a piped stdout and a session of its own; torchrun started by a test is
+forked, and so are its workers (`python -u`)."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 import preloaded
-from helpers import launch_env, run_commands
+from helpers import launch_env, run_commands, start_process
 
 REPORT = """
 import atexit, json, os, sys
@@ -113,3 +115,40 @@ def test_a_script_that_starts_its_own_file_has_it_forked_with_a_pipe_and_its_own
     first, second = seen["out"].splitlines()
     assert json.loads(first) == {"torch": True, "leader": True} and second == "to stderr"
     assert seen["timed_out"] and seen["codes"] == [0, -9]
+
+
+WORKER = """
+import json, os, sys
+seen = {"torch": "torch" in sys.modules, "leader": os.getsid(0) == os.getpid(), "rank": os.environ["RANK"]}
+print(json.dumps(seen))  # not flushed: only torchrun's -u gets it out before os._exit
+print("rank", os.environ["RANK"], "on stderr", file=sys.stderr)
+os._exit(0)
+"""
+
+
+def test_torchrun_started_by_a_test_is_forked_and_so_are_its_workers_with_python_u(tmp_path):
+    # the fault drills start torchrun so (helpers.start_ranks): stdout and stderr piped apart, as text
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    proc = start_process(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=launch_env())
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert isinstance(proc, preloaded.PreloadedProcess)
+    seen = sorted((json.loads(line) for line in out.splitlines()), key=lambda row: row["rank"])
+    # forks of the server, each leading its own session (torchrun's agent ends a worker by killpg)
+    assert seen == [{"torch": True, "leader": True, "rank": r} for r in ("0", "1")], out
+    assert "rank 0 on stderr" in err and "rank 1 on stderr" in err and "on stderr" not in out
+
+
+def test_a_fork_takes_devnull_a_file_and_bytes_from_a_pipe(tmp_path):
+    script = tmp_path / "streams.py"
+    script.write_text("import sys\nprint('out')\nprint('err', file=sys.stderr)\n")
+    cmd = [sys.executable, str(script)]
+    with open(tmp_path / "err.txt", "w") as err:
+        quiet = start_process(cmd, stdout=subprocess.DEVNULL, stderr=err, env=launch_env())
+        assert quiet.wait(timeout=60) == 0
+    assert (tmp_path / "err.txt").read_text() == "err\n"
+    loud = start_process(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=launch_env())
+    assert loud.communicate(timeout=60) == (b"out\n", b"err\n")
+    assert all(isinstance(p, preloaded.PreloadedProcess) for p in (quiet, loud))
