@@ -22,6 +22,7 @@ from helpers import (
     regression_loader,
     run_script,
     run_world,
+    start_process,
 )
 from helpers import script_result as result
 
@@ -109,6 +110,7 @@ def test_self_spawn_then_torchrun_spawns_nothing_more(tmp_path, spawned):
 
 def test_two_torchrun_nodes_on_one_machine_train_together(tmp_path, spawned):
     # the test hosts the rendezvous store on a port the system picks; both nodes' agents are its clients
+    # (the agents and their workers are forks: test_self_spawn_then_torchrun_... starts torchrun fresh)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     endpoint = f"127.0.0.1:{store.port}"
     nodes = []
@@ -134,7 +136,7 @@ def test_two_torchrun_nodes_on_one_machine_train_together(tmp_path, spawned):
             "--out",
             str(tmp_path / "nodes.json"),
         ]
-        nodes.append(subprocess.Popen(cmd, env=launch_env(), stderr=subprocess.PIPE, text=True))
+        nodes.append(start_process(cmd, env=launch_env(), stderr=subprocess.PIPE, text=True))
     for proc in nodes:
         _, err = proc.communicate(timeout=180)
         assert proc.returncode == 0, err[-3000:]
