@@ -567,7 +567,7 @@ def reference_run(make_run, root: Path, steps: int, batch: int) -> tuple[dict, d
 
 
 def run_cli(
-    *args: str, cwd: Path, timeout: float = 300, ranks: int = 2, **env: str
+    *args: str, cwd: Path, timeout: float = 300, ranks: int = 1, **env: str
 ) -> subprocess.CompletedProcess:
     """`trainer ARGS` as a user runs it, in its own process, offline (TRAINER_CACHE: the test's tmp_path
     unless `env` names one); the caller checks its exit code and output. `ranks`: the processes it starts

@@ -47,9 +47,9 @@ class Payload:
 
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    """`trainer ARGS` in its own process (the module fixture runs before the per-test TRAINER_CACHE is
+    """`trainer ARGS` on 2 DDP ranks (the module fixture runs before the per-test TRAINER_CACHE is
     set, so the cache is named here)."""
-    return run_cli(*args, cwd=cwd, TRAINER_CACHE=str(cwd / "trainer-cache"))
+    return run_cli(*args, cwd=cwd, ranks=2, TRAINER_CACHE=str(cwd / "trainer-cache"))
 
 
 def last_line(text: str) -> str:

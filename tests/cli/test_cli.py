@@ -289,6 +289,7 @@ def test_devices_in_a_recipe_starts_that_many_processes(tmp_path, strategy):
         "trainer.limit_val_batches=2",
         f"trainer.default_root_dir={root}",
         cwd=tmp_path,
+        ranks=2,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((root / "logs" / "hparams.json").read_text())["world_size"] == 2

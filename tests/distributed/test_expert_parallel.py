@@ -270,7 +270,7 @@ def test_the_moe_recipe_trains_with_expert_parallelism_and_logs_its_router(tmp_p
     done = run_cli(
         "fit", str(REPO / "recipes" / "moe_tiny.yaml"), "trainer.max_steps=40", "trainer.warmup_steps=4",
         "trainer.val_check_interval=20", "trainer.log_every_n_steps=5", f"trainer.default_root_dir={root}",
-        cwd=tmp_path,
+        cwd=tmp_path, ranks=2,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (root / "logs" / "metrics.jsonl").read_text().splitlines()]

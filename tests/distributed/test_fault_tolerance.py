@@ -28,9 +28,9 @@ DEADLINE_S = 240  # each group's run; the drill takes ~40 s on a loaded 2-core m
 ENV = launch_env(RUST_LOG="warn")
 
 
-@pytest.fixture(autouse=True)
-def _alone():
-    """Each test's groups (and their restarts) run beside no other launch of two or more processes (one process,
+@pytest.fixture
+def alone():
+    """A drill's groups (and their restarts) run beside no other launch of two or more processes (one process,
     like an in-process test, is no more load than the machine has room for): a heartbeat missed on an
     oversubscribed machine would read as a lost group."""
     with rank_slots(WIDE):
@@ -123,7 +123,7 @@ def replay(rows: list[dict]) -> Regression:
     return model
 
 
-def test_replica_group_killed_six_times_rejoins_live_and_matches_a_replay(tmp_path, lighthouse):
+def test_replica_group_killed_six_times_rejoins_live_and_matches_a_replay(tmp_path, lighthouse, alone):
     rng = random.Random(SEED)  # TRAINER_TEST_SEED=N explores other kill points; a failure prints its seed
     kinds = ["allreduce"] * 5 + ["end"]  # five during the gradient all-reduce, one between steps
     rng.shuffle(kinds)
@@ -179,7 +179,7 @@ def test_replica_group_killed_six_times_rejoins_live_and_matches_a_replay(tmp_pa
     assert loss == expected, (loss, expected)
 
 
-def test_fsdp_replica_groups_survive_a_rank_killed_during_the_all_reduce(tmp_path, lighthouse):
+def test_fsdp_replica_groups_survive_a_rank_killed_during_the_all_reduce(tmp_path, lighthouse, alone):
     """Two groups of 2 FSDP ranks, each a torchrun job; rank 1 of group 1 dies during the gradient all-reduce
     and torchrun restarts the group, which rejoins: every rank's shards equal its peer rank's."""
     offset = random.Random(SEED).randint(2, 6)
