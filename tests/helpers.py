@@ -333,6 +333,10 @@ def rank_command(
     ]  # fmt: skip
 
 
+# a process a test started: forked from the preloaded interpreter, or a fresh one
+Process = preloaded.PreloadedProcess | subprocess.Popen
+
+
 def start_ranks(
     n: int,
     script: Path,
@@ -341,7 +345,7 @@ def start_ranks(
     max_restarts: int = 0,
     env: dict | None = None,
     fresh: bool = False,
-) -> preloaded.PreloadedProcess | subprocess.Popen:
+) -> Process:
     """`rank_command(...)` started in the background (stdout and stderr piped, as text), for a test that acts
     on the job while it runs (a signal); `run_ranks` waits for it instead. The launcher and its ranks (or
     torchrun's agent and its workers) are forks of the preloaded interpreter (`start_process`); `fresh`: fresh
@@ -360,7 +364,7 @@ def start_ranks(
     return proc
 
 
-def start_process(cmd: list[str], **popen: Any) -> preloaded.PreloadedProcess | subprocess.Popen:
+def start_process(cmd: list[str], **popen: Any) -> Process:
     """subprocess.Popen(cmd, **popen), forked from the preloaded interpreter where it runs the same there
     (tests/preloaded.py `spawn`), as are the processes it starts as a launcher (torchrun, `trainer replicas`,
     trainer/launch.py)."""
@@ -499,7 +503,7 @@ def run_commands(
     return subprocess.CompletedProcess(commands[0][0], code, stdout, stderr)
 
 
-def _ended_fd(proc: preloaded.PreloadedProcess | subprocess.Popen) -> int:
+def _ended_fd(proc: Process) -> int:
     """A descriptor that becomes readable when `proc` ends."""
     return proc.fileno() if isinstance(proc, preloaded.PreloadedProcess) else os.pidfd_open(proc.pid)
 

@@ -18,7 +18,17 @@ from pathlib import Path
 import pytest
 import torch
 from ft_script import BATCH, LR, N, params_hash
-from helpers import SCRIPTS, SEED, WIDE, Regression, launch_env, rank_slots, regression_data, start_process
+from helpers import (
+    SCRIPTS,
+    SEED,
+    WIDE,
+    Process,
+    Regression,
+    launch_env,
+    rank_slots,
+    regression_data,
+    start_process,
+)
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("torchft")
@@ -67,10 +77,10 @@ def lighthouse(tmp_path_factory) -> str:
 
 
 @contextlib.contextmanager
-def groups_ending_well(root: Path) -> Iterator[list[subprocess.Popen]]:
+def groups_ending_well(root: Path) -> Iterator[list[Process]]:
     """The replica groups the block starts (appended to the list), each then waited for and required to exit
     0 within DEADLINE_S; whatever fails, none is left running."""
-    groups: list[subprocess.Popen] = []
+    groups: list[Process] = []
     try:
         yield groups
         for replica, proc in enumerate(groups):
@@ -83,7 +93,7 @@ def groups_ending_well(root: Path) -> Iterator[list[subprocess.Popen]]:
             proc.wait()
 
 
-def start_group(root: Path, lighthouse: str, replica: int, kills: str, *extra: str) -> subprocess.Popen:
+def start_group(root: Path, lighthouse: str, replica: int, kills: str, *extra: str) -> Process:
     folder = root / f"replica{replica}"
     folder.mkdir(exist_ok=True)
     cmd = [

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from helpers import SCRIPTS, WIDE, launch_env, rank_slots, start_process
+from helpers import SCRIPTS, WIDE, Process, launch_env, rank_slots, start_process
 
 pytest.importorskip("torchft")
 
@@ -25,7 +25,7 @@ ENV = launch_env(RUST_LOG="warn")
 DEADLINE_S = 120  # each wait; the whole test takes ~40 s on a loaded 2-core machine
 
 
-def start(root: Path, name: str, min_replicas: int, *script_args: str) -> subprocess.Popen:
+def start(root: Path, name: str, min_replicas: int, *script_args: str) -> Process:
     """`trainer replicas` of 2 groups (a dead group is noticed after 1 s without a heartbeat, a collective
     with a silent peer fails after the script's 4 s timeout_s); its output in ROOT/NAME.out and .err."""
     cmd = [
@@ -43,7 +43,7 @@ def rows(root: Path, replica: int) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.endswith("}")]
 
 
-def wait_until(what: str, ready: Callable[[], object], job: subprocess.Popen, root: Path) -> object:
+def wait_until(what: str, ready: Callable[[], object], job: Process, root: Path) -> object:
     """Poll `ready` until it returns something truthy; fail naming `what` (with the job's stderr) when the
     job ends first or DEADLINE_S passes."""
     deadline = time.monotonic() + DEADLINE_S
@@ -59,7 +59,7 @@ def _tail(root: Path) -> str:
 
 
 @contextlib.contextmanager
-def nothing_left(root: Path, jobs: list[subprocess.Popen]) -> Iterator[None]:
+def nothing_left(root: Path, jobs: list[Process]) -> Iterator[None]:
     """However the block ends: every launcher stopped (SIGTERM: it stops its groups), every group process
     the step logs name killed."""
     try:
@@ -190,7 +190,7 @@ def test_fault_tolerance_from_the_launchers_environment(monkeypatch):
 
 @pytest.mark.slow
 def test_replicas_launcher_survives_a_hang_a_restart_and_the_whole_job_killed(tmp_path):
-    jobs: list[subprocess.Popen] = []
+    jobs: list[Process] = []
     with rank_slots(WIDE), nothing_left(tmp_path, jobs):
         jobs.append(job := start(tmp_path, "first", 1))
         wait_until("a step of both groups together", lambda: any(r["replicas"] == 2 for r in rows(tmp_path, 1)),
