@@ -217,9 +217,8 @@ def main() -> None:
     if args.restarts:
         relaunch(args)
         return
-    if (
-        args.wait_for
-    ):  # start-up overlaps the other group's; training waits for the survivor (torchrun's restarts too)
+    # start-up overlaps the other group's; training waits for the survivor (after torchrun's restarts too)
+    if args.wait_for:
         wait_for_the_survivor(args, args.attempt)
     train(args)
 
