@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(
         dest="command",
         required=True,
@@ -141,6 +142,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trainer: error: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def _version() -> str:
+    """The installed package's version (pyproject.toml's, as pip recorded it)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("trainer")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
