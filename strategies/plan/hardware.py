@@ -355,8 +355,8 @@ def parse_bytes(text: str) -> float:
         raise ValueError(
             f"memory size {text!r} is invalid; allowed: a number with GB, GiB, MB or TB"
         ) from None
-    if value <= 0:
-        raise ValueError(f"memory size {text!r} is invalid; allowed: a positive size")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"memory size {text!r} is invalid; allowed: a positive finite size")
     return value
 
 

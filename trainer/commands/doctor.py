@@ -37,6 +37,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from trainer.commands.limits import check_local_processes
     from trainer.doctor.run import DoctorOptions, doctor
 
     options = DoctorOptions(
@@ -49,6 +50,8 @@ def run(args: argparse.Namespace) -> int:
         out=args.out,
     )
     try:
+        if args.devices is not None:
+            check_local_processes(f"--devices {args.devices}", args.devices)
         report = doctor(options)
     except ValueError as err:
         print(f"trainer: error: {err}", file=sys.stderr)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -23,20 +24,42 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def add_quorum_options(parser: argparse.ArgumentParser) -> None:
     """The lighthouse's quorum options, which `trainer replicas` passes on to the lighthouse it starts."""
     parser.add_argument(
-        "--min-replicas", type=int, default=1, help="groups a quorum, and so a step, needs (default 1)"
+        "--min-replicas",
+        type=bounded_int(1, MAX_REPLICAS),
+        default=1,
+        help="groups a quorum, and so a step, needs (default 1)",
     )
     parser.add_argument(
         "--heartbeat-timeout-ms",
-        type=int,
+        type=bounded_int(1, DAY_MS),
         default=5000,
         help="a silent group is dead after this (default 5000)",
     )
     parser.add_argument(
         "--join-timeout-ms",
-        type=int,
+        type=bounded_int(1, DAY_MS),
         default=60000,
         help="a quorum waits this long for late groups (default 60000)",
     )
+
+
+MAX_REPLICAS = 100_000  # replica groups of one job: the largest runs have hundreds
+DAY_MS = 86_400_000  # a timeout beyond a day is a typo; torchft's counters overflow far beyond it
+
+
+def bounded_int(least: int, most: int) -> Callable[[str], int]:
+    """An argparse type: an int from `least` to `most`, else argparse's one-line error saying so."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or not least <= value <= most:
+            raise argparse.ArgumentTypeError(f"{text!r} is invalid; allowed: an int from {least} to {most}")
+        return value
+
+    return parse
 
 
 def run(args: argparse.Namespace) -> int:

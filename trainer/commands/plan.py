@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -42,6 +43,9 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(
                 f"--gpus {args.gpus}, --gpus-per-node {args.gpus_per_node}, --top {args.top}: allowed: ints >= 1"
             )
+        for name, value in (("--storage-gbps", args.storage_gbps), ("--mtbf-hours", args.mtbf_hours)):
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"{name} {value}; allowed: a finite number > 0")
         config = load_recipe(args.recipe, args.overrides)
         try:
             rates = Rates.read(args.measured) if args.measured is not None else None

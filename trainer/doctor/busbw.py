@@ -40,6 +40,17 @@ def parse_size(text: str) -> int:
     return int(match.group(1)) * _UNITS[match.group(2).upper()]
 
 
+def check_sizes(sizes: list[int], memory: int) -> None:
+    """A one-line ValueError unless a rank's buffers for the largest message (the message, its output and a
+    rank's part: under 3x its size) fit in half of `memory`, the bytes one rank may use."""
+    largest = max(sizes, default=0)
+    if 3 * largest > memory // 2:
+        raise ValueError(
+            f"message size {size_text(largest)} needs {3 * largest / GB:,.1f} GB of buffers per process; "
+            f"allowed: up to {memory // 6 // _UNITS['M']}M here (half of {memory / GB:.3g} GB per process)"
+        )
+
+
 def size_text(nbytes: int) -> str:
     """1048576 -> '1M': the largest unit that divides the size."""
     for unit in ("G", "M", "K"):

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from strategies.mesh import MeshStrategy
 from strategies.parallel_dims import ParallelDims
 from trainer.doctor import hints, measure, nominal
-from trainer.doctor.busbw import parse_size
+from trainer.doctor.busbw import check_sizes, parse_size
 from trainer.doctor.groups import (
     INTER,
     INTRA,
@@ -34,6 +34,8 @@ from trainer.precision import Precision
 # the smallest size is latency-bound: the planner reads each collective's fixed cost from it
 DEFAULT_SIZES = {"gloo": "4K,64K,1M,8M", "nccl": "64K,1M,16M,128M,1G"}
 DEFAULT_CALLS = {"gloo": (2, 5), "nccl": (5, 20)}  # (warm-up, timed) calls per size
+# nccl-tests runs 5 + 20; more than this per size measures nothing new and keeps the job for hours
+MAX_CALLS = 10_000
 # (n x n sizes, dtype, timed calls at the largest size); the largest is the rate the report leads with
 MATMUL = {
     "cpu": ((64, 128, 256, 512, 1024), torch.float32, 5),
@@ -72,25 +74,37 @@ def doctor(options: DoctorOptions) -> str | None:
     world = detect_world()
     devices = options.devices
     if world is not None:
-        devices = devices or world.local_world_size
+        devices = world.local_world_size if devices is None else devices
         num_nodes = max(world.world_size // max(world.local_world_size, 1), 1)
     else:
-        devices, num_nodes = devices or (torch.cuda.device_count() if cuda else 2), 1
-    if devices < 2 and num_nodes == 1:
+        devices = (torch.cuda.device_count() if cuda else 2) if devices is None else devices
+        num_nodes = 1
+    least = 2 if num_nodes == 1 else 1  # a collective needs peers: on one node, two processes
+    if devices < least:
         raise ValueError(
-            f"--devices {devices} is invalid; allowed: 2 or more processes (a collective needs peers)"
+            f"--devices {devices} is invalid; allowed: {least} or more processes (a collective needs peers)"
         )
     strategy = _WorldStrategy(parse_mesh(options.mesh) if options.mesh else None)
     # checks the mesh against the world too
     strategy.configure("cuda" if cuda else "cpu", devices, num_nodes, Precision("32"))
     backend = "nccl" if cuda else "gloo"
     sizes = [parse_size(s) for s in (options.sizes or DEFAULT_SIZES[backend]).split(",") if s.strip()]
+    check_sizes(sizes, _memory_per_process(cuda, devices))
     for name, least in (("warmup", 0), ("iters", 1)):
         value = getattr(options, name)
-        if value is not None and value < least:
-            raise ValueError(f"--{name} {value} is invalid; allowed: an int >= {least}")
-    check_gpus_per_node(options.gpus_per_node or devices, devices * num_nodes)
+        if value is not None and not least <= value <= MAX_CALLS:
+            raise ValueError(f"--{name} {value} is invalid; allowed: an int from {least} to {MAX_CALLS}")
+    gpus_per_node = devices if options.gpus_per_node is None else options.gpus_per_node
+    check_gpus_per_node(gpus_per_node, devices * num_nodes)
     return strategy.launch(_run, strategy, options, sizes)
+
+
+def _memory_per_process(cuda: bool, devices: int) -> int:
+    """Bytes one rank may fill with its message buffers: a GPU's memory, or the host's shared by the
+    node's processes."""
+    if cuda:
+        return torch.cuda.get_device_properties(0).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // devices
 
 
 def _run(strategy: _WorldStrategy, options: DoctorOptions, sizes: list[int]) -> str | None:
