@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trainer.commands.lighthouse import add_quorum_options
+from trainer.commands.limits import check_local_processes
 from trainer.config import ConfigError, load_recipe
 
 if TYPE_CHECKING:
@@ -62,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
             heartbeat_timeout_ms=args.heartbeat_timeout_ms,
             join_timeout_ms=args.join_timeout_ms,
         )
+        check_local_processes(f"--groups {launch.groups} x --nproc-per-group {launch.nproc_per_group}",
+                              launch.groups * launch.nproc_per_group)  # fmt: skip
         entry = group_entry(Path(args.target), args.args, launch)
         return run_replica_groups(launch, entry)
     except (ImportError, ValueError, ConfigError) as err:
@@ -81,15 +84,18 @@ def group_entry(target: Path, rest: list[str], launch: Launch) -> Callable[[int,
     overrides = [item for item in rest if "=" in item and not item.startswith("-")]
     # resume or start: a group torchrun restarts continues in its own run folder, then heals to the live step
     resume = [] if any(item.split("=")[0] == "--ckpt-path" for item in rest) else ["--ckpt-path", "last"]
-    root = (
-        load_recipe(target, overrides)["trainer"].get("default_root_dir") or "runs"
-    )  # checked before starting
 
-    def recipe(replica: int, lighthouse: str) -> list[str]:
+    def settings(replica: int, lighthouse: str) -> list[str]:
         ft = {"lighthouse": lighthouse, "replica_id": replica, "replicas": launch.groups,
               "min_replicas": launch.min_replicas, "bind": launch.bind}  # fmt: skip
-        mine = [f"fault_tolerance.{key}={value}" for key, value in ft.items()]
-        return ["-m", "trainer.cli", "fit", str(target), *rest, *resume, *mine,
+        return [f"fault_tolerance.{key}={value}" for key, value in ft.items()]
+
+    # checked before starting, as group 0 will load it (the lighthouse's port is not known yet)
+    config = load_recipe(target, [*overrides, *settings(0, f"{launch.bind}:1")])
+    root = config["trainer"].get("default_root_dir") or "runs"
+
+    def recipe(replica: int, lighthouse: str) -> list[str]:
+        return ["-m", "trainer.cli", "fit", str(target), *rest, *resume, *settings(replica, lighthouse),
                 f"trainer.default_root_dir={Path(root) / f'replica_{replica}'}"]  # fmt: skip
 
     return recipe

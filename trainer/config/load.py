@@ -151,7 +151,15 @@ def _check_fault_tolerance(section: Any) -> dict[str, Any]:
 
     if not isinstance(section, dict):
         raise ConfigError(f"fault_tolerance must be a mapping of FaultTolerance fields; got {section!r}")
-    reject_unknown(section, [f.name for f in dataclasses.fields(FaultTolerance)], "fault_tolerance")
+    fields = dataclasses.fields(FaultTolerance)
+    reject_unknown(section, [f.name for f in fields], "fault_tolerance")
+    required = [f.name for f in fields if f.default is dataclasses.MISSING]
+    missing = [f"fault_tolerance.{name}" for name in required if name not in section]
+    if missing:
+        raise ConfigError(
+            f"{', '.join(missing)} not set; allowed: the lighthouse's host:port and this group's index, or the "
+            "recipe run by `trainer replicas`, which sets them"
+        )
     try:
         return dataclasses.asdict(FaultTolerance(**section))
     except (TypeError, ValueError) as err:
