@@ -11,11 +11,12 @@ folder), checkpoint_files.py (hashed safetensors/torch files), checkpoint_stagin
 protocol, setting aside); callers use them all through this module (`from trainer import checkpoint as ckpt`).
 
 What loading protects against:
-- corruption (a flipped bit, a truncated or half-copied file, a deleted file): meta.json carries a
-  manifest, the size and block hashes (trainer/integrity.py) of every file, taken while writing; every
-  file is verified before it is loaded. A checkpoint without a manifest, or whose manifest lists no
-  file, is refused unless the caller opts in (`allow_unverified`); meta.json's step must equal the
-  loop state's inside the hashed files.
+- corruption (a flipped bit, a truncated, extended or half-copied file, a deleted file): meta.json carries
+  a manifest, the size and block hashes (trainer/integrity.py) of every file, taken while writing; every
+  file is verified before it is loaded. The manifest is the allow-list: a checkpoint holding a file it
+  does not list (added, or swapped in from another checkpoint with its entry removed) is refused, naming
+  it. A checkpoint without a manifest, or whose manifest lists no file, is refused unless the caller opts
+  in (`allow_unverified`); meta.json's step must equal the loop state's inside the hashed files.
 - code in a file: nothing is unpickled beyond an allow-list (safetensors; `torch.load(weights_only=True)`;
   DCP's metadata through an allow-listed unpickler and its byte items with `weights_only`), so a forged
   file is refused, naming it, instead of running.
@@ -30,6 +31,7 @@ writes it after reloading the checkpoint and comparing losses); one that failed 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -111,6 +113,7 @@ __all__ = [  # the one name space callers use (`from trainer import checkpoint a
     "step_dir_name",
     "step_of",
     "tensor_bytes",
+    "unlisted_files",
     "write_atomically",
 ]
 
@@ -128,8 +131,9 @@ def alone(problem: str | None) -> str | None:
 def problem(
     ckpt_dir: Path, part: tuple[int, int] = (0, 1), validated: bool = True, allow_unverified: bool = False
 ) -> str | None:
-    """Why the checkpoint is not good, as rank `part[0]` of `part[1]` sees it, or None. Every rank checks
-    meta.json, each file's presence and size, and (with `validated`) the validation marker; the block
+    """Why the checkpoint is not good, as rank `part[0]` of `part[1]` sees it, or None: the one gate every
+    load passes. Every rank checks meta.json, that its manifest lists every file (unlisted_files), each
+    file's presence and size, and (with `validated`) the validation marker; the block
     hashes are split over the ranks (integrity.share), so the ranks' answers must be combined (`Agree`).
     A checkpoint whose manifest is missing or lists no file is refused unless `allow_unverified`."""
     try:
@@ -141,6 +145,12 @@ def problem(
         return (
             f"{META_FILE} {'lists no file' if 'manifest' in meta else 'has no manifest'}, so nothing in it "
             "can be verified; refused (allow_unverified_checkpoints=True loads it unverified)"
+        )
+    unlisted = unlisted_files(ckpt_dir, manifest) if manifest else []
+    if unlisted:
+        return (
+            f"{unlisted[0]} is not in {META_FILE}'s manifest (added or replaced after the save): "
+            "refused; a checkpoint loads only the files its manifest lists and verifies"
         )
     for name, entry in manifest.items():
         path = Path(ckpt_dir) / name
@@ -155,6 +165,20 @@ def problem(
     if validated and meta.get("pending_validation") and not (Path(ckpt_dir) / VALIDATED_FILE).exists():
         return "never validated (the run stopped during validation?)"
     return None
+
+
+def unlisted_files(ckpt_dir: Path, manifest: dict[str, Any]) -> list[str]:
+    """The files under `ckpt_dir` (paths relative to it, sorted) that neither `manifest` lists nor are the
+    checkpoint's own records (meta.json, validated.json and its temporary name)."""
+    ckpt_dir = Path(ckpt_dir)
+    records = {META_FILE, VALIDATED_FILE, f".{VALIDATED_FILE}.tmp"}
+    found = []
+    for root, _, files in os.walk(ckpt_dir):
+        for name in files:
+            relative = (Path(root) / name).relative_to(ckpt_dir).as_posix()
+            if relative not in manifest and relative not in records:
+                found.append(relative)
+    return sorted(found)
 
 
 def check_good(

@@ -7,7 +7,8 @@ manifest in its meta.json too. What protects a run from a forged file is that lo
 (safetensors, `weights_only` torch files, DCP metadata through an allow-listed unpickler).
 Measured on this machine's one core: XXH3-128 24.8 GB/s, CRC-32 4.2, BLAKE3 4.7, SHA-256 (SHA-NI)
 1.8, BLAKE2b 0.9 GB/s; memcpy is 1.8 GB/s, so hashing never limits a write or a read. Blocks let any
-number of ranks share the verification of any set of files, one large file included.
+number of ranks share the verification of any set of files, one large file included. A file's last block
+is verified to the end of the file: bytes appended to it fail the hash, not only the size check.
 """
 
 from __future__ import annotations
@@ -118,6 +119,7 @@ class Unit:
     length: int
     digest: str
     algorithm: str
+    last: bool = False  # the file's last block: hashed to the end of the file, so appended bytes differ
 
 
 def units(manifest: dict[str, Any]) -> list[Unit]:
@@ -128,9 +130,10 @@ def units(manifest: dict[str, Any]) -> list[Unit]:
         if isinstance(entry, list):  # format 1: [size, sha256 of the whole file]
             out.append(Unit(name, 0, entry[0], entry[1], "sha256"))
             continue
-        size, block = entry["bytes"], entry["block_bytes"]
-        for i, digest in enumerate(entry[HASH]):
-            out.append(Unit(name, i * block, min(block, size - i * block), digest, HASH))
+        size, block, digests = entry["bytes"], entry["block_bytes"], entry[HASH]
+        for i, digest in enumerate(digests):
+            last = i == len(digests) - 1
+            out.append(Unit(name, i * block, min(block, size - i * block), digest, HASH, last))
     return out
 
 
@@ -165,18 +168,21 @@ def _digest(path: Path, u: Unit) -> str:
         with open(path, "rb") as f:
             return hashlib.file_digest(f, "sha256").hexdigest()
     h = xxhash.xxh3_128()
-    for chunk in _read(path, u.offset, u.length):
+    for chunk in _read(path, u.offset, u.length, to_end=u.last):
         h.update(chunk)
     return h.hexdigest()
 
 
-def _read(path: Path, offset: int, length: int, chunk: int = 8 << 20) -> Iterator[memoryview]:
-    buf = memoryview(bytearray(min(chunk, max(length, 1))))
+def _read(
+    path: Path, offset: int, length: int, chunk: int = 8 << 20, to_end: bool = False
+) -> Iterator[memoryview]:
+    """Bytes [offset, offset+length) of `path`, and with `to_end` whatever follows them too."""
+    buf = memoryview(bytearray(chunk if to_end else min(chunk, max(length, 1))))
     with open(path, "rb", buffering=0) as f:
         f.seek(offset)
         left = length
-        while left > 0:
-            n = f.readinto(buf[: min(len(buf), left)])
+        while left > 0 or to_end:
+            n = f.readinto(buf if to_end else buf[: min(len(buf), left)])
             if not n:
                 return
             yield buf[:n]
