@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from callbacks.checkpoint import ModelNotFiniteError
 from trainer import eval_loop, step_log
+from trainer.dtensors import local_part
 from trainer.epochs import EpochBatches
 from trainer.fused_optim import prefer_fused
 from trainer.logging import rank_zero_info
@@ -23,6 +25,7 @@ from trainer.progress import ProgressBar
 from trainer.schedules import LRSchedule, build_scheduler
 from trainer.state import LoopState
 from trainer.step_log import Throughput
+from trainer.stop_signals import NAMES, StoppedBySignal, StopSignals
 from trainer.time_limit import TimeLimit
 
 if TYPE_CHECKING:
@@ -55,11 +58,24 @@ class FitLoop:
         self.start_step = 0
         self.time_limit: TimeLimit | None = None  # max_time, once training started
         self.first_not_finite: torch.Tensor | None = None  # see not_finite_since
+        self.last_loss: torch.Tensor | None = None  # this rank's loss of the last step that returned one
+        self.signals = StopSignals()  # Ctrl-C / SIGTERM while the fit runs
+        self.stopped_by: int | None = None  # the signal the ranks agreed to stop for
+        self.stop_checkpoint: Any = None  # the checkpoint saved for that stop (None: no step to save)
         self.replicas: ReplicaGroup | None = None  # fault tolerance's replica group (set by stages), or None
 
     # ---- the run ---------------------------------------------------------------------------------
     def run(self, ckpt_path: Any) -> None:
-        """Optimizer, run folders and resume; then Lightning's fit: its hooks around the epochs."""
+        """Optimizer, run folders and resume; then Lightning's fit: its hooks around the epochs. Ctrl-C and
+        SIGTERM stop it after the step in flight, with a checkpoint (see `signal_exit`)."""
+        self.signals.install()
+        try:
+            self._run(ckpt_path)
+            self.signals.finish()
+        finally:
+            self.signals.restore()
+
+    def _run(self, ckpt_path: Any) -> None:
         trainer, module, val_loader = self.trainer, self.module, self.val_loader
         dispatch = trainer._dispatch
         self.setup_optimizer()
@@ -81,6 +97,7 @@ class FitLoop:
         self._train()
         dispatch.all("on_train_end")
         dispatch.all("on_fit_end")
+        self._check_finite_end()  # after ModelCheckpoint's last save, which names the last good checkpoint
         rank_zero_info(step_log.effective_time_line(trainer))
 
     def _train(self) -> None:
@@ -103,7 +120,7 @@ class FitLoop:
                 break
             self._end_epoch(val_every)
         step_log.log_epoch_metrics(trainer)  # a run stopped inside an epoch ends its aggregates here
-        if val_loader is not None and self.last_val_step != s.global_step:
+        if val_loader is not None and self.last_val_step != s.global_step and self.stopped_by is None:
             eval_loop.validate_in_fit(trainer, self.module, val_loader)
 
     def _end_epoch(self, val_every: int | None) -> None:
@@ -205,6 +222,7 @@ class FitLoop:
         if not skipped:
             s.productive_s += time.perf_counter() - started
         self._track_finite(loss, s.global_step)  # the model as of this step gave a non-finite loss
+        self.last_loss = loss
         s.global_step += 1
         s.batches_in_epoch += len(window)
         meter.step_done()
@@ -274,6 +292,8 @@ class FitLoop:
         strategy's stop reason (a signal, a lost peer), agreed by every rank."""
         trainer = self.trainer
         s = trainer.state
+        if not trainer.should_stop and (number := self.signals.agreed(trainer.strategy.world_size)):
+            self._stop_for_signal(number)
         if self.time_limit is not None and not trainer.should_stop:
             # every rank must stop at the same step: their clocks agree at steps they all know (time_limit.py)
             if self.time_limit.reached(s.global_step, time.time() - self.started, self._slowest):
@@ -293,6 +313,42 @@ class FitLoop:
             or (trainer.max_steps is not None and s.global_step >= trainer.max_steps)
             or (trainer.max_epochs is not None and s.epoch >= trainer.max_epochs)
         )
+
+    def _stop_for_signal(self, number: int) -> None:
+        """Every rank had a signal's word: a checkpoint of the last step when this fit trained one, then stop."""
+        self.stopped_by = number
+        if self.trainer.global_step > self.start_step:
+            self.stop_checkpoint = self.trainer._save_for_stop()
+        self.trainer.should_stop = True
+
+    def signal_exit(self) -> StoppedBySignal:
+        """The fit's last line after a signal stopped it, and the exit that follows (128 + the signal)."""
+        step, name, hint = self.trainer.global_step, NAMES[self.stopped_by], self.trainer.resume_hint
+        if self.stop_checkpoint is None:
+            rank_zero_info(f"stopped at step {step} ({name}) before training a step; nothing new to save")
+        else:
+            rank_zero_info(
+                f"stopped at step {step} ({name}): checkpoint {self.stop_checkpoint}; resume with {hint}"
+            )
+        return StoppedBySignal(self.stopped_by)
+
+    def _check_finite_end(self) -> None:
+        """A fit never ends quietly with a non-finite model, or a non-finite loss at its last step, whatever
+        the callbacks (ModelCheckpoint finds it earlier when there is one). Every rank calls."""
+        last = self.last_loss
+        bad_loss = last is not None and not bool(torch.isfinite(last.detach()).all())
+        bad_model = not all(
+            bool(torch.isfinite(local_part(p.detach())).all()) for p in self.module.parameters()
+        )
+        strategy = self.trainer.strategy
+        if not strategy.any_rank(bad_loss or bad_model):
+            return
+        since = self.not_finite_since()
+        what = (
+            "non-finite parameters" if strategy.any_rank(bad_model) else "a non-finite loss at its last step"
+        )
+        first = "every loss was finite" if since is None else f"the loss was first non-finite at step {since}"
+        raise ModelNotFiniteError(f"the fit ended with {what} ({first}); nothing it trained since is usable")
 
     def _slowest(self, elapsed: float) -> float:
         """The largest of the ranks' `elapsed` (every rank calls it)."""

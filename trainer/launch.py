@@ -143,6 +143,9 @@ def spawn_and_run(nprocs: int, function: Callable[..., Any], *args: Any) -> Any:
     atexit.register(_wait_for_children, children, watchdog)
     try:
         return function(*args)
+    except SystemExit:  # a clean end the function chose (a signal's stop): the others end as it did
+        watchdog.stop()
+        raise
     except BaseException as err:
         watchdog.stop()
         cause = _job_error(err, _failed(children, grace_s=1.0))  # a dead child is usually why rank 0 failed

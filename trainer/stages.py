@@ -61,6 +61,8 @@ def run_fit(
         if replicas is not None:
             replicas.shutdown()
         _finish(trainer, "fit")
+    if trainer._fit_loop.stopped_by is not None:  # after the tear-down: its checkpoint is complete
+        raise trainer._fit_loop.signal_exit()
 
 
 def run_evaluate(

@@ -144,6 +144,7 @@ class Trainer(LightningViews):
         self._warned_none_step = False
         self._warned_unsynced: set[str] = set()  # names told about sync_dist (TrainModule.log)
         self.should_stop = False
+        self.resume_hint = "ckpt_path='last'"  # how the user resumes this run (the CLI: its option)
         self.module: TrainModule | None = None
         self.datamodule: Any = None  # the datamodule of the running fit/validate/test/predict
         self.optimizer: torch.optim.Optimizer | None = None
@@ -327,13 +328,21 @@ class Trainer(LightningViews):
         """Save a checkpoint of this step (through the run's ModelCheckpoint, validated, when there is one)
         and end the fit after it; `fit(..., ckpt_path="last")` continues from there (unless `resumable` is
         False: a limit that a resume would meet again, such as a spent privacy budget). Call on every rank."""
+        path = self._save_for_stop()
+        after = (
+            f"run the same command with {self.resume_hint} to continue"
+            if resumable
+            else "this run is complete"
+        )
+        rank_zero_info(f"stopping at step {self.global_step} ({why}); checkpoint {path}; {after}")
+        return path
+
+    def _save_for_stop(self) -> Path:
+        """A checkpoint of this step before the fit ends early (through the run's ModelCheckpoint when
+        there is one), every rank; the fit then stops."""
         saver = self.checkpoint_callback
         path = saver.save(self) if saver is not None else self.save_checkpoint()
         self.should_stop = True
-        after = (
-            "run the same command with ckpt_path='last' to continue" if resumable else "this run is complete"
-        )
-        rank_zero_info(f"stopping at step {self.global_step} ({why}); checkpoint {path}; {after}")
         return path
 
     def log_metrics(self, metrics: dict[str, float], hidden: set[str] = frozenset()) -> None:

@@ -60,7 +60,8 @@ def per_step(events: list[list]) -> list[tuple[list[list[list]], list[list], boo
 
 def expected(strategy: str, step: int, skipped: bool) -> Counter:
     """The framework's collectives of optimizer step `step` (1-based), by the function they serve."""
-    want = Counter()
+    # Ctrl-C/SIGTERM: the ranks' agreement, started after each step (on the CPU) and read after the next
+    want = Counter({"trainer/stop_signals.py:agreed": 1})
     if strategy == "ddp":  # its module can return None: the ranks agree once, before the gradient sync
         want["strategies/base.py:train_step"] += 1
     if not skipped:

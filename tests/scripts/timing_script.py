@@ -5,6 +5,8 @@ N ...` (self-spawning) or under torchrun; rank 0 writes the final step and param
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -34,9 +36,13 @@ class Sleepy(Regression):
         self.step_sleep, self.slow_rank, self.slow_sleep = step_sleep, slow_rank, slow_sleep
         self.wait = time.sleep if clock is None else clock.advance
 
+    signal_at: tuple[int, int, int] | None = None  # (rank, step, signal): that rank's own Ctrl-C or SIGTERM
+
     def training_step(self, batch, batch_idx):
         rank = self.trainer.strategy.global_rank
         self.wait(self.step_sleep + (self.slow_sleep if rank == self.slow_rank else 0.0))
+        if self.signal_at is not None and self.signal_at[:2] == (rank, self.trainer.global_step + 1):
+            os.kill(os.getpid(), self.signal_at[2])  # inside the step, as a user's Ctrl-C lands
         return super().training_step(batch, batch_idx)
 
 
@@ -59,7 +65,11 @@ def main() -> None:
     p.add_argument("--slow-sleep", type=float, default=0.0)
     p.add_argument("--straggler-every", type=int, default=0)
     p.add_argument("--fake-clock", action="store_true")  # phase times: step sleeps move a fake clock
+    p.add_argument("--signal-at", default=None)  # RANK:STEP:SIGNAME, e.g. 1:3:SIGINT
     a = p.parse_args()
+    if a.signal_at:
+        rank, step, name = a.signal_at.split(":")
+        Sleepy.signal_at = (int(rank), int(step), getattr(signal, name))
     clock = FakeClock() if a.fake_clock else None
     if clock is not None:
         timing.perf_counter = clock

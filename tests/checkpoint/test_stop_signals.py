@@ -1,0 +1,161 @@
+"""Ctrl-C and SIGTERM with no callback asked for: the step in flight finishes, a resumable checkpoint is
+saved, one line says where and how to resume, the process exits 130 / 143, and the resumed run ends where
+an uninterrupted one does. A second Ctrl-C aborts at once. The signals come from the module's own step
+(os.kill of its own process), so the step they land in is known without any timing."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+import pytest
+import torch
+from helpers import (
+    TIMING_SCRIPT,
+    Regression,
+    assert_params_close,
+    checkpoint_steps,
+    params,
+    quiet,
+    regression_loader,
+    run_script,
+)
+from helpers import script_result as result
+
+from callbacks import ModelCheckpoint
+from trainer import Trainer
+
+
+class SignalledAt(Regression):
+    """A regressor (SGD) whose process receives `signum` inside the training step of optimizer step
+    `step` (1-based), `times` times, as a user's Ctrl-C or a scheduler's SIGTERM would land."""
+
+    def __init__(self, signum: int | None = None, step: int = 0, times: int = 1) -> None:
+        torch.manual_seed(0)  # every instance starts from the same weights
+        super().__init__(optimizer="sgd", lr=0.05)
+        self.signum, self.step, self.times = signum, step, times
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.signum is not None and self.trainer.global_step + 1 == self.step:
+            for _ in range(self.times):
+                os.kill(os.getpid(), self.signum)
+        return loss
+
+
+def trainer(root, steps: int = 8, **kwargs) -> Trainer:
+    return Trainer(max_steps=steps, seed=0, default_root_dir=root, **quiet(**kwargs))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_saves_the_step_in_flight_exits_128_plus_it_and_the_run_resumes_exactly(
+    tmp_path, caplog, signum
+):
+    straight = SignalledAt()
+    trainer(tmp_path / "straight").fit(straight, regression_loader())
+
+    module = SignalledAt(signum, step=3)
+    root = tmp_path / "stopped"
+    with caplog.at_level(logging.INFO, logger="trainer"), pytest.raises(SystemExit) as stop:
+        trainer(root, callbacks=[ModelCheckpoint(every_n_steps=100)]).fit(module, regression_loader())
+    assert stop.value.code == 128 + signum
+    name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+    last = caplog.records[-1].message
+    assert last.startswith(f"stopped at step 3 ({name}): checkpoint ") and "step-00000003" in last, last
+    assert last.endswith("resume with ckpt_path='last'"), last
+    assert checkpoint_steps(root) == [3]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the fit's handlers are gone
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+    resumed = SignalledAt()
+    trainer(root).fit(resumed, regression_loader(), ckpt_path="last")
+    assert_params_close(params(resumed), params(straight), atol=0)
+
+
+def test_without_a_checkpoint_callback_the_stop_still_saves_one(tmp_path, caplog):
+    root = tmp_path / "run"
+    with caplog.at_level(logging.INFO, logger="trainer"), pytest.raises(SystemExit) as stop:
+        trainer(root, enable_checkpointing=False).fit(
+            SignalledAt(signal.SIGTERM, step=2), regression_loader()
+        )
+    assert stop.value.code == 143
+    assert checkpoint_steps(root) == [2], "SIGTERM without ModelCheckpoint saved nothing"
+    assert "stopped at step 2 (SIGTERM): checkpoint" in caplog.records[-1].message
+
+
+def test_a_second_ctrl_c_aborts_at_once(tmp_path):
+    module = SignalledAt(signal.SIGINT, step=2, times=2)
+    with pytest.raises(KeyboardInterrupt):
+        trainer(tmp_path / "run").fit(module, regression_loader())
+    assert not (tmp_path / "run" / "checkpoints").exists() or checkpoint_steps(tmp_path / "run") == []
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_handler_of_the_users_keeps_its_signal(tmp_path):
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda number, frame: seen.append(number))
+    try:
+        trained = trainer(tmp_path / "run", steps=4).fit(
+            SignalledAt(signal.SIGTERM, step=2), regression_loader()
+        )
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert trained is None and seen == [signal.SIGTERM]  # the fit ran to its end: the signal was the user's
+
+
+def test_a_non_finite_fit_without_a_checkpoint_callback_fails_in_one_line(tmp_path):
+    from callbacks.checkpoint import ModelNotFiniteError
+
+    class Diverges(Regression):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return loss * float("nan") if self.trainer.global_step >= 2 else loss
+
+    with pytest.raises(ModelNotFiniteError) as err:
+        trainer(tmp_path / "run", steps=5, enable_checkpointing=False).fit(
+            Diverges(optimizer="sgd"), regression_loader()
+        )
+    assert str(err.value) == (
+        "the fit ended with non-finite parameters (the loss was first non-finite at step 2); nothing it "
+        "trained since is usable"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step_with_a_checkpoint(tmp_path, signame):
+    # rank 1 alone receives it inside step 3; the ranks learn of it through the all-reduce started after
+    # step 3 and read after step 4, so both stop at step 4
+    args = ["--steps", "8", "--optimizer", "sgd", "--shuffle"]
+    done, root = run_script(
+        2, TIMING_SCRIPT, tmp_path, "stopped", *args, "--signal-at", f"1:3:{signame}", check=False
+    )
+    name = "Ctrl-C" if signame == "SIGINT" else "SIGTERM"
+    assert done.returncode == 128 + getattr(signal, signame), done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert f"stopped at step 4 ({name}): checkpoint " in last and "resume with ckpt_path='last'" in last, last
+    assert checkpoint_steps(root) == [4]
+    run_script(2, TIMING_SCRIPT, tmp_path, "stopped", *args, "--resume")  # the same root: continue it
+    run_script(2, TIMING_SCRIPT, tmp_path, "straight", *args)
+    assert_params_close(result(tmp_path, "stopped")["params"], result(tmp_path, "straight")["params"], atol=0)
+
+
+def test_a_fit_whose_last_loss_is_not_finite_fails_even_when_a_guard_kept_the_weights(tmp_path):
+    from callbacks import NaNGuard
+    from callbacks.checkpoint import ModelNotFiniteError
+
+    class LastLossNaN(Regression):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            return loss * float("nan") if self.trainer.global_step == 4 else loss
+
+    module = LastLossNaN(optimizer="sgd")
+    with pytest.raises(ModelNotFiniteError) as err:
+        trainer(tmp_path / "run", steps=5, enable_checkpointing=False, callbacks=[NaNGuard()]).fit(
+            module, regression_loader()
+        )
+    assert all(torch.isfinite(p).all() for p in module.parameters())  # NaNGuard skipped the update
+    assert str(err.value).startswith(
+        "the fit ended with a non-finite loss at its last step (the loss was first non-finite at step 4)"
+    )
