@@ -105,6 +105,7 @@ def _build_hf(
 ) -> tuple[Any, Any, Any]:
     """An HFModule and its loaders (trainer.data.hf_data) for a recipe whose model is `hf`."""
     from trainer.data.hf_data import class_names, hf_dataloaders, load_hf_dataset
+    from trainer.data.rows import DataError
     from trainer.models.hf import HFModule
     from trainer.models.hf_create import ensure_hf_llama
 
@@ -146,7 +147,7 @@ def _build_hf(
             train_loader, val_loader = preference_dataloaders(
                 source, module.tokenizer, seq_len=data["seq_len"], batch_size=batch_size,
                 val_fraction=data["val_fraction"], seed=seed, prompt_field=data["prompt_field"] or "prompt",
-                cache_dir=data["cache_dir"],
+                cache_dir=data["cache_dir"], skip_bad_rows=data["skip_bad_rows"],
             )  # fmt: skip
             return module, train_loader, val_loader
         train_loader, val_loader = hf_dataloaders(
@@ -155,7 +156,10 @@ def _build_hf(
             prompt_field=data["prompt_field"], response_field=data["response_field"],
             messages_field=data["messages_field"], label_field=data["label_field"], packing=data["packing"],
             cache_dir=data["cache_dir"], labels=names, sft_packing=data["sft_packing"],
+            skip_bad_rows=data["skip_bad_rows"],
         )  # fmt: skip
+    except DataError as err:  # a data file or row: its own section, not model.hf's
+        raise ConfigError(f"data: {err}") from err
     except (ValueError, FileNotFoundError, ImportError) as err:
         raise ConfigError(f"model.hf: {err}") from err
     return module, train_loader, val_loader

@@ -73,6 +73,7 @@ class DataSection:
     label_field: str = "label"  # classification
     packing: bool = True  # causal-lm plain text: packed windows (else padded per batch)
     sft_packing: bool = False  # SFT: whole examples packed into rows, attention kept inside each
+    skip_bad_rows: bool = False  # Hugging Face data: leave out (and count) malformed rows instead of failing
 
 
 @dataclass

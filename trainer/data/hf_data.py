@@ -20,7 +20,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from trainer.data.packing import PackedDataset
+from trainer.data.rows import MESSAGES, TEXT, check_rows, remember_origin
 from trainer.data.sft_packing import PackedExamples
+from trainer.data.unreadable import read_data
 
 if TYPE_CHECKING:
     from datasets import Dataset, DatasetDict
@@ -54,15 +56,17 @@ def load_hf_dataset(path: str | os.PathLike[str], split: str | None = None) -> D
             raise ValueError(
                 f"{str(location)!r} is not a known data file; allowed: a file ending in {', '.join(DATA_FILE_BUILDERS)}"
             )
-        return datasets.load_dataset(builder, data_files=str(location), split=split or "train")
+        loaded = read_data(location, [location], builder, data_files=str(location), split=split or "train")
+        return remember_origin(loaded, location)
     if (location / "dataset_dict.json").is_file() or (location / "state.json").is_file():
         return _select_split(datasets.load_from_disk(str(location)), split, location)
-    if not any(file.suffix.lower() in DATA_FILE_BUILDERS for file in location.rglob("*")):
+    files = sorted(file for file in location.rglob("*") if file.suffix.lower() in DATA_FILE_BUILDERS)
+    if not files:
         raise ValueError(
             f"{str(location)!r} holds neither a save_to_disk dataset nor data files; allowed: a folder saved "
             f"with save_to_disk, or one with {'/'.join(DATA_FILE_BUILDERS)} files"
         )
-    return datasets.load_dataset(str(location), split=split)
+    return read_data(location, files, None, split=split)
 
 
 def _select_split(loaded: Dataset | DatasetDict, split: str | None, location: Path) -> Dataset | DatasetDict:
@@ -98,6 +102,7 @@ def hf_dataloaders(
     labels: Sequence[str] | None = None,
     val_path: str | os.PathLike[str] | Dataset | None = None,
     eval_split: str | None = None,
+    skip_bad_rows: bool = False,
 ) -> tuple[DataLoader, DataLoader | None]:
     """(train, validation or None) DataLoaders of `data` (a path for `load_hf_dataset`, a Dataset or a
     DatasetDict) tokenised by `tokenizer` (an object, or a local save_pretrained folder).
@@ -129,6 +134,9 @@ def hf_dataloaders(
     shuffles with a generator seeded by `seed` and drops its last incomplete batch.
     Tokenised data is cached by the source's fingerprint, the tokenizer and these settings: under
     `cache_dir` when given, else beside a file-backed dataset's own cache (in-memory data: not cached).
+    Rows whose text, prompt, response or messages are missing or not strings fail in one line naming the row
+    (FILE:LINE of a JSON-lines file) and field (trainer.data.rows), or with `skip_bad_rows` are left out
+    and counted.
     """
     _check_settings(task, seq_len, batch_size, val_fraction, prompt_field, response_field, messages_field)
     tok = _load_tokenizer(tokenizer)
@@ -137,7 +145,6 @@ def hf_dataloaders(
         if eval_split is not None:
             raise ValueError("val_path and eval_split are both set; allowed: one of them")
         source, eval_split = _with_validation(source, val_path), "validation"
-    train_raw, val_raw = _splits(source, val_fraction, seed, eval_split)
     mode = _mode(task, prompt_field, response_field, messages_field)
     fields = {
         "text": [text_field],
@@ -145,6 +152,10 @@ def hf_dataloaders(
         "seq-classification": [text_field, label_field],
         "token-classification": [text_field, label_field],
     }[mode]
+    kind = MESSAGES if messages_field is not None else TEXT
+    checked = fields if mode in ("text", "sft") else fields[:1] if mode == "seq-classification" else []
+    source = check_rows(source, dict.fromkeys(checked, kind), skip_bad_rows)
+    train_raw, val_raw = _splits(source, val_fraction, seed, eval_split)
     for raw in (train_raw, val_raw):
         if raw is not None:
             _check_columns(raw, fields, mode, label_field)

@@ -27,6 +27,7 @@ from trainer.data.hf_data import (
     _splits,
     load_hf_dataset,
 )
+from trainer.data.rows import TEXT, check_rows
 
 if TYPE_CHECKING:
     from datasets import Dataset, DatasetDict
@@ -48,12 +49,13 @@ def preference_dataloaders(
     chosen_field: str = "chosen",
     rejected_field: str = "rejected",
     cache_dir: str | os.PathLike[str] | None = None,
+    skip_bad_rows: bool = False,
 ) -> tuple[DataLoader, DataLoader | None]:
     """(train, validation or None) DataLoaders of preference pairs: each side is the prompt then the
     response (through the tokenizer's chat template as one user/assistant exchange when it has one, else
     prompt tokens, response tokens, EOS), truncated to seq_len + 1 tokens; the response (and EOS) are the
-    targets. A pair is dropped when either side keeps no response token. Splits, caching and shuffling as
-    in `hf_dataloaders`."""
+    targets. A pair is dropped when either side keeps no response token. Splits, caching, shuffling and the
+    check of each row (prompt, chosen and rejected strings; `skip_bad_rows`) as in `hf_dataloaders`."""
     _check_settings("causal-lm", seq_len, batch_size, val_fraction, None, None, None)  # the shared checks
     tok = _load_tokenizer(tokenizer)
     chat = getattr(tok, "chat_template", None) is not None
@@ -67,8 +69,9 @@ def preference_dataloaders(
             "allowed: a fast tokenizer (one with a tokenizer.json)"
         )
     source = load_hf_dataset(data) if isinstance(data, (str, os.PathLike)) else data
-    train_raw, val_raw = _splits(source, val_fraction, seed)
     fields = [prompt_field, chosen_field, rejected_field]
+    source = check_rows(source, dict.fromkeys(fields, TEXT), skip_bad_rows)
+    train_raw, val_raw = _splits(source, val_fraction, seed)
     for raw in (train_raw, val_raw):
         if raw is not None:
             _check_columns(raw, fields, "dpo", "")

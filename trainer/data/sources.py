@@ -9,6 +9,8 @@ import platform
 from collections.abc import Iterator
 from pathlib import Path
 
+from trainer.data.unreadable import text_of, utf8_line
+
 TEXT_SUFFIXES = (".txt", ".md")
 ACCEPTED = (
     "a .txt/.md file, a directory of .txt/.md files, a .jsonl file, or a datasets save_to_disk directory"
@@ -23,11 +25,11 @@ def read_documents(path: str | os.PathLike[str], text_field: str = "text") -> It
     if source.is_dir() and _is_saved_dataset(source):
         return _dataset_rows(source, text_field)
     if source.is_dir():
-        return (file.read_text(encoding="utf-8") for file in _text_files(source))
+        return (text_of(file) for file in _text_files(source))
     if source.suffix == ".jsonl":
         return _jsonl_rows(source, text_field)
     if source.suffix in TEXT_SUFFIXES:
-        return iter([source.read_text(encoding="utf-8")])
+        return iter([text_of(source)])
     raise ValueError(f"{source}: unsupported file type {source.suffix!r}; allowed: {ACCEPTED}")
 
 
@@ -91,8 +93,9 @@ def _text_files(directory: Path) -> list[Path]:
 
 
 def _jsonl_rows(file: Path, text_field: str) -> Iterator[str]:
-    with file.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
+    with file.open("rb") as lines:
+        for number, raw in enumerate(lines, start=1):
+            line = utf8_line(file, number, raw)
             if not line.strip():
                 continue
             try:
