@@ -28,19 +28,19 @@ def launched(monkeypatch, *argv: str):
 
 
 def test_a_quorum_timeout_override_reaches_every_group(monkeypatch, tmp_path):
-    how, entry = launched(monkeypatch, "--groups", "2", "--min-replicas", "2", str(TINY), *SMALL,
-                          "fault_tolerance.quorum_timeout_s=15", f"trainer.default_root_dir={tmp_path}")  # fmt: skip
+    argv = ["--groups", "2", "--min-replicas", "2", str(TINY), *SMALL, "fault_tolerance.quorum_timeout_s=15"]
+    _, entry = launched(monkeypatch, *argv, f"trainer.default_root_dir={tmp_path}")
     for replica in (0, 1):
         argv = entry(replica, "127.0.0.1:29510")
         config = load_recipe(TINY, [item for item in argv[4:] if "=" in item])  # what the group's `fit` reads
         ft = config["fault_tolerance"]
-        assert (ft["quorum_timeout_s"], ft["replica_id"], ft["replicas"], ft["min_replicas"]) == (
-            15,
-            replica,
-            2,
-            2,
-        )
-        assert ft["lighthouse"] == "127.0.0.1:29510"
+        assert ft["quorum_timeout_s"] == 15 and ft["lighthouse"] == "127.0.0.1:29510"
+        assert (ft["replica_id"], ft["replicas"], ft["min_replicas"]) == (replica, 2, 2)
+
+
+SECONDS = "allowed: a number of seconds > 0"
+TOO_LONG = "FaultTolerance timeout_s=1e+30; allowed: a number of seconds > 0, at most 604800"
+MISSPELT = "unknown key 'fault_tolerance.quorum_timeut_s'; did you mean 'quorum_timeout_s'"
 
 
 @pytest.mark.parametrize(
@@ -48,12 +48,10 @@ def test_a_quorum_timeout_override_reaches_every_group(monkeypatch, tmp_path):
     [
         (
             "fault_tolerance.quorum_timeout_s=0",
-            "fault_tolerance: FaultTolerance quorum_timeout_s=0; allowed: a number of seconds > 0",
-        ),  # fmt: skip
-        (
-            "fault_tolerance.quorum_timeut_s=15",
-            "unknown key 'fault_tolerance.quorum_timeut_s'; did you mean 'quorum_timeout_s'",
-        ),  # fmt: skip
+            f"fault_tolerance: FaultTolerance quorum_timeout_s=0; {SECONDS}",
+        ),
+        ("fault_tolerance.timeout_s=1.0e+30", TOO_LONG),
+        ("fault_tolerance.quorum_timeut_s=15", MISSPELT),
     ],
 )
 def test_a_bad_fault_tolerance_override_is_one_line_before_anything_starts(

@@ -37,7 +37,7 @@ def nothing_starts(monkeypatch):
         (
             ["doctor", "--devices", str(TOO_MANY)],
             f"--devices {TOO_MANY} starts {TOO_MANY} processes on this machine; allowed: up to",
-        ),  # fmt: skip
+        ),
         (
             ["doctor", "--devices", "2", "--gpus-per-node", "0"],
             "--gpus-per-node 0 does not divide the world of 2",
@@ -45,29 +45,29 @@ def nothing_starts(monkeypatch):
         (
             ["doctor", "--devices", "2", "--iters", "1000000000"],
             "--iters 1000000000 is invalid; allowed: an int from 1 to",
-        ),  # fmt: skip
+        ),
         (["doctor", "--devices", "2", "--warmup", "-1"], "--warmup -1 is invalid; allowed: an int from 0 to"),
         (["doctor", "--devices", "2", "--sizes", "4K,100000G"], "message size 100000G needs"),
         (
             ["plan", str(TINY), "--gpus", "8", "--storage-gbps", "0"],
             "--storage-gbps 0.0; allowed: a finite number > 0",
-        ),  # fmt: skip
+        ),
         (
             ["plan", str(TINY), "--gpus", "8", "--storage-gbps", "inf"],
             "--storage-gbps inf; allowed: a finite number > 0",
-        ),  # fmt: skip
+        ),
         (
             ["plan", str(TINY), "--gpus", "8", "--mtbf-hours", "-5"],
             "--mtbf-hours -5.0; allowed: a finite number > 0",
-        ),  # fmt: skip
+        ),
         (
             ["plan", str(TINY), "--gpus", "8", "--gpu-memory", "nan"],
             "memory size 'nan' is invalid; allowed: a positive finite size",
-        ),  # fmt: skip
+        ),
         (
             ["replicas", "--groups", str(TOO_MANY), str(SCRIPTS / "ft_launch_script.py")],
             f"--groups {TOO_MANY} x --nproc-per-group 1 starts {TOO_MANY} processes",
-        ),  # fmt: skip
+        ),
     ],
 )
 def test_a_bad_number_is_one_line_before_anything_starts(argv, words, nothing_starts, capsys):
@@ -82,7 +82,7 @@ def test_a_bad_number_is_one_line_before_anything_starts(argv, words, nothing_st
         (
             ["lighthouse", "--bind", "127.0.0.1:0", "--join-timeout-ms", str(10**23)],
             "argument --join-timeout-ms: '100000000000000000000000' is invalid; allowed: an int from 1 to",
-        ),  # fmt: skip
+        ),
         (["lighthouse", "--bind", "127.0.0.1:0", "--min-replicas", str(2**64)], "argument --min-replicas:"),
         (
             [
@@ -94,7 +94,7 @@ def test_a_bad_number_is_one_line_before_anything_starts(argv, words, nothing_st
                 str(SCRIPTS / "ft_launch_script.py"),
             ],
             "argument --heartbeat-timeout-ms: '0' is invalid",
-        ),  # fmt: skip
+        ),
     ],
 )
 def test_a_lighthouse_option_out_of_range_is_argparses_one_line(

@@ -15,6 +15,8 @@ ENV = {
     "min_replicas": "TRAINER_FT_MIN_REPLICAS",
     "bind": "TRAINER_FT_BIND",
 }
+# the longest wait a timeout may name: beyond it is a typo, and torchft's millisecond timeouts overflow
+WEEK_S = 7 * 24 * 3600
 
 
 @dataclass(frozen=True)
@@ -57,9 +59,11 @@ class FaultTolerance:
                 isinstance(value, bool)
                 or not isinstance(value, (int, float))
                 or not math.isfinite(value)
-                or value <= 0
+                or not 0 < value <= WEEK_S
             ):
-                raise ValueError(f"FaultTolerance {name}={value!r}; allowed: a number of seconds > 0")
+                raise ValueError(
+                    f"FaultTolerance {name}={value!r}; allowed: a number of seconds > 0, at most {WEEK_S} (a week)"
+                )
         host, _, port = self.bind.rpartition(":") if isinstance(self.bind, str) else ("", "", "")
         if not isinstance(self.bind, str) or not self.bind.strip() or (port.isdigit() and ":" not in host):
             raise ValueError(
