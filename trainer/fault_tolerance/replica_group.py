@@ -113,15 +113,23 @@ class ReplicaGroup:
             self.overlap.arm()
         return self.recovered
 
-    def average_gradients(self, module: nn.Module, token_weighted: bool = False) -> None:
+    def average_gradients(self, module: nn.Module, num_tokens: torch.Tensor | None = None) -> None:
         """Average the step's gradients over the participating groups: the buckets the backward launched
         (see `OverlappedAverage`), else one all-reduce per dtype of a flat copy. A failure (a peer died
         mid-reduce) is not raised: torchft records it and `commit` discards the step; the gradients may then
-        be garbage, and are never applied. `token_weighted`: the strategy has just divided this group's
-        token-sum gradients by its own token count, so what the backward reduced (the sums) is not used."""
-        if self.overlap is not None and self.overlap.finish(use=not token_weighted):
+        be garbage, and are never applied. `num_tokens` (this rank's, for a token-weighted loss): each group
+        weighs by its share of the step's tokens, so the result is the one-process token-mean gradient of
+        all groups' batches, also when they hold different token counts."""
+        if num_tokens is not None:  # the group's tokens (the strategy's normalisation counted them too)
+            mine = self.trainer.strategy.reduce(num_tokens.float(), "sum", group="loss").double()
+        if self.overlap is not None and self.overlap.finish(use=True):
+            if num_tokens is not None:  # the buckets held token sums: their mean over the mean token count
+                torch._foreach_div_(_grads(module), self._mean_over_groups(mine))
             return
-        grads = [local_part(p.grad) for p in module.parameters() if p.grad is not None]
+        grads = _grads(module)
+        if num_tokens is not None:  # .grad is this group's token mean: weigh it by the group's tokens
+            mean = self._mean_over_groups(mine)
+            torch._foreach_mul_(grads, float(mine) / mean if mean > 0 else 0.0)  # 0: no tokens anywhere
         by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         for g in grads:
             by_kind.setdefault((g.dtype, g.device), []).append(g)
@@ -136,6 +144,12 @@ class ReplicaGroup:
                     for piece, g in zip(flat.split([g.numel() for g in group]), group, strict=True)
                 ],
             )
+
+    def _mean_over_groups(self, tokens: torch.Tensor) -> float:
+        """The mean of the participating groups' `tokens` (a group that is not participating counts as 0)."""
+        mean = tokens.clone()
+        self.manager.allreduce(mean).wait()  # a failure leaves garbage: the step is then discarded
+        return float(mean)
 
     def commit(self, vote: bool) -> bool:
         """Whether this step's update is applied (every rank of the group gets the same answer). `vote`
@@ -190,6 +204,11 @@ def _overlap_is_valid(trainer: Trainer) -> bool:
         and strategy.precision.scaler is None
         and not any(hasattr(p, "to_local") for p in trainer.module.parameters())
     )
+
+
+def _grads(module: nn.Module) -> list[torch.Tensor]:
+    """This rank's part of every gradient of `module`."""
+    return [local_part(p.grad) for p in module.parameters() if p.grad is not None]
 
 
 def _first_line(err: BaseException) -> str:
