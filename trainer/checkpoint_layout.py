@@ -95,7 +95,19 @@ def require_exists(ckpt_dir: Path) -> None:
 
 
 def read_meta(ckpt_dir: Path) -> dict[str, Any]:
-    """meta.json of a checkpoint; its absence means the directory was never completed."""
+    """meta.json of a checkpoint whose files are all there; its absence means the directory was never
+    completed."""
+    ckpt_dir = Path(ckpt_dir)
+    meta = _meta_json(ckpt_dir)
+    missing = [name for name in meta.get("files", []) if not (ckpt_dir / name).exists()]
+    if missing:
+        why = f"incomplete: missing {', '.join(missing)}"
+        raise CheckpointError(f"checkpoint '{ckpt_dir}' is {why}", reason=why)
+    return meta
+
+
+def _meta_json(ckpt_dir: Path) -> dict[str, Any]:
+    """meta.json of a checkpoint directory, whatever became of the files it lists."""
     ckpt_dir = Path(ckpt_dir)
     require_exists(ckpt_dir)
     if not ckpt_dir.is_dir():
@@ -108,23 +120,26 @@ def read_meta(ckpt_dir: Path) -> dict[str, Any]:
     except FileNotFoundError as err:
         why = f"no {META_FILE}: it was never completed"
         raise CheckpointError(f"checkpoint '{ckpt_dir}' has {why}", reason=why) from err
-    except json.JSONDecodeError as err:
+    except ValueError as err:  # not JSON, or not text at all
         why = f"{META_FILE} corrupted ({err})"
         raise CheckpointError(
             f"checkpoint '{ckpt_dir}' has a corrupted {META_FILE} ({err})", reason=why
         ) from err
-    missing = [name for name in meta.get("files", []) if not (ckpt_dir / name).exists()]
-    if missing:
-        why = f"incomplete: missing {', '.join(missing)}"
-        raise CheckpointError(f"checkpoint '{ckpt_dir}' is {why}", reason=why)
+    except OSError as err:  # a directory this process may not read: nothing in it can be checked
+        why = f"{META_FILE} unreadable ({err.strerror})"
+        raise CheckpointError(f"checkpoint '{ckpt_dir}': {why}", reason=why) from err
+    if not isinstance(meta, dict):
+        why = f"{META_FILE} corrupted (a JSON {type(meta).__name__}, not an object)"
+        raise CheckpointError(f"checkpoint '{ckpt_dir}' has a corrupted {META_FILE}", reason=why)
     return meta
 
 
 def run_of(ckpt_dir: Path | None) -> str | None:
-    """The id of the run that wrote a checkpoint (None: unreadable, or written before runs had ids)."""
+    """The id of the run that wrote a checkpoint, complete or not (a deleted file does not change who
+    wrote it); None: no readable meta.json, or written before runs had ids."""
     try:
-        return read_meta(ckpt_dir).get("run_id") if ckpt_dir is not None else None
-    except (CheckpointError, FileNotFoundError):
+        return _meta_json(ckpt_dir).get("run_id") if ckpt_dir is not None else None
+    except (CheckpointError, OSError):
         return None
 
 

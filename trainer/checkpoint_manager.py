@@ -284,14 +284,18 @@ class CheckpointManager:
 
     def discard_newer(self, step: int, folder: Path) -> None:
         """This run's checkpoints in `folder` newer than `step` belong to a discarded future (a resume from an
-        older one, a rollback): rename them `discarded-step-...` so that "last" can never go back to them."""
-        if not self._trainer.is_global_zero:
-            return
-        for path in ckpt.newer_than(folder, step):
-            if ckpt.run_of(path) is None or ckpt.run_of(path) != self.run_id:
-                continue  # another run's (or unreadable): not this run's future to discard
-            target = ckpt.move_aside(path, "discarded")
-            log.warning(f"{path.name} is newer than the restored step {step}: moved to {target.name}")
+        older one, one that starts again at step 0, a rollback): rename them `discarded-step-...` so that
+        "last" can never go back to them, nor a save of their step find its name taken; complete or not."""
+        trainer = self._trainer
+        if trainer.is_global_zero:
+            for path in ckpt.newer_than(folder, step):
+                if ckpt.run_of(path) is None or ckpt.run_of(path) != self.run_id:
+                    continue  # another run's (or unreadable): not this run's future to discard
+                target = ckpt.move_aside(path, "discarded")
+                log.warning(
+                    f"{path.name} is newer than step {step}, where the run goes on: moved to {target.name}"
+                )
+        trainer.strategy.barrier(group="world")  # every rank lists the folder after this (ModelCheckpoint)
 
     # ---- reading ---------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -309,8 +313,13 @@ class CheckpointManager:
 
     def resume(self, ckpt_path: Any) -> Path | None:
         """Everything a fit continues from (model, optimizer, loop, RNG, schedule, data, callbacks), out of
-        the checkpoint `ckpt_path` names; returns it, or None (nothing to resume)."""
-        return self._load(ckpt_path, self._restore)
+        the checkpoint `ckpt_path` names; returns it, or None (nothing to resume). "last" finding none good
+        starts the run again at step 0: its checkpoints there are set aside as a restored one's newer are."""
+        found = self._load(ckpt_path, self._restore)
+        if found is None and ckpt_path == "last":
+            for folder in dict.fromkeys(Path(cb.dirpath) for cb in self.savers):
+                self.discard_newer(0, folder)
+        return found
 
     def load_model(self, ckpt_path: Any) -> Path | None:
         """The module's weights (for validate/test/predict) out of the checkpoint `ckpt_path` names."""
@@ -347,7 +356,8 @@ class CheckpointManager:
             if problem is None:
                 break
             refused.append(f"{found.name}: failed to load ({problem})")
-            before, failed = ckpt.read_meta(found)["step"], True
+            # its directory's step, not meta.json's (not hashed: edited to an older one's, it would hide that one)
+            before, failed = ckpt.step_of(found), True
         if found is None and failed:  # the model is half-loaded now: starting from scratch would be wrong
             raise CheckpointError(f"ckpt_path='last': no checkpoint in {folder} loads; " + "; ".join(refused))
         if found is None:

@@ -81,22 +81,52 @@ def write_atomically(
             raise
         raise said from err
     old = staging_dir(final_dir, meta, "old")
-    if final_dir.exists():
-        os.rename(final_dir, old)
-    os.rename(tmp, final_dir)
-    shutil.rmtree(old, ignore_errors=True)
+    try:
+        _rename_into_place(tmp, final_dir, old)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists():
+            kept = f"the checkpoint it was to replace waits as {old.name} (the next fit puts it back)"
+        else:
+            kept = (
+                "the checkpoint it was to replace is intact" if final_dir.exists() else "nothing was replaced"
+            )
+        raise CheckpointError(
+            f"checkpoint {final_dir.name} could not be renamed into place in {final_dir.parent} "
+            f"({err.strerror or err}); {kept}"
+        ) from err
     _fsync(final_dir.parent)
     return final_dir
 
 
+def _rename_into_place(tmp: Path, final_dir: Path, old: Path) -> None:
+    """Rename `tmp` to `final_dir`. A checkpoint already there is never deleted first: it waits as `old` and
+    is deleted once the new one is in place, or renamed back when that fails (a crash in between leaves
+    `old`, which the next fit's `clear_stale_staging` puts back)."""
+    replacing = final_dir.exists()
+    if replacing:
+        os.rename(final_dir, old)
+    try:
+        os.rename(tmp, final_dir)
+    except BaseException:
+        if replacing:
+            os.rename(old, final_dir)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def refuse_foreign(final_dir: Path, meta: dict[str, Any]) -> None:
-    """CheckpointError unless `final_dir` is free or a checkpoint of the run in `meta` (which it may replace)."""
-    if not Path(final_dir).exists():
+    """CheckpointError unless `final_dir` is free or a complete checkpoint of the run in `meta` (which it may
+    replace): a directory whose owner cannot be read is nobody's to replace either."""
+    if not Path(final_dir).exists() and not Path(final_dir).is_symlink():
         return
     try:
         owner = read_meta(final_dir).get("run_id")
-    except CheckpointError:
-        owner = None  # an unreadable directory is nobody's to replace either
+    except (CheckpointError, OSError) as err:
+        raise CheckpointError(
+            f"{final_dir} already exists and is no checkpoint this run can replace "
+            f"({getattr(err, 'reason', err)}); it is not replaced: move it away or save under another path"
+        ) from err
     if owner is None or owner != meta.get("run_id"):
         raise CheckpointError(
             f"checkpoint {final_dir} already exists and was written by "

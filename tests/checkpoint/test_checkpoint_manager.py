@@ -4,7 +4,10 @@ copying one and naming another run in its meta.json: its files are as good as th
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -133,3 +136,106 @@ def test_resolve_refuses_what_it_cannot_name(trained):
         trained.checkpoint_manager.resolve("first")
     with pytest.raises(ValueError, match="mode 'min' or 'max'"):
         trained.checkpoint_manager.resolve("best", mode="lowest")
+
+
+def tree(folder: Path) -> dict[str, tuple[int, bytes]]:
+    """Every file under `folder`: its mode and bytes (read as root reads, whatever the mode)."""
+    return {
+        p.relative_to(folder).as_posix(): (p.stat().st_mode, p.read_bytes() if p.is_file() else b"")
+        for p in sorted(folder.rglob("*"))
+    }
+
+
+class Killed(BaseException):
+    """The process dying: nothing it would still do (no except clause, no clean-up) happens."""
+
+
+def fail_renames_into(monkeypatch, final: Path, error: BaseException, then_dead: bool = False) -> None:
+    """os.rename/os.replace of a staging directory onto `final` raise `error`; `then_dead`: so does every
+    rename after it (the process is gone)."""
+    dead = []
+    for name in ("rename", "replace"):
+        real = getattr(os, name)
+
+        def failing(src, dst, *args, _real=real, **kwargs):
+            if dead or (Path(dst) == final and Path(src).name.startswith(".tmp-")):
+                dead.extend([True] if then_dead else [])
+                raise error
+            return _real(src, dst, *args, **kwargs)
+
+        monkeypatch.setattr(os, name, failing)
+
+
+def test_a_replace_that_fails_to_rename_into_place_leaves_the_replaced_checkpoint_intact(
+    trained, tmp_path, monkeypatch
+):
+    folder = tmp_path / "checkpoints"
+    step6 = folder / "step-00000006"
+    before = tree(step6)
+    fail_renames_into(monkeypatch, step6, OSError(errno.EIO, "Input/output error"))
+    with pytest.raises(CheckpointError) as err:
+        trained.save_checkpoint(step6)  # this run's own checkpoint, at its own step: it may be replaced
+    monkeypatch.undo()
+    assert str(err.value) == (
+        f"checkpoint step-00000006 could not be renamed into place in {folder} (Input/output error); "
+        "the checkpoint it was to replace is intact"
+    )
+    assert tree(step6) == before and ckpt.check_good(step6)["step"] == 6
+    assert [p.name for p in folder.iterdir() if p.name.startswith(".")] == []  # no staging left behind
+
+
+def test_a_replace_killed_between_its_renames_loses_nothing_the_next_fit_puts_the_old_one_back(
+    trained, tmp_path, monkeypatch, caplog
+):
+    folder = tmp_path / "checkpoints"
+    step6 = folder / "step-00000006"
+    before = tree(step6)
+    fail_renames_into(monkeypatch, step6, Killed(), then_dead=True)
+    with pytest.raises(Killed):
+        trained.save_checkpoint(step6)
+    monkeypatch.undo()
+    assert not step6.exists()  # killed between moving the old one aside and renaming the new one in
+    trainer = Trainer(
+        max_steps=8,
+        seed=0,
+        default_root_dir=tmp_path,
+        callbacks=[ModelCheckpoint(every_n_steps=2, save_top_k=-1)],
+        **quiet(),
+    )
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        trainer.fit(Regression(), regression_loader(), ckpt_path="last")
+    said = "\n".join(r.getMessage() for r in caplog.records)
+    assert "put back step-00000006, which a dead writer had moved aside" in said
+    assert f"resuming from {step6}: step 6" in said
+    assert tree(step6) == before
+
+
+@pytest.mark.parametrize("what", ["not a checkpoint", "corrupted meta.json", "no run id", "mode 000"])
+def test_a_folder_at_the_save_path_whose_owner_cannot_be_read_is_never_replaced(trained, tmp_path, what):
+    folder = tmp_path / "checkpoints"
+    theirs = folder / "step-00000008"
+    if what == "not a checkpoint":
+        theirs.mkdir()
+        (theirs / "notes.txt").write_text("the user's, not a checkpoint")
+    else:
+        shutil.copytree(folder / "step-00000006", theirs)
+        if what == "corrupted meta.json":
+            (theirs / ckpt.META_FILE).write_text('{"step": 8, "run_id": "')
+        elif what == "no run id":  # written before runs had ids: nobody's to replace
+            edit_meta(theirs, run_id=None)
+        else:  # unreadable to a user (root still reads it: then its run id, another run's, refuses it)
+            edit_meta(theirs, run_id="another-run")
+    before = tree(theirs)
+    theirs.chmod(0 if what == "mode 000" else 0o755)
+    try:
+        with pytest.raises(CheckpointError) as err:
+            trained.save_checkpoint(theirs)
+    finally:
+        theirs.chmod(0o755)
+    said = str(err.value)
+    assert said.startswith(f"{theirs} already exists and is no checkpoint this run can replace (") or (
+        what in ("no run id", "mode 000") and said.startswith(f"checkpoint {theirs} already exists and was")
+    ), said
+    assert "\n" not in said and "it is not replaced" in said
+    assert tree(theirs) == before
+    assert [p.name for p in folder.iterdir() if p.name.startswith(".")] == []
