@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -125,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             print(memory_lines(config))
             return 0
         trainer, module, train_loader, val_loader = build_run(config)
+        trainer.resume_hint = "--ckpt-path last"
         ckpt = None if args.ckpt_path in (None, "none", "None") else args.ckpt_path
         if args.command == "fit":
             trainer.fit(module, train_loader, val_loader, ckpt_path=ckpt)
@@ -141,6 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CheckpointError, FileNotFoundError, FolderInUse, ModelNotFiniteError) as err:
         print(f"trainer: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # a Ctrl-C before training, or the second one (the first stops cleanly)
+        print(
+            "trainer: aborted by Ctrl-C; the run keeps the checkpoints it had (--ckpt-path last)",
+            file=sys.stderr,
+        )
+        return 128 + signal.SIGINT
     return 0
 
 

@@ -7,19 +7,28 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from helpers import (
+    SMALL,
     TIMING_SCRIPT,
+    TINY,
     Regression,
     assert_params_close,
     checkpoint_steps,
+    launch_env,
     params,
     quiet,
     regression_loader,
+    run_cli,
     run_script,
+    start_process,
 )
 from helpers import script_result as result
 
@@ -159,3 +168,30 @@ def test_a_fit_whose_last_loss_is_not_finite_fails_even_when_a_guard_kept_the_we
     assert str(err.value).startswith(
         "the fit ended with a non-finite loss at its last step (the loss was first non-finite at step 4)"
     )
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_trainer_fit_prints_one_line_and_the_command_resumes(tmp_path):
+    common = [*SMALL, "trainer.val_check_interval=2"]
+    cmd = [sys.executable, "-m", "trainer.cli", "fit", str(TINY), *common, "trainer.max_steps=400"]
+    popen = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=launch_env(), cwd=tmp_path)
+    proc = start_process(cmd, **popen)
+    for line in proc.stderr:  # blocks on the pipe: the run is training once a validation is printed
+        if "validation at step 2 " in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    _, rest = proc.communicate(timeout=120)
+    assert proc.returncode == 130, rest[-3000:]
+    assert "Traceback" not in rest, rest[-3000:]
+    last = rest.strip().splitlines()[-1]
+    match = re.fullmatch(
+        r"\[trainer\] stopped at step (\d+) \(Ctrl-C\): checkpoint (\S+); resume with --ckpt-path last", last
+    )
+    assert match, last
+    step = int(match.group(1))
+    assert Path(match.group(2)).name == f"step-{step:08d}"
+    done = run_cli(
+        "fit", str(TINY), *common, f"trainer.max_steps={step + 2}", "--ckpt-path", "last", cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"step {step}" in done.stderr and "resuming from" in done.stderr
