@@ -54,8 +54,9 @@ def evaluate(
     `on_<stage>_end`, so that its callbacks read them."""
     dispatch, strategy, method = trainer._dispatch, trainer.strategy, _STEP[stage]
     n_batches = EpochBatches(loader, limit, _LIMIT[stage]).epoch_length()
-    outputs: list[Any] = []  # predict's; the others keep only each step's loss
+    outputs: list[Any] = []  # predict's; the others keep only each step's loss and its weight
     losses: list[torch.Tensor] = []
+    weights: list[torch.Tensor] = []
     with _eval_mode(module, stage):
         dispatch.all(f"on_{stage}_start")
         with metrics_buffer(trainer, MetricBuffer()) as buffer:
@@ -73,21 +74,32 @@ def evaluate(
                         if stage == "predict":
                             outputs.append(output)
                         elif output is not None:
-                            losses.append(unpack_loss(output, method)[0].float())
+                            loss, num_tokens = unpack_loss(output, method)
+                            losses.append(loss.float())
+                            weights.append(_weight(num_tokens, batch, loss.device))
                     dispatch.all(f"on_{stage}_epoch_end")  # what it logs belongs to this loop
                 metrics = {} if stage == "predict" else buffer.compute_epoch(trainer._reduce_logged)
                 hidden, prog_bar = buffer.not_for_loggers(), set(buffer.prog_bar_names)
                 buffer.reset()  # the loop's torchmetrics Metrics start the next loop empty, as in Lightning
             finally:
                 trainer.evaluating = False
-        if losses:
-            metrics[f"{_PREFIX[stage]}/loss"] = float(
-                strategy.reduce(torch.stack(losses).mean(), "mean", group="loss")
+        if losses:  # weighted by examples (tokens when the step returns num_tokens), as HF and Lightning
+            weight = torch.stack(weights)
+            total = strategy.reduce(
+                torch.stack([(torch.stack(losses) * weight).sum(), weight.sum()]), "sum", group="loss"
             )
+            metrics[f"{_PREFIX[stage]}/loss"] = float(total[0] / total[1])
         if report is not None:
             report(metrics, hidden, prog_bar)
         dispatch.all(f"on_{stage}_end")
     return metrics, hidden, outputs
+
+
+def _weight(num_tokens: torch.Tensor | None, batch: Any, device: torch.device) -> torch.Tensor:
+    """What a step's loss is a mean over: its tokens when it says so, else the batch's examples."""
+    if num_tokens is not None:
+        return num_tokens.float().reshape(())
+    return torch.tensor(float(step_log.batch_size(batch)[0]), device=device)
 
 
 def validate_in_fit(trainer: Trainer, module: TrainModule, loader: Iterable) -> dict[str, float]:
