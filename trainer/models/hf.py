@@ -89,7 +89,7 @@ class HFModule(TrainModule):
     - `lora`: `peft.LoraConfig` keyword arguments (`task_type` defaults to the task's); the model is
       wrapped by `peft.get_peft_model` (the optional dependency: `pip install .[peft]`). Checkpoints of a
       base read from a folder then hold only the trainable weights (adapters, a new head) and the base's
-      identity (its folder and config hash): a resume onto another base is refused.
+      identity (a hash of its weight files and config; its folder): a resume onto another base is refused.
       `save_pretrained(out, merged=False)` writes PEFT's own layout.
     - `labels`: the class names of a classification head, in id order (`hf_data.class_names` reads them
       from string or ClassLabel labels): its `num_labels`, and `id2label`/`label2id` in the exported config.
@@ -140,7 +140,7 @@ class HFModule(TrainModule):
         self._metrics = hf_metrics.EvalCollector(hf_metrics.resolve(metrics))
         self.load_best_model_at_end = bool(load_best_model_at_end)
         self.model, missing = _build(model, task, num_labels)
-        self._base = hf_adapters.base_identity(model, self.model.config)
+        self._base = hf_adapters.base_identity(model, self.model.config, hash_weights=lora is not None)
         self.tokenizer = _load_tokenizer(tokenizer, model)
         self._configure_head(labels)
         fresh = hf_init.fresh_modules(self.model, missing)
