@@ -15,6 +15,7 @@ import torch
 
 from callbacks.checkpoint import ModelNotFiniteError
 from trainer import eval_loop, step_log
+from trainer.checkpoint_layout import read_meta
 from trainer.dtensors import local_part
 from trainer.epochs import EpochBatches
 from trainer.fused_optim import prefer_fused
@@ -78,11 +79,15 @@ class FitLoop:
     def _run(self, ckpt_path: Any) -> None:
         trainer, module, val_loader = self.trainer, self.module, self.val_loader
         dispatch = trainer._dispatch
+        began = time.time()
         self.setup_optimizer()
         trainer.checkpoint_manager.claim(ckpt_path)
         resume_from = trainer.checkpoint_manager.resume(ckpt_path)
         if resume_from is not None:
             trainer.state.restarts += 1
+            # the time the run sat stopped (from its checkpoint to this fit) is no time of the run's
+            saved = read_meta(resume_from).get("time", began)
+            trainer.state.started_at += max(0.0, began - saved)
         else:
             trainer.state.started_at = time.time()
         if trainer.enable_model_summary:

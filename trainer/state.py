@@ -11,8 +11,10 @@ class LoopState:
     """Counters of a fit: where the run is, so a resumed run continues exactly there.
 
     `productive_s` and `started_at` give the effective training time: seconds spent in optimizer steps
-    that the model kept, over wall-clock seconds since the run first started. A resume restores the
-    value of the checkpoint, so steps lost to a crash or a rollback (and recomputed) count only once.
+    that the model kept, over wall-clock seconds since the run first started, less the time it sat stopped
+    (from the checkpoint a fit resumes to that fit's start: a resume moves `started_at` on by as much). A
+    resume restores the value of the checkpoint, so steps lost to a crash or a rollback (and recomputed)
+    count only once; the time they took before the crash is not known to the resumed run and not counted.
     """
 
     global_step: int = 0  # optimizer steps taken
@@ -21,7 +23,7 @@ class LoopState:
     samples_seen: int = 0  # on this rank
     tokens_seen: int = 0  # on this rank
     productive_s: float = 0.0  # seconds in steps the model kept (not skipped, not rolled back)
-    started_at: float = 0.0  # time.time() when the run first started (kept across restarts)
+    started_at: float = 0.0  # time.time() when the run first started, moved on by the time it sat stopped
     restarts: int = 0  # resumes from a checkpoint, rollbacks included
     skipped_steps: int = 0  # optimizer steps skipped (non-finite or spiking loss, fp16 scaler overflow)
 

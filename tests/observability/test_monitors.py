@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
@@ -112,10 +113,22 @@ def test_effective_training_time_is_logged_and_kept_across_a_restart(tmp_path, c
     second = Trainer(max_steps=6, default_root_dir=tmp_path, **quiet())
     with caplog.at_level(logging.INFO, logger="trainer"):
         second.fit(Regression(), regression_loader(), ckpt_path="last")
-    assert second.state.started_at == first.state.started_at  # wall-clock counts from the first start
+    # wall-clock counts from the first start, less the moments between the checkpoint and the resume
+    assert first.state.started_at < second.state.started_at < time.time()
     assert second.state.restarts == 1
     assert second.state.productive_s > first.state.productive_s
     assert any("effective training time" in r.message and "1 restart(s)" in r.message for r in caplog.records)
+
+
+def test_the_time_a_run_sat_stopped_is_not_counted_in_its_effective_training_time(tmp_path, monkeypatch):
+    first = Trainer(max_steps=4, default_root_dir=tmp_path, **quiet())
+    first.fit(Regression(), regression_loader())
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 10 * 3600)  # resumed ten hours later
+    second = Trainer(max_steps=8, default_root_dir=tmp_path, **quiet())
+    second.fit(Regression(), regression_loader(), ckpt_path="last")
+    effective = second.effective_training_time()
+    assert effective["wall_s"] < 3600 and effective["fraction"] > 0.01, effective
 
 
 @pytest.mark.parametrize(
