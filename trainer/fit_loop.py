@@ -200,7 +200,7 @@ class FitLoop:
         self.step_loss, self.step_norm, self.skip_reason = loss, None, None
         strategy.finish_gradients(module, optimizer, num_tokens)
         if self.replicas is not None:  # ...and over the live replica groups, before anything reads them
-            self.replicas.average_gradients(module, token_weighted=num_tokens is not None)
+            self.replicas.average_gradients(module, num_tokens)
         dispatch.step("on_after_backward")
         log_now = trainer.logs_this_step
         if trainer.gradient_clip_val is not None:
