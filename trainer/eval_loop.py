@@ -48,8 +48,9 @@ def evaluate(
     report: Callable[[dict[str, float], set[str], set[str]], None] | None = None,
 ) -> tuple[dict[str, float], set[str], list[Any]]:
     """`stage`'s loop ("validation", "test", "predict") over at most `limit` batches of `loader`, in eval
-    mode from `on_<stage>_start` to `on_<stage>_end`: the means over batches (and ranks) of the returned
-    loss and of what the step logged, the names logged with logger=False, and every step's output.
+    mode from `on_<stage>_start` to `on_<stage>_end`: the returned loss's mean over the examples (tokens,
+    with num_tokens) of every rank, what the step logged (aggregated as it asked), the names logged with
+    logger=False, and every step's output.
     `report(metrics, hidden, prog_bar)` (the names logged with prog_bar=True) runs before
     `on_<stage>_end`, so that its callbacks read them."""
     dispatch, strategy, method = trainer._dispatch, trainer.strategy, _STEP[stage]

@@ -250,7 +250,7 @@ class Trainer(LightningViews):
         *,
         datamodule: Any = None,
     ) -> dict[str, float]:
-        """Run `validation_step` over `dataloaders`; returns the metrics (means over batches and ranks).
+        """Run `validation_step` over `dataloaders`; returns the metrics (val/loss: the mean over examples and ranks).
         Without `model`, the last fit's (as in Lightning); a DataModule as `dataloaders` is the datamodule."""
         return self._evaluate(model, dataloaders, ckpt_path, "validate", datamodule)
 
@@ -262,7 +262,7 @@ class Trainer(LightningViews):
         *,
         datamodule: Any = None,
     ) -> dict[str, float]:
-        """Run `test_step` over `dataloaders`; returns the metrics (means over batches and ranks)."""
+        """Run `test_step` over `dataloaders`; returns the metrics (test/loss: the mean over examples and ranks)."""
         return self._evaluate(model, dataloaders, ckpt_path, "test", datamodule)
 
     def predict(
