@@ -143,6 +143,19 @@ def run_of(ckpt_dir: Path | None) -> str | None:
         return None
 
 
+def unfinished(ckpt_dir: Path) -> str | None:
+    """Why a directory this process can read holds no usable meta.json (none: it was never completed; not
+    JSON: it was damaged), or None: it has one, or it is a file, a link or a directory it may not read."""
+    ckpt_dir = Path(ckpt_dir)
+    if ckpt_dir.is_symlink() or not ckpt_dir.is_dir():
+        return None
+    try:
+        _meta_json(ckpt_dir)
+    except CheckpointError as err:
+        return err.reason if isinstance(err.__cause__, (FileNotFoundError, ValueError)) else None
+    return None
+
+
 def manifest_bytes(ckpt_dir: Path | None) -> int:
     """The bytes a checkpoint's manifest lists (0 for None or an unreadable checkpoint)."""
     try:

@@ -25,6 +25,7 @@ from callbacks.checkpoint import ModelCheckpoint
 from trainer import checkpoint as ckpt
 from trainer import run_folder
 from trainer.checkpoint import CheckpointError, step_dir_name
+from trainer.checkpoint_layout import unfinished
 from trainer.checkpoint_weights import read_checkpoint
 from trainer.logging import log, rank_zero_info
 from trainer.module import not_plain
@@ -285,15 +286,19 @@ class CheckpointManager:
     def discard_newer(self, step: int, folder: Path) -> None:
         """This run's checkpoints in `folder` newer than `step` belong to a discarded future (a resume from an
         older one, one that starts again at step 0, a rollback): rename them `discarded-step-...` so that
-        "last" can never go back to them, nor a save of their step find its name taken; complete or not."""
+        "last" can never go back to them, nor a save of their step find its name taken; complete or not, and
+        so are the directories there without a usable meta.json (never completed, or damaged: nobody's)."""
         trainer = self._trainer
         if trainer.is_global_zero:
             for path in ckpt.newer_than(folder, step):
-                if ckpt.run_of(path) is None or ckpt.run_of(path) != self.run_id:
-                    continue  # another run's (or unreadable): not this run's future to discard
+                owner = ckpt.run_of(path)
+                damaged = unfinished(path) if owner is None else None
+                if owner != self.run_id and damaged is None:
+                    continue  # another run's, or no directory this run can read: not its future to discard
                 target = ckpt.move_aside(path, "discarded")
+                why = f" ({damaged})" if damaged else ""
                 log.warning(
-                    f"{path.name} is newer than step {step}, where the run goes on: moved to {target.name}"
+                    f"{path.name}{why} is newer than step {step}, where the run goes on: moved to {target.name}"
                 )
         trainer.strategy.barrier(group="world")  # every rank lists the folder after this (ModelCheckpoint)
 

@@ -202,8 +202,9 @@ def claim(bases: list[Path], ckpt_path: Any, locks: list[FolderLock]) -> Claim:
 
     resume_last = ckpt_path == "last"
     newest_first = newest(Path(bases[0])) if bases else None
-    if resume_last:
-        resumed = ckpt.run_of(ckpt.find_last(newest_first)) if newest_first is not None else None
+    if resume_last:  # the run of the newest checkpoint that names one (a damaged meta.json names none)
+        found = ckpt.completed(newest_first) if newest_first is not None else []
+        resumed = next((run for path in found if (run := ckpt.run_of(path)) is not None), None)
     else:
         resumed = ckpt.run_of(Path(ckpt_path)) if ckpt_path is not None else None
     chosen: dict[Path, tuple[Path, str | None]] = {}

@@ -1,18 +1,22 @@
 """Checkpoints that "last" cannot resume from are set aside (`discarded-step-...`), never deleted and never
-in the way: every one of them when none is good, one with a deleted file, one whose meta.json lies about
-its step. The run then saves on its schedule, and only its own superseded checkpoints are deleted."""
+in the way: every one of them when none is good, one with a deleted file or without a usable meta.json,
+one whose meta.json lies about its step. The run then saves on its schedule, and only its own superseded
+checkpoints are deleted. What is no checkpoint at all (a file) is left where it is, and the save refused."""
 
 from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from helpers import SMALL, TINY, Regression, fit, regression_loader
 
 from callbacks import Callback, ModelCheckpoint
 from trainer import checkpoint as ckpt
+from trainer.checkpoint import CheckpointError
 from trainer.cli import main
 
 
@@ -114,3 +118,40 @@ def test_a_checkpoint_with_a_deleted_file_is_set_aside_and_the_cli_run_goes_on(t
     # and the next resume starts where this one ended
     assert main(["fit", *recipe, "trainer.max_steps=8", "--ckpt-path", "last"]) == 0
     assert listing(folder)[-1] == "step-00000008"
+
+
+@pytest.mark.parametrize("damage", ["meta.json deleted", "meta.json cut short", "emptied"])
+def test_a_newer_checkpoint_without_a_usable_meta_json_is_set_aside_and_the_run_goes_on(tmp_path, damage):
+    root = tmp_path / "run"
+    folder = root / "checkpoints"
+    run(root, 6)
+    step6 = folder / "step-00000006"
+    meta = step6 / ckpt.META_FILE
+    if damage == "meta.json deleted":
+        meta.unlink()
+    elif damage == "meta.json cut short":
+        meta.write_bytes(meta.read_bytes()[:40])
+    else:
+        shutil.rmtree(step6)
+        step6.mkdir()
+    damaged = tree(step6)
+    run(root, 8, ckpt_path="last")
+    assert listing(folder) == ["discarded-step-00000006", "step-00000006", "step-00000008"]
+    assert tree(folder / "discarded-step-00000006") == damaged
+    assert ckpt.check_good(step6)["step"] == 6
+
+
+def test_a_file_where_a_checkpoint_goes_is_never_moved_nor_replaced(tmp_path):
+    root = tmp_path / "run"
+    folder = root / "checkpoints"
+    run(root, 6)
+    shutil.rmtree(folder / "step-00000006")
+    (folder / "step-00000006").write_text("the user's notes")
+    with pytest.raises(CheckpointError) as err:
+        run(root, 8, ckpt_path="last")
+    assert str(err.value) == (
+        f"{folder / 'step-00000006'} already exists and is no checkpoint this run can replace (a file, not "
+        "a checkpoint directory); it is not replaced: move it away or save under another path"
+    )
+    assert (folder / "step-00000006").read_text() == "the user's notes"
+    assert listing(folder) == ["step-00000004", "step-00000006"]
