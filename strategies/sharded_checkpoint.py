@@ -21,8 +21,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from strategies.checkpoint_io import checks_frozen_parameters
 from trainer import checkpoint as ckpt
+from trainer import safe_dcp
 from trainer.integrity import HashingFile
-from trainer.safe_dcp import SafeLoadPlanner, SafeReader
 
 
 class _HashingFileSystem(FileSystem):
@@ -71,14 +71,16 @@ class HashingWriter(dcp.FileSystemWriter):
 def load(payload: dict[str, Any], path: Path, group: Any) -> None:
     """Fill `payload` (this rank's tensors, sharded as they are now) from the checkpoint at `path`; a
     checkpoint that does not fit becomes a one-line CheckpointError."""
+    reader = safe_dcp.SafeReader(path)
+    reader.read_metadata()  # refused here in one line: inside dcp.load it would be logged as tracebacks
     try:
-        dcp.load(payload, storage_reader=SafeReader(path), planner=SafeLoadPlanner(path), process_group=group)
-    except CheckpointException as err:  # a BaseException carrying each rank's planner error
+        safe_dcp.load(payload, reader, group)
+    except CheckpointException as err:  # a BaseException carrying each rank's planner error (and traceback)
         first = next(iter(err.failures.values()))
         first = first[0] if isinstance(first, tuple) else first
         if isinstance(first, ckpt.CheckpointError):
-            raise ckpt.CheckpointError(str(first), first.reason) from err
-        raise ckpt.CheckpointError(f"checkpoint '{path}' does not fit this model: {first}") from err
+            raise ckpt.CheckpointError(str(first), first.reason) from None
+        raise ckpt.CheckpointError(f"checkpoint '{path}' does not fit this model: {first}") from None
 
 
 def load_state_dict_layout(
@@ -104,4 +106,4 @@ def load_state_dict_layout(
 
 def saved_entries(path: Path) -> dict[str, Any]:
     """{flattened key: DCP storage metadata} of a sharded checkpoint (what was saved, with global shapes)."""
-    return SafeReader(path).read_metadata().state_dict_metadata
+    return safe_dcp.SafeReader(path).read_metadata().state_dict_metadata

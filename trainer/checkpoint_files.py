@@ -10,6 +10,7 @@ import json
 import pickle
 import re
 import struct
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -108,17 +109,19 @@ def save_torch_file(obj: Any, path: Path) -> Entries:
 def load_torch_file(path: Path) -> Any:
     """`torch.load` that never runs code from the file and says which file is broken."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # a plain pickle (never torch.save's) draws a protocol warning
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            return torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError as err:
         raise CheckpointError(f"checkpoint file {path} is missing; the checkpoint is incomplete") from err
     except pickle.UnpicklingError as err:  # weights_only refused a global: loading it could run code
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+        found = re.search(r"(?:Unsupported global: |unsupported )GLOBAL (\S+)", str(err))
         what = f"the global {found.group(1)}" if found else "an object outside the allow-list"
         raise CheckpointError(
             f"checkpoint file {path} is refused: it holds {what}, which only an unrestricted unpickler "
             "would load (and could run code); allowed: tensors and plain Python values",
             reason="refused: holds objects outside the allow-list",
-        ) from err
+        ) from None  # torch's chained advice (load it with weights_only=False) is never shown
     except Exception as err:  # torch raises RuntimeError/EOFError for damaged files
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CheckpointError(

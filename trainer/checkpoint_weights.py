@@ -30,12 +30,11 @@ def read_checkpoint(ckpt_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict
 
 def dcp_model_state(ckpt_dir: Path) -> dict[str, torch.Tensor]:
     """The full model tensors of a DCP checkpoint, in one process, whatever world size wrote it."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from trainer.safe_dcp import SafeLoadPlanner, SafeReader
+    from trainer import safe_dcp
 
-    reader = SafeReader(ckpt_dir)
+    reader = safe_dcp.SafeReader(ckpt_dir)
     entries = reader.read_metadata().state_dict_metadata
     odd = [
         k for k, m in entries.items() if k.startswith("model.") and not isinstance(m, TensorStorageMetadata)
@@ -51,5 +50,5 @@ def dcp_model_state(ckpt_dir: Path) -> dict[str, torch.Tensor]:
         if key.startswith("model.") and isinstance(m, TensorStorageMetadata)
     }
     nested = {"model": {k[len("model.") :]: v for k, v in template.items()}}
-    dcp.load(nested, storage_reader=reader, planner=SafeLoadPlanner(ckpt_dir), no_dist=True)
+    safe_dcp.load(nested, reader, no_dist=True)
     return nested["model"]

@@ -5,13 +5,14 @@ as `optim.param_groups.0.lr` (`torch.load(weights_only=False)`), so a crafted fi
 the metadata goes through an unpickler that builds only DCP's metadata classes, `torch.Size`, dtypes,
 layouts and paths, and byte items load with `weights_only=True` (tensors DCP already loads that way);
 anything else is a one-line CheckpointError naming the file. Every DCP read (resume, validation, rollback,
-`trainer export`) goes through `SafeReader` and `SafeLoadPlanner`.
+`trainer export`) goes through `load`, with `SafeReader` and `SafeLoadPlanner`.
 """
 
 from __future__ import annotations
 
 import io
 import pickle
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -59,37 +60,46 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class SafeReader(dcp.FileSystemReader):
-    """DCP's file reader of `<checkpoint>/dcp`, with the metadata read through the allow-list."""
+    """DCP's file reader of `<checkpoint>/dcp`, with the metadata read through the allow-list, once: call
+    `read_metadata` before `dcp.load`, whose own call logs a refusal as tracebacks and retries it."""
 
     def __init__(self, ckpt_dir: Path) -> None:
         super().__init__(str(Path(ckpt_dir) / ckpt.DCP_DIR))
         self.ckpt_dir = Path(ckpt_dir)
+        self._metadata: Metadata | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self.ckpt_dir / ckpt.DCP_DIR / ".metadata"
-        try:
-            with open(path, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-        except FileNotFoundError as err:
-            raise ckpt.CheckpointError(
-                f"checkpoint file {path} is missing; the checkpoint is incomplete"
-            ) from err
-        except pickle.UnpicklingError as err:
-            raise ckpt.CheckpointError(
-                f"checkpoint file {path} is refused: it names {err}, which DCP's metadata never holds "
-                "(unpickling it could run code)",
-                reason="refused: metadata outside the allow-list",
-            ) from err
-        except Exception as err:  # truncated or garbled pickle data
-            raise ckpt.CheckpointError(f"checkpoint file {path} is unreadable or corrupted ({err})") from err
-        if not isinstance(metadata, Metadata):
-            raise ckpt.CheckpointError(
-                f"checkpoint file {path} is refused: it holds a {type(metadata).__name__}, not DCP metadata"
-            )
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+        if self._metadata is None:
+            self._metadata = _read_metadata(self.ckpt_dir / ckpt.DCP_DIR / ".metadata")
+        self._metadata.storage_meta.load_id = self.load_id
+        return self._metadata
+
+
+def _read_metadata(path: Path) -> Metadata:
+    """DCP's metadata at `path`, unpickled through the allow-list; else a one-line CheckpointError naming
+    the file (nothing chained: torch's and pickle's own words add nothing the line does not say)."""
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except FileNotFoundError:
+        raise ckpt.CheckpointError(
+            f"checkpoint file {path} is missing; the checkpoint is incomplete"
+        ) from None
+    except pickle.UnpicklingError as err:
+        raise ckpt.CheckpointError(
+            f"checkpoint file {path} is refused: it names {err}, which DCP's metadata never holds "
+            "(unpickling it could run code); allowed: DCP's metadata classes, torch.Size, dtypes and paths",
+            reason="refused: metadata outside the allow-list",
+        ) from None
+    except Exception as err:  # truncated or garbled pickle data
+        raise ckpt.CheckpointError(f"checkpoint file {path} is unreadable or corrupted ({err})") from None
+    if not isinstance(metadata, Metadata):
+        raise ckpt.CheckpointError(
+            f"checkpoint file {path} is refused: it holds a {type(metadata).__name__}, not DCP metadata"
+        )
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = StorageMeta()
+    return metadata
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -102,15 +112,29 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         try:
             obj = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as err:
+        except pickle.UnpicklingError:
             stored = self.metadata.storage_data.get(read_item.storage_index)
             where = self.ckpt_dir / ckpt.DCP_DIR / stored.relative_path if stored else self.ckpt_dir
             raise ckpt.CheckpointError(
                 f"checkpoint file {where} is refused: its item {read_item.storage_index.fqn!r} holds an object "
                 "outside the allow-list (loading it could run code); allowed: tensors and plain Python values",
                 reason="refused: an item outside the allow-list",
-            ) from err
+            ) from None  # torch's chained advice (load it with weights_only=False) is never shown
         if self.flatten_state_dict:  # as DefaultLoadPlanner.load_bytes puts it, once loaded safely
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def load(state: dict[str, Any], reader: SafeReader, group: Any = None, no_dist: bool = False) -> None:
+    """`dcp.load` of `state` through `reader` and `SafeLoadPlanner`, by the ranks of `group`; in this one
+    process without a process group (or with `no_dist`), which DCP would warn about at every read."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(
+            state,
+            storage_reader=reader,
+            planner=SafeLoadPlanner(reader.ckpt_dir),
+            process_group=group,
+            no_dist=no_dist,
+        )
