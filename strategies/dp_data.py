@@ -55,14 +55,6 @@ class _EmptyAware:
         return apply_to_tensors(self.collate([self.dataset[0]]), lambda t: t[:0])
 
 
-class PoissonLoader(DataLoader):
-    """A DataLoader over a `PoissonBatchSampler` that the loop can tell the epoch (it looks for `set_epoch`
-    on the loader and its sampler, not on a batch sampler), so that each epoch draws new batches."""
-
-    def set_epoch(self, epoch: int) -> None:
-        self.batch_sampler.set_epoch(epoch)
-
-
 def poisson_loader(loader: Any, world: int, rank: int, seed: int) -> tuple[DataLoader, float, int]:
     """`loader` (a DataLoader, or any loader with a map-style `dataset` and an int `batch_size`, such as
     the recipes' TokenLoader) re-cut into Poisson-sampled logical batches whose expected global size is
@@ -78,7 +70,7 @@ def poisson_loader(loader: Any, world: int, rank: int, seed: int) -> tuple[DataL
     steps = max(1, round(1 / rate))  # one epoch sees every example once in expectation
     sampler = PoissonBatchSampler(n, rate, steps, rank, world, seed)
     workers = getattr(loader, "num_workers", 0)
-    wrapped = PoissonLoader(
+    wrapped = DataLoader(
         loader.dataset,
         batch_sampler=sampler,
         collate_fn=_EmptyAware(loader.dataset, getattr(loader, "collate_fn", None)),

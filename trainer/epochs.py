@@ -79,11 +79,14 @@ class EpochBatches:
 
 
 def _set_epoch(loader: Any, epoch: int) -> None:
-    """Tell the loader (or its sampler, e.g. DistributedSampler) which epoch it is, for its shuffle."""
+    """Tell the loader (or its sampler, e.g. DistributedSampler, or its batch sampler, e.g. DP-SGD's Poisson
+    one, as Lightning does) which epoch it is, for its shuffle."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
     for obj in (
         loader,
         getattr(loader, "sampler", None),
-        getattr(getattr(loader, "batch_sampler", None), "sampler", None),
+        batch_sampler,
+        getattr(batch_sampler, "sampler", None),
     ):
         if callable(getattr(obj, "set_epoch", None)):
             obj.set_epoch(epoch)
