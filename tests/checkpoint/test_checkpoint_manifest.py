@@ -88,7 +88,7 @@ def test_last_passes_over_a_checkpoint_with_an_unlisted_file_and_resumes_the_goo
     unlist(ckpt, "optimizer.pt")
     swap_in_older(ckpt, "optimizer.pt")  # step 2's moments with step 4's weights: a silently different run
     resumed = saved_every_2(run, 6, ckpt_path="last")
-    assert "step-00000004: optimizer.pt is not in meta.json's manifest" in caplog.text
+    assert "optimizer.pt is not in meta.json's manifest" in caplog.text
     # resumed from step 2, exactly as if never interrupted (from step 4 with step 2's optimizer it is not)
     uninterrupted = saved_every_2(tmp_path / "uninterrupted", 6)
     assert all(a.equal(b) for a, b in zip(params(resumed), params(uninterrupted), strict=True))
