@@ -159,7 +159,8 @@ def announce(trainer: Trainer, module: TrainModule) -> None:
     """One line on what is about to run: size, parallelism, precision and the global batch."""
     strategy, accumulate = trainer.strategy, trainer.accumulate_grad_batches
     # a pipeline stage holds some of the blocks: the model's size is the sum over the stages
-    params = list(module.parameters())
+    # a module may count its own parameters only, as PEFT does (HFModule: not DPO's frozen reference)
+    params = list(getattr(module, "counted_parameters", module.parameters)())
     local = [sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)]
     counts = strategy.reduce(
         torch.tensor(local, dtype=torch.float64, device=strategy.root_device), "sum", group="pp"

@@ -26,9 +26,9 @@ from torch import nn
 
 from trainer.data.hf_data import padding_id
 from trainer.logging import rank_zero_info
-from trainer.models import hf_adapters, hf_init, hf_metrics
-from trainer.models.hf_dpo import dpo_step, reference_model
+from trainer.models import hf_adapters, hf_dpo, hf_init, hf_metrics
 from trainer.models.hf_packing import packed_inputs
+from trainer.models.hf_tokenizer import load_tokenizer
 from trainer.module import TrainModule
 
 if TYPE_CHECKING:
@@ -57,16 +57,6 @@ _PEFT_TASK_TYPE = {
     "seq2seq": "SEQ_2_SEQ_LM",
     "dpo": "CAUSAL_LM",
 }
-# files one of which a folder holding a tokenizer has
-_TOKENIZER_FILES = (
-    "tokenizer_config.json",
-    "tokenizer.json",
-    "tokenizer.model",
-    "vocab.txt",
-    "vocab.json",
-    "spiece.model",
-    "sentencepiece.bpe.model",
-)
 _WRAPPER_PREFIX = "_checkpoint_wrapped_module."  # what activation checkpointing inserts in names
 _PEFT_PREFIX = "base_model.model."  # what PEFT puts before the wrapped model's own names
 
@@ -141,7 +131,7 @@ class HFModule(TrainModule):
         self.load_best_model_at_end = bool(load_best_model_at_end)
         self.model, missing = _build(model, task, num_labels)
         self._base = hf_adapters.base_identity(model, self.model.config, hash_weights=lora is not None)
-        self.tokenizer = _load_tokenizer(tokenizer, model)
+        self.tokenizer = load_tokenizer(tokenizer, model)
         self._configure_head(labels)
         fresh = hf_init.fresh_modules(self.model, missing)
         self.lora = dict(lora) if lora is not None else None
@@ -151,7 +141,8 @@ class HFModule(TrainModule):
             if isinstance(beta, bool) or not isinstance(beta, (int, float)) or beta <= 0:
                 raise ValueError(f"beta={beta!r} is invalid; allowed: a number > 0")
             given = None if reference is None else _build(reference, task, None)[0]
-            self.reference = reference_model(self.model, given, lora=self.lora is not None)
+            self.reference = hf_dpo.reference_model(self.model, given, lora=self.lora is not None)
+            hf_dpo.keep_reference_out_of_checkpoints(self)
         elif reference is not None:
             raise ValueError(
                 f"reference= is DPO's reference model; allowed: it with task='dpo', not {task!r}"
@@ -192,7 +183,11 @@ class HFModule(TrainModule):
             return
         hf_init.redraw(self.hf_model(), self._fresh, self.model if self.lora is not None else None)
         if self.task == "dpo" and self._reference_is_copy:  # the reference is the policy's initial weights
-            self.reference = reference_model(self.model, None, lora=False)
+            self.reference = hf_dpo.reference_model(self.model, None, lora=False)
+
+    def counted_parameters(self) -> Any:
+        """The parameters the start line counts: the model's, as PEFT counts them (not DPO's reference)."""
+        return self.model.parameters()
 
     def checkpoint_frozen_parameters(self) -> bool:
         """Whether checkpoints hold the frozen weights too: not for LoRA over a base read from a folder
@@ -295,7 +290,7 @@ class HFModule(TrainModule):
                 f"{method} got a {type(batch).__name__} batch; allowed: a dict of tensors (input_ids, labels, ...)"
             )
         if self.task == "dpo":
-            return dpo_step(self, self.model, self.reference, batch, self.beta, method), None
+            return hf_dpo.dpo_step(self, self.model, self.reference, batch, self.beta, method), None
         if "labels" not in batch:
             raise ValueError(
                 f"{method}: the batch has no 'labels' (keys: {', '.join(batch)}); allowed: a batch with labels"
@@ -414,13 +409,15 @@ class HFModule(TrainModule):
             else None,
             "base": self._base,
             "adapters_only": self._adapters_only,
+            "reference": None if self.reference is None else self.reference.digest,
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Refuse adapters trained on another base model."""
+        """Refuse adapters trained on another base model, a DPO run trained against another reference."""
         saved = checkpoint.get("hf", {})
         if saved.get("adapters_only"):
             hf_adapters.check_same_base(saved.get("base"), self._base)
+        hf_dpo.check_same_reference(saved.get("reference"), self.reference)
 
     def on_fit_start(self) -> None:
         if self.load_best_model_at_end:
@@ -692,21 +689,6 @@ def _best_checkpoint(saver: Any) -> tuple[str, float] | None:
     sign = 1.0 if saver.mode == "min" else -1.0
     best = min(scored, key=lambda c: (sign * c["score"], -c["step"]))
     return best["path"], float(best["score"])
-
-
-def _load_tokenizer(tokenizer: str | os.PathLike | None, model: Any) -> Any:
-    from transformers import AutoTokenizer
-
-    if tokenizer is not None:
-        path = Path(tokenizer)
-        if not path.exists():
-            raise FileNotFoundError(
-                f"tokenizer path '{path}' does not exist; allowed: a local folder written by save_pretrained"
-            )
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    if isinstance(model, (str, os.PathLike)) and any((Path(model) / f).is_file() for f in _TOKENIZER_FILES):
-        return AutoTokenizer.from_pretrained(Path(model), local_files_only=True)
-    return None
 
 
 def _wrap_lora(model: nn.Module, lora: dict[str, Any], task: str) -> nn.Module:

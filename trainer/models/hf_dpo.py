@@ -4,23 +4,27 @@ sequence's log-probability summed over its response tokens (labels != -100), on 
 trainer.data.hf_preference.
 
 The reference is a frozen model (a given one, or a copy of the policy's initial weights), or, under LoRA,
-the policy itself with its adapters disabled: the base weights the adapters start from.
+the policy itself with its adapters disabled: the base weights the adapters start from. A frozen reference
+is rebuilt with the module, so checkpoints leave it out (half the size) and record a hash of its weights
+instead: a resume keeps the reference it has, and refuses one whose weights differ from the run's.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+import xxhash
 from torch import nn
 
 IGNORE_INDEX = -100
 _SIDES = ("chosen", "rejected")
 _KEYS = ("input_ids", "attention_mask", "labels")
 _PREFIX = {"training_step": "", "validation_step": "val_", "test_step": "test_"}  # logged names' prefix
+REFERENCE = "reference"  # the module attribute that holds the FrozenReference
 
 
 class FrozenReference(nn.Module):
@@ -32,6 +36,7 @@ class FrozenReference(nn.Module):
         self.model = model
         self.model.requires_grad_(False)
         self.model.eval()
+        self.digest = weights_digest(model)  # as built: a strategy may shard the weights later
 
     def train(self, mode: bool = True) -> FrozenReference:
         return super().train(False)
@@ -46,6 +51,52 @@ def reference_model(policy: nn.Module, given: nn.Module | None, lora: bool) -> F
     if given is not None:
         return FrozenReference(given)
     return None if lora else FrozenReference(copy.deepcopy(policy))
+
+
+def weights_digest(model: nn.Module) -> str:
+    """XXH3-128 of a model's state dict: every name, dtype, shape and byte, in order."""
+    h = xxhash.xxh3_128()
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            h.update(f"{name} {tensor.dtype} {tuple(tensor.shape)}".encode())
+            h.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def keep_reference_out_of_checkpoints(module: nn.Module) -> None:
+    """`module.reference` (a FrozenReference, or None) out of `module.state_dict()`, and kept as it is by
+    `load_state_dict` of a state dict without it (one with it, older checkpoints', loads it). A module
+    that checkpoints no frozen parameter (`checkpoint_frozen_parameters()`) leaves it out already."""
+    module.register_state_dict_post_hook(_drop_reference)
+    module.register_load_state_dict_pre_hook(_keep_reference)
+
+
+def _drop_reference(module: nn.Module, state: MutableMapping[str, Any], prefix: str, _: Any) -> None:
+    if getattr(module, REFERENCE) is None or not module.checkpoint_frozen_parameters():
+        return
+    for key in [k for k in state if k.startswith(f"{prefix}{REFERENCE}.")]:
+        del state[key]
+
+
+def _keep_reference(module: nn.Module, state: MutableMapping[str, Any], prefix: str, *_: Any) -> None:
+    reference = getattr(module, REFERENCE)
+    if reference is None:
+        return
+    for name, value in reference.state_dict(keep_vars=True).items():  # load_state_dict copies it onto itself
+        state.setdefault(f"{prefix}{REFERENCE}.{name}", value)
+
+
+def check_same_reference(saved: str | None, reference: FrozenReference | None) -> None:
+    """Refuse, in one line, to resume a run against a reference whose weights differ from its own (`saved`:
+    the checkpoint's digest; None: a checkpoint that holds its reference, or has none)."""
+    own = None if reference is None else reference.digest
+    if saved is None or saved == own:
+        return
+    raise ValueError(
+        f"the checkpoint was trained against a DPO reference model with other weights (xxh3 {saved[:12]}) "
+        f"than this HFModule's ({own[:12] if own else 'none'}); allowed: the module built as that run built it "
+        "(the same model and reference; a model from a config: the same Trainer seed)"
+    )
 
 
 def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
