@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +23,7 @@ TEXT, MESSAGES = "text", "messages"  # the kinds of field a row is checked for
 ALLOWED = {TEXT: "a string", MESSAGES: 'a non-empty list of {"role": string, "content": string}'}
 SKIP_HINT = "skip_bad_rows=True (recipes: data.skip_bad_rows=true) skips such rows"
 _SHOWN = 3  # skipped rows named in the count line
+_BATCH = 4096  # rows decoded at a time when every row is checked
 _ORIGINS: dict[str, Path] = {}  # a dataset's fingerprint -> the data file it was read from
 
 
@@ -54,8 +55,8 @@ def _checked(dataset: Dataset, kinds: Mapping[str, str], skip: bool, name: str) 
         return dataset  # the missing column is refused by name where the split is used
     problems: dict[int, tuple[str, str]] = {}  # row -> (what is wrong, what is allowed)
     for field, kind in kinds.items():
-        for row in _suspects(dataset, field, kind):
-            problem = _problem(dataset[row][field], kind)
+        for row, value in _values(dataset, field, kind):
+            problem = _problem(value, kind)
             if problem is not None and row not in problems:
                 problems[row] = (f"field {field!r} {problem}", ALLOWED[kind])
     if not problems:
@@ -72,9 +73,21 @@ def _checked(dataset: Dataset, kinds: Mapping[str, str], skip: bool, name: str) 
     return dataset.select([i for i in range(len(dataset)) if i not in bad])
 
 
-def _suspects(dataset: Dataset, field: str, kind: str) -> list[int]:
+def _values(dataset: Dataset, field: str, kind: str) -> Iterator[tuple[int, Any]]:
+    """(row, value of `field`) of the rows that may be malformed: the few `_suspects` of a typed column,
+    else every row, read a batch at a time."""
+    column = dataset.select_columns([field])
+    suspects = _suspects(dataset, field, kind)
+    if suspects is not None:
+        yield from ((row, column[row][field]) for row in suspects)
+        return
+    for start, batch in zip(range(0, len(column), _BATCH), column.iter(batch_size=_BATCH), strict=False):
+        yield from enumerate(batch[field], start=start)
+
+
+def _suspects(dataset: Dataset, field: str, kind: str) -> list[int] | None:
     """Rows whose `field` may be malformed: the nulls (and empty or incomplete chats) of a typed column,
-    found by Arrow; every row of a column of mixed JSON values."""
+    found by Arrow; None (every row) for a column of mixed JSON values."""
     import pyarrow as pa
     import pyarrow.compute as pc
     from datasets import List, Value
@@ -99,7 +112,7 @@ def _suspects(dataset: Dataset, field: str, kind: str) -> list[int]:
             pc.list_parent_indices(column), pc.indices_nonzero(pc.or_(incomplete, messages.is_null()))
         )
         return sorted(set(pc.indices_nonzero(empty).to_pylist()) | set(owners.to_pylist()))
-    return list(range(len(dataset)))
+    return None
 
 
 def _problem(value: Any, kind: str) -> str | None:
