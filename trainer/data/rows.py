@@ -62,7 +62,7 @@ def _checked(dataset: Dataset, kinds: Mapping[str, str], skip: bool, name: str) 
     if not problems:
         return dataset
     rows = sorted(problems)
-    places = _places(dataset, rows, name)
+    places = _places(dataset, rows[:_SHOWN], name)  # one pass over the file, for the rows named
     if not skip:
         problem, allowed = problems[rows[0]]
         raise DataError(f"{places[rows[0]]}: {problem}; allowed: {allowed} ({SKIP_HINT})")
