@@ -69,42 +69,55 @@ def unreadable(location: Path, files: Sequence[Path], err: BaseException) -> Dat
 
 
 def _first_bad_line(file: Path) -> str | None:
+    """The error line of `file`'s first line that is not UTF-8 (a text, CSV or JSON file) or, in a JSON file,
+    not a JSON object or of another type than the rows before in a field; None when every line is good."""
     suffix = file.suffix.lower()
     if suffix not in (".txt", ".csv", ".json", ".jsonl"):
         return None  # parquet: binary, no lines
+    as_json = suffix in (".json", ".jsonl")
+    types: dict[str, str] = {}  # each field's JSON type in the first row that has it
+    first = True
     try:
         with open(file, "rb") as lines:
-            decoded = [utf8_line(file, n, raw) for n, raw in enumerate(lines, start=1)]
+            for number, raw in enumerate(lines, start=1):
+                line = utf8_line(file, number, raw)
+                if not as_json or not line.strip():
+                    continue
+                if first and line.lstrip().startswith("["):  # one JSON array, not JSON lines
+                    return _array_error(file)
+                first = False
+                problem = _json_row_problem(line, types)
+                if problem is not None:
+                    return f"{file}:{number}: {problem}"
     except DataError as err:
         return str(err)
-    if suffix not in (".json", ".jsonl"):
-        return None
-    blank = [not line.strip() for line in decoded]
-    if False in blank and decoded[blank.index(False)].lstrip().startswith("["):  # one JSON array
-        try:
-            json.loads("".join(decoded))
-        except json.JSONDecodeError as err:
-            return f"{file}:{err.lineno}: invalid JSON ({err.msg} at column {err.colno}); {JSON_LINES}"
-        return None
-    first: dict[str, type] = {}  # each field's type in the first row that has it
-    for number, line in enumerate(decoded, start=1):
-        if not line.strip():
+    return None
+
+
+def _json_row_problem(line: str, types: dict[str, str]) -> str | None:
+    """What is wrong with one JSON line as a row: not JSON, not an object, a field of another JSON type
+    than in the rows before (`types`, updated)."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as err:
+        return f"invalid JSON ({err.msg} at column {err.colno}); {JSON_LINES}"
+    if not isinstance(row, dict):
+        return f"a JSON {_JSON_TYPES.get(type(row), type(row).__name__)}, not an object; {JSON_LINES}"
+    for key, value in row.items():
+        kind = _JSON_TYPES.get(type(value))
+        if value is None or kind is None:
             continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            return f"{file}:{number}: invalid JSON ({err.msg} at column {err.colno}); {JSON_LINES}"
-        if not isinstance(row, dict):
-            return f"{file}:{number}: a JSON {type(row).__name__}, not an object; {JSON_LINES}"
-        for key, value in row.items():
-            if value is None:
-                continue
-            seen = first.setdefault(key, type(value))
-            if not isinstance(value, seen):  # Arrow wants one type per column
-                return (
-                    f"{file}:{number}: field {key!r} is {what(value)}, not a {_JSON_TYPES.get(seen, seen.__name__)} "
-                    "as in the rows before; allowed: one type per field"
-                )
+        before = types.setdefault(key, kind)
+        if kind != before:  # Arrow holds one type per column
+            return f"field {key!r} is {what(value)}, not a {before} as in the rows before; allowed: one type per field"
+    return None
+
+
+def _array_error(file: Path) -> str | None:
+    try:
+        json.loads(text_of(file))
+    except json.JSONDecodeError as err:
+        return f"{file}:{err.lineno}: invalid JSON ({err.msg} at column {err.colno}); {JSON_LINES}"
     return None
 
 
