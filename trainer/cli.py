@@ -16,6 +16,7 @@ from trainer.config import SECTIONS, ConfigError, build_run, load_recipe, memory
 from trainer.export import export_checkpoint, export_llama
 from trainer.logging import configure_console_logging
 from trainer.models.hf import HFModule
+from trainer.models.hf_adapters import BaseModelMismatch
 from trainer.models.llama import Llama
 from trainer.run_folder import FolderInUse
 
@@ -140,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
             metrics = getattr(trainer, args.command)(module, val_loader, ckpt_path=ckpt)
             if trainer.is_global_zero:
                 print(yaml.safe_dump(metrics, sort_keys=False), end="")
-    except (ConfigError, CheckpointError, FileNotFoundError, FolderInUse, ModelNotFiniteError) as err:
+    except (
+        ConfigError, CheckpointError, FileNotFoundError, FolderInUse, ModelNotFiniteError, BaseModelMismatch
+    ) as err:  # fmt: skip
         print(f"trainer: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # a Ctrl-C before training, or the second one (the first stops cleanly)

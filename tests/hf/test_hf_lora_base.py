@@ -15,6 +15,7 @@ from transformers import BertConfig, BertModel
 
 from trainer.checkpoint import find_last
 from trainer.export import export_checkpoint
+from trainer.models.hf_adapters import BaseModelMismatch
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")  # peft's
 
@@ -47,7 +48,7 @@ def test_base_weights_changed_in_place_are_refused_in_one_line(trained, tmp_path
     base, ckpt = trained
     save_base(tmp_path / "other", seed=1)  # same config, other weights, written over the base's own file
     shutil.copyfile(tmp_path / "other" / "model.safetensors", base / "model.safetensors")
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(BaseModelMismatch) as err:  # the class the CLI prints in one line
         lora_fit(base, tmp_path / "changed", 8, ckpt_path=ckpt)
     line = str(err.value)
     assert "\n" not in line and f"{base.resolve()}" in line and "(its weights changed since)" in line, line

@@ -47,6 +47,10 @@ def weights_digest(folder: Path) -> str:
     return digest.hexdigest()
 
 
+class BaseModelMismatch(ValueError):
+    """A LoRA checkpoint resumed over another base model than the one its adapters were trained on."""
+
+
 def check_same_base(saved: dict[str, Any] | None, own: dict[str, Any]) -> None:
     """Refuse, in one line naming both, a checkpoint whose adapters were trained on another base model: other
     weights or config, wherever its folder is (checkpoints saved before weights were hashed: another
@@ -60,7 +64,7 @@ def check_same_base(saved: dict[str, Any] | None, own: dict[str, Any]) -> None:
     if same:
         return
     changed = " (its weights changed since)" if saved.get("path") == own.get("path") else ""
-    raise ValueError(
+    raise BaseModelMismatch(
         f"the checkpoint's adapters were trained on base model {_name(saved)}, not on this HFModule's "
         f"{_name(own)}{changed}; allowed: resume with HFModule(model=<that base>) (or start a new run)"
     )
