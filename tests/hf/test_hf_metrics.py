@@ -13,9 +13,9 @@ from test_hf_module import TINY_BERT, class_data
 from torch.utils.data import DataLoader
 from transformers import BertConfig
 
-from callbacks import ModelCheckpoint
+from callbacks import Callback, ModelCheckpoint
 from trainer import Trainer
-from trainer.checkpoint import MODEL_FILE, load_model_file
+from trainer.checkpoint import MODEL_FILE, CheckpointError, load_model_file
 from trainer.models.hf import HFModule
 from trainer.models.hf_metrics import EvalCollector, resolve
 
@@ -101,3 +101,35 @@ def test_metrics_show_on_the_console_go_to_jsonl_and_pick_the_best_checkpoint_re
         "HFModule(load_best_model_at_end=True) needs the Trainer's ModelCheckpoint(monitor=...) to say which "
         "checkpoint is best; allowed: add one, or load_best_model_at_end=False"
     )
+
+
+class CorruptBest(Callback):
+    """Flips a byte of step-2's weights once training ends, before load_best_model_at_end reads them."""
+
+    def on_train_end(self, trainer, module):
+        path = Path(trainer.checkpoint_callback.dirpath) / "step-00000002" / MODEL_FILE
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+
+
+def test_load_best_model_at_end_verifies_the_best_checkpoint_before_loading_it(tmp_path):
+    calls = []
+
+    def order(predictions, labels):  # the first validation scores best: step-2
+        calls.append(1)
+        return {"order": -float(len(calls))}
+
+    torch.manual_seed(0)
+    module = HFModule(
+        BertConfig(**TINY_BERT), task="seq-classification", num_labels=3, metrics=[order],
+        load_best_model_at_end=True,
+    )  # fmt: skip
+    saver = ModelCheckpoint(every_n_steps=2, monitor="val_order", mode="max", save_top_k=-1)
+    trainer = Trainer(
+        max_steps=4, val_check_interval=2, seed=0, default_root_dir=str(tmp_path), enable_progress_bar=False,
+        callbacks=[saver, CorruptBest()], num_sanity_val_steps=0,
+    )  # fmt: skip
+    train = DataLoader(class_data(64, 0), batch_size=16, shuffle=True)
+    with pytest.raises(CheckpointError, match=r"model.safetensors checksum mismatch"):
+        trainer.fit(module, train, DataLoader(class_data(16, 1), batch_size=16))

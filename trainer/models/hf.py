@@ -440,7 +440,7 @@ class HFModule(TrainModule):
             )
             return
         path, score = best
-        self.trainer.strategy.load_checkpoint(Path(path), self, None)
+        self.trainer.checkpoint_manager.load_model(Path(path))  # verified against its manifest first
         rank_zero_info(f"load_best_model_at_end: loaded {path} ({saver.monitor} {score:.6g})")
 
     @classmethod
