@@ -19,6 +19,11 @@ from strategies.plan.step_time import StepTime, crosses_nodes, dense_params, exp
 USABLE_MEMORY = 0.9
 TIE = 0.02  # predictions this close count as equal
 MICRO_BATCHES = (1, 2, 4, 8, 16)  # sequences per micro-batch tried: the larger the fewer FSDP gathers
+# ten times the largest clusters built: past it a world is a typo, and factoring it would take ever longer
+MAX_WORLD = 10_000_000
+# layouts weighed in one search: the shipped recipes' plans weigh up to ~20,000 (a few seconds); past this the
+# world and the global batch share so many divisors that the answer would take minutes
+MAX_LAYOUTS = 50_000
 Memory = Callable[[ModelShape, Layout, RunShape], Any]  # -> an estimate with `.peak` in bytes
 
 
@@ -47,8 +52,21 @@ class Plan:
         return self.ranked[0]
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def divisors(n: int) -> list[int]:
+    """The divisors of `n` >= 1, ascending, from its prime factors (trial division up to sqrt(n)): a
+    world of a billion GPUs has 100 of them, found in microseconds, not by trying all billion."""
+    found = [1]
+    rest, p = n, 2
+    while p * p <= rest:
+        power = 0
+        while rest % p == 0:
+            rest //= p
+            power += 1
+        found = [d * p**k for d in found for k in range(power + 1)]
+        p += 1 if p == 2 else 2
+    if rest > 1:  # the one prime factor above sqrt(n) left
+        found = [d * m for d in found for m in (1, rest)]
+    return sorted(found)
 
 
 def layouts(shape: ModelShape, world: int, gpus_per_node: int, seq_len: int, global_batch: int,
@@ -57,15 +75,15 @@ def layouts(shape: ModelShape, world: int, gpus_per_node: int, seq_len: int, glo
     heads and the vocabulary and stays in a node, cp splits the sequence into 2 cp chunks, pp gives each
     stage a block, the data-parallel ranks split `global_batch` sequences evenly; DDP and ZeRO-1 only
     without tp/pp/cp (their strategies run no other dimension)."""
-    for tp in _divisors(world):
+    for tp in divisors(world):
         if tp > gpus_per_node or shape.n_heads % tp or shape.n_kv_heads % tp or shape.vocab_size % tp:
             continue
         if tp > 1 and seq_len % tp:  # sequence parallel splits the sequence over the tp ranks
             continue
-        for cp in _divisors(world // tp):
+        for cp in divisors(world // tp):
             if cp > 1 and (seq_len % (2 * cp) or cp > gpus_per_node):
                 continue
-            for pp in _divisors(world // (tp * cp)):
+            for pp in divisors(world // (tp * cp)):
                 if pp > shape.n_layers:
                     continue
                 dp = world // (tp * cp * pp)
@@ -94,7 +112,7 @@ def _data_parallel(shape: ModelShape, tp: int, cp: int, pp: int, dp: int, gpus_p
             if shape.n_experts:
                 eps = [
                     e
-                    for e in _divisors(span)
+                    for e in divisors(span)
                     if shape.n_experts % e == 0 and not (e > 1 and tp > 1 and pp > 1)
                 ]
             for ep in eps:
@@ -137,14 +155,21 @@ def search(shape: ModelShape, hardware: Hardware, world: int, seq_len: int, glob
     """The layouts of `world` ranks on `hardware` that fit its memory, fastest first (see the module's
     docstring); `keep` narrows the layouts tried (e.g. to what a CPU backend runs). A one-line ValueError
     when none fits, naming the smallest peak seen."""
+    if not 1 <= world <= MAX_WORLD:
+        raise ValueError(f"a world of {world:,} GPUs is not planned; allowed: 1 to {MAX_WORLD:,} GPUs")
     memory = memory or default_memory()
     limit = hardware.device.memory_bytes * USABLE_MEMORY
     fits: list[Candidate] = []
     tried = too_big = 0
     smallest = None
-    for layout, run in layouts(
-        shape, world, hardware.gpus_per_node, seq_len, global_batch, precision, optimizer
-    ):
+    # listing them is cheap (microseconds each); weighing one with the memory and step-time models is not
+    every = list(layouts(shape, world, hardware.gpus_per_node, seq_len, global_batch, precision, optimizer))
+    if len(every) > MAX_LAYOUTS:
+        raise ValueError(
+            f"{len(every):,} layouts of {world:,} GPUs to weigh (global batch {global_batch:,}, {shape.n_layers} "
+            f"blocks); allowed: up to {MAX_LAYOUTS:,} (fewer GPUs, or a world and global batch with fewer divisors)"
+        )
+    for layout, run in every:
         if keep is not None and not keep(layout):
             continue
         tried += 1
