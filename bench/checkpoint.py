@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 import xxhash
 
 from strategies.sharded_checkpoint import HashingWriter
-from trainer import integrity
+from trainer.checkpoint import integrity
 from trainer.config import build_llama_config, load_recipe
 from trainer.models.llama import Llama
 

@@ -9,11 +9,11 @@ hand-written loop, the way its tutorials train). Each arm runs in a fresh child 
 interleaved, round after round, and each arm's best round counts. Memory is the peak of the tensors that
 training allocates, model and optimizer included: `torch.cuda.max_memory_allocated` over the level before
 it on a GPU; on the CPU the peak of torch's tracked allocations over the first two steps (the profiler's
-`profile_memory`, trainer/memory_peak.py; the second step holds whatever the first kept), which is the
+`profile_memory`, trainer/core/memory_peak.py; the second step holds whatever the first kept), which is the
 same in every run, so one run per arm measures it (its own: the profiler's records take memory and time).
 On the CPU the process's peak RSS over its RSS before training is printed too, best and median round: it
 also holds what the allocators keep, which varies by about 10% from run to run (and our arms keep freed
-heap memory for the next step on purpose: trainer/host_memory.py). Printed: ms/step, the
+heap memory for the next step on purpose: trainer/core/host_memory.py). Printed: ms/step, the
 ratio to plain training, and ours/Opacus for time and tensor memory per mode ("mixed", our default,
 against Opacus ghost).
 Time is the median step's wall time and its process CPU time (one thread per arm by default: on a shared
@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).parent))
 from callbacks import Callback  # noqa: E402
 from trainer import Trainer, TrainModule  # noqa: E402
-from trainer.memory_peak import PeakBytes  # noqa: E402
+from trainer.core.memory_peak import PeakBytes  # noqa: E402
 
 TRACKED = 2  # steps of a tracked run (CPU): the second holds whatever the first kept
 STEPS, WARMUP, SEQ, VOCAB, DIM, HIDDEN, CLASSES = 10, 3, 32, 512, 128, 512, 4

@@ -23,9 +23,9 @@ import torch
 
 from callbacks.mfu import peak_flops
 from trainer.config import build_run, load_recipe
+from trainer.core.schedules import LRSchedule, build_scheduler
 from trainer.models.causal_lm import CausalLM
 from trainer.models.llama import Llama
-from trainer.schedules import LRSchedule, build_scheduler
 
 RECIPES = Path(__file__).parents[1] / "recipes"
 STEPS, LOG_EVERY, WARMUP_LR = 30, 10, 5

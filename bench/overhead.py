@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import Interleaved, build_trainer  # noqa: E402
 
 from trainer import TrainModule  # noqa: E402
-from trainer.schedules import LRSchedule, build_scheduler  # noqa: E402
+from trainer.core.schedules import LRSchedule, build_scheduler  # noqa: E402
 
 STEPS, BATCH, ROUNDS, SKIP, WINDOW = 300, 64, 9, 20, 10  # WINDOW: the logging interval of both loops
 

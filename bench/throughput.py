@@ -15,10 +15,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import compare, fit_timed  # noqa: E402
 
 from trainer.config import build_llama_config, load_recipe  # noqa: E402
+from trainer.core.schedules import LRSchedule, build_scheduler  # noqa: E402
 from trainer.data import lm_dataloaders  # noqa: E402
 from trainer.models.causal_lm import CausalLM  # noqa: E402
 from trainer.models.llama import Llama  # noqa: E402
-from trainer.schedules import LRSchedule, build_scheduler  # noqa: E402
 
 RECIPE = load_recipe(Path(__file__).parents[1] / "recipes" / "llama_tiny.yaml")
 CONFIG = build_llama_config(RECIPE["model"])

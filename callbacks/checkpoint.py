@@ -1,7 +1,7 @@
 """ModelCheckpoint: periodic, atomic, validated checkpoints of the whole training state, keeping the best/newest k.
 
 It decides when to save, whether and how to validate, and which checkpoints to keep; the files are the
-Trainer's CheckpointManager's (trainer/checkpoint_manager.py: save, verify, set aside, prune own run only)."""
+Trainer's CheckpointManager's (trainer/checkpoint/manager.py: save, verify, set aside, prune own run only)."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from callbacks.base import Callback
 from strategies.plan.checkpoint_interval import effective_fraction, young_daly_interval
 from trainer import checkpoint as ckpt
 from trainer import flags
-from trainer.dtensors import local_part
-from trainer.logging import log, rank_zero_info
+from trainer.core.dtensors import local_part
+from trainer.core.logging import log, rank_zero_info
+from trainer.core.rng import isolated_rng
 from trainer.module import TrainModule
-from trainer.rng import isolated_rng
 
 if TYPE_CHECKING:
     from trainer.trainer import Trainer
@@ -61,7 +61,7 @@ class ModelCheckpoint(Callback):
     validates every checkpoint. Each save reports its cost: seconds, and % of the time since the previous
     checkpoint.
 
-    A fit owns the folder it writes (trainer/run_folder.py): `dirpath` (default
+    A fit owns the folder it writes (trainer/checkpoint/run_folder.py): `dirpath` (default
     `<default_root_dir>/checkpoints`) while it holds no other run's checkpoints, else a new `dirpath/version_N`,
     named in one line; `dirpath` is the folder in use during a fit. A second live fit into it is refused.
 

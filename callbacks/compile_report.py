@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from callbacks.base import Callback
 from strategies.compile_blocks import compiled_units
-from trainer.logging import rank_zero_info
+from trainer.core.logging import rank_zero_info
 
 if TYPE_CHECKING:
     from trainer.module import TrainModule

@@ -9,7 +9,7 @@ import torch
 
 from callbacks.base import Callback
 from trainer import flags
-from trainer.logging import rank_zero_info
+from trainer.core.logging import rank_zero_info
 
 if TYPE_CHECKING:
     from trainer.module import TrainModule

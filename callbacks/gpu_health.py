@@ -20,7 +20,7 @@ from lightning_utilities.core.imports import RequirementCache
 
 from callbacks.base import Callback
 from trainer import flags
-from trainer.logging import log, rank_zero_info
+from trainer.core.logging import log, rank_zero_info
 
 if TYPE_CHECKING:
     from trainer.module import TrainModule

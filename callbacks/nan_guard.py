@@ -10,7 +10,7 @@ import torch
 
 from callbacks.base import Callback
 from trainer import flags
-from trainer.logging import log
+from trainer.core.logging import log
 
 if TYPE_CHECKING:
     from trainer.module import TrainModule

@@ -3,7 +3,7 @@
 One profiler step is one optimizer step (all its micro-batches, the data fetch before them and the
 batch-end callbacks after). At the end of each active window every rank writes its Chrome/TensorBoard
 trace and reads from the window's events where a step's time went: the loop's `trainer.*` spans (see
-trainer.timing) and the collectives in flight. The trace handler talks to no other rank (each measures
+trainer.core.timing) and the collectives in flight. The trace handler talks to no other rank (each measures
 its own window; the logged numbers are rank zero's); the ranks meet once after it, at the step that ends
 the window, so that the slowest rank's trace writing is not charged to the next step.
 """
@@ -26,7 +26,7 @@ from callbacks.base import Callback
 from callbacks.mfu import peak_flops
 from callbacks.throughput import flops_per_token_of, no_peak_reason, ranks_per_replica
 from trainer import flags
-from trainer.logging import log, rank_zero_info
+from trainer.core.logging import log, rank_zero_info
 
 if TYPE_CHECKING:
     from trainer.module import TrainModule

@@ -10,7 +10,7 @@ import torch
 from callbacks.base import Callback
 from callbacks.mfu import model_flops_per_token, peak_flops
 from trainer import flags
-from trainer.logging import rank_zero_info
+from trainer.core.logging import rank_zero_info
 
 if TYPE_CHECKING:
     from trainer.module import TrainModule

@@ -10,7 +10,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from callbacks.base import Callback
-from trainer.logging import log
+from trainer.core.logging import log
 
 if TYPE_CHECKING:
     from trainer.module import TrainModule

@@ -26,11 +26,11 @@ from strategies.experts import expert_modules, update_expert_biases
 from strategies.parallel_dims import check_group_name
 from strategies.step_skip import DECLARATION, may_return_none
 from trainer import checkpoint as ckpt
+from trainer.core.dtensors import local_part
+from trainer.core.precision import Precision
+from trainer.core.timing import PhaseClock
+from trainer.core.tree import apply_to_tensors
 from trainer.data.distributed import shard_loader
-from trainer.dtensors import local_part
-from trainer.precision import Precision
-from trainer.timing import PhaseClock
-from trainer.tree import apply_to_tensors
 
 
 @dataclass
@@ -77,7 +77,7 @@ class Strategy:
     """How the work of a run is spread over processes and devices (default: one process, one device)."""
 
     name = "base"
-    # phases (see trainer.timing) in which a rank waits for no other rank: its own speed shows there
+    # phases (see trainer.core.timing) in which a rank waits for no other rank: its own speed shows there
     local_phases: tuple[str, ...] = ("data", "forward", "optimizer")
 
     def __init__(self) -> None:

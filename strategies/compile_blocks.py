@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.logging import rank_zero_info
+from trainer.core.logging import rank_zero_info
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 

@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data._utils.collate import default_collate
 
-from trainer.tree import apply_to_tensors
+from trainer.core.tree import apply_to_tensors
 
 _MIX = 0x9E3779B97F4A7C15  # mixes (seed, epoch) into one generator seed
 

@@ -31,8 +31,8 @@ from strategies.dp_data import batch_length, poisson_loader, split_batch
 from strategies.mesh import MeshStrategy
 from strategies.per_sample import CLIPPINGS, MODES, PerSampleGradients
 from trainer import flags
+from trainer.core.logging import rank_zero_info
 from trainer.data.distributed import shard_loader
-from trainer.logging import rank_zero_info
 
 __all__ = ["DPSGDStrategy", "compute_epsilon", "find_noise_multiplier"]  # the accountants, public here too
 

@@ -1,7 +1,7 @@
 """Expert parallelism (TorchTitan's): each rank of an "ep" group holds E/ep of a MoE layer's experts and
 receives, by an all-to-all, the (token, choice) pairs routed to them from every rank of the group.
 
-- `AllToAllDispatcher` is the `MoE.dispatcher` seam (trainer/models/moe_dispatch.py): dispatch sorts
+- `AllToAllDispatcher` is the `MoE.dispatcher` seam (trainer/core/moe_dispatch.py): dispatch sorts
   this rank's kept pairs by global expert id (as `LocalDispatcher`), exchanges the per-expert counts, sends each
   rank the rows of its experts (variable splits, autograd-aware), and regroups what arrives by local
   expert so `compute` sees contiguous rows per local expert; combine is the exact reverse.
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from trainer.models.moe_dispatch import LocalDispatcher, Routing
+from trainer.core.moe_dispatch import LocalDispatcher, Routing
 
 
 def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:

@@ -2,7 +2,7 @@
 `expert_modules()` hook (duck-typed; strategies import no model). Each expert module offers:
 
     experts             its routed experts' weights (a module): sharded by expert parallelism
-    dispatcher          the seam an all-to-all dispatcher replaces (trainer/models/moe_dispatch.py)
+    dispatcher          the seam an all-to-all dispatcher replaces (trainer/core/moe_dispatch.py)
     balancing_load()    the load counted since the last bias update (E,), or None if it is not balanced
     update_bias(load)   DeepSeek-V3's auxiliary-loss-free step from the load summed over ranks
 """

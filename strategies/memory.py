@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.dtensors import local_part
+from trainer.core.dtensors import local_part
 
 
 def local_bytes(tensors: Iterable[torch.Tensor | None]) -> int:

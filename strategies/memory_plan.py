@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from strategies.experts import expert_modules
-from trainer.dtensors import is_dtensor, local_part
+from trainer.core.dtensors import is_dtensor, local_part
 
 if TYPE_CHECKING:
     from strategies.parallel import ParallelStrategy

@@ -1,4 +1,4 @@
-"""MeshStrategy: what every multi-process strategy shares. It joins or starts the job (trainer.launch),
+"""MeshStrategy: what every multi-process strategy shares. It joins or starts the job (trainer.core.launch),
 creates the process group (gloo on the CPU, NCCL on GPUs) and the named groups of the strategy's
 ParallelDims (strategies/parallel_dims.py), and implements the collectives, each over a named group.
 
@@ -27,7 +27,7 @@ from strategies.checkpoint_io import CheckpointIO
 from strategies.checkpoint_io.sharded import ShardedState
 from strategies.parallel_dims import ParallelDims, ParallelMesh
 from trainer import flags
-from trainer.launch import (
+from trainer.core.launch import (
     World,
     destroy_process_group,
     detect_world,
@@ -36,7 +36,7 @@ from trainer.launch import (
     spawn_and_run,
     take_spawned_store,
 )
-from trainer.logging import rank_zero_info, set_rank
+from trainer.core.logging import rank_zero_info, set_rank
 
 IO_FLOOR_BYTES_PER_S = 20e6  # a disk slower than 20 MB/s per rank is broken, not slow
 _TIMEOUT = re.compile(r"timed? ?out|timeout", re.IGNORECASE)

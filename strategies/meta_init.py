@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from trainer.dtensors import is_dtensor
+from trainer.core.dtensors import is_dtensor
 
 _RANDOM_INPLACE = {
     torch.Tensor.normal_,

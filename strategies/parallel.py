@@ -23,8 +23,8 @@ from strategies.parallel_dims import ParallelDims
 from strategies.parallelize import Parallelized, ParallelOptions, parallelize
 from strategies.pipeline import V_SHAPED, check_layers_per_stage
 from strategies.zero1 import SlicedParameters
-from trainer.dtensors import full_value, is_dtensor
-from trainer.tree import apply_to_tensors
+from trainer.core.dtensors import full_value, is_dtensor
+from trainer.core.tree import apply_to_tensors
 
 if TYPE_CHECKING:
     from strategies.pipeline_schedule import Pipeline

@@ -22,7 +22,7 @@ from strategies.context_parallel import ContextParallel
 from strategies.experts import expert_modules
 from strategies.parallel_dims import ParallelMesh
 from strategies.pipeline import SCHEDULES, ZERO_BUBBLE
-from trainer.precision import Precision
+from trainer.core.precision import Precision
 
 DATA_PARALLEL = ("ddp", "zero1", "fsdp")  # replicas, replicas with sliced optimizer state, FSDP2 shards
 

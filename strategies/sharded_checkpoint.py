@@ -1,7 +1,7 @@
 """Sharded checkpoints through torch.distributed.checkpoint (DCP): each rank writes only what it holds
 (FSDP shards, ZeRO-1 optimizer slices, its share of replicated tensors) into its own files under `dcp/`,
 hashed while written, and reads back what its new shards need, whatever world size wrote them.
-Reading goes through trainer/safe_dcp.py, which never runs code from the files.
+Reading goes through trainer/checkpoint/safe_dcp.py, which never runs code from the files.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from strategies.checkpoint_io import checks_frozen_parameters
 from trainer import checkpoint as ckpt
-from trainer import safe_dcp
-from trainer.integrity import HashingFile
+from trainer.checkpoint import safe_dcp
+from trainer.checkpoint.integrity import HashingFile
 
 
 class _HashingFileSystem(FileSystem):

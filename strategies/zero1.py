@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from trainer.checkpoint import CheckpointError
-from trainer.dtensors import local_part
+from trainer.core.dtensors import local_part
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor

@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import LAUNCHER_KEYS, RANK_SLOTS, SEED
 
-from trainer.launch import destroy_process_group
+from trainer.core.launch import destroy_process_group
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -367,7 +367,7 @@ def start_ranks(
 def start_process(cmd: list[str], **popen: Any) -> Process:
     """subprocess.Popen(cmd, **popen), forked from the preloaded interpreter where it runs the same there
     (tests/preloaded.py `spawn`), as are the processes it starts as a launcher (torchrun, `trainer replicas`,
-    trainer/launch.py)."""
+    trainer/core/launch.py)."""
     return preloaded.spawn(cmd, _SESSION_ENV, **popen)
 
 

@@ -127,7 +127,7 @@ def server(env: dict[str, str]) -> Server:
 
 
 class PreloadedProcess:
-    """`cmd` forked from the server at `path`: as much of subprocess.Popen as the tests, trainer/launch.py,
+    """`cmd` forked from the server at `path`: as much of subprocess.Popen as the tests, trainer/core/launch.py,
     `trainer replicas`, torchrun's agent and the benches use (pid, returncode, stdout, stderr, poll, wait,
     communicate, kill, terminate, send_signal); `wait` and `poll` may be called from two threads, as Popen's."""
 
@@ -278,11 +278,11 @@ def _log(cmd: list[str], blockers: list[str]) -> None:
             log.write(f"{list(cmd[1:3])} {'forked' if not blockers else f'fresh: {blockers}'}\n")
 
 
-# the modules that start processes a fork may run: trainer/launch.py's self-spawn and Lightning's (copies of
+# the modules that start processes a fork may run: trainer/core/launch.py's self-spawn and Lightning's (copies of
 # their own command), `trainer replicas` (torchrun per group) and torchrun's agent (its workers); a script
 # that starts its own file again, as the benches start their arms, is one too (see `_launcher`)
 LAUNCHERS = (
-    "trainer.launch",
+    "trainer.core.launch",
     "trainer.fault_tolerance.launch",
     "torch.distributed.elastic.multiprocessing.subprocess_handler.subprocess_handler",
     "lightning_fabric.strategies.launchers.subprocess_script",
@@ -373,7 +373,7 @@ def serve(path: str) -> None:
     for name in PRELOAD:
         importlib.import_module(name)
     # the imports' ~300,000 objects out of the collector's reach: else each fork's full collections (one in
-    # every rank's exit, trainer/launch.py destroy_process_group) walk them all, ~0.3 CPU-s and ~20,000 pages
+    # every rank's exit, trainer/core/launch.py destroy_process_group) walk them all, ~0.3 CPU-s and ~20,000 pages
     # copied per fork; measured in a fork, 0.30 s -> 0.00 s
     gc.collect()
     gc.freeze()

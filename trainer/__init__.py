@@ -2,9 +2,9 @@
 
 from typing import Any
 
+from trainer.core.rng import seed_everything
 from trainer.datamodule import DataModule
 from trainer.module import TrainModule
-from trainer.rng import seed_everything
 
 __all__ = ["DataModule", "TrainModule", "Trainer", "seed_everything"]
 

@@ -11,14 +11,14 @@ import yaml
 
 from callbacks.checkpoint import ModelNotFiniteError
 from trainer.checkpoint import CheckpointError, find_last
+from trainer.checkpoint.export import export_checkpoint, export_llama
+from trainer.checkpoint.run_folder import FolderInUse
 from trainer.commands import doctor, lighthouse, plan, replicas
 from trainer.config import SECTIONS, ConfigError, build_run, load_recipe, memory_lines
-from trainer.export import export_checkpoint, export_llama
-from trainer.logging import configure_console_logging
+from trainer.core.logging import configure_console_logging
 from trainer.models.hf import HFModule
 from trainer.models.hf_adapters import BaseModelMismatch
 from trainer.models.llama import Llama
-from trainer.run_folder import FolderInUse
 
 EPILOG = f"""recipe sections: {", ".join(SECTIONS)}
   model      a Llama preset (tiny, 1b, 8b, 70b) with any LlamaConfig field, or class_path + init_args,

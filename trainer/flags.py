@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from trainer.schedules import SCHEDULES, LRSchedule
+from trainer.core.schedules import SCHEDULES, LRSchedule
 
 
 def check_int(name: str, value: Any, minimum: int, allow_none: bool = False) -> int | None:
@@ -83,7 +83,7 @@ def resolve_devices(value: Any, accelerator: str) -> int:
     `check_device_ids`), -1 = every GPU, or "auto" = what torchrun/SLURM started, else every GPU, else 1
     on the CPU. Lightning's CPU accelerator refuses -1 (a CPU has no device count to take), and so does this."""
     if value == "auto":
-        from trainer.launch import detect_world
+        from trainer.core.launch import detect_world
 
         world = detect_world()
         if world is not None:

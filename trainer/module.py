@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from trainer.logging import console_write, rank_zero_info
-from trainer.metrics import is_torchmetric, metric_items
+from trainer.core.logging import console_write, rank_zero_info
+from trainer.core.metrics import is_torchmetric, metric_items
 
 if TYPE_CHECKING:
     from trainer.loggers import Logger
@@ -246,9 +246,9 @@ class TrainModule(nn.Module):
     ) -> TrainModule:
         """A new `cls` built from the hparams its checkpoint saved (`save_hyperparameters`; `overrides`
         replace them), with the checkpoint's full weights, in this process: whole files and sharded
-        checkpoints of any world size alike, verified and read without unpickling (trainer/checkpoint_weights.py).
+        checkpoints of any world size alike, verified and read without unpickling (trainer/checkpoint/weights.py).
         `map_location`: the device it ends on (default: the CPU); `strict`: every key must match."""
-        from trainer.checkpoint_weights import read_checkpoint
+        from trainer.checkpoint.weights import read_checkpoint
 
         if map_location is not None and not isinstance(map_location, (str, torch.device)):
             raise ValueError(

@@ -1,6 +1,6 @@
 """Trainer: the flags, the entry points (fit / validate / test / predict), read-only views of the run and the
-control methods callbacks use. The loop lives in trainer/fit_loop.py and trainer/eval_loop.py, each
-process's set-up around it in trainer/stages.py; the strategy owns the parallelism."""
+control methods callbacks use. The loop lives in trainer/loop/fit_loop.py and trainer/loop/eval_loop.py, each
+process's set-up around it in trainer/loop/stages.py; the strategy owns the parallelism."""
 
 from __future__ import annotations
 
@@ -18,22 +18,23 @@ from callbacks.compile_report import CompileReport
 from strategies.base import Strategy
 from strategies.compile_blocks import check_compile
 from strategies.registry import build_strategy
-from trainer import entry_checks, eval_loop, flags, stages, step_log
-from trainer.checkpoint_manager import CheckpointManager
+from trainer import flags
+from trainer.checkpoint.manager import CheckpointManager
+from trainer.core.logging import configure_console_logging, rank_zero_info
+from trainer.core.metrics import MetricBuffer
+from trainer.core.precision import Precision
+from trainer.core.rng import seed_everything
+from trainer.core.schedules import LRSchedule
+from trainer.core.timing import PhaseClock
 from trainer.fault_tolerance import FaultTolerance, check_fault_tolerance
-from trainer.fit_loop import FitLoop, effective_training_time
-from trainer.hooks import HookDispatcher
-from trainer.lightning_views import LightningViews
 from trainer.loggers import JSONLLogger, Logger, build_logger
-from trainer.logging import configure_console_logging, rank_zero_info
-from trainer.metrics import MetricBuffer
+from trainer.loop import entry_checks, eval_loop, stages, step_log
+from trainer.loop.fit_loop import FitLoop, effective_training_time
+from trainer.loop.hooks import HookDispatcher
+from trainer.loop.lightning_views import LightningViews
+from trainer.loop.optim_config import SchedulerConfig
+from trainer.loop.state import LoopState
 from trainer.module import TrainModule
-from trainer.optim_config import SchedulerConfig
-from trainer.precision import Precision
-from trainer.rng import seed_everything
-from trainer.schedules import LRSchedule
-from trainer.state import LoopState
-from trainer.timing import PhaseClock
 
 
 class Trainer(LightningViews):
@@ -219,7 +220,7 @@ class Trainer(LightningViews):
 
     @property
     def clock(self) -> PhaseClock:
-        """Seconds per phase (data/forward/backward/optimizer) of this rank's steps; see trainer.timing."""
+        """Seconds per phase (data/forward/backward/optimizer) of this rank's steps; see trainer.core.timing."""
         return self.strategy.clock
 
     # ---- entry points ----------------------------------------------------------------------------
@@ -386,7 +387,7 @@ class Trainer(LightningViews):
 
     @property
     def checkpoint_dir(self) -> Path:
-        """This run's checkpoint folder: the one this fit claimed (trainer/run_folder.py), else the newest
+        """This run's checkpoint folder: the one this fit claimed (trainer/checkpoint/run_folder.py), else the newest
         run's under the ModelCheckpoint's dirpath or `<default_root_dir>/checkpoints` (what "last" reads)."""
         return self.checkpoint_manager.folder
 

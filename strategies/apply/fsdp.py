@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from trainer.dtensors import local_part
+from trainer.core.dtensors import local_part
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import Shard

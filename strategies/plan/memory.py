@@ -13,7 +13,7 @@ The moments (a step's memory peaks at one of them):
   across the step's micro-batches.
 - "optimizer": the backward is done: every gradient, the optimizer state and the step's temporaries.
 On the CPU the optimizer's temporaries are torch's per-tensor AdamW's (two fp32 copies of the largest
-tensor); CUDA's fused AdamW (trainer/fused_optim.py) has none, so there this moment is overestimated.
+tensor); CUDA's fused AdamW (trainer/core/fused_optim.py) has none, so there this moment is overestimated.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from helpers import Regression, checkpoint_steps, quiet, regression_loader
 from callbacks import Callback, ModelCheckpoint
 from trainer import Trainer, TrainModule
 from trainer.checkpoint import CheckpointError, find_last, load_model_file, save_model_file
-from trainer.integrity import hash_file
+from trainer.checkpoint.integrity import hash_file
 
 
 def test_model_checkpoint_keeps_the_newest_k_and_leaves_no_temporary_files(tmp_path):

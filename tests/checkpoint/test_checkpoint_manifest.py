@@ -16,8 +16,8 @@ from helpers import SMALL, TINY, Regression, fit, params, regression_loader
 
 from callbacks import ModelCheckpoint
 from trainer.checkpoint import CheckpointError
+from trainer.checkpoint.integrity import first_mismatch, units
 from trainer.cli import main
-from trainer.integrity import first_mismatch, units
 
 
 def unlist(ckpt: Path, name: str) -> None:

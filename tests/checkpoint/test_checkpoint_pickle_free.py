@@ -25,8 +25,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from trainer import Trainer
 from trainer.checkpoint import CheckpointError
+from trainer.checkpoint.integrity import hash_file
 from trainer.cli import main
-from trainer.integrity import hash_file
 
 # the tiny recipe on 2 DDP ranks, 2 steps: a real sharded (DCP) checkpoint in about 10 s
 DDP = [
@@ -284,7 +284,7 @@ def test_forged_model_byte_item_is_refused_by_validate_and_never_exported(ckpt, 
 @pytest.mark.slow
 def test_a_byte_item_holding_a_plain_tensor_still_loads(sharded, ckpt, tmp_path, capsys):
     # the control for the refusals above: the same rewrite with a tensor is what weights_only allows
-    from trainer.checkpoint_weights import dcp_model_state as _dcp_model_state
+    from trainer.checkpoint.weights import dcp_model_state as _dcp_model_state
 
     forge_byte_item(ckpt, WEIGHT, _dcp_model_state(sharded)[WEIGHT.removeprefix("model.")])
     assert validate(sharded, tmp_path / "legit") == 0

@@ -18,11 +18,11 @@ import pytest
 from helpers import TESTS, Regression, launch_env, quiet, regression_loader, run_ranks
 
 from callbacks import Callback, ModelCheckpoint
-from trainer import Trainer, integrity
+from trainer import Trainer
 from trainer import checkpoint as ckpt
-from trainer.checkpoint import CheckpointError
-from trainer.integrity import hash_file
-from trainer.run_folder import FolderInUse
+from trainer.checkpoint import CheckpointError, integrity
+from trainer.checkpoint.integrity import hash_file
+from trainer.checkpoint.run_folder import FolderInUse
 
 
 def tree(root: Path) -> dict[str, str]:

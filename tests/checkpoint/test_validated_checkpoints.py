@@ -14,7 +14,7 @@ from callbacks import Callback, ModelCheckpoint
 from strategies import SingleDeviceStrategy
 from trainer import Trainer
 from trainer import checkpoint as ckpt
-from trainer.integrity import hash_file
+from trainer.checkpoint.integrity import hash_file
 
 
 def run(root, steps, callbacks=(), ckpt_path=None, strategy="auto", val_loader=None):

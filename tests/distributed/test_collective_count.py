@@ -61,7 +61,7 @@ def per_step(events: list[list]) -> list[tuple[list[list[list]], list[list], boo
 def expected(strategy: str, step: int, skipped: bool) -> Counter:
     """The framework's collectives of optimizer step `step` (1-based), by the function they serve."""
     # Ctrl-C/SIGTERM: the ranks' agreement, started after each step (on the CPU) and read after the next
-    want = Counter({"trainer/stop_signals.py:agreed": 1})
+    want = Counter({"trainer/loop/stop_signals.py:agreed": 1})
     if strategy == "ddp":  # its module can return None: the ranks agree once, before the gradient sync
         want["strategies/base.py:train_step"] += 1
     if not skipped:
@@ -69,9 +69,9 @@ def expected(strategy: str, step: int, skipped: bool) -> Counter:
         if strategy == "fsdp":
             want["strategies/base.py:clip_gradients"] += 1  # the norm over FSDP's gradient shards
         if step % LOG_EVERY == 0:
-            want["trainer/step_log.py:log_train"] += 1  # the logged loss, averaged over the ranks
+            want["trainer/loop/step_log.py:log_train"] += 1  # the logged loss, averaged over the ranks
     if step in TIME_AGREED_AFTER:
-        want["trainer/fit_loop.py:_slowest"] += 1  # max_time: the ranks' slowest clock
+        want["trainer/loop/fit_loop.py:_slowest"] += 1  # max_time: the ranks' slowest clock
     return want
 
 

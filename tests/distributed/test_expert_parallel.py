@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from strategies import Parallel3DStrategy
 from strategies.expert_parallel import AllToAllDispatcher
-from trainer.export import export_checkpoint
+from trainer.checkpoint.export import export_checkpoint
 from trainer.models.causal_lm import CausalLM
 from trainer.models.llama import LlamaConfig
 from trainer.models.moe import GroupedExperts, LocalDispatcher, MoE, MoEConfig

@@ -27,7 +27,7 @@ from test_ddp import single_process
 
 from strategies import FSDPStrategy
 from trainer import Trainer
-from trainer.checkpoint_weights import dcp_model_state as _dcp_model_state
+from trainer.checkpoint.weights import dcp_model_state as _dcp_model_state
 from trainer.models.causal_lm import CausalLM
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,7 @@ from strategies import MeshStrategy, ParallelDims, SingleDeviceStrategy
 from strategies.parallel_dims import GROUP_NAMES
 from trainer import Trainer
 from trainer.config import build_run, load_recipe
-from trainer.precision import Precision
+from trainer.core.precision import Precision
 
 RECIPES = Path(__file__).parents[2] / "recipes"
 

@@ -20,7 +20,7 @@ from transformers import AutoModelForSequenceClassification, BertConfig, BertMod
 from callbacks import ModelCheckpoint
 from trainer import Trainer
 from trainer.checkpoint import MODEL_FILE, find_last
-from trainer.export import export_checkpoint
+from trainer.checkpoint.export import export_checkpoint
 from trainer.models.hf import HFModule
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["query", "value"]}

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from callbacks import ModelCheckpoint
 from trainer import Trainer
 from trainer.checkpoint import MODEL_FILE
-from trainer.export import export_checkpoint
+from trainer.checkpoint.export import export_checkpoint
 from trainer.models.hf import HFModule
 
 

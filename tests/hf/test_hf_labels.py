@@ -25,9 +25,9 @@ from transformers import (
 from callbacks import ModelCheckpoint
 from trainer import Trainer
 from trainer.checkpoint import find_last
+from trainer.checkpoint.export import export_checkpoint
 from trainer.config import build_run, load_recipe
 from trainer.data.hf_data import class_names, hf_dataloaders
-from trainer.export import export_checkpoint
 from trainer.models.hf import HFModule
 
 WORDS = [f"w{i}" for i in range(40)]

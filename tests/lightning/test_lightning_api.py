@@ -311,7 +311,7 @@ def test_lr_monitor_logs_an_epoch_scheduler_per_epoch_and_step_when_asked(tmp_pa
 
 
 def test_seed_everything_workers_gives_each_loader_lightnings_worker_seeding(tmp_path, monkeypatch):
-    from trainer.rng import SEED_WORKERS_ENV, worker_init_function
+    from trainer.core.rng import SEED_WORKERS_ENV, worker_init_function
 
     monkeypatch.setenv(SEED_WORKERS_ENV, "0")  # put back after the test: seed_everything sets it
     seen = []
@@ -350,7 +350,7 @@ def test_seed_everything_workers_gives_each_loader_lightnings_worker_seeding(tmp
 
 
 def test_worker_init_function_seeds_as_lightnings_pl_worker_init_function():
-    from trainer.rng import worker_init_function
+    from trainer.core.rng import worker_init_function
 
     seed_module = pytest.importorskip("lightning_fabric.utilities.seed")
     for worker, rank in ((0, 0), (1, 0), (3, 2)):

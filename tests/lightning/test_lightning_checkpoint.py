@@ -123,7 +123,7 @@ def test_under_ddp_and_fsdp_on_two_processes_the_best_checkpoints_load_into_one_
     ddp = results["trainer"][0]
     best = Path(fsdp["best_model_dir"])
     assert ckpt.read_meta(best)["format"] == "dcp" and len(list((best / "dcp").glob("*.distcp"))) == 2
-    from trainer.checkpoint_weights import read_checkpoint
+    from trainer.checkpoint.weights import read_checkpoint
 
     weights, state = read_checkpoint(best)  # here: one process, no process group
     assert state["hyper_parameters"] == ddp["loaded_hparams"]

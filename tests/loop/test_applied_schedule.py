@@ -1,7 +1,7 @@
 """The learning rate the optimizer actually applies, step by step, under the Trainer's `lr_schedule`.
 
 The expectation is a closed form written here, from the documented definition (not from
-trainer.schedules): optimizer step s (0-based) of a run of T optimizer steps, warmup W, floor ratio r
+trainer.core.schedules): optimizer step s (0-based) of a run of T optimizer steps, warmup W, floor ratio r
 and peak lr P (the lr `configure_optimizers` gave the optimizer) uses P * m(s) with
 
     s < W      m = (s + 1) / W

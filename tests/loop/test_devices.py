@@ -14,9 +14,9 @@ from helpers import Regression, quiet, regression_loader
 from strategies import SingleDeviceStrategy
 from trainer import Trainer
 from trainer.config import build_run, load_recipe
+from trainer.core.precision import Precision
+from trainer.core.tree import apply_to_tensors
 from trainer.flags import device_for
-from trainer.precision import Precision
-from trainer.tree import apply_to_tensors
 
 RECIPES = Path(__file__).parents[2] / "recipes"
 

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from trainer import Trainer
-from trainer.fused_optim import prefer_fused
+from trainer.core.fused_optim import prefer_fused
 
 
 def model() -> nn.Module:

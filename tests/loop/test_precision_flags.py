@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from callbacks import Callback
 from trainer import TrainModule
-from trainer.precision import Precision
+from trainer.core.precision import Precision
 
 
 class RecordsDtype(Regression):

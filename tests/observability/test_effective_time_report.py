@@ -1,5 +1,5 @@
 """The line a finished fit prints about its effective training time: the share of wall-clock time since the
-run started that went into kept steps. trainer/fit_loop.py's clocks (`perf_counter` for steps, `time` for the
+run started that went into kept steps. trainer/loop/fit_loop.py's clocks (`perf_counter` for steps, `time` for the
 run's start) are one fake clock that moves 1 s per training_step and 3 s after each step, so the share is
 exactly 25%."""
 
@@ -32,7 +32,7 @@ class ThreeSecondStalls(Callback):
 
 def test_a_finished_fit_reports_its_effective_training_time(tmp_path, monkeypatch, caplog):
     clock = FakeClock()
-    fake_time(monkeypatch, "trainer.fit_loop", clock, "perf_counter", "time")
+    fake_time(monkeypatch, "trainer.loop.fit_loop", clock, "perf_counter", "time")
     with caplog.at_level(logging.INFO, logger="trainer"):
         fit(
             OneSecondSteps(clock),

@@ -14,7 +14,8 @@ from helpers import StopAt, regression_data
 from torch import nn
 from torch.utils.data import DataLoader
 
-from trainer import Trainer, TrainModule, run_folder
+from trainer import Trainer, TrainModule
+from trainer.checkpoint import run_folder
 from trainer.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
 
 

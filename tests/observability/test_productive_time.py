@@ -1,6 +1,6 @@
 """Productive time: only the seconds of optimizer steps the model kept count.
 
-No wall clock is read: the `time.perf_counter` that trainer/fit_loop.py sees is replaced by a fake clock
+No wall clock is read: the `time.perf_counter` that trainer/loop/fit_loop.py sees is replaced by a fake clock
 that moves only when the test moves it (1 s per training_step call, and large stalls in validation and
 after each step that must never count), so the expected value is exact: kept steps x seconds per step.
 """
@@ -21,10 +21,10 @@ STALL_S = 10.0  # fake seconds after each step (logging, checkpoints): never pro
 
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
-    """trainer/fit_loop.py's `time`, with only perf_counter faked (time.time etc. stay real, and no other
-    module, trainer.timing included, sees the fake)."""
+    """trainer/loop/fit_loop.py's `time`, with only perf_counter faked (time.time etc. stay real, and no other
+    module, trainer.core.timing included, sees the fake)."""
     fake = FakeClock()
-    fake_time(monkeypatch, "trainer.fit_loop", fake, "perf_counter")
+    fake_time(monkeypatch, "trainer.loop.fit_loop", fake, "perf_counter")
     return fake
 
 

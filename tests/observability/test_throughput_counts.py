@@ -56,7 +56,7 @@ BATCHES = {
 @pytest.mark.parametrize("form", list(BATCHES))
 def test_samples_and_tokens_per_second_count_the_token_batch(tmp_path, monkeypatch, form):
     clock = FakeClock()
-    fake_time(monkeypatch, "trainer.step_log", clock, "perf_counter")
+    fake_time(monkeypatch, "trainer.loop.step_log", clock, "perf_counter")
     loader = [BATCHES[form]() for _ in range(3)]
     fit(AnyBatchLM(clock), loader, tmp_path, 3, enable_checkpointing=False)
     assert read_metrics(tmp_path, "train/samples_per_s") == {1: BATCH, 2: BATCH, 3: BATCH}
@@ -65,7 +65,7 @@ def test_samples_and_tokens_per_second_count_the_token_batch(tmp_path, monkeypat
 
 def test_float_features_count_samples_and_no_tokens(tmp_path, monkeypatch):
     clock = FakeClock()
-    fake_time(monkeypatch, "trainer.step_log", clock, "perf_counter")
+    fake_time(monkeypatch, "trainer.loop.step_log", clock, "perf_counter")
     loader = [(torch.randn(BATCH, SEQ + 4), torch.randn(BATCH, 1)) for _ in range(3)]
     fit(AnyBatchLM(clock), loader, tmp_path, 3, enable_checkpointing=False)
     assert read_metrics(tmp_path, "train/samples_per_s") == {1: BATCH, 2: BATCH, 3: BATCH}

@@ -1,6 +1,6 @@
 """Every collective a fit calls from Python, in order, with the micro-batch and optimizer step it falls in:
 `python collective_count_script.py --strategy ddp|fsdp --devices 2 --accumulate 3 --model llama ...`
-(self-spawning). The fit's clock (trainer.fit_loop's `time.time`) is fake: rank r's moves 1 + r seconds
+(self-spawning). The fit's clock (trainer.loop.fit_loop's `time.time`) is fake: rank r's moves 1 + r seconds
 per micro-batch, so `--max-time-s` stops the fit at a step known in advance, decided by rank 1's clock.
 With `--skip-at STEP` rank 1's training_step returns None at the first micro-batch of that step (the
 module's code says `return None`).
@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from dist_common import TIMEOUT_S, parser, train
 
-import trainer.fit_loop
+import trainer.loop.fit_loop
 from callbacks import Callback
 from strategies import DDPStrategy, FSDPStrategy
 from strategies.base import Strategy
@@ -79,17 +79,17 @@ def wrap_collectives() -> None:
         return forward_step(self, module, batch, batch_idx)
 
     Strategy.forward_step = marked
-    done = trainer.fit_loop.FitLoop.done
+    done = trainer.loop.fit_loop.FitLoop.done
 
     def marked_done(self):
         stop = done(self)
         events.append(["done", stop])
         return stop
 
-    trainer.fit_loop.FitLoop.done = marked_done
+    trainer.loop.fit_loop.FitLoop.done = marked_done
     fake = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) if not k.startswith("_")})
     fake.time = lambda: clock.now
-    trainer.fit_loop.time = fake
+    trainer.loop.fit_loop.time = fake
 
 
 class SkipsOnce(CausalLM):

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from callbacks import Callback, ModelCheckpoint  # noqa: E402
 from strategies import Strategy  # noqa: E402
 from trainer import Trainer, TrainModule  # noqa: E402
-from trainer.dtensors import full_value, local_part  # noqa: E402
+from trainer.core.dtensors import full_value, local_part  # noqa: E402
 from trainer.models.causal_lm import CausalLM  # noqa: E402
 
 TIMEOUT_S = 600.0  # the collective timeout of a run that does not probe timeouts (failure_script's --timeout)

@@ -15,7 +15,7 @@ from dist_common import parser, train
 
 from callbacks import Callback, NaNGuard
 from strategies import DDPStrategy, mesh
-from trainer import integrity
+from trainer.checkpoint import integrity
 
 
 class Misbehave(Callback):

@@ -18,7 +18,7 @@ from helpers import quiet, regression_loader  # noqa: E402
 
 from strategies import FSDPStrategy  # noqa: E402
 from trainer import Trainer, TrainModule  # noqa: E402
-from trainer.dtensors import local_part  # noqa: E402
+from trainer.core.dtensors import local_part  # noqa: E402
 
 
 class Blocks(TrainModule):

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from trainer.launch import destroy_process_group
+from trainer.core.launch import destroy_process_group
 
 _parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 _parser.add_argument("framework", choices=["lightning", "trainer"])

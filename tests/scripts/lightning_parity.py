@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import MetricCollection
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 
-from trainer.launch import destroy_process_group
+from trainer.core.launch import destroy_process_group
 
 _parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 _parser.add_argument("framework", choices=["lightning", "trainer"])

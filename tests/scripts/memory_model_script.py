@@ -20,7 +20,7 @@ import torch.distributed as dist
 from callbacks import Callback
 from strategies.registry import build_strategy
 from trainer import Trainer
-from trainer.memory_peak import PeakBytes
+from trainer.core.memory_peak import PeakBytes
 from trainer.models.causal_lm import CausalLM
 from trainer.models.llama import LlamaConfig
 

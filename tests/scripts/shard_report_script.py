@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 from strategies import FSDPStrategy
+from trainer.core.precision import Precision
 from trainer.models.llama import Llama, LlamaConfig
-from trainer.precision import Precision
 
 
 def report(strategy: FSDPStrategy, out: Path) -> None:

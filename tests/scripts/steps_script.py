@@ -17,7 +17,7 @@ from user_steps import FIT, GLOBAL_BATCH, MODULES  # noqa: E402
 
 from strategies import DDPStrategy, FSDPStrategy  # noqa: E402
 from trainer import Trainer  # noqa: E402
-from trainer.dtensors import full_value  # noqa: E402
+from trainer.core.dtensors import full_value  # noqa: E402
 
 
 def strategy(layout: str):

@@ -17,7 +17,7 @@ from helpers import FakeClock, Regression  # noqa: E402
 
 from callbacks import Callback, StragglerDetector, Timer  # noqa: E402
 from strategies import DDPStrategy  # noqa: E402
-from trainer import timing  # noqa: E402
+from trainer.core import timing  # noqa: E402
 
 
 class Sleepy(Regression):

@@ -1,4 +1,4 @@
-"""trainer/host_memory.py: after `keep_freed_memory`, step-like rounds of allocations reuse the pages the
+"""trainer/core/host_memory.py: after `keep_freed_memory`, step-like rounds of allocations reuse the pages the
 round before freed instead of faulting them in again, as they do under glibc's defaults."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import resource
 import pytest
 import torch
 
-from trainer import host_memory
-from trainer.host_memory import keep_freed_memory
+from trainer.core import host_memory
+from trainer.core.host_memory import keep_freed_memory
 
 MIB = 1 << 20
 

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from trainer.schedules import LRSchedule, build_scheduler
+from trainer.core.schedules import LRSchedule, build_scheduler
 
 
 def lrs(schedule: LRSchedule, steps: int, peak: float = 1.0) -> list[float]:

@@ -10,8 +10,8 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from strategies import DDPStrategy
 from trainer import Trainer
+from trainer.core.launch import detect_world, expand_nodelist
 from trainer.data.distributed import shard_loader
-from trainer.launch import detect_world, expand_nodelist
 
 
 def indices(loader) -> list[int]:
@@ -141,7 +141,7 @@ def test_a_strategy_not_yet_given_to_a_trainer_plans_for_one_process_on_one_node
 
 
 def test_other_ranks_print_only_warnings_prefixed_with_their_rank():
-    from trainer.logging import configure_console_logging, log, set_rank
+    from trainer.core.logging import configure_console_logging, log, set_rank
 
     configure_console_logging()
     stream = io.StringIO()

@@ -1,9 +1,9 @@
-"""max_time without a collective per step (trainer/time_limit.py): one process reads its clock every step;
+"""max_time without a collective per step (trainer/loop/time_limit.py): one process reads its clock every step;
 several agree on the slowest clock only at steps the agreements themselves schedule."""
 
 from __future__ import annotations
 
-from trainer.time_limit import MAX_INTERVAL, TimeLimit
+from trainer.loop.time_limit import MAX_INTERVAL, TimeLimit
 
 
 def run(limit: TimeLimit, seconds_per_step: float, steps: int, slowest_factor: float = 1.0):

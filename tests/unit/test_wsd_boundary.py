@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from test_schedules import lrs
 
-from trainer.schedules import LRSchedule
+from trainer.core.schedules import LRSchedule
 
 
 @pytest.mark.parametrize(

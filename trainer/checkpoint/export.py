@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from trainer import checkpoint as ckpt
-from trainer.checkpoint_weights import read_checkpoint
+from trainer.checkpoint.weights import read_checkpoint
 from trainer.models.hf_llama import to_hf_config, to_hf_state_dict
 from trainer.models.llama import Llama, LlamaConfig
 

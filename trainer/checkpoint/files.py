@@ -18,8 +18,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from trainer import integrity
-from trainer.checkpoint_layout import CheckpointError, Entries
+from trainer.checkpoint import integrity
+from trainer.checkpoint.layout import CheckpointError, Entries
 
 _ST_DTYPES = {
     torch.float64: "F64",

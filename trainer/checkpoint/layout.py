@@ -3,7 +3,7 @@
 A checkpoint is a directory `step-00000120/` holding `model.safetensors`, `optimizer.pt`, `state.pt`
 (loop counters, RNG, scheduler, scaler, data position, callback state) and `meta.json`; a sharded one
 holds each rank's own shards under `dcp/` instead of the first two. A directory with that final name and
-a meta.json is complete (trainer/checkpoint_staging.py renames it into place only once written). A
+a meta.json is complete (trainer/checkpoint/staging.py renames it into place only once written). A
 ModelCheckpoint `filename` template names it otherwise (`epoch=3-val_loss=0.12/`); its step is then the
 one its meta.json records. Names starting with "." (being written), `bad-` or `discarded-` (set aside)
 and links (a `last` entry) are never listed as checkpoints.
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from trainer import integrity
+from trainer.checkpoint import integrity
 
 FORMAT_VERSION = 1  # the file layout; manifest entries: block hashes ({...}) or, before, [bytes, sha256]
 

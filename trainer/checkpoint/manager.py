@@ -23,14 +23,13 @@ import torch
 
 from callbacks.checkpoint import ModelCheckpoint
 from trainer import checkpoint as ckpt
-from trainer import run_folder
-from trainer.checkpoint import CheckpointError, step_dir_name
-from trainer.checkpoint_layout import unfinished
-from trainer.checkpoint_weights import read_checkpoint
-from trainer.logging import log, rank_zero_info
+from trainer.checkpoint import CheckpointError, run_folder, step_dir_name
+from trainer.checkpoint.layout import unfinished
+from trainer.checkpoint.weights import read_checkpoint
+from trainer.core.logging import log, rank_zero_info
+from trainer.core.rng import rng_state, set_rng_state
+from trainer.loggers.base import plain
 from trainer.module import not_plain
-from trainer.rng import rng_state, set_rng_state
-from trainer.step_log import plain
 
 if TYPE_CHECKING:
     from trainer.trainer import Trainer
@@ -43,7 +42,7 @@ class CheckpointManager:
         self._trainer = trainer
         self.run_id: str | None = None  # this fit's (a resumed run's own), written into each checkpoint
         self._writer: dict[str, Any] | None = None  # rank zero's host and pid: who writes this run's files
-        self._claimed: Path | None = None  # the folder this fit claimed (trainer/run_folder.py)
+        self._claimed: Path | None = None  # the folder this fit claimed (trainer/checkpoint/run_folder.py)
         self._locks: list[run_folder.FolderLock] = []
         self._said_last = False  # that a `last` that is no link was left alone
 

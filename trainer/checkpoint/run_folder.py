@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainer.core.version_folders import versions
+
 LOCK_FILE = ".lock"
-_VERSION = re.compile(r"^version_(\d+)$")
 # what a run leaves: kept, failed, discarded (a checkpoint a filename template names: any with a meta.json)
 _CHECKPOINT = re.compile(r"^(bad-|discarded-)?step-\d+")
 
@@ -52,16 +53,6 @@ class FolderLock:
             os.unlink(self.folder / LOCK_FILE)
         os.close(self.fd)  # closing the only descriptor releases the flock
         self.fd = -1
-
-
-def versions(base: Path) -> list[tuple[int, Path]]:
-    """(N, folder) of the base (N = 0) and every `version_N` under it, oldest first."""
-    found = [(0, Path(base))]
-    if Path(base).is_dir():
-        found += sorted(
-            (int(m.group(1)), p) for p in Path(base).iterdir() if (m := _VERSION.match(p.name)) and p.is_dir()
-        )
-    return found
 
 
 def newest(base: Path) -> Path:

@@ -2,7 +2,7 @@
 
 A checkpoint is written under a temporary name that carries its owner (`.tmp-step-N-<run id>-<pid>`)
 and renamed into place, so a directory with the final name is always complete; a failed save removes its
-temporary directory, and a fit removes the ones dead writers left in its folder (trainer/run_folder.py
+temporary directory, and a fit removes the ones dead writers left in its folder (trainer/checkpoint/run_folder.py
 keeps one live writer per folder). A checkpoint written by another run is never replaced. A full disk is
 one line naming the bytes needed and free. Checkpoints that failed validation, or that a restore made a
 discarded future, are renamed aside (`bad-step-...`, `discarded-step-...`), never deleted.
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trainer.checkpoint_layout import (
+from trainer.checkpoint.layout import (
     FORMAT_VERSION,
     META_FILE,
     VALIDATED_FILE,

@@ -1,18 +1,8 @@
-"""Checkpoints on disk: verifying one before it is loaded, and the one name space of the checkpoint files.
-
-A checkpoint is a directory `step-00000120/` holding `model.safetensors`, `optimizer.pt`, `state.pt`
-(loop counters, RNG, scheduler, scaler, data position, callback state) and `meta.json`; a sharded one
-holds each rank's own shards under `dcp/` instead of the first two. It is written under a temporary name
-that carries its owner (`.tmp-step-N-<run id>-<pid>`) and renamed into place, so a directory with the
-final name is always complete; a failed save removes its temporary directory, and a fit removes the ones
-dead writers left in its folder (trainer/run_folder.py keeps one live writer per folder). A checkpoint
-written by another run is never replaced. The pieces: checkpoint_layout.py (names, meta.json, listing a
-folder), checkpoint_files.py (hashed safetensors/torch files), checkpoint_staging.py (the write-and-rename
-protocol, setting aside); callers use them all through this module (`from trainer import checkpoint as ckpt`).
+"""Verifying a checkpoint before it is loaded: the one gate every load passes (`problem`, `check_good`).
 
 What loading protects against:
 - corruption (a flipped bit, a truncated, extended or half-copied file, a deleted file): meta.json carries
-  a manifest, the size and block hashes (trainer/integrity.py) of every file, taken while writing; every
+  a manifest, the size and block hashes (trainer/checkpoint/integrity.py) of every file, taken while writing; every
   file is verified before it is loaded. The manifest is the allow-list: a checkpoint holding a file it
   does not list (added, or swapped in from another checkpoint with its entry removed) is refused, naming
   it. A checkpoint without a manifest, or whose manifest lists no file, is refused unless the caller opts
@@ -36,86 +26,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trainer import integrity
-from trainer.checkpoint_files import load_model_file, load_torch_file, save_model_file, save_torch_file
-from trainer.checkpoint_layout import (
-    DCP_DIR,
-    FORMAT_VERSION,
+from trainer.checkpoint import integrity
+from trainer.checkpoint.layout import (
     META_FILE,
-    MODEL_FILE,
-    OPTIMIZER_FILE,
-    STATE_FILE,
     VALIDATED_FILE,
     CheckpointError,
-    Entries,
     completed,
-    find_last,
-    manifest_bytes,
-    meta_for,
-    newer_than,
     read_meta,
     require_exists,
-    run_of,
-    step_dir_name,
     step_of,
-    tensor_bytes,
 )
-from trainer.checkpoint_staging import (
-    clear_stale_staging,
-    dir_bytes,
-    mark_bad,
-    mark_validated,
-    move_aside,
-    no_space,
-    refuse_foreign,
-    save_error,
-    staging_dir,
-    write_atomically,
-)
-
-__all__ = [  # the one name space callers use (`from trainer import checkpoint as ckpt`)
-    "DCP_DIR",
-    "FORMAT_VERSION",
-    "META_FILE",
-    "MODEL_FILE",
-    "OPTIMIZER_FILE",
-    "STATE_FILE",
-    "VALIDATED_FILE",
-    "Agree",
-    "CheckpointError",
-    "Entries",
-    "alone",
-    "check_good",
-    "check_step",
-    "clear_stale_staging",
-    "completed",
-    "dir_bytes",
-    "find_last",
-    "find_last_good",
-    "load_model_file",
-    "load_torch_file",
-    "manifest_bytes",
-    "mark_bad",
-    "mark_validated",
-    "meta_for",
-    "move_aside",
-    "newer_than",
-    "no_space",
-    "problem",
-    "read_meta",
-    "refuse_foreign",
-    "require_exists",
-    "run_of",
-    "save_error",
-    "save_model_file",
-    "save_torch_file",
-    "staging_dir",
-    "step_dir_name",
-    "step_of",
-    "tensor_bytes",
-    "unlisted_files",
-    "write_atomically",
-]
 
 log = logging.getLogger("trainer")
 

@@ -3,7 +3,7 @@
 Whole-file checkpoints hold them in `model.safetensors`; sharded ones (DCP state dict, ZeRO-1) hold each
 rank's shards under `dcp/`, which DCP's reader assembles without a process group, whatever world size wrote
 them. Every read is safe: safetensors, `weights_only` torch files, DCP metadata through an allow-list
-(trainer/safe_dcp.py). What `load_from_checkpoint`, `Trainer.full_state_dict` and `trainer export` read.
+(trainer/checkpoint/safe_dcp.py). What `load_from_checkpoint`, `Trainer.full_state_dict` and `trainer export` read.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def dcp_model_state(ckpt_dir: Path) -> dict[str, torch.Tensor]:
     """The full model tensors of a DCP checkpoint, in one process, whatever world size wrote it."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from trainer import safe_dcp
+    from trainer.checkpoint import safe_dcp
 
     reader = safe_dcp.SafeReader(ckpt_dir)
     entries = reader.read_metadata().state_dict_metadata

@@ -176,8 +176,8 @@ def memory_lines(config: dict[str, Any]) -> str:
     from strategies.plan.model_shape import shape_of
     from strategies.plan.shapes import RunShape
     from strategies.registry import build_strategy
+    from trainer.core.precision import Precision
     from trainer.models.causal_lm import CausalLM
-    from trainer.precision import Precision
 
     trainer_args, strategy_args = config["trainer"], dict(config["strategy"])
     name = strategy_args.pop("name")
@@ -245,7 +245,7 @@ def _planned(config: dict[str, Any]) -> dict[str, Any]:
     "auto" (single for one process, else DDP)."""
     from trainer import flags
     from trainer.config.plan_inputs import auto_layout, local_hardware
-    from trainer.logging import rank_zero_info
+    from trainer.core.logging import rank_zero_info
 
     trainer_args, model = config["trainer"], config["model"]
     world = _processes(trainer_args)

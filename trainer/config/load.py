@@ -75,7 +75,7 @@ def _fit_warmup(trainer: dict[str, Any], recipe_steps: Any, overridden: set[str]
     shortened = "trainer.max_steps" in overridden and "trainer.warmup_steps" not in overridden
     if shortened and isinstance(recipe_steps, int) and warmup < recipe_steps:
         trainer["warmup_steps"] = warmup * steps // recipe_steps
-        from trainer.logging import rank_zero_info
+        from trainer.core.logging import rank_zero_info
 
         rank_zero_info(
             f"trainer.warmup_steps {warmup} -> {trainer['warmup_steps']}: the recipe's {warmup} of "

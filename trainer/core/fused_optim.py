@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch.optim.optimizer import _device_dtype_check_for_fused
 
-from trainer.dtensors import is_dtensor
+from trainer.core.dtensors import is_dtensor
 
 FUSABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 # DTensor has sharding rules for fused Adam and AdamW but not for fused SGD (torch 2.13): an SGD over FSDP's

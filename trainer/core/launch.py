@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.logging import log
+from trainer.core.logging import log
 
 _REPORTED_BY = "_trainer_reported_by"  # attribute on an exception: which rank printed its traceback
 _PIPE_FD = "TRAINER_SPAWN_PIPE_FD"  # a spawned rank's end of the pipe on which it tells rank 0 how it goes
@@ -324,7 +324,7 @@ def _wait_for_arrivals(children: list[_Child]) -> None:
                 raise RuntimeError("; ".join(c.describe(" before reaching the job") for c in ended))
             raise RuntimeError(
                 f"rank(s) {[c.rank for c in pending]} did not reach the job within {JOIN_TIMEOUT_S:g} s of "
-                "being started (JOIN_TIMEOUT_S in trainer.launch)"
+                "being started (JOIN_TIMEOUT_S in trainer.core.launch)"
             )
         select.select(pending, [], [], 0.2)  # woken by a rank's message; the timeout notices a rank's end
 

@@ -1,6 +1,7 @@
 """The dispatch seam of a MoE layer, apart from any model: what a router decided (`Routing`) and the
 dispatcher that keeps every token on this rank (`LocalDispatcher`). An expert-parallel strategy builds
-its all-to-all dispatcher on these without importing a model (trainer/models/moe.py uses them).
+its all-to-all dispatcher on these without importing a model (trainer/models/moe.py uses them). It lives
+in the foundation, below both, because the model and the strategy share it: neither imports the other.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.tree import apply_to_tensors
+from trainer.core.tree import apply_to_tensors
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed", "bf16-true")
 _ALIASES = {"32-true": "32", "fp32": "32", "16": "16-mixed", "bf16": "bf16-mixed"}

@@ -14,6 +14,8 @@ import torch.distributed as dist
 
 from strategies.mesh import MeshStrategy
 from strategies.parallel_dims import ParallelDims
+from trainer.core.launch import detect_world
+from trainer.core.precision import Precision
 from trainer.doctor import hints, measure, nominal
 from trainer.doctor.busbw import check_sizes, parse_size
 from trainer.doctor.groups import (
@@ -28,8 +30,6 @@ from trainer.doctor.groups import (
 from trainer.doctor.report import Findings, NodeReport, rates_file, text_report
 from trainer.doctor.sharded_overhead import sharded_overhead
 from trainer.doctor.topology import NodeProbe, load_nvml
-from trainer.launch import detect_world
-from trainer.precision import Precision
 
 # the smallest size is latency-bound: the planner reads each collective's fixed cost from it
 DEFAULT_SIZES = {"gloo": "4K,64K,1M,8M", "nccl": "64K,1M,16M,128M,1G"}

@@ -30,9 +30,9 @@ import torch.distributed as dist
 
 from strategies.plan.hardware import SHARDED_FIELDS as FIELDS
 from strategies.plan.hardware import SHARDED_KINDS as KINDS
+from trainer.core.dtensors import full_value
+from trainer.core.fused_optim import prefer_fused
 from trainer.doctor.measure import ALL_GATHER, REDUCE_SCATTER, time_call
-from trainer.dtensors import full_value
-from trainer.fused_optim import prefer_fused
 
 VOCAB, HEAD_DIM = 256, 16
 # all-gather + reduce-scatter pairs of a sequence-parallel pass that the step-time model counts: per block,

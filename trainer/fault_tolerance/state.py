@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from trainer.rng import rng_state, set_rng_state
+from trainer.core.rng import rng_state, set_rng_state
 
 if TYPE_CHECKING:
     from trainer.trainer import Trainer

@@ -7,7 +7,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+
+class FolderLocks(Protocol):
+    """The locks that keep a folder to one live fit (trainer/checkpoint/run_folder.py, which the loop passes
+    in with the `LoggerRun`, so that loggers import nothing of the checkpoint code)."""
+
+    LOCK_FILE: str
+    FolderInUse: type[RuntimeError]
+
+    def acquire(self, folder: Path, run_id: str) -> tuple[Any, str | None]:
+        """Take `folder`'s lock: (the lock, with `release()`; a note), or FolderInUse naming the holder."""
+
+    def held_by(self, folder: Path) -> dict[str, Any] | None:
+        """The record of the live fit that holds `folder`'s lock, or None."""
+
+    def describe(self, holder: dict[str, Any] | None) -> str:
+        """A lock record in words, for a one-line error."""
 
 
 @dataclass(frozen=True)
@@ -19,6 +36,8 @@ class LoggerRun:
     root_dir: Path
     run_id: str
     resume_step: int | None
+    # what a versioned logger locks its folder with (the checkpoint folders' own lock, passed in)
+    folder_locks: FolderLocks
     checkpoint_dir: Path | None = None
 
 

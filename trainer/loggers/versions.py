@@ -1,8 +1,9 @@
 """Versioned run folders for loggers, as Lightning's: `<save_dir>/<name>/version_N`, N the next free one,
-or the `version` given (an int N, or a folder name). The ownership rules of trainer/run_folder.py hold
-here too: a live fit locks its folder (a second fit asking for it is refused in one line); a fresh run
-never writes into a folder another run wrote (the next free N; a given version that holds another run's
-logs is refused); a resumed run continues in the folder its run id is recorded in (`.run_id`)."""
+or the `version` given (an int N, or a folder name). The ownership rules of trainer/checkpoint/run_folder.py
+hold here too, with its lock (passed in with the `LoggerRun`, not imported): a live fit locks its folder (a
+second fit asking for it is refused in one line); a fresh run never writes into a folder another run wrote
+(the next free N; a given version that holds another run's logs is refused); a resumed run continues in the
+folder its run id is recorded in (`.run_id`)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from trainer import run_folder
+from trainer.core.logging import log
+from trainer.core.version_folders import versions
 from trainer.loggers.base import Logger, LoggerRun
-from trainer.logging import log
 
 RUN_FILE = ".run_id"  # the run id of the fit that writes the folder: who owns its logs
-_OWN = {RUN_FILE, run_folder.LOCK_FILE}  # what a folder no run has logged into yet may hold
 
 
 class VersionedLogger(Logger):
@@ -33,7 +33,7 @@ class VersionedLogger(Logger):
         self._save_dir = None if save_dir is None else os.fspath(save_dir)
         self._name = name or ""
         self._given = self._version = version
-        self._lock: run_folder.FolderLock | None = None
+        self._lock: Any = None  # the folder's lock while this fit holds it (`release()`)
         self.continues = False
 
     @property
@@ -84,7 +84,7 @@ class VersionedLogger(Logger):
 
     def _claim_next(self, root: Path, run: LoggerRun) -> int:
         """The newest version when this fit resumes the run recorded there, else the next free one."""
-        taken = [n for n, _ in run_folder.versions(root)[1:]]
+        taken = [n for n, _ in versions(root)[1:]]
         if run.resume_step is not None and taken and owner(root / f"version_{taken[-1]}") == run.run_id:
             self._claim_given(root / f"version_{taken[-1]}", run)
             return taken[-1]
@@ -93,10 +93,10 @@ class VersionedLogger(Logger):
             folder = root / f"version_{n}"
             try:
                 self._lock = self._acquire(folder, run)
-            except run_folder.FolderInUse:
+            except run.folder_locks.FolderInUse:
                 n += 1
                 continue
-            if not _logged_in(folder):
+            if not _logged_in(folder, run):
                 return n
             self.release()  # written by a fit that has ended since we looked
             n += 1
@@ -106,7 +106,7 @@ class VersionedLogger(Logger):
         earlier = owner(folder)
         if earlier == run.run_id:
             self.continues = run.resume_step is not None
-        elif _logged_in(folder):
+        elif _logged_in(folder, run):
             self.release()
             raise ValueError(
                 f"{type(self).__name__}(version={self._given!r}): {folder} holds the logs of another run "
@@ -114,12 +114,13 @@ class VersionedLogger(Logger):
                 "or a version no other run has written"
             )
 
-    def _acquire(self, folder: Path, run: LoggerRun) -> run_folder.FolderLock:
+    def _acquire(self, folder: Path, run: LoggerRun) -> Any:
+        locks = run.folder_locks
         try:
-            lock, note = run_folder.acquire(folder, run.run_id)
-        except run_folder.FolderInUse:
-            holder = run_folder.describe(run_folder.held_by(folder))
-            raise run_folder.FolderInUse(
+            lock, note = locks.acquire(folder, run.run_id)
+        except locks.FolderInUse:
+            holder = locks.describe(locks.held_by(folder))
+            raise locks.FolderInUse(
                 f"{type(self).__name__} folder {folder} is in use by {holder}; a second live fit cannot "
                 "write there: allowed: version=None (the next free version_N), or another save_dir or name"
             ) from None
@@ -130,7 +131,7 @@ class VersionedLogger(Logger):
 
 def next_version(root: Path) -> int:
     """One more than the highest `version_N` under `root` (0 when there is none), as Lightning counts."""
-    taken = [n for n, _ in run_folder.versions(root)[1:]]
+    taken = [n for n, _ in versions(root)[1:]]
     return taken[-1] + 1 if taken else 0
 
 
@@ -142,9 +143,10 @@ def owner(folder: Path) -> str | None:
         return None
 
 
-def _logged_in(folder: Path) -> bool:
+def _logged_in(folder: Path, run: LoggerRun) -> bool:
     """Whether a run has written logs into `folder` (anything beyond the lock and the run marker)."""
-    return Path(folder).is_dir() and any(p.name not in _OWN for p in Path(folder).iterdir())
+    own = {RUN_FILE, run.folder_locks.LOCK_FILE}  # what a folder no run has logged into yet may hold
+    return Path(folder).is_dir() and any(p.name not in own for p in Path(folder).iterdir())
 
 
 def _is_count(value: Any) -> bool:

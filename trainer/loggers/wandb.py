@@ -9,8 +9,8 @@ from typing import Any
 
 from lightning_utilities.core.rank_zero import rank_zero_only
 
+from trainer.core.logging import rank_zero_info
 from trainer.loggers.base import Logger, LoggerRun, NoExperiment
-from trainer.logging import rank_zero_info
 
 ID_FILE = "wandb_run_id"  # "<run id> <wandb id>": which wandb run a resumed fit continues
 

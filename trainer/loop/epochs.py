@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from trainer.rng import rng_state, set_rng_state
+from trainer.core.rng import rng_state, set_rng_state
 
 
 class EpochBatches:

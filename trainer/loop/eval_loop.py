@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from strategies.base import unpack_loss
-from trainer import step_log
-from trainer.epochs import EpochBatches
-from trainer.metrics import MetricBuffer, kept_metric_states
+from trainer.core.metrics import MetricBuffer, kept_metric_states
+from trainer.core.rng import isolated_rng
+from trainer.loop import step_log
+from trainer.loop.epochs import EpochBatches
 from trainer.module import TrainModule
-from trainer.rng import isolated_rng
 
 if TYPE_CHECKING:
     from trainer.trainer import Trainer

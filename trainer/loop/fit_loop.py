@@ -14,20 +14,20 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from callbacks.checkpoint import ModelNotFiniteError
-from trainer import eval_loop, step_log
-from trainer.checkpoint_layout import read_meta
-from trainer.dtensors import local_part
-from trainer.epochs import EpochBatches
-from trainer.fused_optim import prefer_fused
-from trainer.logging import rank_zero_info
+from trainer.checkpoint.layout import read_meta
+from trainer.core.dtensors import local_part
+from trainer.core.fused_optim import prefer_fused
+from trainer.core.logging import rank_zero_info
+from trainer.core.schedules import LRSchedule, build_scheduler
+from trainer.loop import eval_loop, step_log
+from trainer.loop.epochs import EpochBatches
+from trainer.loop.optim_config import parse_optimizers
+from trainer.loop.progress import ProgressBar
+from trainer.loop.state import LoopState
+from trainer.loop.step_log import Throughput
+from trainer.loop.stop_signals import NAMES, StoppedBySignal, StopSignals
+from trainer.loop.time_limit import TimeLimit
 from trainer.module import TrainModule
-from trainer.optim_config import parse_optimizers
-from trainer.progress import ProgressBar
-from trainer.schedules import LRSchedule, build_scheduler
-from trainer.state import LoopState
-from trainer.step_log import Throughput
-from trainer.stop_signals import NAMES, StoppedBySignal, StopSignals
-from trainer.time_limit import TimeLimit
 
 if TYPE_CHECKING:
     from trainer.fault_tolerance.replica_group import ReplicaGroup

@@ -12,7 +12,7 @@ from callbacks.checkpoint import ModelCheckpoint
 
 if TYPE_CHECKING:
     from trainer.loggers import Logger
-    from trainer.optim_config import SchedulerConfig
+    from trainer.loop.optim_config import SchedulerConfig
 
 
 class LightningViews:

@@ -11,17 +11,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainer import eval_loop
+from trainer.core.host_memory import keep_freed_memory
+from trainer.core.logging import rank_zero_info, set_rank
+from trainer.core.rng import seed_everything, seeds_workers, worker_init_function
 from trainer.data.loader import pin_for_device
 from trainer.datamodule import call_if_defined, loaders_from
-from trainer.entry_checks import check_not_empty
 from trainer.fault_tolerance.data import replica_loader
 from trainer.fault_tolerance.replica_group import ReplicaGroup
-from trainer.fit_loop import FitLoop
-from trainer.host_memory import keep_freed_memory
-from trainer.logging import rank_zero_info, set_rank
+from trainer.loop import eval_loop
+from trainer.loop.entry_checks import check_not_empty
+from trainer.loop.fit_loop import FitLoop
 from trainer.module import TrainModule, uncalled_lightning_methods
-from trainer.rng import seed_everything, seeds_workers, worker_init_function
 
 if TYPE_CHECKING:
     from trainer.trainer import Trainer

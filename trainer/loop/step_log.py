@@ -1,6 +1,6 @@
 """What a fit tells the loggers and the console: the loggers' start, the step's row, rates, the
 validation line, the start-up line and the effective-training-time line. Functions of the trainer; rank
-zero writes. (`plain` is re-exported here for the checkpoint code that imports it from this module.)"""
+zero writes."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainer import run_folder
+from trainer.checkpoint import run_folder
+from trainer.core.logging import rank_zero_info
 from trainer.loggers.base import LoggerRun, plain
-from trainer.logging import rank_zero_info
-from trainer.progress import fmt
+from trainer.loop.progress import fmt
 
 if TYPE_CHECKING:
     from trainer.module import TrainModule
@@ -62,7 +62,8 @@ def start_loggers(trainer: Trainer, module: TrainModule, resumed: bool) -> None:
         Path(trainer.default_root_dir),
         trainer.run_id,
         trainer.global_step if resumed else None,
-        trainer.checkpoint_manager.claimed,
+        folder_locks=run_folder,
+        checkpoint_dir=trainer.checkpoint_manager.claimed,
     )
     outcome: Any = None
     error: Exception | None = None

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from lightning_utilities.core.rank_zero import rank_zero_only
 
-from trainer.logging import console_write
+from trainer.core.logging import console_write
 
 NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 

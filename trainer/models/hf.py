@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer.core.logging import rank_zero_info
 from trainer.data.hf_data import padding_id
-from trainer.logging import rank_zero_info
 from trainer.models import hf_adapters, hf_dpo, hf_init, hf_metrics
 from trainer.models.hf_packing import packed_inputs
 from trainer.models.hf_tokenizer import load_tokenizer

@@ -1,7 +1,7 @@
 """LoRA adapters kept as adapters: which base model they belong to (a hash of its weight files' bytes and
 of its config; its folder is where to find it again), the refusal to resume them onto another, and PEFT's
 own layout (adapter_config.json + adapter_model.safetensors, what `peft.PeftModel.from_pretrained(base,
-folder)` loads). The weights are hashed with the checkpoints' own XXH3 blocks (trainer.integrity): a copy
+folder)` loads). The weights are hashed with the checkpoints' own XXH3 blocks (trainer.checkpoint.integrity): a copy
 of the base in another folder is the same base, weights rewritten in place are another."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer import integrity
+from trainer.checkpoint import integrity
 
 # config fields that say nothing about the base weights: set per fine-tune or per transformers version
 _NOT_IDENTITY = {

@@ -8,7 +8,7 @@ The forward is four separable stages, so expert parallelism can later put an all
     compute  (GroupedExperts)  SwiGLU of every expert on its contiguous slice of the permuted tokens
     combine  (TokenDispatcher) un-permute, weight by the gates, sum the k choices of each token
 
-`MoE.dispatcher` is the seam (trainer/models/moe_dispatch.py): `LocalDispatcher` keeps every token on this
+`MoE.dispatcher` is the seam (trainer/core/moe_dispatch.py): `LocalDispatcher` keeps every token on this
 rank; an expert-parallel strategy replaces it with one whose `dispatch` also exchanges the permuted tokens
 (and counts) with an all-to-all so each rank receives the tokens of its own experts (the experts' weights
 sharded on dim 0), and whose `combine` sends the results back before un-permuting.
@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.models.moe_dispatch import LocalDispatcher, Routing
+from trainer.core.moe_dispatch import LocalDispatcher, Routing
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 
