@@ -14,6 +14,7 @@ from trainer.checkpoint import CheckpointError, find_last
 from trainer.commands import doctor, lighthouse, plan, replicas
 from trainer.config import SECTIONS, ConfigError, build_run, load_recipe, memory_lines
 from trainer.export import export_checkpoint, export_llama
+from trainer.fault_tolerance.config import NoQuorumError
 from trainer.logging import configure_console_logging
 from trainer.models.hf import HFModule
 from trainer.models.hf_adapters import BaseModelMismatch
@@ -142,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
             if trainer.is_global_zero:
                 print(yaml.safe_dump(metrics, sort_keys=False), end="")
     except (
-        ConfigError, CheckpointError, FileNotFoundError, FolderInUse, ModelNotFiniteError, BaseModelMismatch
+        ConfigError, CheckpointError, FileNotFoundError, FolderInUse, ModelNotFiniteError, BaseModelMismatch,
+        NoQuorumError,
     ) as err:  # fmt: skip
         print(f"trainer: error: {err}", file=sys.stderr)
         return 2
