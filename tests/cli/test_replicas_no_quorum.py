@@ -77,7 +77,7 @@ def test_a_groups_reason_is_its_cli_error_or_its_last_exception_never_torchruns_
              "Traceback (most recent call last):", '  File "y.py", line 2', "    raise NoQuorumError(",
              f"trainer.fault_tolerance.config.NoQuorumError: {NO_QUORUM} h:1"]  # fmt: skip
     for line in [*chain, *torchrun]:
-        script.see(line)
+        script.see(f"[rank0]: {line}" if line in chain else line)  # each line of a worker's error tagged
     assert script.line == f"NoQuorumError: {NO_QUORUM} h:1"
     quiet = LastError()  # killed: nothing of its own to report
     for line in torchrun:

@@ -151,6 +151,7 @@ class LastError:
 
     def see(self, line: str) -> None:
         """Read the next line of the group's stderr."""
+        line = re.sub(r"^\[rank\d+\]: ", "", line)  # torchrun's tag on a worker's uncaught error
         if line.startswith("Traceback (most recent call last):"):
             self._in_traceback = True
         elif line.startswith(CLI_ERROR):
