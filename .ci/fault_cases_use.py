@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from fault_cases_ckpt import (
+    DDP,
     RECIPES,
     RUN,
     SMALL,
@@ -45,18 +46,30 @@ def stop_checkpoint(folder: Path, last: str) -> str | None:
     return None
 
 
-def cli_signal(sig: int, again: bool = False) -> Callable[[Path], Command]:
+LONG = ["trainer.max_steps=5000", "trainer.val_check_interval=1000", "trainer.log_every_n_steps=1"]
+SFT_RUN = ["model.hf=new:base", f"data.path={RECIPES / 'data' / 'sft_tiny.jsonl'}", "data.batch_size=4",
+           "trainer.limit_val_batches=1", "trainer.default_root_dir=run", *LONG]  # fmt: skip
+AT_STEP_3 = ("run/logs/metrics.jsonl", r'"step": 3\b')  # the run has logged step 3
+
+
+def cli_signal(sig: int, again: bool = False, recipe: str = TINY, overrides=(*RUN[:-1], *LONG)) -> Callable[[Path], Command]:  # fmt: skip
     """A long CLI fit (the recipe's checkpoint every 100 steps) sent `sig` once its metrics log has step 3
     (`again`: a second one once it says it is stopping)."""
 
     def prepare(folder: Path) -> Command:
-        argv = ["fit", TINY, *RUN[:-1], "trainer.max_steps=5000", "trainer.val_check_interval=1000",
-                "trainer.log_every_n_steps=1"]  # fmt: skip
-        signals = [("run/logs/metrics.jsonl", r'"step": 3\b', sig)]
-        signals += [("output", r"finishing the step in flight", sig)] * again
-        return Command([TRAINER, *argv], signals=tuple(signals))
+        signals = [(*AT_STEP_3, sig)] + [("output", r"finishing the step in flight", sig)] * again
+        return Command([TRAINER, "fit", recipe, *overrides], timeout=180, signals=tuple(signals))
 
     return prepare
+
+
+def killed_then_resumed(folder: Path) -> Command:
+    """A fit (checkpoints every 2 steps) killed with SIGKILL once it logged step 3, then resumed to 8."""
+    argv = ["fit", TINY, *RUN, "trainer.max_steps=5000", "trainer.log_every_n_steps=1"]
+    killed = run_command(Command([TRAINER, *argv], signals=((*AT_STEP_3, signal.SIGKILL),)), folder, fixtures().env(folder))  # fmt: skip
+    if killed.rc != -signal.SIGKILL:
+        raise RuntimeError(f"the fit to kill exited {killed.rc}: {last_line(killed)}")
+    return trainer_cmd("fit", TINY, *RUN, "trainer.max_steps=8", "--ckpt-path", "last")
 
 
 Edit = Callable[[Path], None]
@@ -101,6 +114,13 @@ def signal_cases() -> list[Case]:
              stopped, 143, stop_checkpoint),
         Case("cli-ctrl-c-twice", "a second Ctrl-C while it stops", cli_signal(signal.SIGINT, again=True), "signal",
              r"Ctrl-C|interrupt", 130),
+        Case("ddp-ctrl-c", "Ctrl-C to 2 DDP ranks once step 3 is logged",
+             cli_signal(signal.SIGINT, overrides=(*RUN[:-1], *DDP, *LONG)), "signal", stopped, 130, stop_checkpoint),
+        Case("hf-sft-sigterm", "SIGTERM to the HF SFT recipe once step 3 is logged",
+             cli_signal(signal.SIGTERM, recipe=str(RECIPES / "hf_sft_llama_tiny.yaml"), overrides=SFT_RUN),
+             "signal", stopped, 143, stop_checkpoint),
+        Case("cli-sigkill-then-resume", "SIGKILL once step 3 is logged, then fit --ckpt-path last to 8",
+             killed_then_resumed, "ok", check=step_at_least(8)),
         Case("api-sigint", "os.kill(SIGINT) in step 3", script("--max-steps", "50", "--signal-at", "3"),
              "signal", stopped, 130, stop_checkpoint, api=True),
         Case("api-sigterm", "os.kill(SIGTERM) in step 3",
@@ -279,6 +299,7 @@ def config_cases() -> list[Case]:
         argv_case("replicas-groups-0", ["replicas", "--groups", "0", TINY], "refuse", "--groups"),
         argv_case("replicas-bad-quorum-timeout", [*ft, "fault_tolerance.quorum_timeout_s=abc"], "refuse",
                   "quorum_timeout_s"),
+        argv_case("replicas-quorum-timeout-15", [*ft, "fault_tolerance.quorum_timeout_s=15"], "ok", timeout=180),
         argv_case("replicas-huge-timeout", [*ft, "fault_tolerance.timeout_s=1e12"], "refuse", "timeout_s"),
     ]  # fmt: skip
 

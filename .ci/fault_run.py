@@ -23,7 +23,7 @@ NO_DAC = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--"]  
 LAUNCHER_KEYS = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                  "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_JOB_ID"}  # fmt: skip
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
-PROGRESS = re.compile(r"^[\w/ ]+:\s+\d+%\|")  # a tqdm bar's redraw: "train:  50%|#####     | 3/6 ..."
+PROGRESS = re.compile(r"^(\[[^]]+\] )?[\w/ ]+:\s+\d+%\|")  # a tqdm bar's redraw: "train:  50%|###   | 3/6"
 
 
 @dataclass
@@ -55,7 +55,7 @@ class Case:
     code: int | None = None  # the exit code a signal case needs
     check: Check | None = None
     api: bool = False  # the user's script: Python prints its own traceback of an uncaught exception
-    owned: tuple[str, ...] = ("run/logs/", "run/export/", "out/")  # what the run writes as its own output
+    owned: tuple[str, ...] = ("run/logs/", "run/export/", "out/", "run/checkpoints/.lock")  # the run's own
 
 
 @dataclass
@@ -92,6 +92,9 @@ def preexec(cmd: Command) -> Callable[[], None]:
     def setup() -> None:
         import resource
 
+        signal.signal(
+            signal.SIGINT, signal.SIG_DFL
+        )  # as a terminal's job: a shell's `&` would leave it ignored
         if cmd.fsize is not None:
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of a core dump
             resource.setrlimit(resource.RLIMIT_FSIZE, (cmd.fsize, cmd.fsize))
@@ -150,8 +153,9 @@ def text(chunks: list[bytes]) -> str:
 
 
 def lines(output: str) -> list[str]:
-    """The lines a terminal shows, but the progress bar's redraws (\\r)."""
-    return [s.strip() for s in re.split(r"[\r\n]", output) if s.strip() and not PROGRESS.match(s.strip())]
+    """The lines a terminal shows, but the progress bar's redraws (\\r) and bare "[replica I]" prefixes."""
+    shown = [s.strip() for s in re.split(r"[\r\n]", output)]
+    return [s for s in shown if s and not PROGRESS.match(s) and not re.fullmatch(r"\[[^]]+\]", s)]
 
 
 def last_line(result: Result) -> str:
