@@ -24,8 +24,9 @@ TINY, SFT = str(RECIPES / "llama_tiny.yaml"), str(RECIPES / "hf_sft_llama_tiny.y
 SMALL = ["model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "data.seq_len=64"]
 EVERY_2 = "callbacks=[{class_path: callbacks.ModelCheckpoint, init_args: {every_n_steps: 2, save_top_k: -1}}]"
 TOP_2 = EVERY_2.replace("save_top_k: -1", "save_top_k: 2")
-RUN = [*SMALL, "data.batch_size=4", "trainer.val_check_interval=2", "trainer.limit_val_batches=2",
-       "trainer.warmup_steps=1", "trainer.val_at_start=false", "trainer.default_root_dir=run", EVERY_2]  # fmt: skip
+PLAIN = [*SMALL, "data.batch_size=4", "trainer.val_check_interval=2", "trainer.limit_val_batches=2",
+         "trainer.warmup_steps=1", "trainer.val_at_start=false", "trainer.default_root_dir=run"]  # fmt: skip
+RUN = [*PLAIN, EVERY_2]  # the recipe's checkpoints every 100 steps become every 2, all kept
 DDP = ["strategy.name=ddp", "trainer.devices=2", "data.global_batch_size=8"]
 LORA = [*"model.hf=new:base data.batch_size=4 trainer.val_check_interval=2 trainer.limit_val_batches=1".split(),
         "model.lora={r: 4, target_modules: [q_proj, v_proj]}", f"data.path={RECIPES / 'data' / 'sft_tiny.jsonl'}",

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from fault_cases_ckpt import (
     DDP,
+    PLAIN,
     RECIPES,
     RUN,
     SMALL,
@@ -52,7 +53,9 @@ SFT_RUN = ["model.hf=new:base", f"data.path={RECIPES / 'data' / 'sft_tiny.jsonl'
 AT_STEP_3 = ("run/logs/metrics.jsonl", r'"step": 3\b')  # the run has logged step 3
 
 
-def cli_signal(sig: int, again: bool = False, recipe: str = TINY, overrides=(*RUN[:-1], *LONG)) -> Callable[[Path], Command]:  # fmt: skip
+def cli_signal(
+    sig: int, again: bool = False, recipe: str = TINY, overrides: tuple[str, ...] = (*PLAIN, *LONG)
+) -> Callable[[Path], Command]:
     """A long CLI fit (the recipe's checkpoint every 100 steps) sent `sig` once its metrics log has step 3
     (`again`: a second one once it says it is stopping)."""
 
@@ -66,7 +69,8 @@ def cli_signal(sig: int, again: bool = False, recipe: str = TINY, overrides=(*RU
 def killed_then_resumed(folder: Path) -> Command:
     """A fit (checkpoints every 2 steps) killed with SIGKILL once it logged step 3, then resumed to 8."""
     argv = ["fit", TINY, *RUN, "trainer.max_steps=5000", "trainer.log_every_n_steps=1"]
-    killed = run_command(Command([TRAINER, *argv], signals=((*AT_STEP_3, signal.SIGKILL),)), folder, fixtures().env(folder))  # fmt: skip
+    kill = Command([TRAINER, *argv], signals=((*AT_STEP_3, signal.SIGKILL),))
+    killed = run_command(kill, folder, fixtures().env(folder))
     if killed.rc != -signal.SIGKILL:
         raise RuntimeError(f"the fit to kill exited {killed.rc}: {last_line(killed)}")
     return trainer_cmd("fit", TINY, *RUN, "trainer.max_steps=8", "--ckpt-path", "last")
@@ -115,7 +119,7 @@ def signal_cases() -> list[Case]:
         Case("cli-ctrl-c-twice", "a second Ctrl-C while it stops", cli_signal(signal.SIGINT, again=True), "signal",
              r"Ctrl-C|interrupt", 130),
         Case("ddp-ctrl-c", "Ctrl-C to 2 DDP ranks once step 3 is logged",
-             cli_signal(signal.SIGINT, overrides=(*RUN[:-1], *DDP, *LONG)), "signal", stopped, 130, stop_checkpoint),
+             cli_signal(signal.SIGINT, overrides=(*PLAIN, *DDP, *LONG)), "signal", stopped, 130, stop_checkpoint),
         Case("hf-sft-sigterm", "SIGTERM to the HF SFT recipe once step 3 is logged",
              cli_signal(signal.SIGTERM, recipe=str(RECIPES / "hf_sft_llama_tiny.yaml"), overrides=SFT_RUN),
              "signal", stopped, 143, stop_checkpoint),
