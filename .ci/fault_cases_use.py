@@ -229,6 +229,11 @@ def bad_json_lines(folder: Path) -> str:
     return "text.jsonl"
 
 
+def no_text_field(folder: Path) -> str:
+    (folder / "text.jsonl").write_text('{"text": "hello there"}\n{"body": "no text field"}\n')
+    return "text.jsonl"
+
+
 def without(key: str) -> Callable[[dict], dict]:
     return lambda row: {k: v for k, v in row.items() if k != key}
 
@@ -242,6 +247,7 @@ def data_cases() -> list[Case]:
         lm_data_case("data-empty-txt", files(empty_txt=b""), r"empty\.txt|data"),
         lm_data_case("data-missing-path", lambda f: "no/such/data", r"no/such/data"),
         lm_data_case("data-non-json-line", bad_json_lines, r"text\.jsonl:2"),
+        lm_data_case("data-jsonl-without-text", no_text_field, r"text\.jsonl:2"),
         hf_case("dpo-non-json-line", dpo, {5: '{"prompt": "x", "chosen": '}),
         hf_case("dpo-missing-rejected", dpo, {5: without("rejected")}),
         hf_case("dpo-chosen-number", dpo, {9: lambda r: {**r, "chosen": 123}}),
@@ -288,6 +294,10 @@ def config_cases() -> list[Case]:
         recipe_file("cfg-recipe-not-yaml", "model: [unclosed\n  dim: 3\n"),
         recipe_file("cfg-recipe-a-list", "- 1\n- 2\n"),
         argv_case("cfg-ckpt-path-missing", [*fit, "--ckpt-path", "no/such/ckpt"], "refuse", r"no/such/ckpt"),
+        argv_case("cfg-tokenizer-missing", [*fit, "data.tokenizer=no/such/tokenizer"], "refuse", "no/such/tokenizer"),
+        argv_case("cfg-hf-model-missing", ["fit", str(RECIPES / "hf_sft_llama_tiny.yaml"), "model.hf=no/such/model"],
+                  "refuse", "no/such/model"),
+        argv_case("memory-70b", ["memory", str(RECIPES / "llama_70b.yaml")], "ok"),
         argv_case("cli-version", ["--version"], "ok"),
         argv_case("doctor-devices-0", ["doctor", "--devices", "0"], "refuse", "--devices"),
         argv_case("doctor-devices-negative", ["doctor", "--devices", "-2"], "refuse", "--devices"),
