@@ -210,7 +210,10 @@ class MeshStrategy(Strategy):
         try:
             return function(*args)
         except Exception as err:
-            if self._store is None or not _TIMEOUT.search(str(err)):
+            # torch's own collective errors only: an error of ours that names a timeout setting (fault
+            # tolerance's no-quorum line says quorum_timeout_s) already says what happened
+            torchs = isinstance(err, dist.DistError) or type(err) is RuntimeError
+            if self._store is None or not torchs or not _TIMEOUT.search(str(err)):
                 _record_for_torchelastic(err)
                 raise
             report = RuntimeError(self._timeout_report(err))

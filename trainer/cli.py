@@ -16,6 +16,7 @@ from trainer.checkpoint.run_folder import FolderInUse
 from trainer.commands import doctor, lighthouse, plan, replicas
 from trainer.config import SECTIONS, ConfigError, build_run, load_recipe, memory_lines
 from trainer.core.logging import configure_console_logging
+from trainer.fault_tolerance.config import NoQuorumError
 from trainer.models.hf import HFModule
 from trainer.models.hf_adapters import BaseModelMismatch
 from trainer.models.llama import Llama
@@ -142,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
             if trainer.is_global_zero:
                 print(yaml.safe_dump(metrics, sort_keys=False), end="")
     except (
-        ConfigError, CheckpointError, FileNotFoundError, FolderInUse, ModelNotFiniteError, BaseModelMismatch
+        ConfigError, CheckpointError, FileNotFoundError, FolderInUse, ModelNotFiniteError, BaseModelMismatch,
+        NoQuorumError,
     ) as err:  # fmt: skip
         print(f"trainer: error: {err}", file=sys.stderr)
         return 2

@@ -126,7 +126,7 @@ def test_a_non_finite_fit_without_a_checkpoint_callback_fails_in_one_line(tmp_pa
             Diverges(optimizer="sgd"), regression_loader()
         )
     assert str(err.value) == (
-        "the fit ended with non-finite parameters (the loss was first non-finite at step 2); nothing it "
+        "the fit ended with non-finite parameters (the loss was first non-finite in step 3); nothing it "
         "trained since is usable"
     )
 
@@ -166,7 +166,7 @@ def test_a_fit_whose_last_loss_is_not_finite_fails_even_when_a_guard_kept_the_we
         )
     assert all(torch.isfinite(p).all() for p in module.parameters())  # NaNGuard skipped the update
     assert str(err.value).startswith(
-        "the fit ended with a non-finite loss at its last step (the loss was first non-finite at step 4)"
+        "the fit ended with a non-finite loss at its last step (the loss was first non-finite in step 5)"
     )
 
 

@@ -380,3 +380,12 @@ def test_resume_says_which_checkpoints_it_skipped_and_that_it_starts_fresh_when_
         said,
     ), said
     assert trainer.global_step == 2 and trainer.state.restarts == 0  # trained from step 0
+
+
+def test_validate_from_last_says_it_loads_the_checkpoint_not_that_it_resumes(tmp_path, caplog):
+    run(tmp_path, 4, [ModelCheckpoint(every_n_steps=2)])
+    trainer = Trainer(default_root_dir=tmp_path, **quiet())
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        trainer.validate(Regression(), regression_loader(), ckpt_path="last")
+    lines = [r.message for r in caplog.records if "step-00000004: step 4, saved" in r.message]
+    assert len(lines) == 1 and lines[0].startswith("loading from "), lines

@@ -67,3 +67,23 @@ def test_recipe_section_resolves_to_the_flag_and_names_bad_keys():
         ConfigError, match="fault_tolerance: FaultTolerance min_replicas=3 exceeds replicas=2"
     ):
         resolve({"fault_tolerance": {**section, "min_replicas": 3}})
+
+
+def test_a_no_quorum_error_in_a_group_of_several_processes_keeps_its_own_line():
+    # a MeshStrategy with a store (a group of 2+ processes) turns torch's collective timeouts into a line
+    # naming the silent ranks; fault tolerance's no-quorum error names quorum_timeout_s and is no such timeout
+    from strategies import DDPStrategy
+    from trainer.fault_tolerance.config import NoQuorumError
+
+    strategy = DDPStrategy()
+    strategy._store = object()
+    error = NoQuorumError(
+        "fault tolerance: no quorum of min_replicas=2 replica group(s) within quorum_timeout_s=2"
+    )
+
+    def fails():
+        raise error
+
+    with pytest.raises(NoQuorumError) as raised:
+        strategy._run_and_report(fails)
+    assert raised.value is error

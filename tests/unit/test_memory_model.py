@@ -13,7 +13,7 @@ from memory_model_script import MODELS, measure
 from strategies.plan.memory import per_rank_memory, per_stage_memory
 from strategies.plan.model_shape import shape_of
 from strategies.plan.shapes import Layout, ModelShape, RunShape
-from strategies.plan.tensors import block_unit, root_unit
+from strategies.plan.tensors import block_checkpointed_bytes, block_saved_bytes, block_unit, root_unit
 from trainer.models.llama import Llama, LlamaConfig
 
 MICRO_BATCH, SEQ_LEN = 4, 64
@@ -98,3 +98,28 @@ def test_bad_input_is_refused_in_one_line():
         per_rank_memory(shape, Layout(pp_schedule="zb"), RUN)
     with pytest.raises(ValueError, match=r"pp_microbatches=3 does not divide micro_batch=4"):
         per_rank_memory(shape, Layout(pp=2, pp_microbatches=3), RUN)
+
+
+@pytest.mark.parametrize("ac", ["none", "selective", "full"])
+def test_sequence_parallel_divides_by_tp_exactly_what_runs_on_sequence_shards(ac):
+    # tp=4 over one micro-batch of 2 x 128 tokens, one stage: with sequence parallelism the norms run on a
+    # quarter of the sequence. Sharded per block: both norms' fp32 input and normalised value (4 x dim per
+    # token) without checkpointing, the fp32 block input (1 x dim) when checkpointed; at the last stage the
+    # final norm's input and normalised value (2 x dim). Everything else (q/k/v, SwiGLU, the loss) is the same.
+    tp, tokens = 4, RUN.micro_batch * RUN.seq_len
+    shape = ModelShape(vocab_size=1024, dim=256, n_layers=6, n_heads=8, n_kv_heads=4, ffn_dim=768)
+    off, on = (
+        Layout(tp=tp, sequence_parallel=sp, activation_checkpointing=ac, precision="bf16")
+        for sp in (False, True)
+    )
+    sharded_per_block = {"none": 4, "selective": 1, "full": 1}[ac] * shape.dim * 4  # bytes a token
+    saved = block_saved_bytes if ac == "none" else block_checkpointed_bytes
+    assert (
+        saved(shape, off, 0, tokens) - saved(shape, on, 0, tokens)
+        == tokens * sharded_per_block * (tp - 1) / tp
+    )
+    if ac == "full":  # nothing but the block's input is kept: all of it is sharded
+        assert saved(shape, off, 0, tokens) == tp * saved(shape, on, 0, tokens)
+    sharded = tokens * (shape.n_layers * sharded_per_block + 2 * shape.dim * 4)
+    whole = per_rank_memory(shape, off, RUN).activations
+    assert whole - per_rank_memory(shape, on, RUN).activations == sharded * (tp - 1) / tp

@@ -369,3 +369,30 @@ def test_a_gpu_hides_the_shardings_host_time_together_behind_its_kernels():
     waits = step_time(SMALL, both, run, gpu).exposed_s
     assert waits["tp host"] + waits["fsdp host"] == pytest.approx(0.2 * compute)
     assert waits["tp host"] == pytest.approx(waits["fsdp host"])
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved_1f1b", 2)])
+def test_the_bubble_share_of_a_shared_host_runs_alone_one_v_th_as_long_interleaved(schedule, v):
+    # 2 stages, 2 micro-batches: the bubble is (p-1)/(v m) of a stage's work, 1/2 in 1F1B and 1/4 with two
+    # stages per rank interleaved; during it the rank has the host to itself, the rest runs at 0.8 of alone
+    p, m = 2, 2
+    hw = measured_hardware(hockney_rates(0.0, 1e6, matmul_together_tflops=0.08), 4e9)
+    run = RunShape(micro_batch=m, seq_len=128)
+    layout = Layout(pp=p, pp_schedule=schedule, pp_microbatches=m, precision="fp32")
+    t = step_time(SMALL, layout, run, hw)
+    alone = run.micro_batch * run.seq_len * flops_per_token(SMALL, 128) / p / 0.1e12
+    bubble = (p - 1) / (v * m)
+    assert t.compute_s == pytest.approx(alone * bubble + alone * (1 - bubble) / 0.8)
+    assert t.exposed_s["pp bubble"] == pytest.approx(alone * bubble)
+
+
+def test_sequence_parallel_sends_a_tp_th_of_the_activations_between_stages():
+    # 2 stages of tp=2, 2 micro-batches of one 128-token sequence: each crossing moves that micro-batch's
+    # activations (bf16) forward and their gradient back; sequence parallelism leaves each tp rank its
+    # shard of the sequence to send
+    tp, run = 2, RunShape(micro_batch=2, seq_len=128)
+    activations = 1 * 128 * SMALL.dim * 2
+    for sp, sent in ((False, activations), (True, activations / tp)):
+        t = step_time(SMALL, Layout(tp=tp, pp=2, pp_microbatches=2, sequence_parallel=sp), run, hardware())
+        # a send of s bytes costs a 2-rank all-gather of 2s: (2-1)/2 x 2s at 100 GB/s; twice per micro-batch
+        assert t.comm_s["pp p2p"] == pytest.approx(2 * 2 * sent / (100.0 * GB)), sp

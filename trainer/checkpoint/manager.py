@@ -329,10 +329,10 @@ class CheckpointManager:
         """The module's weights (for validate/test/predict) out of the checkpoint `ckpt_path` names."""
         trainer = self._trainer
         return self._load(
-            ckpt_path, lambda path: trainer.strategy.load_checkpoint(path, trainer.module, None)
+            ckpt_path, lambda path: trainer.strategy.load_checkpoint(path, trainer.module, None), "loading"
         )
 
-    def _load(self, ckpt_path: Any, load: Callable[[Path], Any]) -> Path | None:
+    def _load(self, ckpt_path: Any, load: Callable[[Path], Any], verb: str = "resuming") -> Path | None:
         """Verify (every rank hashes its share) and `load(path)` the checkpoint `ckpt_path` names; "last" is
         the newest good one of this run's folder, falling back past any that fails to load, each named."""
         if ckpt_path is None:
@@ -372,7 +372,7 @@ class CheckpointManager:
             saved = (
                 time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(meta["time"])) if "time" in meta else "?"
             )
-            line = f"resuming from {found}: step {meta['step']}, saved {saved}"
+            line = f"{verb} from {found}: step {meta['step']}, saved {saved}"
         if not refused:
             rank_zero_info(line)
         elif trainer.is_global_zero:  # what was refused, and why, is worth a warning

@@ -104,6 +104,11 @@ class FaultTolerance:
         return f"replica_{self.replica_id}"
 
 
+class NoQuorumError(RuntimeError):
+    """Fewer than `min_replicas` replica groups were alive for longer than `quorum_timeout_s`: the fit ends
+    with this one line (the CLI prints it without a traceback)."""
+
+
 def _host_port(name: str, value: object) -> None:
     text = value.removeprefix("http://") if isinstance(value, str) else ""
     host, sep, port = text.rpartition(":")

@@ -86,6 +86,7 @@ def run_replica_groups(
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     copiers: list[threading.Thread] = []
+    errors = [LastError() for _ in range(launch.groups)]
     try:
         for replica in range(launch.groups):
             if stopped:
@@ -94,10 +95,10 @@ def run_replica_groups(
             proc = subprocess.Popen(launch.torchrun(entry(replica, lighthouse)), env=launch.group_env(lighthouse, replica),
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
             procs.append(proc)
-            for pipe, sink in ((proc.stdout, out), (proc.stderr, err)):
+            for pipe, sink, seen in ((proc.stdout, out, None), (proc.stderr, err, errors[replica])):
                 copiers.append(
                     threading.Thread(
-                        target=_prefixed, args=(pipe, sink, f"[replica {replica}] "), daemon=True
+                        target=_prefixed, args=(pipe, sink, f"[replica {replica}] ", seen), daemon=True
                     )
                 )
                 copiers[-1].start()
@@ -114,6 +115,10 @@ def run_replica_groups(
         server.shutdown()
     line, status = _summary(launch, codes, stopped)
     print(f"replicas: {line}", file=err if status else out, flush=True)
+    if status and not stopped:  # last, what each failed group said ended it: the line the user reads
+        for replica, code in enumerate(codes):
+            if code != 0 and errors[replica].line is not None:
+                print(f"replicas: replica group {replica}: {errors[replica].line}", file=err, flush=True)
     return status
 
 
@@ -135,10 +140,40 @@ def _summary(launch: Launch, codes: list[int], stopped: list[int]) -> tuple[str,
     )
 
 
-def _prefixed(pipe: IO[bytes], sink: IO[str], prefix: str) -> None:
-    """Copy a group's output line by line, each prefixed with the group, until the group closes it."""
+class LastError:
+    """The last error a group's processes printed on stderr: a `trainer: error: ...` line, or the line that
+    ends a Python traceback (the exception, the last of a chain) except torchrun's own ChildFailedError,
+    which only says that a worker failed."""
+
+    def __init__(self) -> None:
+        self.line: str | None = None
+        self._in_traceback = False
+
+    def see(self, line: str) -> None:
+        """Read the next line of the group's stderr."""
+        line = re.sub(r"^\[rank\d+\]: ", "", line)  # torchrun's tag on a worker's uncaught error
+        if line.startswith("Traceback (most recent call last):"):
+            self._in_traceback = True
+        elif line.startswith(CLI_ERROR):
+            self.line = line.removeprefix(CLI_ERROR)
+        elif self._in_traceback and line[:1] not in ("", " ", "\t"):  # the frames are indented
+            self._in_traceback = False
+            if not line.startswith(TORCHRUN_FAILED):
+                self.line = re.sub(r"^(\w+\.)+(?=\w+: )", "", line)  # the class, not its module path
+
+
+CLI_ERROR = "trainer: error: "
+TORCHRUN_FAILED = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
+
+
+def _prefixed(pipe: IO[bytes], sink: IO[str], prefix: str, seen: LastError | None = None) -> None:
+    """Copy a group's output line by line, each prefixed with the group, until the group closes it; `seen`
+    reads each line too."""
     for raw in iter(pipe.readline, b""):
+        text = raw.decode(errors="replace")
         # a progress bar redraws its line after a carriage return: the redrawn line keeps the prefix
-        sink.write(prefix + re.sub(r"\r(?!\n)", "\r" + prefix, raw.decode(errors="replace")))
+        sink.write(prefix + re.sub(r"\r(?!\n)", "\r" + prefix, text))
         sink.flush()
+        if seen is not None:
+            seen.see(text.rstrip("\r\n").rpartition("\r")[2])
     pipe.close()

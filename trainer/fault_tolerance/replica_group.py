@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer.core.dtensors import local_part
+from trainer.fault_tolerance.config import NoQuorumError
 from trainer.fault_tolerance.overlap import OverlappedAverage
 from trainer.fault_tolerance.state import load_replica_state, replica_state
 
@@ -104,7 +105,7 @@ class ReplicaGroup:
         except PeerStateMismatch:
             raise
         except Exception as err:  # torchft raises the lighthouse client's error, several lines long
-            raise RuntimeError(
+            raise NoQuorumError(
                 f"fault tolerance: no quorum of min_replicas={self.config.min_replicas} replica group(s) within "
                 f"quorum_timeout_s={self.config.quorum_timeout_s:g} at lighthouse {self.config.lighthouse} ({_first_line(err)})"
             ) from err

@@ -352,7 +352,10 @@ class FitLoop:
         what = (
             "non-finite parameters" if strategy.any_rank(bad_model) else "a non-finite loss at its last step"
         )
-        first = "every loss was finite" if since is None else f"the loss was first non-finite at step {since}"
+        # `since` counts the updates before the step (0-based); the line counts steps as checkpoints do
+        first = (
+            "every loss was finite" if since is None else f"the loss was first non-finite in step {since + 1}"
+        )
         raise ModelNotFiniteError(f"the fit ended with {what} ({first}); nothing it trained since is usable")
 
     def _slowest(self, elapsed: float) -> float:
