@@ -5,9 +5,9 @@ survivors. All ~3,700 mutants take hours on 2 cores, so `--sample N` tries N mut
 `--seed`; `mutmut show NAME` prints a survivor's diff.
 
 mutmut's own runs use only tests that call the mutated function in pytest's process, so strategies/ddp.py,
-fsdp.py and zero1.py, whose code runs in spawned ranks, are mostly "not reached" by them. `--gloo N` tries
-N mutants of each of those files against the multi-process gloo tests in GLOO_TESTS instead: the ranks
-import mutmut's copy (PYTHONPATH) and inherit the mutant's name (MUTANT_UNDER_TEST).
+fsdp.py and techniques/zero1/sliced_parameters.py, whose code runs in spawned ranks, are mostly "not
+reached" by them. `--gloo N` tries N mutants of each of those files against the multi-process gloo tests in
+GLOO_TESTS instead: the ranks import mutmut's copy (PYTHONPATH) and inherit the mutant's name (MUTANT_UNDER_TEST).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ GLOO_TESTS = {  # the gloo tests a mutant of each strategy file must fail (faste
         "tests/distributed/test_gradient_sync.py::test_token_mean_loss_with_uneven_tokens_per_rank_matches_one_process",
         "tests/distributed/test_ddp.py::test_gradient_compression_trains_close_to_exact_all_reduce",
     ],
-    "strategies/zero1.py": [
+    "strategies/techniques/zero1/sliced_parameters.py": [
         "tests/distributed/test_gradient_sync.py::test_two_ranks_with_sgd_and_no_clipping_match_one_process_step_by_step[zero1]",
         "tests/distributed/test_fsdp.py::test_each_zero_stage_matches_one_process_and_holds_the_formula_memory[2-1]",
         "tests/distributed/test_fsdp.py::test_validation_runs_through_the_sharded_model[1]",

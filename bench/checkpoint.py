@@ -28,7 +28,7 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 import xxhash
 
-from strategies.sharded_checkpoint import HashingWriter
+from strategies.checkpoint_io.dcp_files import HashingWriter
 from trainer.checkpoint import integrity
 from trainer.config import build_llama_config, load_recipe
 from trainer.models.llama import Llama

@@ -60,7 +60,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from callbacks import Callback
-from strategies.compile_blocks import MODES
+from strategies.techniques.compile_blocks import MODES
 from trainer import Trainer
 from trainer.models.causal_lm import CausalLM
 from trainer.models.hf_llama import to_hf_config

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from callbacks.base import Callback
-from strategies.compile_blocks import compiled_units
+from strategies.techniques.compile_blocks import compiled_units
 from trainer.core.logging import rank_zero_info
 
 if TYPE_CHECKING:

@@ -16,15 +16,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from strategies.activation_checkpointing import check_mode, checkpoint_blocks, transformer_blocks
 from strategies.checkpoint_io import LAYOUTS, CheckpointIO, layout_of
-from strategies.checkpoint_io.sharded import ShardedState
+from strategies.checkpoint_io.sharded_state import ShardedState
 from strategies.checkpoint_io.whole_files import WholeFiles
 from strategies.collectives import check_reduce_op
-from strategies.compile_blocks import compile_units
-from strategies.experts import expert_modules, update_expert_biases
 from strategies.parallel_dims import check_group_name
 from strategies.step_skip import DECLARATION, may_return_none
+from strategies.techniques.activation_checkpointing import check_mode, checkpoint_blocks, transformer_blocks
+from strategies.techniques.compile_blocks import compile_units
+from strategies.techniques.ep.experts import expert_modules, update_expert_biases
 from trainer import checkpoint as ckpt
 from trainer.core.dtensors import local_part
 from trainer.core.precision import Precision

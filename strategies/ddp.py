@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from strategies.apply.ddp import check_compression
 from strategies.parallel import ParallelStrategy
 from strategies.parallelize import ParallelOptions
+from strategies.techniques.ddp.apply import check_compression
 
 
 class DDPStrategy(ParallelStrategy):

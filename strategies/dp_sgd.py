@@ -1,11 +1,11 @@
 """DPSGDStrategy: differentially private SGD (Abadi et al. 2016) over data-parallel CPU/GPU processes.
 
-Each step: a Poisson-sampled logical batch (strategies/dp_data.py), cut into physical chunks of at most
-`max_physical_batch_size`; for each chunk the user's `training_step` runs as usual and its backward yields
-per-sample gradients (strategies/per_sample.py), each clipped to `max_grad_norm` and summed. The ranks'
-sums are all-reduced, Gaussian noise of std `noise_multiplier * max_grad_norm` is added once (the same
+Each step: a Poisson-sampled logical batch (strategies/privacy/poisson_data.py), cut into physical chunks
+of at most `max_physical_batch_size`; for each chunk the user's `training_step` runs as usual and its
+backward yields per-sample gradients (strategies/privacy/per_sample.py), each clipped to `max_grad_norm` and
+summed. The ranks' sums are all-reduced, Gaussian noise of std `noise_multiplier * max_grad_norm` is added once (the same
 draw on every rank, so the replicas stay equal and 2 processes equal 1), and the result is divided by the
-expected logical batch size. The accountant (strategies/dp_accounting.py) counts every step; its history
+expected logical batch size. The accountant (strategies/privacy/accounting.py) counts every step; its history
 is saved in checkpoints, so a resumed run — also at another world size, hence another sample rate — keeps
 counting, and `target_epsilon` stops the run, with a checkpoint, before a step would exceed it.
 
@@ -26,10 +26,10 @@ import torch.distributed as dist
 from torch import nn
 
 from strategies.base import StepOutput, unpack_loss
-from strategies.dp_accounting import PrivacyAccountant, compute_epsilon, find_noise_multiplier
-from strategies.dp_data import batch_length, poisson_loader, split_batch
 from strategies.mesh import MeshStrategy
-from strategies.per_sample import CLIPPINGS, MODES, PerSampleGradients
+from strategies.privacy.accounting import PrivacyAccountant, compute_epsilon, find_noise_multiplier
+from strategies.privacy.per_sample import CLIPPINGS, MODES, PerSampleGradients
+from strategies.privacy.poisson_data import batch_length, poisson_loader, split_batch
 from trainer import flags
 from trainer.core.logging import rank_zero_info
 from trainer.data.distributed import shard_loader
@@ -45,7 +45,7 @@ class DPSGDStrategy(MeshStrategy):
     gradient by `max_grad_norm`, "per_layer" each layer's by max_grad_norm/sqrt(layers). `grad_sample_mode`
     says how Linear/Embedding/Conv weights' per-sample norms are computed, all exactly: "mixed" (default)
     per layer the cheaper of Gram matrices (ghost clipping) and per-sample gradients, "ghost" always Gram
-    matrices, "hooks" always per-sample gradients (strategies/per_sample.py).
+    matrices, "hooks" always per-sample gradients (strategies/privacy/per_sample.py).
     `loss_reduction` says what `training_step` returns: the "mean" or the "sum" of its samples' losses.
     A step that returns {"loss", "num_tokens"} (a token mean, as CausalLM's) is back-propagated as its
     token sum, so each sample's gradient is that of its own tokens' loss, independent of the others.

@@ -1,17 +1,17 @@
 """FSDPStrategy: ZeRO stages 1-3. Stages 2 and 3 shard with PyTorch's FSDP2 (`fully_shard`) per
 transformer block; stage 1 keeps DDP's replicated parameters and gradients and shards only the
-optimizer state (strategies/zero1.py). Checkpoints of every stage are torch.distributed.checkpoint
-(DCP) directories (strategies/sharded_checkpoint.py): every rank writes only its own shards, nothing is
-gathered, and any world size can load them.
+optimizer state (strategies/techniques/zero1/). Checkpoints of every stage are torch.distributed.checkpoint
+(DCP) directories (strategies/checkpoint_io/dcp_files.py): every rank writes only its own shards, nothing
+is gathered, and any world size can load them.
 """
 
 from __future__ import annotations
 
-from strategies.activation_checkpointing import check_mode
-from strategies.apply.fsdp import check_reduce_dtype
 from strategies.parallel import ParallelStrategy
 from strategies.parallel_dims import ParallelDims
 from strategies.parallelize import ParallelOptions
+from strategies.techniques.activation_checkpointing import check_mode
+from strategies.techniques.fsdp.apply import check_reduce_dtype
 
 
 class FSDPStrategy(ParallelStrategy):

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from strategies import collectives
 from strategies.base import Strategy
 from strategies.checkpoint_io import CheckpointIO
-from strategies.checkpoint_io.sharded import ShardedState
+from strategies.checkpoint_io.sharded_state import ShardedState
 from strategies.parallel_dims import ParallelDims, ParallelMesh
 from trainer import flags
 from trainer.core.launch import (

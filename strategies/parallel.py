@@ -14,20 +14,20 @@ import torch.distributed as dist
 from torch import nn
 
 from strategies.base import StepOutput, combine_micro_batches
-from strategies.checkpoint_io.zero1 import Zero1Slices
-from strategies.context_parallel import check_sequence
-from strategies.memory import MemoryReport, measure
+from strategies.checkpoint_io.zero1_slices import Zero1Slices
+from strategies.memory_report import MemoryReport, measure
 from strategies.mesh import MeshStrategy
 from strategies.meta_init import materialize
 from strategies.parallel_dims import ParallelDims
 from strategies.parallelize import Parallelized, ParallelOptions, parallelize
-from strategies.pipeline import V_SHAPED, check_layers_per_stage
-from strategies.zero1 import SlicedParameters
+from strategies.techniques.cp.attention import check_sequence
+from strategies.techniques.pp.stages import V_SHAPED, check_layers_per_stage
+from strategies.techniques.zero1.sliced_parameters import SlicedParameters
 from trainer.core.dtensors import full_value, is_dtensor
 from trainer.core.tree import apply_to_tensors
 
 if TYPE_CHECKING:
-    from strategies.pipeline_schedule import Pipeline
+    from strategies.techniques.pp.schedule import Pipeline
 
 # the methods the Trainer calls on the module: each runs FSDP's root pre/post-forward like `forward`
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
@@ -250,7 +250,7 @@ class ParallelStrategy(MeshStrategy):
         for method in self._step_methods:
             register_fsdp_forward_method(module, method)
         if self.pp > 1:  # built from the stages as FSDP left them
-            from strategies.pipeline_schedule import Pipeline  # imports torch._dynamo: only when used
+            from strategies.techniques.pp.schedule import Pipeline  # imports torch._dynamo: only when used
 
             options = self.options
             self.pipeline = Pipeline(

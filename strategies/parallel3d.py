@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from strategies.activation_checkpointing import check_mode
-from strategies.apply.fsdp import check_reduce_dtype
 from strategies.parallel import ParallelStrategy
 from strategies.parallel_dims import ParallelDims
 from strategies.parallelize import ParallelOptions
-from strategies.pipeline import SCHEDULES, check_layers_per_stage, check_schedule
+from strategies.techniques.activation_checkpointing import check_mode
+from strategies.techniques.fsdp.apply import check_reduce_dtype
+from strategies.techniques.pp.stages import SCHEDULES, check_layers_per_stage, check_schedule
 
 
 class Parallel3DStrategy(ParallelStrategy):
@@ -31,7 +31,7 @@ class Parallel3DStrategy(ParallelStrategy):
       dp_shard=1 plain replication, i.e. DDP) over what is left: dp_shard=-1 takes the rest.
     - `ep`: expert parallelism of MoE layers over ep of the dp_shard x cp x tp ranks: each holds E/ep
       experts (DTensor Shard(0) on the "ep" mesh, FSDP-sharded over the "expert" mesh) and exchanges
-      tokens with all-to-alls (strategies/expert_parallel.py). With tp, each tp rank routes its own
+      tokens with all-to-alls (strategies/techniques/ep/all_to_all.py). With tp, each tp rank routes its own
       sequence shard (the model's plan) and the ep ranks are the tp ranks first; with pp, each stage's
       MoE layers exchange tokens with the ep ranks of that stage. Not with tp and pp at once.
     """

@@ -1,5 +1,5 @@
 """`parallelize`: the one function that applies, in their one valid order, the parallel techniques a
-ParallelDims asks for (each in strategies/apply/), as TorchTitan's `parallelize_llama` does."""
+ParallelDims asks for (each in strategies/techniques/), as TorchTitan's `parallelize_llama` does."""
 
 from __future__ import annotations
 
@@ -11,17 +11,17 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from strategies.activation_checkpointing import transformer_blocks
-from strategies.apply.cp import apply_cp
-from strategies.apply.ddp import apply_ddp
-from strategies.apply.ep import apply_ep
-from strategies.apply.fsdp import FSDPOptions, apply_fsdp, apply_fsdp_to_experts
-from strategies.apply.pp import StageCut, apply_pp
-from strategies.apply.tp import apply_tp, quiet_norm_reduction
-from strategies.context_parallel import ContextParallel
-from strategies.experts import expert_modules
 from strategies.parallel_dims import ParallelMesh
-from strategies.pipeline import SCHEDULES, ZERO_BUBBLE
+from strategies.techniques.activation_checkpointing import transformer_blocks
+from strategies.techniques.cp.apply import apply_cp
+from strategies.techniques.cp.attention import ContextParallel
+from strategies.techniques.ddp.apply import apply_ddp
+from strategies.techniques.ep.apply import apply_ep
+from strategies.techniques.ep.experts import expert_modules
+from strategies.techniques.fsdp.apply import FSDPOptions, apply_fsdp, apply_fsdp_to_experts
+from strategies.techniques.pp.apply import StageCut, apply_pp
+from strategies.techniques.pp.stages import SCHEDULES, ZERO_BUBBLE
+from strategies.techniques.tp.apply import apply_tp, quiet_norm_reduction
 from trainer.core.precision import Precision
 
 DATA_PARALLEL = ("ddp", "zero1", "fsdp")  # replicas, replicas with sliced optimizer state, FSDP2 shards
@@ -36,7 +36,7 @@ class ParallelOptions:
     reduce_dtype: torch.dtype = torch.float32  # FSDP's gradient reduction under bf16 compute
     cpu_offload: bool = False
     ddp_kwargs: dict[str, Any] = field(default_factory=dict)  # DistributedDataParallel's own knobs
-    gradient_compression: str | None = None  # a DDP comm hook (strategies/apply/ddp.py)
+    gradient_compression: str | None = None  # a DDP comm hook (strategies/techniques/ddp/apply.py)
     powersgd_rank: int = 1
     powersgd_start_iter: int = 10
     sequence_parallel: bool = True

@@ -16,8 +16,8 @@ from callbacks.base import Callback
 from callbacks.checkpoint import ModelCheckpoint
 from callbacks.compile_report import CompileReport
 from strategies.base import Strategy
-from strategies.compile_blocks import check_compile
 from strategies.registry import build_strategy
+from strategies.techniques.compile_blocks import check_compile
 from trainer import flags
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.core.logging import configure_console_logging, rank_zero_info

@@ -1,5 +1,5 @@
 """DCP state dict: every rank writes its own shards into `dcp/` (torch.distributed.checkpoint), hashed as
-written; nothing is gathered, and any world size reads them back (strategies/sharded_checkpoint.py).
+written; nothing is gathered, and any world size reads them back (strategies/checkpoint_io/dcp_files.py).
 torch.distributed.checkpoint is imported by the first save or load (~0.7 s of start-up with DTensor): every
 mesh strategy holds this layout, and a run that never saves or resumes need not load it."""
 
@@ -19,7 +19,7 @@ from trainer import checkpoint as ckpt
 
 if TYPE_CHECKING:
     from strategies.base import Strategy
-    from strategies.sharded_checkpoint import HashingWriter
+    from strategies.checkpoint_io.dcp_files import HashingWriter
 
 
 class ShardedState:
@@ -50,7 +50,7 @@ class ShardedState:
         the checkpoint completes at `finish`."""
         import torch.distributed.checkpoint as dcp
 
-        from strategies.sharded_checkpoint import HashingWriter
+        from strategies.checkpoint_io.dcp_files import HashingWriter
 
         strategy = self.strategy
         self.finish()
@@ -138,9 +138,9 @@ class ShardedState:
 
     def load_parts(self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
         """The model and optimizer part of `load`."""
-        from strategies import sharded_checkpoint
+        from strategies.checkpoint_io import dcp_files
 
         strategy = self.strategy
         strategy.reshard(module)  # gathered copies from an earlier forward would hide what is loaded
         strategy.begin_io(ckpt.manifest_bytes(path) // strategy.world_size)
-        sharded_checkpoint.load_state_dict_layout(path, module, optimizer, strategy.io_group)
+        dcp_files.load_state_dict_layout(path, module, optimizer, strategy.io_group)

@@ -1,5 +1,5 @@
 """ZeRO-1 slices: the replicated model as a DCP state dict, each rank's optimizer slices as they are (no
-gather), re-sliced for any world size on load (strategies/zero1.py)."""
+gather), re-sliced for any world size on load (strategies/techniques/zero1/sliced_parameters.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from strategies.checkpoint_io import checked_state, checkpointed_state_dict
-from strategies.checkpoint_io.sharded import ShardedState
+from strategies.checkpoint_io.sharded_state import ShardedState
 from strategies.checkpoint_io.whole_files import load_module_state
-from strategies.zero1 import SlicedParameters
+from strategies.techniques.zero1.sliced_parameters import SlicedParameters
 from trainer import checkpoint as ckpt
 
 if TYPE_CHECKING:
@@ -39,14 +39,15 @@ class Zero1Slices(ShardedState):
         }
 
     def load_parts(self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-        from strategies import sharded_checkpoint  # DCP: imported by the first load (sharded.py says why)
+        # DCP: imported by the first load (sharded_state.py says why)
+        from strategies.checkpoint_io import dcp_files
 
         strategy = self.strategy
         strategy.begin_io(ckpt.manifest_bytes(path) // strategy.world_size)
-        load = functools.partial(sharded_checkpoint.load, path=path, group=strategy.io_group)
+        load = functools.partial(dcp_files.load, path=path, group=strategy.io_group)
         load({"model": checkpointed_state_dict(module)})
         if optimizer is not None:
-            self.sliced().load_sharded(sharded_checkpoint.saved_entries(path), load, self._mesh)
+            self.sliced().load_sharded(dcp_files.saved_entries(path), load, self._mesh)
 
     def load_whole_files(
         self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None

@@ -22,7 +22,6 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
-from strategies.pipeline import split_blocks, stage_ids
 from strategies.plan.shapes import Layout, ModelShape, RunShape
 from strategies.plan.tensors import (
     FP32,
@@ -34,6 +33,7 @@ from strategies.plan.tensors import (
     is_moe_layer,
     root_unit,
 )
+from strategies.techniques.pp.stages import split_blocks, stage_ids
 
 SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B"}  # strategies'
 OPTIMIZER_STATES = {"adamw": 2, "sgd": 0}  # fp32 tensors per parameter element

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from strategies.experts import expert_modules
+from strategies.techniques.ep.experts import expert_modules
 from trainer.core.dtensors import is_dtensor, local_part
 
 if TYPE_CHECKING:

@@ -94,7 +94,7 @@ def block_saved_bytes(shape: ModelShape, layout: Layout, layer: int, tokens: int
     transpose back is a view) and log-sum-exp. SwiGLU: w1 and w3 outputs, silu's output and the product. Under tp every part inside
     the attention and the MLP is split; with sequence parallelism the norms run on sequence shards, but
     the projections still read the gathered sequence. Context parallel: each attention keeps the K/V
-    all-gathered over the cp ranks (strategies/context_parallel.py), cp times its own."""
+    all-gathered over the cp ranks (strategies/techniques/cp/attention.py), cp times its own."""
     a, t, d = compute_bytes(layout), layout.tp, shape.dim
     sp = t if layout.sequence_parallel else 1
     dq, dkv = shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
@@ -129,7 +129,7 @@ def _moe_saved_per_token(shape: ModelShape, layout: Layout) -> float:
 
 def block_checkpointed_bytes(shape: ModelShape, layout: Layout, layer: int, tokens: int) -> int:
     """What a checkpointed block keeps until its backward. "full": its input (the fp32 residual stream,
-    sequence-split under sp). "selective" (strategies/activation_checkpointing.py): also the outputs of
+    sequence-split under sp). "selective" (strategies/techniques/activation_checkpointing.py): also the outputs of
     every matmul and of the attention kernel, in the compute dtype; the rest is recomputed."""
     sp = layout.tp if layout.sequence_parallel else 1
     kept = tokens * shape.dim * FP32 / sp

@@ -2,13 +2,13 @@
 
 While `PerSampleGradients.capture()` is active, a forward hook on every module that directly owns trainable
 parameters stores the module's input (detached) and puts a tensor hook on its output. As the output's
-gradient arrives, a rule per layer type (strategies/per_sample_rules.py) turns activation A and output
+gradient arrives, a rule per layer type (strategies/privacy/per_sample_rules.py) turns activation A and output
 gradient G into per-sample gradients (Linear, Embedding, LayerNorm, GroupNorm, RMSNorm, Conv1d/Conv2d).
 Under `backward()` a norm's (B x features) replace its A and G at once: the rest of the backward need not
 hold them. Any other module owning parameters gets them after the backward from torch.func (`vmap` over
 samples of the module's vjp), as Opacus's hooks mode does. The user's `training_step` stays plain Python.
 
-Linear/Embedding/Conv weights stay factored (strategies/per_sample_factored.py): their per-sample norms come
+Linear/Embedding/Conv weights stay factored (strategies/privacy/per_sample_factored.py): their per-sample norms come
 from Gram matrices of A and G (ghost norms) or from the per-sample gradients built a chunk of samples at a
 time, and their clipped sum is one matmul of A and the clip-weighted G (no second backward, and no B copies
 of a weight). `backward(loss)` computes only what this needs: gradients of the layers' outputs, not the
@@ -34,8 +34,13 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.func import functional_call, vjp, vmap
 from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
-from strategies.per_sample_factored import Outer, ghost_is_cheaper, ghost_sq_norms, instantiated_sq_norms
-from strategies.per_sample_rules import (
+from strategies.privacy.per_sample_factored import (
+    Outer,
+    ghost_is_cheaper,
+    ghost_sq_norms,
+    instantiated_sq_norms,
+)
+from strategies.privacy.per_sample_rules import (
     Contribution,
     Rule,
     check_supported,

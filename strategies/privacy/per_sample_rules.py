@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from strategies.per_sample_factored import Outer
+from strategies.privacy.per_sample_factored import Outer
 
 Contribution = torch.Tensor | Outer  # a dense (B, *param.shape) tensor, or a factored one
 Rule = Callable[[nn.Module, torch.Tensor, torch.Tensor, Collection[str]], dict[str, Contribution]]

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from helpers import call_ranks
 
-from strategies.context_parallel import ContextParallel, check_sequence, load_balanced_positions
+from strategies.techniques.cp.attention import ContextParallel, check_sequence, load_balanced_positions
 
 B, HQ, HKV, T, D = 2, 4, 2, 16, 8  # GQA: two query heads per key/value head
 ATOL = 1e-5

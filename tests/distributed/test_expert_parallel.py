@@ -19,7 +19,7 @@ from moe_script import GLOBAL_BATCH, MODEL, make_run, tiny_moe
 from safetensors.torch import load_file
 
 from strategies import Parallel3DStrategy
-from strategies.expert_parallel import AllToAllDispatcher
+from strategies.techniques.ep.all_to_all import AllToAllDispatcher
 from trainer.checkpoint.export import export_checkpoint
 from trainer.models.causal_lm import CausalLM
 from trainer.models.llama import LlamaConfig

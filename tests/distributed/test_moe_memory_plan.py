@@ -26,7 +26,7 @@ from helpers import launch_layouts, token_loader  # noqa: E402
 
 from callbacks import Callback  # noqa: E402
 from strategies import Parallel3DStrategy  # noqa: E402
-from strategies.memory_plan import GIB, plan_memory  # noqa: E402
+from strategies.plan.shards_on_meta import GIB, plan_memory  # noqa: E402
 from trainer import Trainer  # noqa: E402
 from trainer.models.causal_lm import CausalLM  # noqa: E402
 from trainer.models.llama import LlamaConfig  # noqa: E402

@@ -13,7 +13,7 @@ from helpers import SCRIPTS, Regression, assert_validated, launch_layouts, read_
 from parallel3d_script import MODEL, make_run
 
 from strategies import Parallel3DStrategy
-from strategies.pipeline import prune, split_blocks, stage_ids
+from strategies.techniques.pp.stages import prune, split_blocks, stage_ids
 from trainer import Trainer
 from trainer.config import ConfigError, build_run, load_recipe
 from trainer.models.causal_lm import CausalLM
@@ -281,7 +281,7 @@ def test_the_70b_recipe_plans_half_a_billion_elements_per_gpu_and_its_stages_cov
 
 
 def test_the_8b_recipe_holds_a_32nd_of_the_model_per_gpu():
-    from strategies.memory_plan import plan_memory
+    from strategies.plan.shards_on_meta import plan_memory
     from trainer.config import build_llama_config
 
     config = load_recipe(RECIPES / "llama_8b.yaml")

@@ -10,8 +10,8 @@ from opacus.accountants import PRVAccountant, RDPAccountant
 from opacus.accountants.analysis import rdp as opacus_rdp
 from opacus.accountants.utils import get_noise_multiplier
 
-from strategies import dp_accounting
-from strategies.dp_accounting import PrivacyAccountant, compute_epsilon, find_noise_multiplier
+from strategies.privacy import accounting as dp_accounting
+from strategies.privacy.accounting import PrivacyAccountant, compute_epsilon, find_noise_multiplier
 
 # Opacus warns when the best order is the first or last of its grid; that is expected on part of the grid
 pytestmark = pytest.mark.filterwarnings("ignore:Optimal order:UserWarning")

@@ -2,7 +2,7 @@
 CPU allocations over two steps (trainer/core/memory_peak.py), which is the same in every run, so the comparison
 needs no rounds (on a GPU: the CUDA allocator's peak). Each of our modes holds no more than its Opacus peer
 ("mixed" against Opacus ghost): ghost held 35.6 MiB to Opacus ghost's 34.4 while it kept the norm layers'
-inputs and output gradients to the end of the backward (strategies/per_sample.py)."""
+inputs and output gradients to the end of the backward (strategies/privacy/per_sample.py)."""
 
 from __future__ import annotations
 

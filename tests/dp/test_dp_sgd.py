@@ -14,8 +14,8 @@ from helpers import REPO, SCRIPTS, quiet, read_metrics, run_cli, run_ranks
 from torch import nn
 from torch.utils.data import DataLoader
 
-from strategies.dp_accounting import PrivacyAccountant
 from strategies.dp_sgd import DPSGDStrategy, compute_epsilon
+from strategies.privacy.accounting import PrivacyAccountant
 from trainer import Trainer
 
 

@@ -13,10 +13,10 @@ from helpers import quiet
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import strategies.per_sample as per_sample
-import strategies.per_sample_factored as factored
+import strategies.privacy.per_sample as per_sample
+import strategies.privacy.per_sample_factored as factored
 from strategies.dp_sgd import DPSGDStrategy
-from strategies.per_sample import PerSampleGradients
+from strategies.privacy.per_sample import PerSampleGradients
 from trainer import Trainer, TrainModule
 
 B, T, VOCAB = 6, 8, 40

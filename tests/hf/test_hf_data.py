@@ -13,7 +13,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from strategies.dp_data import poisson_loader
+from strategies.privacy.poisson_data import poisson_loader
 from trainer import Trainer, TrainModule
 from trainer.data.distributed import shard_loader
 from trainer.data.hf_data import hf_dataloaders, load_hf_dataset

@@ -25,7 +25,7 @@ from transformers import (
     T5Config,
 )
 
-from strategies.activation_checkpointing import checkpoint_blocks
+from strategies.techniques.activation_checkpointing import checkpoint_blocks
 from trainer import Trainer
 from trainer.models.hf import HFModule
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from helpers import fit, read_metrics
 
-from strategies.pipeline import stage_view
+from strategies.techniques.pp.stages import stage_view
 from trainer.models.causal_lm import CausalLM
 from trainer.models.llama import LlamaConfig
 from trainer.models.moe import Router

@@ -18,7 +18,7 @@ from hf_script import trainer_kwargs  # noqa: E402
 
 from callbacks import ModelCheckpoint  # noqa: E402
 from strategies import DDPStrategy, FSDPStrategy  # noqa: E402
-from strategies.sharded_checkpoint import saved_entries  # noqa: E402
+from strategies.checkpoint_io.dcp_files import saved_entries  # noqa: E402
 from trainer import Trainer  # noqa: E402
 
 STEPS, SAVED = 4, "step-00000002"

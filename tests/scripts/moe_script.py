@@ -26,7 +26,7 @@ from helpers import token_loader  # noqa: E402
 from parallel3d_script import full_parameters  # noqa: E402
 
 from strategies import Parallel3DStrategy  # noqa: E402
-from strategies.expert_parallel import AllToAllDispatcher  # noqa: E402
+from strategies.techniques.ep.all_to_all import AllToAllDispatcher  # noqa: E402
 from trainer import Trainer  # noqa: E402
 from trainer.models.causal_lm import CausalLM  # noqa: E402
 from trainer.models.llama import LlamaConfig  # noqa: E402

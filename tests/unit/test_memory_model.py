@@ -1,5 +1,5 @@
 """The memory model (strategies/plan/memory.py) against what runs: one process's peak of tracked CPU
-allocations over a real fit, the parameters memory_plan.py reads off a sharded model on a fake process
+allocations over a real fit, the parameters plan/shards_on_meta.py reads off a sharded model on a fake process
 group, and the parameter count of the model itself."""
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def test_the_units_hold_every_parameter_of_the_model(preset):
 )
 def test_stored_parameters_match_the_sharded_model_on_a_fake_process_group(strategy_kwargs, layout, world):
     from strategies import Parallel3DStrategy
-    from strategies.memory_plan import plan_memory
+    from strategies.plan.shards_on_meta import plan_memory
     from trainer.models.causal_lm import CausalLM
 
     config = LlamaConfig.preset("moe-tiny" if layout.ep > 1 else "tiny")

@@ -8,9 +8,9 @@ import pytest
 
 import strategies.parallelize as parallelize_module
 from strategies import STRATEGIES, DDPStrategy, FSDPStrategy, MeshStrategy, Parallel3DStrategy, Strategy
-from strategies.memory_plan import plan_memory
 from strategies.parallel import ParallelStrategy
 from strategies.parallelize import ParallelOptions
+from strategies.plan.shards_on_meta import plan_memory
 from trainer.models.causal_lm import CausalLM
 from trainer.models.llama import LlamaConfig
 

@@ -1,4 +1,4 @@
-"""Per-sample gradients (strategies/per_sample.py) equal gradients computed one sample at a time, for models
+"""Per-sample gradients (strategies/privacy/per_sample.py) equal gradients computed one sample at a time, for models
 built as a user builds them; ghost clipping gives the same norms and clipped sums; unsupported modules are
 refused by name."""
 
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strategies.per_sample import PerSampleGradients
+from strategies.privacy.per_sample import PerSampleGradients
 from trainer.models.llama import Llama, LlamaConfig
 
 B = 4

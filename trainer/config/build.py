@@ -167,14 +167,14 @@ def _build_hf(
 
 def memory_lines(config: dict[str, Any]) -> str:
     """Per-GPU weights, gradients and AdamW state of a resolved Llama recipe under its sharding
-    strategy, one line per pipeline stage (strategies/memory_plan.py, read off the sharded model), then
+    strategy, one line per pipeline stage (strategies/plan/shards_on_meta.py, read off the sharded model), then
     each stage's peak with activations and transients (strategies/plan/memory.py), without any GPU or
     process."""
-    from strategies.memory_plan import plan_memory
     from strategies.plan.from_strategy import layout_of
     from strategies.plan.memory import per_stage_memory
     from strategies.plan.model_shape import shape_of
     from strategies.plan.shapes import RunShape
+    from strategies.plan.shards_on_meta import plan_memory
     from strategies.registry import build_strategy
     from trainer.core.precision import Precision
     from trainer.models.causal_lm import CausalLM

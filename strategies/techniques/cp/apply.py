@@ -1,5 +1,5 @@
 """Context parallelism: the sequence sharded over the "cp" ranks in load-balanced chunks, attention over
-the gathered keys and values (strategies/context_parallel.py)."""
+the gathered keys and values (strategies/techniques/cp/attention.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from strategies.context_parallel import ContextParallel
+from strategies.techniques.cp.attention import ContextParallel
 
 
 def apply_cp(module: nn.Module, group: Any, rank: int, size: int, device: torch.device) -> ContextParallel:

@@ -9,7 +9,7 @@ receives, by an all-to-all, the (token, choice) pairs routed to them from every 
   compute uses their local E/ep experts), so FSDP2, DCP and the DTensor gradient norm handle them as
   any other sharded parameter.
 
-strategies/apply/ep.py applies both to the model's `expert_modules()` (strategies/experts.py); no model is imported.
+apply.py applies both to the model's `expert_modules()` (experts.py); no model is imported.
 """
 
 from __future__ import annotations

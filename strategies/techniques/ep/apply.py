@@ -1,5 +1,5 @@
 """Expert parallelism: each rank of the "ep" group keeps E/ep of every MoE layer's experts and exchanges
-tokens with the others by all-to-all (strategies/expert_parallel.py)."""
+tokens with the others by all-to-all (strategies/techniques/ep/all_to_all.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from strategies.expert_parallel import AllToAllDispatcher, shard_experts
-from strategies.experts import expert_modules
+from strategies.techniques.ep.all_to_all import AllToAllDispatcher, shard_experts
+from strategies.techniques.ep.experts import expert_modules
 
 
 def apply_ep(module: nn.Module, ep_mesh: DeviceMesh, group: Any) -> list[nn.Module]:

@@ -1,5 +1,5 @@
 """Pipeline parallelism, first of the techniques: this rank keeps only its stages' parts of the model
-(strategies/pipeline.py cuts them, pipeline_schedule.py runs them)."""
+(strategies/techniques/pp/stages.py cuts them, schedule.py runs them)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from strategies.pipeline import prune, split_blocks, stage_ids, stage_view
+from strategies.techniques.pp.stages import prune, split_blocks, stage_ids, stage_view
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """The schedule that runs this rank's pipeline stages (`torch.distributed.pipelining`), apart from the
-stage cutting in pipeline.py: importing torch's pipelining imports torch._dynamo (half a second of every
+stage cutting in stages.py: importing torch's pipelining imports torch._dynamo (half a second of every
 process's start-up), so only a run with pp > 1 imports this module."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Pipeline parallelism: cut a model into stages at block boundaries (the schedule that runs them over
-the micro-batches of a batch: pipeline_schedule.py).
+the micro-batches of a batch: schedule.py).
 
 A model declares `pipeline_layout()`: the modules before its blocks, the ModuleDict of blocks and the
 modules after them. Each rank keeps one model holding the union of its stages' parts (state-dict keys
