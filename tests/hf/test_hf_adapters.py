@@ -24,7 +24,9 @@ from trainer.checkpoint.export import export_checkpoint
 from trainer.models.hf import HFModule
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["query", "value"]}
-pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")  # peft's
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:.*is_gradient_checkpointing.*:FutureWarning"
+)  # the tests call peft themselves
 
 
 @pytest.fixture(scope="module")

@@ -94,7 +94,9 @@ def test_dpo_loss_and_rewards_equal_the_papers_formula_on_each_pair_alone(tmp_pa
     assert not torch.equal(module.model.model.embed_tokens.weight, policy.model.embed_tokens.weight)
 
 
-@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")  # peft calls it
+@pytest.mark.filterwarnings(
+    "error:.*is_gradient_checkpointing.*:FutureWarning"
+)  # peft reads it: kept out of sight
 def test_under_lora_the_reference_is_the_base_model_with_the_adapters_disabled():
     base = tiny_llama(seed=0)
     module = HFModule(copy.deepcopy(base), task="dpo", lora=LORA, beta=CHECK_BETA)

@@ -17,7 +17,9 @@ from trainer.checkpoint import find_last
 from trainer.checkpoint.export import export_checkpoint
 from trainer.models.hf_adapters import BaseModelMismatch
 
-pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")  # peft's
+pytestmark = pytest.mark.filterwarnings(
+    "error:.*is_gradient_checkpointing.*:FutureWarning"
+)  # peft reads it: kept out of sight
 
 
 def save_base(folder: Path, seed: int) -> Path:

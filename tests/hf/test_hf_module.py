@@ -240,7 +240,9 @@ def test_two_processes_train_and_export_like_one(two_process_runs, strategy):
 
 
 # ---- LoRA and freezing ---------------------------------------------------------------------------
-@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")  # peft calls it
+@pytest.mark.filterwarnings(
+    "error:.*is_gradient_checkpointing.*:FutureWarning"
+)  # peft reads it: kept out of sight
 def test_lora_trains_only_the_adapters_and_exports_them_merged(llama_dir, tmp_path):
     module = HFModule(llama_dir, lr=LR, lora=LORA)
     config = LlamaConfig(**TINY_LLAMA)

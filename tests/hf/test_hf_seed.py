@@ -17,7 +17,9 @@ from trainer import Trainer
 from trainer.models.hf import HFModule
 
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["query", "value"]}
-pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")  # peft's
+pytestmark = pytest.mark.filterwarnings(
+    "error:.*is_gradient_checkpointing.*:FutureWarning"
+)  # peft reads it: kept out of sight
 
 
 @pytest.fixture(scope="module")

@@ -526,10 +526,8 @@ class HFModule(TrainModule):
         with torch.device("meta"):
             skeleton: nn.Module = type(base)(copy.deepcopy(base.config))
             if self.lora is not None:
-                import peft
-
                 adapter = self.model.active_adapter
-                skeleton = peft.get_peft_model(skeleton, copy.deepcopy(self.model.peft_config[adapter]))
+                skeleton = hf_adapters.peft_wrap(skeleton, copy.deepcopy(self.model.peft_config[adapter]))
         missing, unexpected = skeleton.load_state_dict(state, strict=False, assign=True)
         if unexpected:
             raise RuntimeError(
@@ -703,7 +701,7 @@ def _wrap_lora(model: nn.Module, lora: dict[str, Any], task: str) -> nn.Module:
         config = peft.LoraConfig(**options)
     except TypeError as err:
         raise ValueError(f"lora={lora!r} is not a valid peft.LoraConfig: {err}") from None
-    return peft.get_peft_model(model, config)
+    return hf_adapters.peft_wrap(model, config)
 
 
 def _matches(name: str, pattern: str) -> bool:

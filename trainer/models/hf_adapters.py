@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,17 @@ def _name(identity: dict[str, Any]) -> str:
         f"{identity.get('path') or '(built from a config)'} (config sha256 {identity['config_sha256'][:12]}"
         f"{weights})"
     )
+
+
+def peft_wrap(model: nn.Module, config: Any) -> nn.Module:
+    """`peft.get_peft_model(model, config)`, without the FutureWarning transformers raises when peft reads its
+    deprecated `is_gradient_checkpointing` (peft's call, nothing the user can act on; it was a good run's
+    last line)."""
+    import peft
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return peft.get_peft_model(model, config)
 
 
 def write_adapter(peft_model: nn.Module, state: dict[str, torch.Tensor], out_dir: Path) -> None:
