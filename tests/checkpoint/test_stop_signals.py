@@ -53,6 +53,18 @@ class SignalledAt(Regression):
         return loss
 
 
+@pytest.fixture(autouse=True)
+def foreground():
+    """SIGINT and SIGTERM as a terminal's foreground job has them (a shell's `&`, or a CI runner, may have
+    started the tests with SIGINT ignored, which a fit rightly leaves alone); put back afterwards."""
+    before = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    yield
+    for number, handler in before.items():
+        signal.signal(number, handler)
+
+
 def trainer(root, steps: int = 8, **kwargs) -> Trainer:
     return Trainer(max_steps=steps, seed=0, default_root_dir=root, **quiet(**kwargs))
 
@@ -111,6 +123,13 @@ def test_a_handler_of_the_users_keeps_its_signal(tmp_path):
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert trained is None and seen == [signal.SIGTERM]  # the fit ran to its end: the signal was the user's
+
+
+def test_a_background_job_whose_ctrl_c_is_ignored_keeps_ignoring_it(tmp_path):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # `trainer fit ... &` from a shell: Ctrl-C is not for it
+    module = SignalledAt(signal.SIGINT, step=2)
+    trainer(tmp_path / "run", steps=4).fit(module, regression_loader())
+    assert module.trainer.global_step == 4 and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
 
 
 def test_a_non_finite_fit_without_a_checkpoint_callback_fails_in_one_line(tmp_path):
