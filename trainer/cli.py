@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "export":
         try:
             print(f"wrote {export_checkpoint(args.checkpoint, args.out, merged=not args.adapter)}")
-        except (CheckpointError, FileNotFoundError, ValueError) as err:
+        except (CheckpointError, OSError, ValueError) as err:  # OSError: the output path or disk, named
             print(f"trainer: error: {err}", file=sys.stderr)
             return 2
         return 0
@@ -142,8 +142,9 @@ def main(argv: list[str] | None = None) -> int:
             metrics = getattr(trainer, args.command)(module, val_loader, ckpt_path=ckpt)
             if trainer.is_global_zero:
                 print(yaml.safe_dump(metrics, sort_keys=False), end="")
+    # OSError: a file or folder the system refused (permissions, a full disk); its line names the path
     except (
-        ConfigError, CheckpointError, FileNotFoundError, FolderInUse, ModelNotFiniteError, BaseModelMismatch,
+        ConfigError, CheckpointError, OSError, FolderInUse, ModelNotFiniteError, BaseModelMismatch,
         NoQuorumError,
     ) as err:  # fmt: skip
         print(f"trainer: error: {err}", file=sys.stderr)

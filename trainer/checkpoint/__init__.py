@@ -18,7 +18,13 @@ first four through this name space. The manager imports the callbacks: it is imp
 
 from __future__ import annotations
 
-from trainer.checkpoint.files import load_model_file, load_torch_file, save_model_file, save_torch_file
+from trainer.checkpoint.files import (
+    check_pickled_files,
+    load_model_file,
+    load_torch_file,
+    save_model_file,
+    save_torch_file,
+)
 from trainer.checkpoint.layout import (
     DCP_DIR,
     FORMAT_VERSION,
@@ -76,6 +82,7 @@ __all__ = [  # the one name space callers use (`from trainer import checkpoint a
     "Entries",
     "alone",
     "check_good",
+    "check_pickled_files",
     "check_step",
     "clear_stale_staging",
     "completed",

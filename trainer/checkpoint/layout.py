@@ -156,6 +156,14 @@ def unfinished(ckpt_dir: Path) -> str | None:
     return None
 
 
+def unfinished_steps(directory: Path) -> list[tuple[Path, str]]:
+    """(folder, why) of each `step-N` folder under `directory` with no usable meta.json, newest first: no
+    checkpoint, but worth a word when "last" passes over it."""
+    directory = Path(directory)
+    found = [p for p in directory.iterdir() if _STEP_DIR.match(p.name)] if directory.is_dir() else []
+    return [(p, why) for p in sorted(found, key=step_of, reverse=True) if (why := unfinished(p))]
+
+
 def manifest_bytes(ckpt_dir: Path | None) -> int:
     """The bytes a checkpoint's manifest lists (0 for None or an unreadable checkpoint)."""
     try:

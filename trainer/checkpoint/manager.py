@@ -328,9 +328,12 @@ class CheckpointManager:
     def load_model(self, ckpt_path: Any) -> Path | None:
         """The module's weights (for validate/test/predict) out of the checkpoint `ckpt_path` names."""
         trainer = self._trainer
-        return self._load(
-            ckpt_path, lambda path: trainer.strategy.load_checkpoint(path, trainer.module, None), "loading"
-        )
+
+        def load(path: Path) -> None:
+            ckpt.check_pickled_files(path, ckpt.read_meta(path).get("manifest", {}))  # files it never reads
+            trainer.strategy.load_checkpoint(path, trainer.module, None)
+
+        return self._load(ckpt_path, load, "loading")
 
     def _load(self, ckpt_path: Any, load: Callable[[Path], Any], verb: str = "resuming") -> Path | None:
         """Verify (every rank hashes its share) and `load(path)` the checkpoint `ckpt_path` names; "last" is

@@ -162,8 +162,13 @@ def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
 
-def no_space(err: BaseException) -> bool:
-    """Whether `err`, its causes, or any rank's failure in it (DCP) is a full disk (ENOSPC)."""
+# what the storage, not the program, says when a write fails: a full disk, a file-size limit, a quota, a
+# read-only or failing file system, permissions
+_STORAGE_ERRORS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EACCES, errno.EPERM}
+
+
+def write_failure(err: BaseException) -> OSError | None:
+    """The storage's error in `err`, its causes, or any rank's failure in it (DCP), or None."""
     seen: set[int] = set()
     todo = [err]
     while todo:
@@ -171,33 +176,48 @@ def no_space(err: BaseException) -> bool:
         if e is None or id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-            return True
+        if isinstance(e, OSError) and e.errno in _STORAGE_ERRORS:
+            return e
         failures = getattr(e, "failures", None)  # torch.distributed.checkpoint's CheckpointException
         if isinstance(failures, dict):
             todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
         todo += [e.__cause__, e.__context__]
-    return False
+    return None
+
+
+def no_space(err: BaseException) -> bool:
+    """Whether `err`, its causes, or any rank's failure in it (DCP) is a full disk (ENOSPC)."""
+    failure = write_failure(err)
+    return failure is not None and failure.errno == errno.ENOSPC
 
 
 def save_error(err: BaseException, final_dir: Path, reached: int = 0) -> BaseException:
-    """`err` as the user should see it: a full disk becomes one line naming the folder, the bytes needed
-    (the previous checkpoint's size, else more than the `reached` bytes written before it failed) and
-    free, and the previous checkpoint (untouched: a save only renames into place once complete)."""
-    if not no_space(err) or isinstance(err, CheckpointError):
+    """`err` as the user should see it: the storage refusing the write becomes one line naming the folder
+    and the previous checkpoint (untouched: a save only renames into place once complete); for a full disk
+    also the bytes needed (the previous checkpoint's size, else more than the `reached` bytes written before
+    it failed) and free."""
+    failure = write_failure(err)
+    if failure is None or isinstance(err, CheckpointError):
         return err
     final_dir = Path(final_dir)
     before = [p for p in completed(final_dir.parent) if p.name < final_dir.name]
-    previous = manifest_bytes(before[0]) if before else 0
-    needed = f"about {_mib(previous)}" if previous > reached else f"more than {_mib(reached)}"
-    free = shutil.disk_usage(final_dir.parent).free
     kept = (
         f"the previous checkpoint {before[0].name} is intact" if before else "there is no earlier checkpoint"
     )
+    why = os.strerror(failure.errno).lower()
+    if failure.errno != errno.ENOSPC:
+        where = f" at {Path(failure.filename).name}" if failure.filename else ""
+        return CheckpointError(
+            f"checkpoint {final_dir.name} could not be written to {final_dir.parent}: {why}{where}; {kept}",
+            reason=why,
+        )
+    previous = manifest_bytes(before[0]) if before else 0
+    needed = f"about {_mib(previous)}" if previous > reached else f"more than {_mib(reached)}"
+    free = shutil.disk_usage(final_dir.parent).free
     return CheckpointError(
-        f"checkpoint {final_dir.name} could not be written to {final_dir.parent}: no space left on device "
+        f"checkpoint {final_dir.name} could not be written to {final_dir.parent}: {why} "
         f"(needs {needed}, {_mib(free)} free); {kept}",
-        reason="no space left on device",
+        reason=why,
     )
 
 

@@ -35,6 +35,7 @@ from trainer.checkpoint.layout import (
     read_meta,
     require_exists,
     step_of,
+    unfinished_steps,
 )
 
 log = logging.getLogger("trainer")
@@ -136,12 +137,17 @@ def find_last_good(
     """(the newest checkpoint under `directory`, of a step < `before_step`, that is good, or None; one line
     "step-00000004: optimizer.pt checksum mismatch ..." per newer checkpoint it skipped). In a distributed
     run call it on every rank with `part` and `agree`: the hashing is split over the ranks."""
-    skipped = []
+    skipped, found = [], None
     for path in completed(directory):
         if before_step is not None and step_of(path) >= before_step:
             continue
         why = agree(problem(path, part, allow_unverified=allow_unverified))
         if why is None:
-            return path, skipped
+            found = path
+            break
         skipped.append(f"{path.name}: {why}")
-    return None, skipped
+    newest = -1 if found is None else step_of(found)  # newer folders "last" passed over without a meta.json
+    for path, why in unfinished_steps(directory):
+        if newest < step_of(path) and (before_step is None or step_of(path) < before_step):
+            skipped.append(f"{path.name}: {why}")
+    return found, skipped

@@ -21,6 +21,7 @@ def read_checkpoint(ckpt_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict
     verify it (hashes, manifest, validation); a `last` link reads the checkpoint it names."""
     ckpt_dir = Path(ckpt_dir)
     meta = ckpt.check_good(ckpt_dir)
+    ckpt.check_pickled_files(ckpt_dir, meta.get("manifest", {}))  # the optimizer it never reads, too
     state = ckpt.load_torch_file(ckpt_dir / ckpt.STATE_FILE)
     ckpt.check_step(ckpt_dir, state)
     if meta.get("format") == "dcp":
