@@ -245,3 +245,5 @@ def test_fewer_live_groups_than_the_quorum_needs_end_the_fit_in_one_line(tmp_pat
         f"fault tolerance: no quorum of min_replicas=2 replica group(s) within quorum_timeout_s=2 at lighthouse {address}"
     ), str(err.value)
     assert "\n" not in str(err.value)
+    # a script that does not catch it shows one exception, not torchft's multi-line one chained to it
+    assert err.value.__cause__ is None and err.value.__suppress_context__

@@ -108,7 +108,7 @@ class ReplicaGroup:
             raise NoQuorumError(
                 f"fault tolerance: no quorum of min_replicas={self.config.min_replicas} replica group(s) within "
                 f"quorum_timeout_s={self.config.quorum_timeout_s:g} at lighthouse {self.config.lighthouse} ({_first_line(err)})"
-            ) from err
+            ) from None  # torchft's error, several lines long, is in the line already (its first line)
         self.participants = self.manager.num_participants()
         if self.overlap is not None:
             self.overlap.arm()
