@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             print(f"wrote {export_checkpoint(args.checkpoint, args.out, merged=not args.adapter)}")
         except (CheckpointError, OSError, ValueError) as err:  # OSError: the output path or disk, named
-            print(f"trainer: error: {err}", file=sys.stderr)
+            where = f" (writing {args.out})" if isinstance(err, OSError) and not err.filename else ""
+            print(f"trainer: error: {err}{where}", file=sys.stderr)
             return 2
         return 0
     try:

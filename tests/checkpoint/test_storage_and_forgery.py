@@ -89,3 +89,13 @@ def test_export_onto_a_file_is_one_line_and_leaves_the_file(run, tmp_path, capsy
         capsys.readouterr().err.strip().splitlines()[-1].startswith("trainer: error: [Errno 17] File exists")
     )
     assert out.read_text() == "the user's file"
+
+
+def test_a_full_disk_during_export_names_the_output_folder(run, tmp_path, capsys, monkeypatch):
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")  # as a write() says it: no file name
+
+    monkeypatch.setattr(ckpt, "save_model_file", full)
+    assert main(["export", str(run / "step-00000004"), str(tmp_path / "out")]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == f"trainer: error: [Errno 28] No space left on device (writing {tmp_path / 'out'})", last
