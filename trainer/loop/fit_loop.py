@@ -293,8 +293,8 @@ class FitLoop:
         self.first_not_finite = torch.where(bad, torch.full_like(first, step), first)
 
     def done(self) -> bool:
-        """Whether the fit stops before the next step: should_stop, max_steps, max_epochs, max_time or the
-        strategy's stop reason (a signal, a lost peer), agreed by every rank."""
+        """Whether the fit stops before the next step: should_stop, max_steps, max_epochs, a Ctrl-C or
+        SIGTERM, max_time or the strategy's stop reason (a spent privacy budget), agreed by every rank."""
         trainer = self.trainer
         s = trainer.state
         if not trainer.should_stop and (number := self.signals.agreed(trainer.strategy.world_size)):
