@@ -107,7 +107,8 @@ def test_validation_runs_validation_step_on_a_validation_batch_and_never_trainin
         tmp_path,
         module,
         6,
-        [ModelCheckpoint(every_n_steps=2, save_top_k=-1)],
+        # validate_budget=None: every save is validated however slow the machine (the budget's own tests time it)
+        [ModelCheckpoint(every_n_steps=2, save_top_k=-1, validate_budget=None)],
         regression_loader(batch_size=8),
     )
     assert module.training_calls == 6  # one per optimizer step, none for 3 saves x (live + reloaded)
