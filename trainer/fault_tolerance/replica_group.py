@@ -125,7 +125,8 @@ class ReplicaGroup:
             mine = self.trainer.strategy.reduce(num_tokens.float(), "sum", group="loss").double()
         if self.overlap is not None and self.overlap.finish(use=True):
             if num_tokens is not None:  # the buckets held token sums: their mean over the mean token count
-                torch._foreach_div_(_grads(module), self._mean_over_groups(mine))
+                mean = self._mean_over_groups(mine)
+                torch._foreach_mul_(_grads(module), 1.0 / mean if mean > 0 else 0.0)  # 0: no tokens anywhere
             return
         grads = _grads(module)
         if num_tokens is not None:  # .grad is this group's token mean: weigh it by the group's tokens
