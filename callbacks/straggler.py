@@ -83,4 +83,4 @@ class StragglerDetector(Callback):
                 f"straggler: {named} vs the median {median:.3f} s of {phases} time over steps "
                 f"{step - self.window + 1}-{step}; the slowest rank sets every rank's step time"
             )
-        trainer._call("on_straggler", self.last)
+        trainer.call_callbacks("on_straggler", self.last)

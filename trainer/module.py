@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from trainer.core.logging import console_write, rank_zero_info
+from trainer.core.logging import console_write
 from trainer.core.metrics import is_torchmetric, metric_items
 
 if TYPE_CHECKING:
@@ -383,13 +383,13 @@ def init_arguments(
 def warn_unsynced_once(trainer: Trainer, name: str) -> None:
     """Lightning's warning, once per name and Trainer, for an epoch-level value logged without `sync_dist`
     under several processes: each rank aggregates its own batches, and rank 0's value is the one shown."""
-    if trainer.world_size < 2 or name in trainer._warned_unsynced:
+    if trainer.world_size < 2:
         return
-    trainer._warned_unsynced.add(name)
-    rank_zero_info(
+    trainer.say_once(
+        f"unsynced {name}",
         f"warning: log({name!r}) aggregates over the epoch without sync_dist=True under {trainer.world_size} "
         "processes: each rank keeps its own value and rank 0's is the one logged, shown and monitored; "
-        f"pass sync_dist=True to reduce it over the data-parallel ranks (said once per name)"
+        f"pass sync_dist=True to reduce it over the data-parallel ranks (said once per name)",
     )
 
 

@@ -4,7 +4,6 @@ process's set-up around it in trainer/loop/stages.py; the strategy owns the para
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 from collections.abc import Iterable
 from pathlib import Path
@@ -27,6 +26,7 @@ from trainer.core.rng import seed_everything
 from trainer.core.schedules import LRSchedule
 from trainer.core.timing import PhaseClock
 from trainer.fault_tolerance import FaultTolerance, check_fault_tolerance
+from trainer.flag_views import FlagViews
 from trainer.loggers import JSONLLogger, Logger, build_logger
 from trainer.loop import entry_checks, eval_loop, stages, step_log
 from trainer.loop.fit_loop import FitLoop, effective_training_time
@@ -34,10 +34,11 @@ from trainer.loop.hooks import HookDispatcher
 from trainer.loop.lightning_views import LightningViews
 from trainer.loop.optim_config import SchedulerConfig
 from trainer.loop.state import LoopState
+from trainer.loop.training_state import TrainingState
 from trainer.module import TrainModule
 
 
-class Trainer(LightningViews):
+class Trainer(LightningViews, FlagViews):
     """Runs a TrainModule's steps: `fit` trains (with validation), `validate`/`test` evaluate.
 
     Flags mean what they mean in Lightning; `val_at_start` also validates before the first step of a
@@ -98,8 +99,8 @@ class Trainer(LightningViews):
     ) -> None:
         configure_console_logging()
         given = dict(locals())  # the flags as passed (a copy: some names are rebound below)
-        checked = flags.check_loop_flags(**{name: given[name] for name in flags.LOOP_FLAGS})
-        vars(self).update(dataclasses.asdict(checked))  # trainer.max_steps, ...: the checked loop flags
+        # the loop flags, checked, as one typed object; `trainer.max_steps`, ... read it (FlagViews)
+        self.flags = flags.check_loop_flags(**{name: given[name] for name in flags.LOOP_FLAGS})
         self.seed = seed if seed is None else seed_everything(seed)
         if logger is not None:  # Lightning's name; False: no logger but the always-on JSONL file
             if loggers is not None:
@@ -142,8 +143,7 @@ class Trainer(LightningViews):
         self.evaluating = False  # inside a validation/test loop
         self._step_hooks = False  # from on_train_batch_start to on_train_batch_end of a step
         self.sanity_checking = False  # inside the few validation batches before training (nothing logged)
-        self._warned_none_step = False
-        self._warned_unsynced: set[str] = set()  # names told about sync_dist (TrainModule.log)
+        self._said_once: set[str] = set()  # the keys of `say_once` lines already said
         self.should_stop = False
         self.resume_hint = "ckpt_path='last'"  # how the user resumes this run (the CLI: its option)
         self.module: TrainModule | None = None
@@ -158,6 +158,8 @@ class Trainer(LightningViews):
         self._was_deterministic = False
         # the one owner of the run's checkpoint folders: run id, folders, and every file operation on them
         self.checkpoint_manager = CheckpointManager(self)
+        # the training state by named parts: what saves, resumes, rollbacks and replica recovery capture or restore
+        self.training_state = TrainingState(self)
 
     # ---- public read-only views ------------------------------------------------------------------
     @property
@@ -168,7 +170,8 @@ class Trainer(LightningViews):
     def current_epoch(self) -> int:
         """The epoch in progress (at its end, through validation and on_train_epoch_end, still that one)."""
         loop = self._fit_loop
-        return self.state.epoch - (loop is not None and loop.epoch_ending)
+        ending = None if loop is None else loop.ending_epoch
+        return self.state.epoch if ending is None else ending
 
     @property
     def step_loss(self) -> torch.Tensor | None:
@@ -392,6 +395,12 @@ class Trainer(LightningViews):
         return self.checkpoint_manager.folder
 
     # ---- small helpers ---------------------------------------------------------------------------
-    def _call(self, hook: str, *args: Any) -> None:
+    def call_callbacks(self, hook: str, *args: Any) -> None:
         """Every callback's `hook` (callbacks that define hooks of their own fire them through this)."""
         self._dispatch.callbacks(hook, *args)
+
+    def say_once(self, key: str, message: str) -> None:
+        """Rank zero's info line `message`, the first time this Trainer is asked with `key`."""
+        if key not in self._said_once:
+            self._said_once.add(key)
+            rank_zero_info(message)

@@ -79,14 +79,14 @@ def wrap_collectives() -> None:
         return forward_step(self, module, batch, batch_idx)
 
     Strategy.forward_step = marked
-    done = trainer.loop.fit_loop.FitLoop.done
+    goes_on = trainer.loop.fit_loop.FitLoop._goes_on
 
-    def marked_done(self):
-        stop = done(self)
-        events.append(["done", stop])
-        return stop
+    def marked_goes_on(self):  # the stop check between steps (its stop reasons polled)
+        go = goes_on(self)
+        events.append(["done", not go])
+        return go
 
-    trainer.loop.fit_loop.FitLoop.done = marked_done
+    trainer.loop.fit_loop.FitLoop._goes_on = marked_goes_on
     fake = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) if not k.startswith("_")})
     fake.time = lambda: clock.now
     trainer.loop.fit_loop.time = fake

@@ -27,12 +27,17 @@ from trainer.checkpoint import CheckpointError, run_folder, step_dir_name
 from trainer.checkpoint.layout import unfinished
 from trainer.checkpoint.weights import read_checkpoint
 from trainer.core.logging import log, rank_zero_info
-from trainer.core.rng import rng_state, set_rng_state
 from trainer.loggers.base import plain
 from trainer.module import not_plain
 
 if TYPE_CHECKING:
     from trainer.trainer import Trainer
+
+# The parts of the Trainer's `training_state` a checkpoint holds beside model and optimizer (which the
+# strategy writes, sharded as they are), in the order a resume loads them
+CHECKPOINT_PARTS = ("loop", "rng", "scheduler", "precision", "data", "strategy", "callbacks", "module")
+# What a rollback puts back beside model and optimizer: the data stream goes on, the loop counters are rewound
+ROLLBACK_PARTS = ("rng", "scheduler", "precision")
 
 
 class CheckpointManager:
@@ -195,17 +200,9 @@ class CheckpointManager:
         path = Path(path) if path is not None else self.path_for(trainer.global_step)
         if self.run_id is None:  # a save outside a fit (one process): a run of its own
             self.run_id = run_folder.new_run_id()
-        loop = trainer._fit_loop
         owner = {"run_id": self.run_id, "writer": self._writer or run_folder.this_writer()}
         state: dict[str, Any] = {
-            "loop": trainer.state.state_dict(),
-            "rng": trainer.strategy.all_gather_object(rng_state(), group="world"),
-            "scheduler": trainer.lr_scheduler.state_dict() if trainer.lr_scheduler is not None else {},
-            "precision": trainer.strategy.precision.state_dict(),
-            "data": loop.train_batches.state_dict() if loop is not None else {},
-            "callbacks": {cb.state_key: cb.state_dict() for cb in trainer.callbacks},
-            "strategy": trainer.strategy.state_dict(),
-            "module": {},
+            **trainer.training_state.capture(CHECKPOINT_PARTS),
             "hyper_parameters": plain(dict(trainer.module.hparams)),
             "hyper_parameters_not_saved": not_plain(trainer.module.hparams),
             "meta": {
@@ -215,8 +212,7 @@ class CheckpointManager:
                 **(meta or {}),
             },
         }
-        trainer.module.on_save_checkpoint(state["module"])
-        trainer._dispatch.callbacks("on_save_checkpoint", state)
+        trainer.training_state.saving(state)
         optimizer = None if weights_only else trainer.optimizer
         trainer.strategy.save_checkpoint(path, trainer.module, optimizer, state)
         return path
@@ -436,16 +432,9 @@ class CheckpointManager:
             )
         _refuse_weights_only(path, "rollback")
         state = trainer.strategy.load_checkpoint(path, trainer.module, trainer.optimizer)
-        loop = state["loop"]
-        trainer.state.global_step = loop["global_step"]
-        trainer.state.productive_s = loop.get("productive_s", 0.0)
-        trainer.state.restarts += 1
-        self._restore_rng(state)
-        self._restore_schedule(state)
-        fit = trainer._fit_loop
-        if fit is not None and fit.progress is not None:
-            fit.progress.reset(trainer.global_step)
-        trainer._dispatch.callbacks("on_load_checkpoint", state)
+        trainer.training_state.rewind_loop(state["loop"])
+        trainer.training_state.restore(state, ROLLBACK_PARTS)
+        trainer.training_state.loaded(state)
         return path
 
     def _restore(self, path: Path) -> None:
@@ -453,36 +442,8 @@ class CheckpointManager:
         trainer = self._trainer
         _refuse_weights_only(path, "fit")
         state = trainer.strategy.load_checkpoint(path, trainer.module, trainer.optimizer)
-        trainer.state.load_state_dict(state["loop"])
-        self._restore_rng(state)
-        self._restore_schedule(state)
-        trainer._fit_loop.train_batches.load_state_dict(state["data"])
-        trainer.strategy.load_state_dict(state.get("strategy", {}))
-        for cb in trainer.callbacks:
-            if cb.state_key in state["callbacks"]:
-                cb.load_state_dict(state["callbacks"][cb.state_key])
-        trainer.module.on_load_checkpoint(state["module"])
-        trainer._dispatch.callbacks("on_load_checkpoint", state)
-
-    def _restore_rng(self, state: dict[str, Any]) -> None:
-        """This rank's RNG streams as saved (rank 0's when the world size changed)."""
-        rngs, strategy = state["rng"], self._trainer.strategy
-        set_rng_state(rngs[strategy.global_rank] if len(rngs) == strategy.world_size else rngs[0])
-
-    def _restore_schedule(self, state: dict[str, Any]) -> None:
-        """The LR schedule's position and the gradient scaler, from a checkpoint's state."""
-        trainer = self._trainer
-        if trainer._schedule is not None:
-            # our schedule is rebuilt from this run's flags (a run may be extended); only its position is restored
-            trainer.lr_scheduler.load_state_dict(
-                {**state["scheduler"], "lr_lambdas": [None] * len(trainer.optimizer.param_groups)}
-            )
-            scheduler = trainer.lr_scheduler
-            for group, base in zip(trainer.optimizer.param_groups, scheduler.base_lrs, strict=True):
-                group["lr"] = base * trainer._schedule(scheduler.last_epoch)
-        elif state["scheduler"]:
-            trainer.lr_scheduler.load_state_dict(state["scheduler"])
-        trainer.strategy.precision.load_state_dict(state["precision"])
+        trainer.training_state.restore(state, CHECKPOINT_PARTS)
+        trainer.training_state.loaded(state)
 
 
 def _refuse_weights_only(path: Path, what: str) -> None:

@@ -159,9 +159,7 @@ class ReplicaGroup:
         if not vote:
             self.manager.report_error(RuntimeError("a callback skipped the optimizer step"))
         committed = self.manager.should_commit()
-        self.trainer._fit_metrics.add(
-            "train/replicas", float(self.participants), on_step=True, on_epoch=False
-        )
+        self.trainer.metrics.add("train/replicas", float(self.participants), on_step=True, on_epoch=False)
         return committed
 
     def shutdown(self) -> None:

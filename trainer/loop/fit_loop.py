@@ -53,7 +53,9 @@ class FitLoop:
         self.step_norm: torch.Tensor | None = None  # its gradients' norm, once computed
         self.skip_reason: str | None = None  # why a callback skips the step's update
         self.step_logged = False  # the step that just ran was logged: so is what on_train_batch_end logs
-        self.epoch_ending = False  # through the epoch's validation and on_train_epoch_end
+        self.ending_epoch: int | None = (
+            None  # the epoch ending, through its validation and on_train_epoch_end
+        )
         self.last_val_step: int | None = None
         self.started = 0.0  # time.time() when training started: max_time counts this fit
         self.start_step = 0
@@ -117,7 +119,7 @@ class FitLoop:
         if val_loader is not None and self._val_at_start_due():
             # the baseline the run's progress is read against
             eval_loop.validate_in_fit(trainer, self.module, val_loader)
-        while not self.done():
+        while self._goes_on():
             trainer._dispatch.all("on_train_epoch_start")
             if not self._epoch(epoch_len, val_every, meter):
                 if s.batches_in_epoch:  # stopped inside the epoch (max_steps or should_stop): it ends here
@@ -133,9 +135,11 @@ class FitLoop:
         trainer, s = self.trainer, self.trainer.state
         if s.batches_in_epoch == 0:
             raise ValueError("the train loader yielded no batches in an epoch; it must yield at least one")
-        s.epoch += 1  # counted now, so a checkpoint written in what follows resumes at the next epoch
+        # current_epoch still names the one ending, as in Lightning, while the count moves on now, so that a
+        # checkpoint written in what follows resumes at the next epoch
+        self.ending_epoch = s.epoch
+        s.epoch += 1
         s.batches_in_epoch = 0
-        self.epoch_ending = True  # ...while current_epoch still names the one ending, as in Lightning
         try:
             if (
                 self.val_loader is not None
@@ -145,14 +149,14 @@ class FitLoop:
                 eval_loop.validate_in_fit(trainer, self.module, self.val_loader)
             trainer._dispatch.train_epoch_end(lambda: step_log.log_epoch_metrics(trainer))
         finally:
-            self.epoch_ending = False
+            self.ending_epoch = None
         self.step_scheduler("epoch", s.epoch)  # after validation: ReduceLROnPlateau reads its metric
 
     def _epoch(self, epoch_len: int | None, val_every: int | None, meter: Throughput) -> bool:
         """Optimizer steps until the epoch's data runs out (True) or the run is done (False)."""
         trainer, s, module, val_loader = self.trainer, self.trainer.state, self.module, self.val_loader
         iterator = self.train_batches.begin(s.epoch, s.batches_in_epoch)
-        while not self.done():
+        while self._goes_on():
             # fault tolerance: this step's quorum; a group that took a peer's state reads on from its position
             if self.replicas is not None and self.replicas.start_step():
                 iterator = self.train_batches.begin(s.epoch, s.batches_in_epoch)
@@ -242,12 +246,11 @@ class FitLoop:
         called with no gradients) but updates nothing; what the window accumulated is dropped."""
         trainer = self.trainer
         s = trainer.state
-        if not trainer._warned_none_step:
-            trainer._warned_none_step = True
-            rank_zero_info(
-                f"training_step returned None at step {s.global_step + 1}: that optimizer step is skipped on "
-                "every rank (said once per run)"
-            )
+        trainer.say_once(
+            "training_step returned None",
+            f"training_step returned None at step {s.global_step + 1}: that optimizer step is skipped on "
+            "every rank (said once per run)",
+        )
         trainer.optimizer.zero_grad(set_to_none=True)
         s.global_step += 1
         s.skipped_steps += 1
@@ -292,9 +295,26 @@ class FitLoop:
         bad = ~torch.isfinite(loss.detach()) & torch.isinf(first)
         self.first_not_finite = torch.where(bad, torch.full_like(first, step), first)
 
+    @property
     def done(self) -> bool:
-        """Whether the fit stops before the next step: should_stop, max_steps, max_epochs, a Ctrl-C or
-        SIGTERM, max_time or the strategy's stop reason (a spent privacy budget), agreed by every rank."""
+        """Whether the fit stops before the next step: should_stop, max_steps or max_epochs (pure: the stop
+        reasons that come from outside, with the checkpoint they save, are `poll_stops`')."""
+        trainer, s = self.trainer, self.trainer.state
+        return (
+            trainer.should_stop
+            or (trainer.max_steps is not None and s.global_step >= trainer.max_steps)
+            or (trainer.max_epochs is not None and s.epoch >= trainer.max_epochs)
+        )
+
+    def _goes_on(self) -> bool:
+        """Before each step (and each epoch): the outside stop reasons polled, then whether the fit goes on."""
+        self.poll_stops()
+        return not self.done
+
+    def poll_stops(self) -> None:
+        """Between steps, where a checkpoint may be written: a Ctrl-C or SIGTERM, max_time or the strategy's
+        stop reason (a spent privacy budget), agreed by every rank (each calls it as often), set `should_stop`,
+        saving the last step first when a resume could go on from it."""
         trainer = self.trainer
         s = trainer.state
         if not trainer.should_stop and (number := self.signals.agreed(trainer.strategy.world_size)):
@@ -313,11 +333,6 @@ class FitLoop:
             else:
                 trainer.should_stop = True
                 rank_zero_info(f"stopping at step {s.global_step} before training: {reason}")
-        return (
-            trainer.should_stop
-            or (trainer.max_steps is not None and s.global_step >= trainer.max_steps)
-            or (trainer.max_epochs is not None and s.epoch >= trainer.max_epochs)
-        )
 
     def _stop_for_signal(self, number: int) -> None:
         """Every rank had a signal's word: a checkpoint of the last step when this fit trained one, then stop."""
