@@ -80,7 +80,11 @@ def test_what_the_user_chose_is_left_alone(make):
 
 def test_a_cpu_run_keeps_torchs_default(tmp_path):
     trainer = Trainer(
-        max_steps=2, enable_progress_bar=False, enable_checkpointing=False, default_root_dir=tmp_path
+        accelerator="cpu",  # "auto" would take a GPU where there is one
+        max_steps=2,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
     )
     trainer.fit(Regression(), regression_loader())
     assert [g["fused"] for g in trainer.optimizer.param_groups] == [None]

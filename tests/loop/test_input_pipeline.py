@@ -47,7 +47,7 @@ def test_a_user_s_dataloader_keeps_its_own_pin_memory_on_any_device(pin_memory):
 def test_a_cpu_fit_trains_on_the_token_loader_s_own_unpinned_batches(tmp_path):
     loader = token_loader(batch_size=4)
     expected = next(iter(token_loader(batch_size=4)))
-    trainer = fit(CausalLM(LLAMA), loader, tmp_path, steps=3)
+    trainer = fit(CausalLM(LLAMA), loader, tmp_path, steps=3, accelerator="cpu")
     assert loader.pin_memory is False
     first = trainer.first_train_batch
     assert first.keys() == expected.keys()
@@ -56,7 +56,7 @@ def test_a_cpu_fit_trains_on_the_token_loader_s_own_unpinned_batches(tmp_path):
 
 def test_a_cpu_fit_on_a_user_s_dataloader_leaves_it_alone(tmp_path):
     loader = DataLoader(regression_data(64), batch_size=8)
-    fit(Regression(), loader, tmp_path, steps=2)
+    fit(Regression(), loader, tmp_path, steps=2, accelerator="cpu")
     assert loader.pin_memory is False
 
 
