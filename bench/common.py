@@ -21,7 +21,7 @@ class StepClock(Callback):
     def __init__(self) -> None:
         self.stamps: list[float] = []
 
-    def on_train_batch_end(self, trainer, module, outputs) -> None:
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         self.stamps.append(time.perf_counter())
 
 
@@ -66,12 +66,12 @@ class Interleaved(Callback):
         self.startup_s: float | None = None
         self.last_step_end = 0.0
 
-    def on_train_batch_start(self, trainer, module, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer, module, batch, batch_idx: int) -> None:
         if self.startup_s is None:
             fetch = trainer.clock.totals["data"]  # the first step's batch, read since the strategy was built
             self.startup_s = time.perf_counter() - self.called_at - fetch
 
-    def on_train_batch_end(self, trainer, module, outputs) -> None:
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         start = time.perf_counter()
         if self.hand:
             self.trainer.append(start - self.last_step_end)

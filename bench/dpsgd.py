@@ -60,7 +60,7 @@ class Clock(Callback):
         self.stamps: list[tuple[float, float]] = []
         self.tracking = tracking
 
-    def on_train_batch_end(self, trainer, module, outputs) -> None:
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         self.tick()
 
     def tick(self) -> None:

@@ -79,7 +79,7 @@ class Clock(Callback):
         self.wall: list[float] = []
         self.cpu: list[float] = []
 
-    def on_train_batch_end(self, trainer, module, outputs):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.wall.append(time.perf_counter())
         self.cpu.append(time.process_time())
 
@@ -100,14 +100,14 @@ class Drill(Callback):
         self.seen: list[int] = []
         self.back_at: int | None = None
 
-    def on_train_batch_start(self, trainer, module, batch_idx):
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
         n = trainer._fit_loop.replicas.participants
         dropped = any(a > b for a, b in zip(self.seen[:-1], self.seen[1:], strict=True))
         if self.back_at is None and (self.rejoining or (dropped and n > self.seen[-1])):
             self.back_at = trainer.global_step
         self.seen.append(n)
 
-    def on_train_batch_end(self, trainer, module, outputs):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         step = trainer.global_step - 1
         row = {"t": time.time(), "step": step, "n": self.seen[-1], "committed": not outputs["skipped"]}
         self.file.write(json.dumps(row) + "\n")

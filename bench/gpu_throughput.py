@@ -218,7 +218,9 @@ def fit_trainer(module: CausalLM, loader: DataLoader, clock: StepClock, **speed_
     """This project's Trainer on one device, nothing but the step: no checkpoints, loggers or bar."""
 
     class Clock(Callback):
-        def on_train_batch_end(self, trainer: Trainer, module: Any, outputs: dict[str, Any]) -> None:
+        def on_train_batch_end(
+            self, trainer: Trainer, module: Any, outputs: dict[str, Any], batch: Any, batch_idx: int
+        ) -> None:
             clock.stamp(outputs["loss"])
 
     with tempfile.TemporaryDirectory() as root:  # the always-on JSONL metrics file goes here

@@ -162,7 +162,9 @@ def run_ours(args: argparse.Namespace) -> None:
     stamps = Stamps(args.result)
 
     class Clock(Callback):
-        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any) -> None:
+        def on_train_batch_end(
+            self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int
+        ) -> None:
             stamps.stamp()
 
     with tempfile.TemporaryDirectory() as root:

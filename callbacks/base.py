@@ -54,8 +54,12 @@ class Callback:
     def on_train_epoch_end(self, trainer: Trainer, module: TrainModule) -> None:
         """At the end of each training epoch, after its end-of-epoch validation."""
 
-    def on_train_batch_start(self, trainer: Trainer, module: TrainModule, batch_idx: int) -> None:
-        """Before the micro-batches of an optimizer step; `batch_idx` is the first one's index in the epoch."""
+    def on_train_batch_start(self, trainer: Trainer, module: TrainModule, batch: Any, batch_idx: int) -> None:
+        """Before the micro-batches of an optimizer step: `batch` is the first of them (the only one without
+        accumulation), `batch_idx` its index in the epoch."""
+
+    def on_before_backward(self, trainer: Trainer, module: TrainModule, loss: torch.Tensor) -> None:
+        """Before the backward of each micro-batch's `loss` (as `training_step` returned it)."""
 
     def on_after_backward(self, trainer: Trainer, module: TrainModule) -> None:
         """Gradients of the whole step are accumulated, synced and normalised: `.grad` is the gradient of the
@@ -72,8 +76,11 @@ class Callback:
     ) -> None:
         """The optimizer stepped; its gradients are about to be cleared."""
 
-    def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: dict[str, Any]) -> None:
-        """After the optimizer step (and validation, when it was due); outputs["loss"] is the step's loss."""
+    def on_train_batch_end(
+        self, trainer: Trainer, module: TrainModule, outputs: dict[str, Any], batch: Any, batch_idx: int
+    ) -> None:
+        """After the optimizer step (and validation, when it was due); outputs["loss"] is the step's loss,
+        `batch` and `batch_idx` as on_train_batch_start had them."""
 
     def on_validation_start(self, trainer: Trainer, module: TrainModule) -> None:
         """Before a validation loop."""
@@ -94,30 +101,50 @@ class Callback:
         """After the sanity check; nothing it logged was kept."""
 
     def on_validation_batch_start(
-        self, trainer: Trainer, module: TrainModule, batch: Any, batch_idx: int
+        self, trainer: Trainer, module: TrainModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
         """Before `validation_step` of each batch."""
 
     def on_validation_batch_end(
-        self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int
+        self,
+        trainer: Trainer,
+        module: TrainModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
     ) -> None:
         """After `validation_step`; `outputs` is what it returned."""
 
-    def on_test_batch_start(self, trainer: Trainer, module: TrainModule, batch: Any, batch_idx: int) -> None:
+    def on_test_batch_start(
+        self, trainer: Trainer, module: TrainModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         """Before `test_step` of each batch."""
 
     def on_test_batch_end(
-        self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int
+        self,
+        trainer: Trainer,
+        module: TrainModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
     ) -> None:
         """After `test_step`; `outputs` is what it returned."""
 
     def on_predict_batch_start(
-        self, trainer: Trainer, module: TrainModule, batch: Any, batch_idx: int
+        self, trainer: Trainer, module: TrainModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
         """Before `predict_step` of each batch."""
 
     def on_predict_batch_end(
-        self, trainer: Trainer, module: TrainModule, outputs: Any, batch: Any, batch_idx: int
+        self,
+        trainer: Trainer,
+        module: TrainModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
     ) -> None:
         """After `predict_step`; `outputs` is its prediction."""
 

@@ -217,7 +217,9 @@ class ModelCheckpoint(Callback):
     def on_train_end(self, trainer: Trainer, module: TrainModule) -> None:
         self._training = False
 
-    def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: dict[str, Any]) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, module: TrainModule, outputs: dict[str, Any], batch: Any, batch_idx: int
+    ) -> None:
         if self.auto_interval and self.every_n_steps is None and self._saves:
             self._step_ends.append(time.monotonic())
             if len(self._step_ends) == AUTO_FIRST_SAVE_STEP:

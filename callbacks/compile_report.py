@@ -26,7 +26,9 @@ class CompileReport(Callback):
     def on_fit_start(self, trainer: Trainer, module: TrainModule) -> None:
         self._seen = {str(m.compile_id) for m in _compilation_metrics()}  # compiled before this fit
 
-    def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: dict[str, Any]) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, module: TrainModule, outputs: dict[str, Any], batch: Any, batch_idx: int
+    ) -> None:
         if self._first or trainer.global_step % trainer.log_every_n_steps == 0:
             self._report(trainer, module)
 

@@ -307,7 +307,9 @@ class GPUHealthMonitor(Callback):
         )
         self._thread.start()
 
-    def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: dict[str, Any]) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, module: TrainModule, outputs: dict[str, Any], batch: Any, batch_idx: int
+    ) -> None:
         if self._reader is None or trainer.global_step % self.check_every_n_steps:
             return
         reading, level, reasons = self._latest  # replaced whole by the poll thread, so no lock is needed

@@ -40,7 +40,9 @@ class LearningRateMonitor(Callback):
     def on_before_optimizer_step(self, trainer: Trainer, module: TrainModule, optimizer: Any) -> None:
         self._lrs = [group["lr"] for group in optimizer.param_groups]  # the rate this step uses
 
-    def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: dict[str, Any]) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, module: TrainModule, outputs: dict[str, Any], batch: Any, batch_idx: int
+    ) -> None:
         every = self.every_n_steps or trainer.log_every_n_steps
         if self._interval(trainer) == "step" and trainer.global_step % every == 0:
             trainer.log_metrics(self._stats(trainer, self._lrs))

@@ -105,7 +105,9 @@ class NaNGuard(Callback):
             )
         trainer.log_metrics({"nan_guard/skipped_steps": self.skipped})
 
-    def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: dict[str, Any]) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, module: TrainModule, outputs: dict[str, Any], batch: Any, batch_idx: int
+    ) -> None:
         if self.rollback_after is None or self.bad_in_a_row < self.rollback_after:
             return
         if self.rollbacks >= self.max_rollbacks:

@@ -263,7 +263,9 @@ class Profiler(Callback):
         self._prof.start()
         self._after_step(trainer)
 
-    def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: dict[str, Any]) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, module: TrainModule, outputs: dict[str, Any], batch: Any, batch_idx: int
+    ) -> None:
         prof = self._prof
         if prof is None:
             return

@@ -48,7 +48,9 @@ class StragglerDetector(Callback):
     def on_fit_start(self, trainer: Trainer, module: TrainModule) -> None:
         self._maybe_start_window(trainer)
 
-    def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: dict[str, Any]) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, module: TrainModule, outputs: dict[str, Any], batch: Any, batch_idx: int
+    ) -> None:
         if trainer.global_step % self.every_n_steps == 0 and self._start is not None:
             self._check(trainer)
         self._maybe_start_window(trainer)

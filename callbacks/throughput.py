@@ -62,7 +62,9 @@ class ThroughputMonitor(Callback):
             self._excluded_s += time.perf_counter() - self._val_started
             self._val_started = None
 
-    def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: dict[str, Any]) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, module: TrainModule, outputs: dict[str, Any], batch: Any, batch_idx: int
+    ) -> None:
         every = self.log_every_n_steps or trainer.log_every_n_steps
         step = trainer.global_step
         if step % every and step != trainer.max_steps:

@@ -66,10 +66,12 @@ class Timer(Callback):
     def _on_signal(self, number: int, frame: Any) -> None:
         self.received = signal.Signals(number).name  # acted on between steps, never inside one
 
-    def on_train_batch_start(self, trainer: Trainer, module: TrainModule, batch_idx: int) -> None:
+    def on_train_batch_start(self, trainer: Trainer, module: TrainModule, batch: Any, batch_idx: int) -> None:
         self._step_started = time.monotonic()
 
-    def on_train_batch_end(self, trainer: Trainer, module: TrainModule, outputs: dict[str, Any]) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, module: TrainModule, outputs: dict[str, Any], batch: Any, batch_idx: int
+    ) -> None:
         now = time.monotonic()
         self._longest_step = max(self._longest_step, now - self._step_started)
         late = (

@@ -92,6 +92,8 @@ class Strategy:
         self.compile: str | None = None  # a torch.compile mode, or None: eager
         self._expert_modules: list[nn.Module] = []  # the model's, recorded by prepare_blocks
         self.checkpoint_io: CheckpointIO = WholeFiles()  # the layout it writes
+        # the fit's on_before_backward hooks (callbacks', then the module's), set by the fit loop
+        self.before_backward: Callable[[torch.Tensor], None] | None = None
 
     # ---- set-up ----------------------------------------------------------------------------------
     def configure(
@@ -304,10 +306,9 @@ class Strategy:
             return self.call_step(module, "training_step", batch, batch_idx)
 
     def backward_step(self, module: nn.Module, loss: torch.Tensor, weight: Any) -> None:
-        """The module's `on_before_backward(loss)`, then the backward of `loss` x `weight`, timed."""
-        hook = getattr(module, "on_before_backward", None)
-        if hook is not None:
-            hook(loss)
+        """The fit's `before_backward(loss)` hooks, then the backward of `loss` x `weight`, timed."""
+        if self.before_backward is not None:
+            self.before_backward(loss)
         with self.clock.phase("backward"):
             self.backward(loss if isinstance(weight, float) and weight == 1.0 else loss * weight)
 

@@ -212,7 +212,7 @@ class StopAt(Callback):
     def __init__(self, step: int) -> None:
         self.step = step
 
-    def on_train_batch_end(self, trainer, module, outputs):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         if trainer.global_step == self.step:
             trainer.save_and_stop("test interruption")
 

@@ -117,10 +117,12 @@ class TrainModule(nn.Module):
     def on_validation_epoch_end(self) -> None:
         """After the last validation batch; what you log here is part of the loop's metrics."""
 
-    def on_validation_batch_start(self, batch: Any, batch_idx: int) -> None:
+    def on_validation_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         """Before `validation_step` of each batch (already on the device)."""
 
-    def on_validation_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_validation_batch_end(
+        self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         """After `validation_step`; `outputs` is what it returned."""
 
     def on_validation_model_eval(self) -> None:
@@ -131,10 +133,10 @@ class TrainModule(nn.Module):
         """Puts the model back in training mode when a validation inside training ends."""
         self.train()
 
-    def on_test_batch_start(self, batch: Any, batch_idx: int) -> None:
+    def on_test_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         """Before `test_step` of each batch."""
 
-    def on_test_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_test_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         """After `test_step`; `outputs` is what it returned."""
 
     def on_test_model_eval(self) -> None:
@@ -145,10 +147,10 @@ class TrainModule(nn.Module):
         """Puts the model back in training mode after a test loop that began in training mode."""
         self.train()
 
-    def on_predict_batch_start(self, batch: Any, batch_idx: int) -> None:
+    def on_predict_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         """Before `predict_step` of each batch."""
 
-    def on_predict_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_predict_batch_end(self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         """After `predict_step`; `outputs` is its prediction."""
 
     def on_predict_model_eval(self) -> None:

@@ -135,7 +135,7 @@ class Probe(Callback):
         self.seen: dict[str, Any] = {}
         self.saved_state: dict[str, Any] = {}
 
-    def on_train_batch_start(self, trainer, module, batch_idx):
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
         if trainer.global_step == 2:  # step 3 starts after step 2's save returned
             writing = self.disk.started[STEP2].wait(GUARD_S)  # the background writer reached the disk
             staged = sorted(self.ckpt_dir.glob(f".tmp-{STEP2}-*/dcp"))  # named for its owner: one
@@ -146,7 +146,7 @@ class Probe(Callback):
                 "in progress": trainer.strategy.checkpoint_in_progress,
             }
 
-    def on_train_batch_end(self, trainer, module, outputs):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         step = trainer.global_step
         if step == 2:  # what step 2's checkpoint must hold, read from the live model and optimizer
             named = dict(module.named_parameters())

@@ -35,7 +35,7 @@ def test_model_checkpoint_with_monitor_keeps_the_best_and_the_newest(tmp_path):
     class ScriptedMetric(Callback):
         scores = {2: 5.0, 4: 1.0, 6: 3.0, 8: 4.0, 10: 6.0}
 
-        def on_train_batch_end(self, trainer, module, outputs):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             if trainer.global_step in self.scores:
                 trainer.callback_metrics["score"] = self.scores[trainer.global_step]
 
@@ -302,7 +302,7 @@ def test_model_checkpoint_with_monitor_keeps_the_best_by_mode_and_the_newest(tmp
     class ScriptedMetric(Callback):
         scores = {2: 5.0, 4: 1.0, 6: 9.0, 8: 4.0, 10: 2.0}
 
-        def on_train_batch_end(self, trainer, module, outputs):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             if trainer.global_step in self.scores:
                 trainer.callback_metrics["score"] = self.scores[trainer.global_step]
 
@@ -402,7 +402,7 @@ def test_monitor_ranks_scores_near_the_largest_float(tmp_path):
     class ScriptedMetric(Callback):
         scores = {2: 1.0e308, 4: 1.5e308, 6: 0.0}
 
-        def on_train_batch_end(self, trainer, module, outputs):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             if trainer.global_step in self.scores:
                 trainer.callback_metrics["score"] = self.scores[trainer.global_step]
 

@@ -62,7 +62,7 @@ class Tick(Callback):
     def __init__(self, clock: FakeClock, step_s: float, save_s: float) -> None:
         self.clock, self.step_s, self.save_s = clock, step_s, save_s
 
-    def on_train_batch_end(self, trainer, module, outputs):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.clock.advance(self.step_s)
 
     def on_save_checkpoint(self, trainer, module, checkpoint):

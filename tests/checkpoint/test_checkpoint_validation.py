@@ -71,7 +71,7 @@ class PoisonAfter(Callback):
     def __init__(self, step: int) -> None:
         self.step = step
 
-    def on_train_batch_end(self, trainer, module, outputs):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         if trainer.global_step == self.step:
             with torch.no_grad():
                 module.net[0].weight.fill_(float("nan"))

@@ -22,7 +22,7 @@ class Poison(Callback):
         self.steps, self.what, self.value = set(steps), what, value
         self.before, self.after = {}, {}
 
-    def on_train_batch_start(self, trainer, module, batch_idx):
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
         self.before[trainer.global_step + 1] = [p.detach().clone() for p in module.parameters()]
 
     def on_after_backward(self, trainer, module):
@@ -33,7 +33,7 @@ class Poison(Callback):
             else:
                 trainer.step_loss = trainer.step_loss * self.value
 
-    def on_train_batch_end(self, trainer, module, outputs):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.after[trainer.global_step] = [p.detach().clone() for p in module.parameters()]
 
 
@@ -100,7 +100,7 @@ class Steps(Callback):
     def __init__(self):
         self.taken = 0
 
-    def on_train_batch_end(self, trainer, module, outputs):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.taken += 1
 
 

@@ -14,7 +14,7 @@ class CrashAt(Callback):
     def __init__(self, step: int) -> None:
         self.step = step
 
-    def on_train_batch_end(self, trainer, module, outputs):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         if trainer.global_step == self.step:
             raise KeyboardInterrupt(f"simulated interruption at step {self.step}")
 
@@ -91,7 +91,7 @@ def test_deterministic_applies_during_the_run_and_is_restored_after(tmp_path):
     seen = []
 
     class Probe(Callback):
-        def on_train_batch_end(self, trainer, module, outputs):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             seen.append(torch.are_deterministic_algorithms_enabled())
 
     assert not torch.are_deterministic_algorithms_enabled()

@@ -101,10 +101,10 @@ class Recorder(Callback):
         # nothing draws from the RNG between here and the epoch's `iter(loader)` (the shuffle)
         self.epoch_start_rng = torch.get_rng_state()
 
-    def on_train_batch_start(self, trainer, module, batch_idx):
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
         self.starts.append(snapshot(trainer, module))
 
-    def on_train_batch_end(self, trainer, module, outputs):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.ends.append(snapshot(trainer, module))
 
 

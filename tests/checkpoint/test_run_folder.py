@@ -69,7 +69,7 @@ class FitInside(Callback):
     def __init__(self, root: Path) -> None:
         self.root, self.refused = root, None
 
-    def on_train_batch_end(self, trainer, module, outputs):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         if trainer.global_step == 2 and self.refused is None:
             try:
                 run(self.root, 4)
@@ -107,7 +107,7 @@ class HoldUntil(Callback):
     def __init__(self) -> None:
         self.reached, self.release = threading.Event(), threading.Event()
 
-    def on_train_batch_end(self, trainer, module, outputs):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         if trainer.global_step == 2:
             self.reached.set()
             self.release.wait()
@@ -256,7 +256,7 @@ class ArmAt(Callback):
     def __init__(self, disk: FullDiskAt, step: int) -> None:
         self.disk, self.step = disk, step
 
-    def on_train_batch_end(self, trainer, module, outputs):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.disk.armed = trainer.global_step >= self.step
 
 

@@ -48,7 +48,7 @@ class Listing(Callback):
     def __init__(self, folder: Path) -> None:
         self.folder, self.seen = folder, {}
 
-    def on_train_batch_end(self, trainer, module, outputs):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.seen[trainer.global_step] = listing(self.folder)
 
 

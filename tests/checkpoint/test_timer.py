@@ -26,7 +26,7 @@ class SendSignal(Callback):
     def __init__(self, step, signum):
         self.step, self.signum = step, signum
 
-    def on_train_batch_start(self, trainer, module, batch_idx):
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
         if trainer.global_step + 1 == self.step:
             os.kill(os.getpid(), self.signum)  # arrives in the middle of the step
 
@@ -56,7 +56,7 @@ class Takes(Callback):
     def __init__(self, clock: FakeClock, seconds: float) -> None:
         self.clock, self.seconds = clock, seconds
 
-    def on_train_batch_end(self, trainer, module, outputs):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.clock.advance(self.seconds)
 
 

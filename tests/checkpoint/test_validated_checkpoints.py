@@ -120,7 +120,7 @@ class Listing(Callback):
     def __init__(self, root):
         self.root, self.seen = root, {}
 
-    def on_train_batch_end(self, trainer, module, outputs):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.seen[trainer.global_step] = listing(self.root)
 
 
@@ -175,7 +175,7 @@ def test_time_based_checkpoints_wait_for_the_interval(tmp_path, monkeypatch):
     class TwentyFiveSecondSteps(
         Callback
     ):  # listed first: the step's time has passed when the save is decided
-        def on_train_batch_end(self, trainer, module, outputs):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             clock.advance(25.0)
 
     every_minute = ModelCheckpoint(every_n_minutes=1, save_top_k=-1, save_last=False)
@@ -292,7 +292,7 @@ class OwnSaveThenKilled(Callback):
     def __init__(self, step, path) -> None:
         self.step, self.path = step, path
 
-    def on_train_batch_end(self, trainer, module, outputs):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         if trainer.global_step == self.step:
             trainer.save_checkpoint(self.path)
             raise KeyboardInterrupt("killed")

@@ -14,7 +14,7 @@ class StepStarts(Callback):
     def __init__(self) -> None:
         self.seen: list[tuple[int, int]] = []
 
-    def on_train_batch_start(self, trainer, module, batch_idx):
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
         self.seen.append((trainer.current_epoch, batch_idx))
 
 

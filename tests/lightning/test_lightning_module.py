@@ -168,7 +168,7 @@ def test_a_training_step_returning_none_skips_that_update_and_is_said_once(tmp_p
     before: list[torch.Tensor] = []
 
     class Weights(Callback):
-        def on_train_batch_start(self, trainer, module, batch_idx):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
             before.append(module.net[0].weight.detach().clone())
 
     trainer = Trainer(max_steps=4, default_root_dir=tmp_path, callbacks=[Weights()], **quiet())

@@ -67,7 +67,7 @@ class AppliedLR(Callback):
         self._before = [p.detach().clone() for p in module.parameters()]
         self._grads = [p.grad.detach().clone() for p in module.parameters()]
 
-    def on_train_batch_end(self, trainer, module, outputs):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         delta = torch.cat(
             [(b - p.detach()).flatten() for b, p in zip(self._before, module.parameters(), strict=True)]
         )

@@ -72,7 +72,7 @@ class PerSampleValidation(Regression):
 
 
 class LossOnFirstBatch(Callback):
-    def on_train_batch_end(self, trainer, module, outputs):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         trainer.loss_on(trainer.first_train_batch)
 
 

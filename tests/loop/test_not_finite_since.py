@@ -14,7 +14,7 @@ class Since(Callback):
     def __init__(self) -> None:
         self.seen: list[int | None] = []
 
-    def on_train_batch_end(self, trainer, module, outputs):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.seen.append(trainer.not_finite_since())
 
 

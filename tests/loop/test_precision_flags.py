@@ -118,7 +118,7 @@ class Recorder(Callback):
     def __init__(self, kept: list) -> None:
         self.kept = kept
 
-    def on_train_batch_end(self, trainer, module, outputs):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.kept.append(outputs["skipped"])
 
 

@@ -32,7 +32,7 @@ class Snapshots(Callback):
     def __init__(self) -> None:
         self.after: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 
-    def on_train_batch_end(self, trainer, module, outputs):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.after[trainer.global_step] = (params(module.a), params(module.b))
 
 

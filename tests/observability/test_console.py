@@ -40,7 +40,7 @@ SCRIPT = textwrap.dedent(
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     class Warns(Callback):
-        def on_train_batch_end(self, trainer, module, outputs):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
             if trainer.global_step == 1:  # the bar has just been drawn
                 logging.getLogger("trainer").warning("a warning in the middle of the epoch")
 

@@ -26,7 +26,7 @@ class ThreeSecondStalls(Callback):
     def __init__(self, clock: FakeClock) -> None:
         self.clock = clock
 
-    def on_train_batch_end(self, trainer, module, outputs):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.clock.advance(3.0)
 
 

@@ -179,7 +179,7 @@ class AtStep(Callback):
     def __init__(self, step: int, action) -> None:
         self.step, self.action = step, action
 
-    def on_train_batch_end(self, trainer, module, outputs):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         if trainer.global_step == self.step:
             self.action()
 

@@ -61,7 +61,7 @@ class Stall(Callback):
     def __init__(self, clock: FakeClock) -> None:
         self.clock = clock
 
-    def on_train_batch_end(self, trainer, module, outputs):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.clock.advance(STALL_S)
 
 

@@ -216,7 +216,7 @@ def test_a_run_shorter_than_wait_and_warmup_writes_nothing(root: Path) -> None:
 
 
 class Boom(Callback):
-    def on_train_batch_end(self, trainer, module, outputs):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         if trainer.global_step == 3:
             raise RuntimeError("boom at step 3")
 

@@ -105,10 +105,10 @@ class SkipsOnce(CausalLM):
 
 
 class StepMarks(Callback):
-    def on_train_batch_start(self, trainer, module, batch_idx):
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
         events.append(["step_start", trainer.global_step])
 
-    def on_train_batch_end(self, trainer, module, outputs):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         events.append(["step_end", trainer.global_step, outputs["skipped"]])
 
 

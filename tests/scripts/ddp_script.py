@@ -30,7 +30,7 @@ class AllReduceCounter(Callback):
 
         trainer.strategy.model.register_comm_hook(trainer.strategy.dp_group, counting)
 
-    def on_train_batch_end(self, trainer, module, outputs):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.per_step.append(self._count)
         self._count = 0
 

@@ -24,7 +24,7 @@ class Misbehave(Callback):
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
 
-    def on_train_batch_end(self, trainer, module, outputs):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         a, rank, step = self.args, trainer.strategy.global_rank, trainer.global_step
         if (rank != a.bad_rank and not a.every_rank) or step != a.bad_step:
             return
@@ -45,7 +45,7 @@ class Misbehave(Callback):
         ):
             next(module.parameters()).grad.fill_(float("nan"))
 
-    def on_train_batch_start(self, trainer, module, batch_idx):
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
         """--kill-steps a,b: SIGKILL rank --bad-rank before step a in the first attempt, b in the second."""
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         kills = [int(k) for k in self.args.kill_steps.split(",")] if self.args.kill_steps else []

@@ -45,7 +45,7 @@ class PlacementProbe(Callback):
             grad_devices=self._devices(p.grad for p in module.parameters() if p.grad is not None),
         )
 
-    def on_train_batch_end(self, trainer, module, outputs):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         if "state_devices" not in self.report:
             states = trainer.optimizer.state.values()
             self.report["state_devices"] = self._devices(
@@ -63,7 +63,7 @@ class MemoryProbe(Callback):
         if self.grads is None:
             self.grads = trainer.strategy.memory_report(module, optimizer).__dict__
 
-    def on_train_batch_end(self, trainer, module, outputs):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         if self.states is None:
             self.states = trainer.strategy.memory_report(module, trainer.optimizer).__dict__
 

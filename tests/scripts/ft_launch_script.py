@@ -38,11 +38,11 @@ class StepLog(Callback):
         self.path, self.root, self.args = path, root, args
         self.first: int | None = None
 
-    def on_train_batch_start(self, trainer, module, batch_idx):
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
         self.first = trainer.global_step if self.first is None else self.first
         time.sleep(self.args.step_sleep)  # a heavier step: the test's signals land mid-run, not after it
 
-    def on_train_batch_end(self, trainer, module, outputs):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         row = {
             "step": trainer.global_step - 1,
             "committed": not outputs["skipped"],

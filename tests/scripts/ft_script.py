@@ -62,7 +62,7 @@ class Drill(Callback):
         self.position = 0
         self.log = None  # ROOT/steps-rank{r}.jsonl, opened at the first step (the rank is known then)
 
-    def on_train_batch_start(self, trainer, module, batch_idx):
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
         if self.log is None:
             self.log = open(Path(self.args.root) / f"steps-rank{trainer.global_rank}.jsonl", "a")
         replicas = trainer._fit_loop.replicas
@@ -89,7 +89,7 @@ class Drill(Callback):
         """Only rank --kill-rank of the group dies (under torchrun its agent then restarts the whole group)."""
         return trainer.global_rank == self.args.kill_rank
 
-    def on_train_batch_end(self, trainer, module, outputs):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         row = {
             "step": trainer.global_step - 1,
             "committed": not outputs["skipped"],

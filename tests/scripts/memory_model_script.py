@@ -40,7 +40,7 @@ class SettleBeforeStep(Callback):
     last collective it ran (it keeps them until its next one: DDP's broadcast of the weights, ZeRO-1's
     last gather). What a step then holds is the step's own tensors, which is what the model predicts."""
 
-    def on_train_batch_start(self, trainer, module, batch_idx):
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
         gc.collect()
         if dist.is_initialized():
             dist.barrier()

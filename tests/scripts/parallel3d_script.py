@@ -51,7 +51,7 @@ class SavedActivations(Callback):
         self.bytes: int | None = None
         self._hooks = None
 
-    def on_train_batch_start(self, trainer, module, batch_idx):
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
         if self.bytes is not None:
             return
         seen: dict[int, int] = {}

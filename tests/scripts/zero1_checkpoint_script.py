@@ -47,7 +47,7 @@ class SaveAndMeasure(Callback):
     def __init__(self, at: list[int]) -> None:
         self.at, self.peaks = at, {}
 
-    def on_train_batch_end(self, trainer, module, outputs):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         if trainer.global_step in self.at:
             before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
             trainer.save_checkpoint()

@@ -82,6 +82,7 @@ class FitLoop:
         trainer, module, val_loader = self.trainer, self.module, self.val_loader
         dispatch = trainer._dispatch
         began = time.time()
+        trainer.strategy.before_backward = lambda loss: dispatch.step("on_before_backward", (loss,))
         self.setup_optimizer()
         trainer.checkpoint_manager.claim(ckpt_path)
         resume_from = trainer.checkpoint_manager.resume(ckpt_path)
@@ -172,7 +173,7 @@ class FitLoop:
                 outputs = self._optimizer_step(window, meter, started)
                 if val_loader is not None and val_every and s.global_step % val_every == 0:
                     eval_loop.validate_in_fit(trainer, module, val_loader)
-                trainer._dispatch.step("on_train_batch_end", (outputs,), (outputs, window[0], first_idx))
+                trainer._dispatch.step("on_train_batch_end", (outputs, window[0], first_idx))
             finally:
                 trainer._step_hooks = False
             self._end_step()
@@ -192,7 +193,7 @@ class FitLoop:
         )
         if self.first_train_batch is None:
             self.first_train_batch = window[0]
-        dispatch.step("on_train_batch_start", (s.batches_in_epoch,), (window[0], s.batches_in_epoch))
+        dispatch.step("on_train_batch_start", (window[0], s.batches_in_epoch))
         for batch in window:
             samples, tokens = meter.count(batch)
             s.samples_seen += samples

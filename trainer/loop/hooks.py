@@ -49,9 +49,9 @@ class HookDispatcher:
         for cb in monitors:
             cb.on_train_epoch_end(trainer, trainer.module)
 
-    def step(self, hook: str, args: tuple = (), module_args: tuple | None = None) -> None:
-        """A hook that runs every step, in `all`'s order (the module gets `module_args` where its signature
-        differs); the callbacks and module that leave it as the base class's no-op are skipped."""
+    def step(self, hook: str, args: tuple = ()) -> None:
+        """A hook that runs every step, in `all`'s order; the callbacks and module that leave it as the base
+        class's no-op are skipped."""
         trainer = self.trainer
         module = trainer.module
         key = (module, *trainer.callbacks)
@@ -60,7 +60,7 @@ class HookDispatcher:
         for cb in callbacks:
             getattr(cb, hook)(trainer, module, *args)
         if module_too:
-            getattr(module, hook)(*(args if module_args is None else module_args))
+            getattr(module, hook)(*args)
 
     def _find_owners(self, key: tuple, hook: str) -> tuple[list[Callback], bool]:
         """The callbacks that implement `hook`, and whether the module does; remembered until the module or
