@@ -27,7 +27,8 @@ from torch import nn
 
 from strategies.base import StepOutput, unpack_loss
 from strategies.mesh import MeshStrategy
-from strategies.privacy.accounting import PrivacyAccountant, compute_epsilon, find_noise_multiplier
+from strategies.privacy.accounting import PrivacyAccountant, compute_epsilon
+from strategies.privacy.calibration import find_noise_multiplier
 from strategies.privacy.per_sample import CLIPPINGS, MODES, PerSampleGradients
 from strategies.privacy.poisson_data import batch_length, poisson_loader, split_batch
 from trainer import flags
