@@ -9,68 +9,27 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from strategies.checkpoint_io import LAYOUTS, CheckpointIO, layout_of
+from strategies.checkpoint_io import CheckpointIO, read_checkpoint
 from strategies.checkpoint_io.sharded_state import ShardedState
 from strategies.checkpoint_io.whole_files import WholeFiles
 from strategies.collectives import check_reduce_op
+from strategies.gradients import _grads, scale_
 from strategies.parallel_dims import check_group_name
+from strategies.step_output import StepOutput, combine_micro_batches, unpack_loss
 from strategies.step_skip import DECLARATION, may_return_none
 from strategies.techniques.activation_checkpointing import check_mode, checkpoint_blocks, transformer_blocks
 from strategies.techniques.compile_blocks import compile_units
 from strategies.techniques.ep.experts import expert_modules, update_expert_biases
-from trainer import checkpoint as ckpt
-from trainer.core.dtensors import local_part
 from trainer.core.precision import Precision
 from trainer.core.timing import PhaseClock
 from trainer.core.tree import apply_to_tensors
 from trainer.data.distributed import shard_loader
-
-
-@dataclass
-class StepOutput:
-    """What one micro-batch's forward+backward produced: the (unscaled, detached) loss and its token count."""
-
-    loss: torch.Tensor
-    num_tokens: torch.Tensor | None = None
-
-
-def unpack_loss(output: Any, method: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The loss (and optional "num_tokens") from what a *_step returned; a clear error if there is none."""
-    num_tokens = None
-    if isinstance(output, dict):
-        num_tokens = output.get("num_tokens")
-        output = output.get("loss")
-    if callable(getattr(output, "full_tensor", None)):  # a DTensor loss (tensor parallel): its value
-        output = output.full_tensor()
-    if not isinstance(output, torch.Tensor) or output.numel() != 1:
-        raise TypeError(
-            f"{method} returned {type(output).__name__}; allowed: a scalar loss tensor or a dict with a 'loss' scalar tensor"
-        )
-    if num_tokens is not None:
-        num_tokens = torch.as_tensor(num_tokens, dtype=torch.float32, device=output.device)
-    return (output.reshape(()) if output.dim() else output), num_tokens
-
-
-def combine_micro_batches(outputs: list[StepOutput]) -> StepOutput:
-    """One step's loss over its micro-batches: token-weighted when they report num_tokens, else their mean."""
-    counts = [o.num_tokens for o in outputs]
-    if len(outputs) == 1:
-        return outputs[0]
-    if all(c is None for c in counts):
-        return StepOutput(torch.stack([o.loss for o in outputs]).float().mean())
-    if any(c is None for c in counts):
-        raise ValueError(
-            "training_step returned 'num_tokens' for some micro-batches but not others; return it always or never"
-        )
-    n = torch.stack(counts)
-    return StepOutput((torch.stack([o.loss.float() for o in outputs]) * n).sum() / n.sum(), n.sum())
 
 
 class Strategy:
@@ -490,27 +449,7 @@ class Strategy:
     ) -> dict[str, Any]:
         """Load model (and optimizer) in place from `path`; returns the rest of the saved state. A
         one-line error names a layout this strategy cannot read and those it can."""
-        path = Path(path)
-        layout, readers = layout_of(path), self.checkpoint_readers()
-        if layout not in readers:
-            reads = " or ".join(LAYOUTS[name] for name in readers)
-            raise ckpt.CheckpointError(
-                f"checkpoint '{path}' was {LAYOUTS[layout]}; this {type(self).__name__} reads checkpoints "
-                f"{reads}: resume with one of those (any world size), or `trainer export` its weights"
-            )
-        return readers[layout](path, module, optimizer)
+        return read_checkpoint(Path(path), module, optimizer, self.checkpoint_readers(), type(self).__name__)
 
     def teardown(self) -> None:
         """Release processes groups and devices."""
-
-
-def _grads(module: nn.Module) -> list[torch.Tensor]:
-    return [p.grad for p in module.parameters() if p.grad is not None]
-
-
-def scale_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
-    """Multiply `tensors` in place by the scalar `factor`, in one fused op over this rank's values: a scalar
-    scales each shard, replica and pending partial sum of a DTensor alike, so the op needs none of DTensor's
-    sharding propagation (uncached on each new mesh: most of a small model's first step) nor one op per mesh."""
-    if tensors:  # (a foreach op refuses an empty list: a step without gradients)
-        torch._foreach_mul_([local_part(t) for t in tensors], factor)

@@ -13,13 +13,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from strategies.base import StepOutput, combine_micro_batches
 from strategies.checkpoint_io.zero1_slices import Zero1Slices
 from strategies.memory_report import MemoryReport, measure
 from strategies.mesh import MeshStrategy
 from strategies.meta_init import materialize
 from strategies.parallel_dims import ParallelDims
 from strategies.parallelize import Parallelized, ParallelOptions, parallelize
+from strategies.step_output import StepOutput, combine_micro_batches
 from strategies.techniques.cp.attention import check_sequence
 from strategies.techniques.pp.stages import V_SHAPED, check_layers_per_stage
 from strategies.techniques.zero1.sliced_parameters import SlicedParameters

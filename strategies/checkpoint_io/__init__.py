@@ -4,6 +4,7 @@ it can (`Strategy.checkpoint_io`, `Strategy.checkpoint_readers`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -68,3 +69,22 @@ def checked_state(path: Path) -> dict[str, Any]:
     state = ckpt.load_torch_file(path / ckpt.STATE_FILE)
     ckpt.check_step(path, state)
     return state
+
+
+def read_checkpoint(
+    path: Path,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    readers: dict[str, Callable[..., dict[str, Any]]],
+    reader_name: str,
+) -> dict[str, Any]:
+    """Load `path` in place with the reader of its layout among `readers` (Strategy.checkpoint_readers); a
+    one-line error names a layout `reader_name` cannot read and those it can."""
+    layout = layout_of(path)
+    if layout not in readers:
+        reads = " or ".join(LAYOUTS[name] for name in readers)
+        raise ckpt.CheckpointError(
+            f"checkpoint '{path}' was {LAYOUTS[layout]}; this {reader_name} reads checkpoints "
+            f"{reads}: resume with one of those (any world size), or `trainer export` its weights"
+        )
+    return readers[layout](path, module, optimizer)

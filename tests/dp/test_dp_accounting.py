@@ -10,8 +10,10 @@ from opacus.accountants import PRVAccountant, RDPAccountant
 from opacus.accountants.analysis import rdp as opacus_rdp
 from opacus.accountants.utils import get_noise_multiplier
 
-from strategies.privacy import accounting as dp_accounting
-from strategies.privacy.accounting import PrivacyAccountant, compute_epsilon, find_noise_multiplier
+from strategies.privacy.accounting import PrivacyAccountant, compute_epsilon
+from strategies.privacy.calibration import find_noise_multiplier
+from strategies.privacy.prv import PRV_EPS_ERROR, _prv_epsilon
+from strategies.privacy.rdp import DEFAULT_ORDERS
 
 # Opacus warns when the best order is the first or last of its grid; that is expected on part of the grid
 pytestmark = pytest.mark.filterwarnings("ignore:Optimal order:UserWarning")
@@ -61,7 +63,7 @@ def test_rdp_epsilon_matches_opacus_within_1_percent(sigma, q, steps, delta):
 
 @pytest.mark.parametrize("sigma,steps", [(0.7, 1), (1.3, 50)])
 def test_rdp_of_the_unsampled_gaussian_is_alpha_over_two_sigma_squared(sigma, steps):
-    orders = dp_accounting.DEFAULT_ORDERS
+    orders = DEFAULT_ORDERS
     expected = min(
         steps * a / (2 * sigma**2) + math.log((a - 1) / a) - (math.log(1e-5) + math.log(a)) / (a - 1)
         for a in orders
@@ -75,7 +77,7 @@ def test_prv_epsilon_matches_opacus_and_is_tighter_than_rdp(sigma, q, steps, del
     assert ours == pytest.approx(opacus_prv_epsilon([(sigma, q, steps)], delta), rel=0.02)
     rdp = compute_epsilon(sigma, q, steps, delta, accountant="rdp")
     # the numerical bound on its own (before the min with RDP) is within 1% of RDP at worst ...
-    assert dp_accounting._prv_epsilon([(sigma, q, steps)], delta) <= 1.01 * rdp
+    assert _prv_epsilon([(sigma, q, steps)], delta) <= 1.01 * rdp
     # ... and on these typical settings clearly tighter
     assert ours < 0.95 * rdp
 
@@ -84,7 +86,7 @@ def test_prv_is_never_above_rdp():
     # a tiny epsilon: the numerical bound is dominated by its eps_error (0.01) and RDP is tighter
     sigma, q, steps, delta = 2.0, 0.01, 10, 0.01
     rdp = compute_epsilon(sigma, q, steps, delta, accountant="rdp")
-    assert dp_accounting._prv_epsilon([(sigma, q, steps)], delta) > rdp > 0
+    assert _prv_epsilon([(sigma, q, steps)], delta) > rdp > 0
     assert compute_epsilon(sigma, q, steps, delta, accountant="prv") == rdp
 
 
@@ -94,7 +96,7 @@ def test_prv_bounds_the_exact_epsilon_of_the_gaussian_mechanism(sigma, steps, de
     # epsilon is known exactly; PRV returns an upper bound at most two eps_errors above it
     exact = gaussian_epsilon(math.sqrt(steps) / sigma, delta)
     ours = compute_epsilon(sigma, 1.0, steps, delta, accountant="prv")
-    assert exact <= ours <= exact + 2 * dp_accounting.PRV_EPS_ERROR
+    assert exact <= ours <= exact + 2 * PRV_EPS_ERROR
 
 
 def test_prv_stays_an_upper_bound_where_fft_rounding_reaches_delta():

@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, Subset
 
 from callbacks import Callback
 from strategies import SingleDeviceStrategy
-from strategies.base import StepOutput
+from strategies.step_output import StepOutput
 from trainer import Trainer
 
 

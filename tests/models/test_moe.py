@@ -15,16 +15,10 @@ from strategies import SingleDeviceStrategy
 from trainer.config import ConfigError, build_llama_config, load_recipe
 from trainer.models.causal_lm import CausalLM
 from trainer.models.llama import Llama, LlamaConfig
-from trainer.models.moe import (
-    GroupedExperts,
-    MoE,
-    MoEConfig,
-    Router,
-    grouped_mm,
-    grouped_mm_loop,
-    grouped_mm_supported,
-    moe_stats,
-)
+from trainer.models.moe import MoE, moe_stats
+from trainer.models.moe_config import MoEConfig
+from trainer.models.moe_experts import GroupedExperts, grouped_mm, grouped_mm_loop, grouped_mm_supported
+from trainer.models.moe_router import Router
 
 
 def make_moe(dim: int = 16, seed: int = 0, **overrides: object) -> MoE:

@@ -1,5 +1,5 @@
 """Preference pairs -> DataLoaders for DPO (HFModule(task="dpo")): {"prompt", "chosen", "rejected"} records,
-each response encoded after its prompt exactly as SFT encodes a prompt/response pair (trainer.data.hf_data).
+each response encoded after its prompt exactly as SFT encodes a prompt/response pair (hf_encoding.py).
 
 A batch is {"chosen_input_ids", "chosen_attention_mask", "chosen_labels", "rejected_input_ids",
 "rejected_attention_mask", "rejected_labels"}, LongTensor[B, T]: both halves padded to one width T (so the
@@ -16,17 +16,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.data import DataLoader
 
-from trainer.data.hf_data import (
-    PadCollator,
-    _check_columns,
-    _check_settings,
-    _Encoder,
-    _load_tokenizer,
-    _loader,
-    _pad_id,
-    _splits,
-    load_hf_dataset,
-)
+from trainer.data.hf_collate import PadCollator, _pad_id
+from trainer.data.hf_data import _check_settings, _load_tokenizer, _loader
+from trainer.data.hf_datasets import _splits, load_hf_dataset
+from trainer.data.hf_encoding import _Encoder
+from trainer.data.hf_labels import _check_columns
 from trainer.data.rows import TEXT, check_rows
 
 if TYPE_CHECKING:

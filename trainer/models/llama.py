@@ -16,11 +16,11 @@ from torch import nn
 
 from trainer.models.moe import (
     MoE,
-    MoEConfig,
     moe_layers,
     moe_stats,
     summed_extra_loss,
 )
+from trainer.models.moe_config import MoEConfig
 
 
 @dataclass

@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, get_schedule_class
 
-from strategies.base import StepOutput, combine_micro_batches, unpack_loss
+from strategies.step_output import StepOutput, combine_micro_batches, unpack_loss
 
 
 class _Stage(PipelineStage):
