@@ -58,7 +58,7 @@ MODULE_HOOKS = [
 ]  # fmt: skip
 CALLBACK_HOOKS = [
     "setup", "on_fit_start", "on_sanity_check_start", "on_sanity_check_end", "on_train_start",
-    "on_train_epoch_start", "on_train_batch_start", "on_after_backward", "on_before_optimizer_step",
+    "on_train_epoch_start", "on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
     "on_before_zero_grad", "on_train_batch_end", "on_train_epoch_end", "on_train_end", "on_fit_end",
     "on_validation_start", "on_validation_epoch_start", "on_validation_batch_start",
     "on_validation_batch_end", "on_validation_epoch_end", "on_validation_end", "on_test_start",
