@@ -429,18 +429,20 @@ class HFModule(TrainModule):
                 )
 
     def on_fit_end(self) -> None:
-        """With `load_best_model_at_end`, the best good checkpoint's weights into the module (every rank)."""
+        """With `load_best_model_at_end`, the weights of the ModelCheckpoint's `best_model_path` (its best good
+        checkpoint: of equal scores the older, as `ckpt_path="best"`) into the module (every rank)."""
         if not self.load_best_model_at_end:
             return
         saver = self.trainer.checkpoint_callback
-        best = _best_checkpoint(saver)
-        if best is None:
+        path = saver.best_model_path
+        if not path:
             rank_zero_info(
                 f"load_best_model_at_end: no good checkpoint scored by {saver.monitor}; kept the last weights"
             )
             return
-        path, score = best
-        self.trainer.checkpoint_manager.load_model(Path(path))  # verified against its manifest first
+        # verified against its manifest first
+        self.trainer.checkpoint_manager.load_model(Path(path))
+        score = float(saver.best_model_score)
         rank_zero_info(f"load_best_model_at_end: loaded {path} ({saver.monitor} {score:.6g})")
 
     @classmethod
@@ -670,23 +672,6 @@ def _num_labels(labels: Sequence[str] | None, num_labels: int | None, task: str)
             f"labels={names!r} with num_labels={num_labels!r}; allowed: distinct class names, as many as num_labels"
         )
     return len(names)
-
-
-def _best_checkpoint(saver: Any) -> tuple[str, float] | None:
-    """(path, score) of the best good checkpoint a ModelCheckpoint with `monitor` kept, or None."""
-    path = getattr(saver, "best_model_path", None)  # Lightning's attributes, where ModelCheckpoint has them
-    if path:
-        return str(path), float(getattr(saver, "best_model_score", float("nan")))
-    scored = [
-        c
-        for c in getattr(saver, "saved", ())
-        if c["good"] and c["score"] is not None and Path(c["path"]).is_dir()
-    ]
-    if not scored:
-        return None
-    sign = 1.0 if saver.mode == "min" else -1.0
-    best = min(scored, key=lambda c: (sign * c["score"], -c["step"]))
-    return best["path"], float(best["score"])
 
 
 def _wrap_lora(model: nn.Module, lora: dict[str, Any], task: str) -> nn.Module:
