@@ -123,17 +123,11 @@ class ModelCheckpoint(Callback):
         validate_budget: float | None = 0.02,
         on_save_error: str = "stop",
     ) -> None:
-        self.every_n_steps, self.every_n_minutes, self.every_n_epochs, self.auto_interval = (
-            schedule.intervals(
-                monitor,
-                every_n_steps,
-                every_n_train_steps,
-                every_n_minutes,
-                train_time_interval,
-                every_n_epochs,
-                mtbf_hours,
-            )
+        steps, minutes, self.auto_interval = schedule.intervals(
+            every_n_steps, every_n_train_steps, every_n_minutes, train_time_interval, mtbf_hours
         )
+        self.every_n_epochs = schedule.epochs(every_n_epochs, monitor, steps, minutes)
+        self.every_n_steps, self.every_n_minutes = steps, minutes
         if isinstance(save_top_k, bool) or not isinstance(save_top_k, int) or save_top_k < -1:
             raise ValueError(
                 f"save_top_k={save_top_k!r} is invalid; allowed: -1 (keep all), 0 (none) or an int >= 1"
@@ -148,10 +142,8 @@ class ModelCheckpoint(Callback):
         self._requested = Path(dirpath) if dirpath is not None else None  # the base of each fit's folder
         self.dirpath = self._requested
         self.filename = names.check_template(filename)
-        self.auto_insert_metric_name, self.enable_version_counter = (
-            auto_insert_metric_name,
-            enable_version_counter,
-        )
+        self.auto_insert_metric_name = auto_insert_metric_name
+        self.enable_version_counter = enable_version_counter
         self.verbose, self.save_weights_only = verbose, save_weights_only
         self.save_on_train_epoch_end = save_on_train_epoch_end
         self.save_last, self.save_top_k = save_last, save_top_k

@@ -17,16 +17,14 @@ if TYPE_CHECKING:
 
 
 def intervals(
-    monitor: str | None,
     every_n_steps: int | str | None,
     every_n_train_steps: int | None,
     every_n_minutes: float | None,
     train_time_interval: datetime.timedelta | None,
-    every_n_epochs: int | None,
     mtbf_hours: float | None,
-) -> tuple[int | None, float | None, int, bool]:
-    """(every_n_steps, every_n_minutes, every_n_epochs, whether every_n_steps is "auto": None until the
-    first save of each fit decides it), each given once under either name; a one-line ValueError otherwise."""
+) -> tuple[int | None, float | None, bool]:
+    """(every_n_steps, every_n_minutes, whether every_n_steps is "auto": None until the first save of
+    each fit decides it), each given once under either name; a one-line ValueError otherwise."""
     every_n_steps = _one_of(
         "every_n_steps", every_n_steps, "every_n_train_steps", every_n_train_steps or None
     )
@@ -38,6 +36,14 @@ def intervals(
         every_n_steps = None
     flags.check_int("every_n_steps", every_n_steps, 1, allow_none=True)
     flags.check_number("every_n_minutes", every_n_minutes, 0, strict=True, allow_none=True)
+    return every_n_steps, every_n_minutes, auto
+
+
+def epochs(
+    every_n_epochs: int | None, monitor: str | None, every_n_steps: int | None, every_n_minutes: float | None
+) -> int:
+    """`every_n_epochs`, never with a step or time interval (a one-line ValueError); None: Lightning's
+    default, every epoch for a monitored metric without a step or time interval, else never (0)."""
     flags.check_int("every_n_epochs", every_n_epochs, 0, allow_none=True)
     if every_n_epochs and (every_n_steps or every_n_minutes):
         raise ValueError(
@@ -45,9 +51,8 @@ def intervals(
             "every_n_epochs, every_n_train_steps/every_n_steps, train_time_interval/every_n_minutes"
         )
     if every_n_epochs is None:
-        # Lightning's default: with no step or time interval, a monitored metric is saved every epoch
-        every_n_epochs = int(monitor is not None and not every_n_steps and not every_n_minutes)
-    return every_n_steps, every_n_minutes, every_n_epochs, auto
+        return int(monitor is not None and not every_n_steps and not every_n_minutes)
+    return every_n_epochs
 
 
 def young_daly(
