@@ -56,7 +56,7 @@ def test_the_manager_owns_the_folder_the_fit_claimed_and_lists_only_this_runs_ch
     assert manager.run_id == trained.run_id is not None
     foreign_copy(folder / "step-00000006", folder / "step-00000008")
     own = manager.own(folder)
-    assert [(Path(c["path"]).name, c["step"], c["good"]) for c in own] == [
+    assert [(c.path.name, c.step, c.good) for c in own] == [
         ("step-00000002", 2, True),
         ("step-00000004", 4, True),
         ("step-00000006", 6, True),

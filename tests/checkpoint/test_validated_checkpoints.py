@@ -339,6 +339,7 @@ class SlowValidation(Regression):
 def test_validation_stays_within_its_time_budget_and_reports_its_cost(tmp_path, monkeypatch, caplog, budget):
     clock = FakeClock()
     fake_time(monkeypatch, "callbacks.checkpoint", clock, "monotonic")
+    fake_time(monkeypatch, "callbacks.checkpoint_validation", clock, "monotonic")
     saver = ModelCheckpoint(every_n_steps=2, save_top_k=-1, validate_budget=budget)
     with caplog.at_level(logging.INFO, logger="trainer"):
         fit(SlowValidation(clock), regression_loader(), tmp_path, 12, val_loader=regression_loader(8),

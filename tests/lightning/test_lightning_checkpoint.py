@@ -143,7 +143,7 @@ def test_monitor_without_an_interval_saves_after_each_validation_and_keeps_the_t
     assert len(cb.best_k_models) == 2 and cb.best_model_score == min(scores)
     assert Path(cb.best_model_path).name.startswith("epoch=") and Path(cb.best_model_path).is_dir()
     assert cb.kth_best_model_path in cb.best_k_models and cb.kth_best_model_path != cb.best_model_path
-    assert cb.last_model_path == max(cb.saved, key=lambda c: c["step"])["path"]  # the newest, kept
+    assert cb.last_model_path == str(max(cb.saved, key=lambda c: c.step).path)  # the newest, kept
     assert cb.state_dict()["best_model_path"] == cb.best_model_path
     # validation and test read the same batches: the best checkpoint tests at its validation score
     tested = trainer.test(module, regression_loader(n=32), ckpt_path="best")["test_loss"]
@@ -200,7 +200,7 @@ def test_save_checkpoint_with_a_file_name_writes_that_directory_and_says_so(tmp_
 def test_weights_only_checkpoints_load_but_do_not_resume(tmp_path):
     cb = ModelCheckpoint(save_weights_only=True, save_top_k=1)
     trainer, module = fit(tmp_path, 1, cb)
-    (saved,) = [c["path"] for c in cb.saved]
+    (saved,) = [str(c.path) for c in cb.saved]
     assert not (Path(saved) / ckpt.OPTIMIZER_FILE).exists()
     assert Lit.load_from_checkpoint(saved).state_dict().keys() == module.state_dict().keys()
     with pytest.raises(ckpt.CheckpointError, match="holds the weights only .save_weights_only.: fit cannot"):

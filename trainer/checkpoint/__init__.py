@@ -11,8 +11,9 @@ another run is never replaced. The pieces, in this folder: layout.py (names, met
 files.py (hashed safetensors/torch files), staging.py (the write-and-rename protocol, setting aside),
 verify.py (the gate every load passes) with integrity.py (the block hashes) and safe_dcp.py (pickle-free DCP
 reading), weights.py (a checkpoint's full weights in one process), run_folder.py (which folder a fit
-writes, its lock), manager.py (the one owner of a run's checkpoint folders) and export.py; callers use the
-first four through this name space. The manager imports the callbacks: it is imported by its own path
+writes, its lock), records.py (SavedCheckpoint, and the one rule for which checkpoint is best), manager.py
+(the one owner of a run's checkpoint folders) and export.py; callers use the first four through this name
+space. The manager imports the callbacks: it is imported by its own path
 (trainer.checkpoint.manager), never from here.
 """
 

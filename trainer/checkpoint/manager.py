@@ -25,6 +25,7 @@ from callbacks.checkpoint import ModelCheckpoint
 from trainer import checkpoint as ckpt
 from trainer.checkpoint import CheckpointError, run_folder, step_dir_name
 from trainer.checkpoint.layout import unfinished
+from trainer.checkpoint.records import SavedCheckpoint, best_first
 from trainer.checkpoint.weights import read_checkpoint
 from trainer.core.logging import log, rank_zero_info
 from trainer.loggers.base import plain
@@ -111,8 +112,8 @@ class CheckpointManager:
         """Where the checkpoint of `step` goes in `folder` (default: the run's)."""
         return (self.folder if folder is None else Path(folder)) / step_dir_name(step)
 
-    def own(self, folder: Path) -> list[dict[str, Any]]:
-        """{"path", "step", "score", "good", "pending"} of each completed checkpoint of this run in `folder`,
+    def own(self, folder: Path) -> list[SavedCheckpoint]:
+        """Each completed checkpoint of this run in `folder` (its step and score as meta.json records them),
         oldest first: those whose meta.json names this run's id (a resumed run's earlier saves), never
         ones of another run or from another folder. Good: validated, or never awaiting validation."""
         own = []
@@ -124,8 +125,7 @@ class CheckpointManager:
             if meta.get("run_id") is None or meta.get("run_id") != self.run_id:
                 continue
             good = (path / ckpt.VALIDATED_FILE).exists() or not meta.get("pending_validation")
-            own.append({"path": str(path), "step": meta["step"], "score": meta.get("score"), "good": good})
-            own[-1]["pending"] = not good
+            own.append(SavedCheckpoint(path, meta["step"], meta.get("score"), good))
         return own
 
     @staticmethod
@@ -138,27 +138,22 @@ class CheckpointManager:
     ) -> tuple[Path | None, list[str]]:
         """(the checkpoint `which` names in the run's folder, verified, or None; one line per newer or
         better one skipped and why). "last": the newest good one (of a step < `before_step`); "best": this
-        run's good one with the best score meta.json records (`mode` "min"/"max"; of equal ones the
-        older); unscored ones are not candidates."""
+        run's good one with the best score meta.json records, by records.best_first (`mode` "min"/"max";
+        of equal ones the older, as ModelCheckpoint's best_model_path); unscored ones are not candidates."""
         if which == "last":
             return self._last_good(self.folder, before_step)
         if which != "best" or mode not in ("min", "max"):
             raise ValueError(
                 f"resolve({which!r}, mode={mode!r}); allowed: 'last' or 'best', mode 'min' or 'max'"
             )
-        sign = 1.0 if mode == "min" else -1.0
-        scored = [c for c in self.own(self.folder) if c["good"] and c["score"] is not None]
         skipped = []
-        for entry in sorted(
-            scored, key=lambda c: (sign * c["score"], c["step"])
-        ):  # ties: the older, as Lightning
-            path = Path(entry["path"])
-            if before_step is not None and entry["step"] >= before_step:
+        for entry in best_first(self.own(self.folder), mode):
+            if before_step is not None and entry.step >= before_step:
                 continue
-            why = self.verify(path, allow_unverified=self._trainer.allow_unverified_checkpoints)
+            why = self.verify(entry.path, allow_unverified=self._trainer.allow_unverified_checkpoints)
             if why is None:
-                return path, skipped
-            skipped.append(f"{path.name}: {why}")
+                return entry.path, skipped
+            skipped.append(f"{entry.path.name}: {why}")
         return None, skipped
 
     def verify(self, path: Path, validated: bool = True, allow_unverified: bool = False) -> str | None:

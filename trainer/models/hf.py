@@ -12,8 +12,6 @@ one per token with -100 ignored, or the decoder's target ids, which the model sh
 
 from __future__ import annotations
 
-import copy
-import fnmatch
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -26,39 +24,14 @@ from torch import nn
 
 from trainer.core.logging import rank_zero_info
 from trainer.data.hf_data import padding_id
-from trainer.models import hf_adapters, hf_dpo, hf_init, hf_metrics
+from trainer.models import hf_adapters, hf_build, hf_dpo, hf_export, hf_init, hf_metrics
+from trainer.models.hf_build import TASKS
 from trainer.models.hf_packing import packed_inputs
 from trainer.models.hf_tokenizer import load_tokenizer
 from trainer.module import TrainModule
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
-
-TASKS = ("causal-lm", "seq-classification", "token-classification", "seq2seq", "dpo")
-# the Auto class of each task, and the task type PEFT gives the model it wraps
-_AUTO = {
-    "causal-lm": "AutoModelForCausalLM",
-    "seq-classification": "AutoModelForSequenceClassification",
-    "token-classification": "AutoModelForTokenClassification",
-    "seq2seq": "AutoModelForSeq2SeqLM",
-    "dpo": "AutoModelForCausalLM",  # a causal LM trained on preference pairs (trainer.models.hf_dpo)
-}
-_MAPPINGS = {
-    "causal-lm": "MODEL_FOR_CAUSAL_LM_MAPPING",
-    "seq-classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING",
-    "token-classification": "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING",
-    "seq2seq": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING",
-    "dpo": "MODEL_FOR_CAUSAL_LM_MAPPING",
-}
-_PEFT_TASK_TYPE = {
-    "causal-lm": "CAUSAL_LM",
-    "seq-classification": "SEQ_CLS",
-    "token-classification": "TOKEN_CLS",
-    "seq2seq": "SEQ_2_SEQ_LM",
-    "dpo": "CAUSAL_LM",
-}
-_WRAPPER_PREFIX = "_checkpoint_wrapped_module."  # what activation checkpointing inserts in names
-_PEFT_PREFIX = "base_model.model."  # what PEFT puts before the wrapped model's own names
 
 
 class HFModule(TrainModule):
@@ -125,11 +98,11 @@ class HFModule(TrainModule):
             isinstance(num_labels, bool) or not isinstance(num_labels, int) or num_labels < 1
         ):
             raise ValueError(f"num_labels={num_labels!r} is invalid; allowed: an int >= 1 or None")
-        num_labels = _num_labels(labels, num_labels, task)
+        num_labels = hf_build.checked_num_labels(labels, num_labels, task)
         self.task, self.lr, self.weight_decay, self.betas = task, lr, weight_decay, tuple(betas)
         self._metrics = hf_metrics.EvalCollector(hf_metrics.resolve(metrics))
         self.load_best_model_at_end = bool(load_best_model_at_end)
-        self.model, missing = _build(model, task, num_labels)
+        self.model, missing = hf_build.build(model, task, num_labels)
         self._base = hf_adapters.base_identity(model, self.model.config, hash_weights=lora is not None)
         self.tokenizer = load_tokenizer(tokenizer, model)
         self._configure_head(labels)
@@ -140,7 +113,7 @@ class HFModule(TrainModule):
         if task == "dpo":
             if isinstance(beta, bool) or not isinstance(beta, (int, float)) or beta <= 0:
                 raise ValueError(f"beta={beta!r} is invalid; allowed: a number > 0")
-            given = None if reference is None else _build(reference, task, None)[0]
+            given = None if reference is None else hf_build.build(reference, task, None)[0]
             self.reference = hf_dpo.reference_model(self.model, given, lora=self.lora is not None)
             hf_dpo.keep_reference_out_of_checkpoints(self)
         elif reference is not None:
@@ -148,8 +121,8 @@ class HFModule(TrainModule):
                 f"reference= is DPO's reference model; allowed: it with task='dpo', not {task!r}"
             )
         if self.lora is not None:
-            self.model = _wrap_lora(self.model, self.lora, task)
-        self._freeze(freeze)
+            self.model = hf_build.wrap_lora(self.model, self.lora, task)
+        hf_build.freeze(self.model, freeze)
         # what configure_model draws again under the Trainer's seed, and how it was as built
         self._fresh = fresh
         self._fresh_print = hf_init.fingerprint(self._fresh_tensors())
@@ -381,21 +354,6 @@ class HFModule(TrainModule):
         ]
         return torch.optim.AdamW([g for g in groups if g["params"]], lr=self.lr, betas=self.betas)
 
-    # ---- freezing --------------------------------------------------------------------------------
-    def _freeze(self, patterns: Sequence[str]) -> None:
-        patterns = [patterns] if isinstance(patterns, str) else list(patterns)
-        named = list(self.model.named_parameters())
-        for pattern in patterns:
-            hits = [p for name, p in named if _matches(name, pattern)]
-            if not hits:
-                sample = ", ".join(name for name, _ in named[:4])
-                raise ValueError(
-                    f"freeze pattern {pattern!r} matches no parameter; names look like: {sample}, ... "
-                    f"({len(named)} in all)"
-                )
-            for p in hits:
-                p.requires_grad_(False)
-
     # ---- export ----------------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """What `trainer export CHECKPOINT OUT` needs to rebuild this model from the checkpoint's weights
@@ -429,18 +387,20 @@ class HFModule(TrainModule):
                 )
 
     def on_fit_end(self) -> None:
-        """With `load_best_model_at_end`, the best good checkpoint's weights into the module (every rank)."""
+        """With `load_best_model_at_end`, the weights of the ModelCheckpoint's `best_model_path` (its best good
+        checkpoint: of equal scores the older, as `ckpt_path="best"`) into the module (every rank)."""
         if not self.load_best_model_at_end:
             return
         saver = self.trainer.checkpoint_callback
-        best = _best_checkpoint(saver)
-        if best is None:
+        path = saver.best_model_path
+        if not path:
             rank_zero_info(
                 f"load_best_model_at_end: no good checkpoint scored by {saver.monitor}; kept the last weights"
             )
             return
-        path, score = best
-        self.trainer.checkpoint_manager.load_model(Path(path))  # verified against its manifest first
+        # verified against its manifest first
+        self.trainer.checkpoint_manager.load_model(Path(path))
+        score = float(saver.best_model_score)
         rank_zero_info(f"load_best_model_at_end: loaded {path} ({saver.monitor} {score:.6g})")
 
     @classmethod
@@ -489,229 +449,4 @@ class HFModule(TrainModule):
         written as PEFT's adapter_config.json + adapter_model.safetensors, which
         `peft.PeftModel.from_pretrained(base, out_dir)` loads. Sharded (FSDP) weights are gathered to
         rank 0, so call it on every rank then; rank 0 writes. Returns `out_dir`."""
-        if not merged and self.lora is None:
-            raise ValueError(
-                "save_pretrained(merged=False) writes LoRA adapters, and this HFModule has none; allowed: merged=True"
-            )
-        out_dir = Path(out_dir)
-        sharded = _is_sharded(self)
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        if sharded:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-            # a collective: every rank sends its shards, rank 0 alone receives the full tensors (on CPU)
-            full = get_model_state_dict(
-                self, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-            )
-            state = {k[len("model.") :]: v for k, v in full.items() if k.startswith("model.")}
-        else:
-            state = self.model.state_dict()
-        if rank == 0 and not merged:
-            state = {k.replace(_WRAPPER_PREFIX, ""): v for k, v in state.items()}
-            hf_adapters.write_adapter(self.model, state, out_dir)
-            if self.tokenizer is not None:
-                self.tokenizer.save_pretrained(out_dir)
-        elif rank == 0:
-            self._write(out_dir, state, max_shard_size)
-        if sharded:
-            torch.distributed.barrier()  # no rank returns before the files are there
-        return out_dir
-
-    def _write(self, out_dir: Path, state: dict[str, torch.Tensor], max_shard_size: int | str) -> None:
-        """Rebuild the model's structure on the meta device, give it `state` (and the live model's
-        buffers, which no state dict holds), merge LoRA and save."""
-        if self.lora is not None:  # merging adds to the base weights in place: never the live ones
-            state = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
-        base = self.hf_model()
-        with torch.device("meta"):
-            skeleton: nn.Module = type(base)(copy.deepcopy(base.config))
-            if self.lora is not None:
-                adapter = self.model.active_adapter
-                skeleton = hf_adapters.peft_wrap(skeleton, copy.deepcopy(self.model.peft_config[adapter]))
-        missing, unexpected = skeleton.load_state_dict(state, strict=False, assign=True)
-        if unexpected:
-            raise RuntimeError(
-                f"save_pretrained: weights the model does not have: {', '.join(unexpected[:5])}"
-            )
-        live = {name.replace(_WRAPPER_PREFIX, ""): b for name, b in self.model.named_buffers()}
-        for name, buffer in list(skeleton.named_buffers()):
-            if buffer.is_meta and name in live:
-                owner, _, leaf = name.rpartition(".")
-                skeleton.get_submodule(owner)._buffers[leaf] = live[name].detach().clone()
-        hf = skeleton.get_base_model() if self.lora is not None else skeleton
-        hf.tie_weights()  # loading by assignment unties tied weights (a shared embedding and head)
-        if self.lora is not None:
-            hf = skeleton.merge_and_unload()
-        left = [n for n, t in [*hf.named_parameters(), *hf.named_buffers()] if t.is_meta]
-        if left:
-            raise RuntimeError(
-                f"save_pretrained: no value for {', '.join(left[:5])} (missing: {missing[:5]})"
-            )
-        hf.save_pretrained(out_dir, max_shard_size=max_shard_size)
-        if self.tokenizer is not None:
-            self.tokenizer.save_pretrained(out_dir)
-
-
-# ---- building ------------------------------------------------------------------------------------
-def _auto(task: str) -> Any:
-    import transformers
-
-    return getattr(transformers, _AUTO[task])
-
-
-def _mapping(task: str) -> Any:
-    from transformers.models.auto import modeling_auto
-
-    return getattr(modeling_auto, _MAPPINGS[task])
-
-
-def _model_class(task: str, config: Any) -> type | None:
-    """The class `task`'s Auto class builds for `config`, or None if it builds none."""
-    try:
-        return _mapping(task)[type(config)]
-    except KeyError:
-        return None
-
-
-def _can_do(task: str, config: Any) -> bool:
-    """`task`'s Auto class builds a model for `config`; for "causal-lm" it must also attend causally: an
-    encoder that can be a decoder (BERT, RoBERTa) declares `is_decoder`, False unless set, and would
-    otherwise see the very tokens it is to predict."""
-    if _model_class(task, config) is None:
-        return False
-    return task not in ("causal-lm", "dpo") or getattr(config, "is_decoder", True) is not False
-
-
-def _check_task(task: str, config: Any, name: str | None = None) -> None:
-    if _can_do(task, config):
-        return
-    able = [t for t in TASKS if _can_do(t, config)]
-    kind = getattr(config, "model_type", None) or type(config).__name__
-    what = f"a {name} ({kind!r})" if name else f"a {kind!r} model"
-    why = (
-        " (an encoder: set config.is_decoder=True to train it causally)" if _model_class(task, config) else ""
-    )
-    raise ValueError(
-        f"{what} cannot do task {task!r}{why}; allowed tasks for it: "
-        f"{', '.join(map(repr, able)) if able else 'none of ' + ', '.join(map(repr, TASKS))}"
-    )
-
-
-def _build(model: Any, task: str, num_labels: int | None) -> tuple[nn.Module, list[str] | None]:
-    """The model, and the names of its randomly initialised weights (None: all of them)."""
-    from transformers import PretrainedConfig
-
-    if isinstance(model, (str, os.PathLike)):
-        path = Path(model)
-        if not path.exists():
-            raise FileNotFoundError(
-                f"model path '{path}' does not exist; allowed: a local folder written by save_pretrained"
-            )
-        if not (path / "config.json").is_file():
-            raise ValueError(
-                f"model path '{path}' has no config.json; allowed: a local folder written by save_pretrained"
-            )
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
-        _check_task(task, config)
-        extra = {} if num_labels is None else {"num_labels": num_labels}
-        # float32 master weights whatever the folder's dtype: the Trainer's precision sets the compute dtype
-        from packaging.version import Version
-        from transformers import __version__
-
-        dtype_key = "dtype" if Version(__version__) >= Version("4.56") else "torch_dtype"  # renamed in 4.56
-        extra[dtype_key] = torch.float32
-        built, info = _auto(task).from_pretrained(
-            path, local_files_only=True, output_loading_info=True, **extra
-        )
-        return built, [*info["missing_keys"], *(key for key, *_ in info["mismatched_keys"])]
-    if isinstance(model, PretrainedConfig):
-        _check_task(task, model)
-        config = copy.deepcopy(model)
-        if num_labels is not None:
-            config.num_labels = num_labels
-        return _auto(task).from_config(config), None
-    if isinstance(model, nn.Module) and isinstance(getattr(model, "config", None), PretrainedConfig):
-        base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
-        expected = _model_class(task, base.config)
-        if expected is not None and isinstance(base, expected):
-            _check_task(task, base.config, type(base).__name__)  # an encoder as a causal LM
-        elif expected is not None or type(base).__module__.startswith("transformers."):
-            able = [t for t in TASKS if isinstance(base, _model_class(t, base.config) or ())]
-            raise ValueError(
-                f"a {type(base).__name__} ({base.config.model_type!r}) cannot do task {task!r}; allowed tasks "
-                f"for it: {', '.join(map(repr, able)) or 'none'} (or build it with the task's Auto class)"
-            )
-        if num_labels is not None and getattr(base.config, "num_labels", num_labels) != num_labels:
-            raise ValueError(
-                f"num_labels={num_labels} but the given model has {base.config.num_labels}; "
-                "allowed: None or the model's own"
-            )
-        return model, []
-    raise TypeError(
-        f"model is a {type(model).__name__}; allowed: a local folder path, a transformers PretrainedConfig "
-        "or a PreTrainedModel"
-    )
-
-
-def _num_labels(labels: Sequence[str] | None, num_labels: int | None, task: str) -> int | None:
-    """`num_labels`, or the number of class `labels` (which must agree with it)."""
-    if labels is None:
-        return num_labels
-    if task not in ("seq-classification", "token-classification") or isinstance(labels, str):
-        raise ValueError(
-            f"labels={labels!r} is invalid for task {task!r}; allowed: a list of class names with "
-            "seq-classification or token-classification"
-        )
-    names = list(labels)
-    if not names or len(set(names)) != len(names) or (num_labels is not None and num_labels != len(names)):
-        raise ValueError(
-            f"labels={names!r} with num_labels={num_labels!r}; allowed: distinct class names, as many as num_labels"
-        )
-    return len(names)
-
-
-def _best_checkpoint(saver: Any) -> tuple[str, float] | None:
-    """(path, score) of the best good checkpoint a ModelCheckpoint with `monitor` kept, or None."""
-    path = getattr(saver, "best_model_path", None)  # Lightning's attributes, where ModelCheckpoint has them
-    if path:
-        return str(path), float(getattr(saver, "best_model_score", float("nan")))
-    scored = [
-        c
-        for c in getattr(saver, "saved", ())
-        if c["good"] and c["score"] is not None and Path(c["path"]).is_dir()
-    ]
-    if not scored:
-        return None
-    sign = 1.0 if saver.mode == "min" else -1.0
-    best = min(scored, key=lambda c: (sign * c["score"], -c["step"]))
-    return best["path"], float(best["score"])
-
-
-def _wrap_lora(model: nn.Module, lora: dict[str, Any], task: str) -> nn.Module:
-    try:
-        import peft
-    except ImportError:
-        raise ImportError(
-            "lora= needs the optional dependency peft, which is not installed: pip install .[peft]"
-        ) from None
-    options = {"task_type": _PEFT_TASK_TYPE[task], **lora}
-    try:
-        config = peft.LoraConfig(**options)
-    except TypeError as err:
-        raise ValueError(f"lora={lora!r} is not a valid peft.LoraConfig: {err}") from None
-    return hf_adapters.peft_wrap(model, config)
-
-
-def _matches(name: str, pattern: str) -> bool:
-    """`pattern` matches the parameter name, or the name without PEFT's and checkpointing's insertions."""
-    plain = name.replace(_WRAPPER_PREFIX, "")
-    plain = plain[len(_PEFT_PREFIX) :] if plain.startswith(_PEFT_PREFIX) else plain
-    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(plain, pattern)
-
-
-def _is_sharded(module: nn.Module) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in module.parameters())
+        return hf_export.save_pretrained(self, out_dir, max_shard_size, merged)
