@@ -15,7 +15,7 @@ from transformers import BertConfig
 
 from callbacks import ModelCheckpoint
 from trainer import Trainer, TrainModule
-from trainer.checkpoint import MODEL_FILE, load_model_file
+from trainer.checkpoint import MODEL_FILE, CheckpointError, load_model_file
 from trainer.checkpoint.records import SavedCheckpoint, best, ranked
 from trainer.models.hf import HFModule
 
@@ -151,3 +151,16 @@ def test_load_best_model_at_end_loads_the_older_of_two_tied_checkpoints(tmp_path
     assert_holds(module, older)
     trainer.validate(module, val, ckpt_path="best")
     assert_holds(module, older)
+
+
+def test_a_saver_that_keeps_no_best_has_no_best_for_any_reader(tmp_path):
+    saver = ModelCheckpoint(monitor="val_score", save_top_k=0, save_last=True)
+    trainer = Trainer(
+        max_steps=4, val_check_interval=2, seed=0, default_root_dir=tmp_path, callbacks=[saver],
+        **quiet(num_sanity_val_steps=0),
+    )  # fmt: skip
+    module = Scored(TIED["min"])
+    trainer.fit(module, regression_loader(n=64), regression_loader(n=32))
+    assert saver.best_model_path == ""  # as Lightning's, which also refuses ckpt_path="best" then
+    with pytest.raises(CheckpointError, match=r"keeps no best checkpoint \(save_top_k=0\)"):
+        trainer.validate(module, regression_loader(n=32), ckpt_path="best")

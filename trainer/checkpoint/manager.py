@@ -382,6 +382,11 @@ class CheckpointManager:
                 "ckpt_path='best' needs a fit of this Trainer with a ModelCheckpoint; allowed here: 'last' or "
                 "a checkpoint directory"
             )
+        if saver.save_top_k == 0:  # Lightning refuses it too: `best_model_path` is "" then
+            raise CheckpointError(
+                "ckpt_path='best': the ModelCheckpoint keeps no best checkpoint (save_top_k=0); allowed: 'last' "
+                "or a checkpoint directory"
+            )
         found, skipped = self.resolve("best" if saver.monitor else "last", mode=saver.mode)
         if skipped and self._trainer.is_global_zero:
             log.warning("".join(f"ckpt_path='best': skipped {line}\n" for line in skipped).rstrip())
