@@ -33,6 +33,7 @@ from trainer.loop.fit_loop import FitLoop, effective_training_time
 from trainer.loop.hooks import HookDispatcher
 from trainer.loop.lightning_views import LightningViews
 from trainer.loop.optim_config import SchedulerConfig
+from trainer.loop.predict_record import PredictRecord
 from trainer.loop.state import LoopState
 from trainer.loop.training_state import TrainingState
 from trainer.module import TrainModule
@@ -137,6 +138,7 @@ class Trainer(LightningViews, FlagViews):
         self._dispatch = HookDispatcher(self)
         self._fit_metrics = MetricBuffer()  # what training steps and fit-level hooks log
         self._eval_metrics: MetricBuffer | None = None  # the running evaluation loop's, inside one
+        self.predict_loop = PredictRecord()  # Lightning's name: the predict's outputs and batch indices
         self.callback_metrics: dict[str, float] = {}  # every metric's latest value, for callbacks
         self.logged_metrics: dict[str, float] = {}  # what was sent to the loggers
         self.fitting = False  # inside fit (its validations included), as Lightning's state.fn == "fit"
