@@ -2,15 +2,19 @@
 
 from callbacks.base import Callback
 from callbacks.checkpoint import ModelCheckpoint
+from callbacks.device_stats import DeviceStatsMonitor
 from callbacks.early_stopping import EarlyStopping
 from callbacks.gpu_health import GPUHealthMonitor
 from callbacks.gradient_accumulation import GradientAccumulationScheduler
 from callbacks.lambda_callback import LambdaCallback
 from callbacks.lr_monitor import LearningRateMonitor
+from callbacks.model_summary import ModelSummary
 from callbacks.nan_guard import NaNGuard
 from callbacks.on_exception_checkpoint import OnExceptionCheckpoint
 from callbacks.prediction_writer import BasePredictionWriter
 from callbacks.profiler import Profiler
+from callbacks.progress_bars import RichProgressBar, TQDMProgressBar
+from callbacks.rich_model_summary import RichModelSummary
 from callbacks.straggler import StragglerDetector
 from callbacks.throughput import ThroughputMonitor
 from callbacks.timer import Timer
@@ -18,16 +22,21 @@ from callbacks.timer import Timer
 __all__ = [
     "BasePredictionWriter",
     "Callback",
+    "DeviceStatsMonitor",
     "EarlyStopping",
     "GPUHealthMonitor",
     "GradientAccumulationScheduler",
     "LambdaCallback",
     "LearningRateMonitor",
     "ModelCheckpoint",
+    "ModelSummary",
     "NaNGuard",
     "OnExceptionCheckpoint",
     "Profiler",
+    "RichModelSummary",
+    "RichProgressBar",
     "StragglerDetector",
+    "TQDMProgressBar",
     "ThroughputMonitor",
     "Timer",
 ]

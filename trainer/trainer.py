@@ -14,6 +14,7 @@ import torch
 from callbacks.base import Callback
 from callbacks.checkpoint import ModelCheckpoint
 from callbacks.compile_report import CompileReport
+from callbacks.progress_bars import check_progress_bars
 from strategies.base import Strategy
 from strategies.registry import build_strategy
 from strategies.techniques.compile_blocks import check_compile
@@ -124,6 +125,7 @@ class Trainer(LightningViews, FlagViews):
         for cb in self.callbacks:
             if not isinstance(cb, Callback):
                 raise TypeError(f"callbacks must be Callback instances; got {type(cb).__name__}")
+        check_progress_bars(self.callbacks, self.enable_progress_bar)
         if self.strategy.compile:
             self.callbacks.append(CompileReport())
         if self.enable_checkpointing and not any(isinstance(cb, ModelCheckpoint) for cb in self.callbacks):
