@@ -14,7 +14,9 @@ from callbacks.on_exception_checkpoint import OnExceptionCheckpoint
 from callbacks.prediction_writer import BasePredictionWriter
 from callbacks.profiler import Profiler
 from callbacks.progress_bars import RichProgressBar, TQDMProgressBar
+from callbacks.pruning import ModelPruning
 from callbacks.rich_model_summary import RichModelSummary
+from callbacks.spike_detection import SpikeDetection
 from callbacks.straggler import StragglerDetector
 from callbacks.throughput import ThroughputMonitor
 from callbacks.timer import Timer
@@ -29,12 +31,14 @@ __all__ = [
     "LambdaCallback",
     "LearningRateMonitor",
     "ModelCheckpoint",
+    "ModelPruning",
     "ModelSummary",
     "NaNGuard",
     "OnExceptionCheckpoint",
     "Profiler",
     "RichModelSummary",
     "RichProgressBar",
+    "SpikeDetection",
     "StragglerDetector",
     "TQDMProgressBar",
     "ThroughputMonitor",
