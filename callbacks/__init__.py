@@ -2,24 +2,45 @@
 
 from callbacks.base import Callback
 from callbacks.checkpoint import ModelCheckpoint
+from callbacks.device_stats import DeviceStatsMonitor
 from callbacks.early_stopping import EarlyStopping
 from callbacks.gpu_health import GPUHealthMonitor
+from callbacks.gradient_accumulation import GradientAccumulationScheduler
+from callbacks.lambda_callback import LambdaCallback
 from callbacks.lr_monitor import LearningRateMonitor
+from callbacks.model_summary import ModelSummary
 from callbacks.nan_guard import NaNGuard
+from callbacks.on_exception_checkpoint import OnExceptionCheckpoint
+from callbacks.prediction_writer import BasePredictionWriter
 from callbacks.profiler import Profiler
+from callbacks.progress_bars import RichProgressBar, TQDMProgressBar
+from callbacks.pruning import ModelPruning
+from callbacks.rich_model_summary import RichModelSummary
+from callbacks.spike_detection import SpikeDetection
 from callbacks.straggler import StragglerDetector
 from callbacks.throughput import ThroughputMonitor
 from callbacks.timer import Timer
 
 __all__ = [
+    "BasePredictionWriter",
     "Callback",
+    "DeviceStatsMonitor",
     "EarlyStopping",
     "GPUHealthMonitor",
+    "GradientAccumulationScheduler",
+    "LambdaCallback",
     "LearningRateMonitor",
     "ModelCheckpoint",
+    "ModelPruning",
+    "ModelSummary",
     "NaNGuard",
+    "OnExceptionCheckpoint",
     "Profiler",
+    "RichModelSummary",
+    "RichProgressBar",
+    "SpikeDetection",
     "StragglerDetector",
+    "TQDMProgressBar",
     "ThroughputMonitor",
     "Timer",
 ]

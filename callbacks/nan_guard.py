@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import statistics
-from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from callbacks.base import Callback
+from callbacks.loss_window import LossWindow
 from trainer import flags
 from trainer.core.logging import log
 
@@ -52,7 +51,7 @@ class NaNGuard(Callback):
         self.rollback_after, self.spike_factor, self.skip_spikes = rollback_after, spike_factor, skip_spikes
         self.max_rollbacks = max_rollbacks
         self.min_history = min_history
-        self.history: deque[float] = deque(maxlen=window)
+        self.history = LossWindow(window)
         self.bad_in_a_row = 0
         self.streak_start = 0  # global step of the first bad step in the current streak
         self.skipped = 0
@@ -79,7 +78,7 @@ class NaNGuard(Callback):
         elif bad_norms > 0:
             problem = f"gradient norm is not finite on {int(bad_norms)} rank(s)"
         elif self.spike_factor is not None and len(self.history) >= self.min_history:
-            median = statistics.median(self.history)
+            median = self.history.median()
             if mean_loss > self.spike_factor * median:
                 spike = (
                     f"loss {mean_loss:.4g} spiked above {self.spike_factor} x the running median {median:.4g}"
@@ -90,7 +89,7 @@ class NaNGuard(Callback):
                     log.warning(f"NaNGuard: step {trainer.global_step + 1}: {spike}")
         if problem is None:
             self.bad_in_a_row = 0
-            self.history.append(mean_loss)
+            self.history.add(mean_loss)
             return
         if self.bad_in_a_row == 0:
             self.streak_start = trainer.global_step
@@ -128,10 +127,9 @@ class NaNGuard(Callback):
         trainer.log_metrics({"nan_guard/rollbacks": self.rollbacks})
 
     def state_dict(self) -> dict[str, Any]:
-        return {"history": list(self.history), "skipped": self.skipped, "rollbacks": self.rollbacks}
+        return {"history": self.history.state_dict(), "skipped": self.skipped, "rollbacks": self.rollbacks}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # what `state_dict` returned (the Trainer loads only a checkpoint's own NaNGuard entry): all three keys
-        self.history.clear()
-        self.history.extend(state["history"])
+        self.history.load_state_dict(state["history"])
         self.skipped, self.rollbacks = state["skipped"], state["rollbacks"]

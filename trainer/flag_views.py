@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
-from trainer.flags import LoopFlags
+from trainer.flags import LoopFlags, check_int
 
 
 class FlagViews:
@@ -77,6 +78,13 @@ class FlagViews:
     def accumulate_grad_batches(self) -> int:
         """Micro-batches per optimizer step."""
         return self.flags.accumulate_grad_batches
+
+    @accumulate_grad_batches.setter
+    def accumulate_grad_batches(self, value: int) -> None:
+        """Writable as in Lightning (GradientAccumulationScheduler sets it at epoch starts; the fit reads it per
+        step): checked as the constructor checks it, and the flags replaced whole, never changed in place."""
+        checked = check_int("accumulate_grad_batches", value, 1)
+        self.flags = dataclasses.replace(self.flags, accumulate_grad_batches=checked)
 
     @property
     def gradient_clip_val(self) -> float | None:

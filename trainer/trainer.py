@@ -14,6 +14,7 @@ import torch
 from callbacks.base import Callback
 from callbacks.checkpoint import ModelCheckpoint
 from callbacks.compile_report import CompileReport
+from callbacks.progress_bars import check_progress_bars
 from strategies.base import Strategy
 from strategies.registry import build_strategy
 from strategies.techniques.compile_blocks import check_compile
@@ -33,6 +34,7 @@ from trainer.loop.fit_loop import FitLoop, effective_training_time
 from trainer.loop.hooks import HookDispatcher
 from trainer.loop.lightning_views import LightningViews
 from trainer.loop.optim_config import SchedulerConfig
+from trainer.loop.predict_record import PredictRecord
 from trainer.loop.state import LoopState
 from trainer.loop.training_state import TrainingState
 from trainer.module import TrainModule
@@ -123,6 +125,7 @@ class Trainer(LightningViews, FlagViews):
         for cb in self.callbacks:
             if not isinstance(cb, Callback):
                 raise TypeError(f"callbacks must be Callback instances; got {type(cb).__name__}")
+        check_progress_bars(self.callbacks, self.enable_progress_bar)
         if self.strategy.compile:
             self.callbacks.append(CompileReport())
         if self.enable_checkpointing and not any(isinstance(cb, ModelCheckpoint) for cb in self.callbacks):
@@ -137,6 +140,7 @@ class Trainer(LightningViews, FlagViews):
         self._dispatch = HookDispatcher(self)
         self._fit_metrics = MetricBuffer()  # what training steps and fit-level hooks log
         self._eval_metrics: MetricBuffer | None = None  # the running evaluation loop's, inside one
+        self.predict_loop = PredictRecord()  # Lightning's name: the predict's outputs and batch indices
         self.callback_metrics: dict[str, float] = {}  # every metric's latest value, for callbacks
         self.logged_metrics: dict[str, float] = {}  # what was sent to the loggers
         self.fitting = False  # inside fit (its validations included), as Lightning's state.fn == "fit"

@@ -58,6 +58,10 @@ def evaluate(
     outputs: list[Any] = []  # predict's; the others keep only each step's loss and its weight
     losses: list[torch.Tensor] = []
     weights: list[torch.Tensor] = []
+    # what prediction writers read: the outputs so far and each batch's dataset indices
+    record = trainer.predict_loop if stage == "predict" else None
+    if record is not None:
+        loader = record.start(loader, outputs)
     with _eval_mode(module, stage):
         dispatch.all(f"on_{stage}_start")
         with metrics_buffer(trainer, MetricBuffer()) as buffer:
@@ -69,6 +73,8 @@ def evaluate(
                         if n_batches is not None and idx >= n_batches:
                             break
                         batch = strategy.batch_to_device(batch)
+                        if record is not None:
+                            record.batch(idx)
                         dispatch.all(f"on_{stage}_batch_start", batch, idx)
                         output = strategy.eval_step(module, method, batch, idx)
                         dispatch.all(f"on_{stage}_batch_end", output, batch, idx)

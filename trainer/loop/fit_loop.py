@@ -96,8 +96,11 @@ class FitLoop:
         if trainer.enable_model_summary:
             step_log.announce(trainer, module)
         step_log.start_loggers(trainer, module, resume_from is not None)
-        if trainer.is_global_zero and trainer.enable_progress_bar:
-            self.progress = ProgressBar(self.total_steps(), trainer.global_step)
+        # a TQDMProgressBar/RichProgressBar callback says how the bar is drawn (refresh_rate 0: none)
+        bar = trainer.progress_bar_callback
+        if trainer.is_global_zero and trainer.enable_progress_bar and (bar is None or bar.is_enabled):
+            options = {} if bar is None else bar.bar_options()
+            self.progress = ProgressBar(self.total_steps(), trainer.global_step, **options)
         dispatch.all("on_fit_start")
         if val_loader is not None and trainer.num_sanity_val_steps and not self._val_at_start_due():
             eval_loop.sanity_check(trainer, module, val_loader)
@@ -141,6 +144,8 @@ class FitLoop:
         self.ending_epoch = s.epoch
         s.epoch += 1
         s.batches_in_epoch = 0
+        if self.progress is not None:
+            self.progress.end_epoch()
         try:
             if (
                 self.val_loader is not None

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from callbacks.checkpoint import ModelCheckpoint
+from callbacks.progress_bars import ProgressBarCallback
 
 if TYPE_CHECKING:
     from trainer.loggers import Logger
@@ -80,3 +81,9 @@ class LightningViews:
     def checkpoint_callbacks(self) -> list[ModelCheckpoint]:
         """Every ModelCheckpoint among the callbacks, in order (Lightning's list)."""
         return [cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)]
+
+    @property
+    def progress_bar_callback(self) -> ProgressBarCallback | None:
+        """The TQDMProgressBar or RichProgressBar among the callbacks (it sets how the Trainer's bar is drawn),
+        or None: the bar as it is by default."""
+        return next((cb for cb in self.callbacks if isinstance(cb, ProgressBarCallback)), None)

@@ -8,27 +8,52 @@ from tqdm import tqdm
 
 
 class ProgressBar:
-    """A tqdm bar over optimizer steps, updated each step; its text is refreshed on logged steps only
-    (reading the loss every step would force a device sync)."""
+    """A tqdm bar over optimizer steps, moved every `every_n_steps` steps (and at the last); its text is
+    refreshed on logged steps only (reading the loss every step would force a device sync). `position`,
+    `mininterval` (seconds between redraws) and `leave_epochs` (a line per epoch kept above the bar) come
+    from a progress bar callback (callbacks/progress_bars.py) when there is one."""
 
-    def __init__(self, total: int | None, initial: int, desc: str = "train") -> None:
+    def __init__(
+        self,
+        total: int | None,
+        initial: int,
+        desc: str = "train",
+        *,
+        every_n_steps: int = 1,
+        position: int = 0,
+        mininterval: float | None = None,
+        leave_epochs: bool = False,
+    ) -> None:
         self._bar = tqdm(
             total=total,
             initial=initial,
             desc=desc,
             unit="step",
             dynamic_ncols=True,
-            mininterval=0.5 if sys.stderr.isatty() else 10.0,
+            mininterval=(0.5 if sys.stderr.isatty() else 10.0) if mininterval is None else mininterval,
+            position=position,
             file=sys.stderr,
         )
+        self._every, self._leave_epochs = every_n_steps, leave_epochs
+        self._pending = 0  # steps done that the bar does not show yet
         self._shown: dict[str, float] = {}
         self._kept: dict[str, float] = {}
 
     def update(self, steps: int = 1) -> None:
-        self._bar.update(steps)
+        self._pending += steps
+        done = self._bar.n + self._pending
+        if done % self._every == 0 or done == self._bar.total:
+            self._flush()
+
+    def end_epoch(self) -> None:
+        """An epoch ended: with `leave_epochs`, its last state stays as a line above the bar."""
+        if self._leave_epochs:
+            self._flush()
+            self._bar.write(str(self._bar), file=sys.stderr)
 
     def reset(self, step: int) -> None:
         """Move the bar to `step` (after a rollback)."""
+        self._pending = 0
         self._bar.n = step
         self._bar.refresh()
 
@@ -50,7 +75,13 @@ class ProgressBar:
         self._bar.write(line, file=sys.stderr)
 
     def close(self) -> None:
+        self._flush()
         self._bar.close()
+
+    def _flush(self) -> None:
+        if self._pending:
+            self._bar.update(self._pending)
+            self._pending = 0
 
 
 def fmt(value: float) -> str:
