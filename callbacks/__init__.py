@@ -6,6 +6,7 @@ from callbacks.early_stopping import EarlyStopping
 from callbacks.gpu_health import GPUHealthMonitor
 from callbacks.lr_monitor import LearningRateMonitor
 from callbacks.nan_guard import NaNGuard
+from callbacks.phase_times import PhaseTimes
 from callbacks.profiler import Profiler
 from callbacks.straggler import StragglerDetector
 from callbacks.throughput import ThroughputMonitor
@@ -18,6 +19,7 @@ __all__ = [
     "LearningRateMonitor",
     "ModelCheckpoint",
     "NaNGuard",
+    "PhaseTimes",
     "Profiler",
     "StragglerDetector",
     "ThroughputMonitor",
