@@ -230,7 +230,7 @@ def check_loop_flags(fast_dev_run: bool | int = False, **given: Any) -> LoopFlag
     if fast_dev_run:  # Lightning's smoke run: n batches of each loop (True: 1), no checkpoints
         n = check_int("fast_dev_run", 1 if fast_dev_run is True else fast_dev_run, 1)
         given.update(max_steps=n, max_epochs=1, val_check_interval=None, enable_checkpointing=False)
-        given.update(num_sanity_val_steps=0, log_every_n_steps=1)
+        given.update(num_sanity_val_steps=0, log_every_n_steps=1, check_val_every_n_epoch=1)
         given.update(dict.fromkeys(_LIMITS, n))
     overfit = check_overfit_batches(given["overfit_batches"])
     if overfit:  # as Lightning: the train and val limits, whatever fast_dev_run set

@@ -17,7 +17,8 @@ import torch.distributed as dist
 from torch import nn
 
 _BatchNorm = nn.modules.batchnorm._BatchNorm
-_REPLACED = "_replaced_batchnorm"  # on a converted layer: the BatchNorm class it replaced
+# on a converted layer: the BatchNorm class it had
+_REPLACED = "_replaced_batchnorm"
 
 
 class _SumOverGroup(torch.autograd.Function):
@@ -86,47 +87,26 @@ class CPUSyncBatchNorm(_BatchNorm):
 
 
 def convert_sync_batchnorm(module: nn.Module, process_group: Any, device_type: str) -> int:
-    """Replace every BatchNorm layer inside `module` (the model, itself left as it is) by a synchronised one
-    over `process_group` (torch's on a GPU, `CPUSyncBatchNorm` on the CPU) that shares its parameters and
-    buffers; returns how many were replaced."""
+    """Make every BatchNorm layer inside `module` a synchronised one over `process_group` (torch's on a GPU,
+    `CPUSyncBatchNorm` on the CPU); returns how many. Each layer changes its class in place, as torch's FSDP2
+    does: its parameters, buffers and hooks stay, and so does every reference to it (a wrapper's, a sharding's)."""
     cls = nn.SyncBatchNorm if device_type == "cuda" else CPUSyncBatchNorm
-    return _swap(module, lambda child: _convert(child, cls, process_group) if _plain(child) else None)
+    layers = [m for m in module.modules() if isinstance(m, _BatchNorm) and not _synchronised(m)]
+    for layer in layers:
+        layer.__dict__[_REPLACED] = type(layer)
+        layer.__class__ = cls
+        layer.process_group = process_group
+    return len(layers)
 
 
 def revert_sync_batchnorm(module: nn.Module) -> None:
-    """Put back the BatchNorm layers `convert_sync_batchnorm` replaced, with the same parameters and buffers."""
-    _swap(
-        module,
-        lambda child: _convert(child, getattr(child, _REPLACED)) if hasattr(child, _REPLACED) else None,
-    )
+    """Give the layers `convert_sync_batchnorm` changed their own class back."""
+    for layer in module.modules():
+        original = layer.__dict__.pop(_REPLACED, None)
+        if original is not None and _synchronised(layer):
+            layer.__class__ = original
+            del layer.process_group
 
 
-def _plain(module: nn.Module) -> bool:
-    return isinstance(module, _BatchNorm) and not isinstance(module, (nn.SyncBatchNorm, CPUSyncBatchNorm))
-
-
-def _swap(module: nn.Module, replacement: Any) -> int:
-    """Replace each descendant for which `replacement(child)` gives a module; returns how many."""
-    count = 0
-    for name, child in list(module.named_children()):
-        new = replacement(child)
-        if new is None:
-            count += _swap(child, replacement)
-        else:
-            setattr(module, name, new)
-            count += 1
-    return count
-
-
-def _convert(bn: _BatchNorm, cls: type[_BatchNorm], process_group: Any = None) -> _BatchNorm:
-    """A `cls` layer with `bn`'s settings, holding `bn`'s parameters and buffers themselves (not copies)."""
-    args = (bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats)
-    group = {"process_group": process_group} if cls in (nn.SyncBatchNorm, CPUSyncBatchNorm) else {}
-    new = cls(*args, **group, device="meta", bias=bn.bias is not None)
-    for name in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked"):
-        if name in bn._parameters or name in bn._buffers:
-            setattr(new, name, getattr(bn, name))
-    new.train(bn.training)
-    if not hasattr(bn, _REPLACED):  # a conversion, not the way back
-        setattr(new, _REPLACED, type(bn))
-    return new
+def _synchronised(module: nn.Module) -> bool:
+    return type(module) in (nn.SyncBatchNorm, CPUSyncBatchNorm)

@@ -436,6 +436,29 @@ def test_model_registry_and_a_single_callback_are_taken_as_lightning_takes_them(
     assert "uploads and downloads nothing" in caplog.text
 
 
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"overfit_batches": -1},
+            r"overfit_batches=-1 is invalid; allowed: 0 \(off\), an int >= 1 or a float",
+        ),
+        ({"min_steps": -2}, r"min_steps=-2 is invalid; allowed: an int >= 0 or None"),
+        ({"min_epochs": 1.5}, r"min_epochs=1.5 is invalid; allowed: an int >= 0 or None"),
+        ({"deterministic": "yes"}, r"deterministic='yes' is invalid; allowed: True, False, 'warn' or None"),
+        ({"benchmark": "x"}, r"benchmark='x' is invalid; allowed: True, False or None"),
+        ({"reload_dataloaders_every_n_epochs": -1}, r"reload_dataloaders_every_n_epochs=-1 is invalid"),
+        (
+            {"check_val_every_n_epoch": None},
+            r"check_val_every_n_epoch=None validates every val_check_interval",
+        ),
+    ],
+)
+def test_bad_values_of_the_new_arguments_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Trainer(**kwargs)
+
+
 def test_use_distributed_sampler_false_is_refused_where_the_split_is_not_the_users():
     with pytest.raises(
         ValueError, match=r"use_distributed_sampler=False with DPSGDStrategy, which samples its own"
@@ -452,13 +475,15 @@ def test_sync_batchnorm_and_use_distributed_sampler_under_two_processes(tmp_path
     Trainer(default_root_dir=tmp_path / "one", **FIT).fit(one, DataLoader(dataset(), batch_size=8))
     expected = state(one)
     for rank, record in enumerate(ranks):
-        sync, plain = record["sync"], record["plain"]
-        assert sync["classes_in_fit"][1] == "CPUSyncBatchNorm" and plain["classes_in_fit"][1] == "BatchNorm1d"
-        assert sync["classes_after"][1] == "BatchNorm1d"  # put back after the fit, as Lightning does
-        for name, values in expected.items():
-            got = torch.tensor(sync["state"][name])
-            diff = (got - torch.tensor(values)).abs().max().item()
-            assert diff < 1e-6, f"rank {rank}: {name} differs from one process's by {diff:.2e}"
+        plain = record["plain"]
+        assert plain["classes_in_fit"][1] == "BatchNorm1d"
+        for run in ("sync", "sync_fsdp"):
+            sync = record[run]
+            assert sync["classes_in_fit"][1] == "CPUSyncBatchNorm", run
+            assert sync["classes_after"][1] == "BatchNorm1d", run  # put back after the fit, as Lightning does
+            for name, values in expected.items():
+                diff = (torch.tensor(sync["state"][name]) - torch.tensor(values)).abs().max().item()
+                assert diff < 1e-6, f"{run}, rank {rank}: {name} differs from one process's by {diff:.2e}"
         assert any(  # without it, each rank normalises its half: the test can tell
             (torch.tensor(plain["state"][n]) - torch.tensor(v)).abs().max() > 1e-3
             for n, v in expected.items()

@@ -1,9 +1,9 @@
 """Two of Lightning's Trainer arguments that show only under several processes, run one after the other as a
 user's script runs them (`python trainer_arguments_script.py OUT --devices 2`, self-spawning):
 
-- `sync_batchnorm=True` under DDP: the BatchNorm layers' classes during the fit and after it, and the final
-  parameters and running statistics (the same as one process's on the global batch), next to a plain DDP
-  run's ("plain": each rank's BatchNorm sees its half of the batch);
+- `sync_batchnorm=True` under DDP and FSDP: the BatchNorm layers' classes during the fit and after it, and
+  the final parameters and running statistics (the same as one process's on the global batch), next to a
+  plain DDP run's ("plain": each rank's BatchNorm sees its half of the batch);
 - `use_distributed_sampler=False`: the samples each rank read (all of them, as given), next to the default's.
 
 Every rank writes OUT/rank<R>.json."""
@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from trainer import Trainer, TrainModule
+from trainer.core.dtensors import full_value
 
 STEPS, PER_RANK_BATCH = 3, 4
 FIT = {
@@ -63,7 +64,7 @@ class BatchNormNet(TrainModule):
 
 def state(module: BatchNormNet) -> dict[str, list[float]]:
     """The parameters and buffers (running statistics) by name, flattened."""
-    return {k: v.detach().float().flatten().tolist() for k, v in module.net.state_dict().items()}
+    return {k: full_value(v).detach().float().flatten().tolist() for k, v in module.net.state_dict().items()}
 
 
 def main() -> None:
@@ -73,10 +74,15 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(1)
     record = {}
-    runs = {"plain": {}, "sync": {"sync_batchnorm": True}, "unsharded": {"use_distributed_sampler": False}}
+    runs = {
+        "plain": {"strategy": "ddp"},
+        "sync": {"strategy": "ddp", "sync_batchnorm": True},
+        "sync_fsdp": {"strategy": "fsdp", "sync_batchnorm": True},
+        "unsharded": {"strategy": "ddp", "use_distributed_sampler": False},
+    }
     for name, flags in runs.items():
         module = BatchNormNet()
-        trainer = Trainer(strategy="ddp", devices=a.devices, default_root_dir=a.out / name, **FIT, **flags)
+        trainer = Trainer(devices=a.devices, default_root_dir=a.out / name, **FIT, **flags)
         trainer.fit(module, DataLoader(dataset(), batch_size=PER_RANK_BATCH))
         record[name] = {
             "classes_in_fit": module.classes_in_fit,
