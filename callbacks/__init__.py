@@ -11,6 +11,7 @@ from callbacks.lr_monitor import LearningRateMonitor
 from callbacks.model_summary import ModelSummary
 from callbacks.nan_guard import NaNGuard
 from callbacks.on_exception_checkpoint import OnExceptionCheckpoint
+from callbacks.phase_times import PhaseTimes
 from callbacks.prediction_writer import BasePredictionWriter
 from callbacks.profiler import Profiler
 from callbacks.progress_bars import RichProgressBar, TQDMProgressBar
@@ -35,6 +36,7 @@ __all__ = [
     "ModelSummary",
     "NaNGuard",
     "OnExceptionCheckpoint",
+    "PhaseTimes",
     "Profiler",
     "RichModelSummary",
     "RichProgressBar",

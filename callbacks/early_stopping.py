@@ -37,7 +37,8 @@ class EarlyStopping(Callback):
         divergence_threshold: float | None = None,
         check_on_train_epoch_end: bool | None = None,
     ) -> None:
-        flags.check_int("patience", patience, 1)
+        # 0: stop at the first check without improvement, as Lightning allows
+        flags.check_int("patience", patience, 0)
         if mode not in ("min", "max"):
             raise ValueError(f"mode={mode!r} is invalid; allowed: 'min' or 'max'")
         flags.check_number("min_delta", min_delta, 0)

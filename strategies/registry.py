@@ -23,6 +23,15 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "dp_sgd": DPSGDStrategy,
 }
 NAMES = ("auto", *STRATEGIES)
+# Lightning's DDP names: the start method is this project's own (a script re-executes itself, see
+# trainer/core/launch.py), so "ddp_spawn"/"ddp_fork"/"ddp_notebook" are "ddp"; "_find_unused_parameters_true"
+# sets DDP's flag, as Lightning's registry does
+ALIASES: dict[str, tuple[str, dict[str, Any]]] = {
+    f"{name}{suffix}": ("ddp", {} if not suffix else {"find_unused_parameters": suffix.endswith("true")})
+    for name in ("ddp", "ddp_spawn", "ddp_fork", "ddp_notebook")
+    for suffix in ("", "_find_unused_parameters_false", "_find_unused_parameters_true")
+    if name != "ddp" or suffix
+}
 SCHEDULE_NAMES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B"}  # plan -> pipeline
 
 
@@ -33,8 +42,13 @@ def build_strategy(spec: str | Strategy, processes: int = 1, **kwargs: Any) -> S
         return spec
     if spec == "auto":
         spec = "single" if processes == 1 else "ddp"
+    if isinstance(spec, str) and spec in ALIASES:
+        spec, implied = ALIASES[spec]
+        kwargs = {**implied, **kwargs}
     if not isinstance(spec, str) or spec not in STRATEGIES:
-        raise ValueError(f"strategy={spec!r} is unknown; allowed: {', '.join(NAMES)} or a Strategy instance")
+        raise ValueError(
+            f"strategy={spec!r} is unknown; allowed: {', '.join(NAMES)}, Lightning's ddp_* names or a Strategy instance"
+        )
     return STRATEGIES[spec](**kwargs)
 
 

@@ -25,6 +25,16 @@ class FlagViews:
         return self.flags.max_epochs
 
     @property
+    def min_steps(self) -> int | None:
+        """Optimizer steps before which `should_stop` does not end the fit (None: no such minimum)."""
+        return self.flags.min_steps
+
+    @property
+    def min_epochs(self) -> int | None:
+        """Epochs before which `should_stop` does not end the fit (None: no such minimum)."""
+        return self.flags.min_epochs
+
+    @property
     def val_check_interval(self) -> int | float | None:
         """Validate every this many optimizer steps (int) or fraction of an epoch (float); None: at epoch ends."""
         return self.flags.val_check_interval
@@ -45,8 +55,8 @@ class FlagViews:
         return self.flags.enable_model_summary
 
     @property
-    def check_val_every_n_epoch(self) -> int:
-        """Validate at the end of every n-th epoch."""
+    def check_val_every_n_epoch(self) -> int | None:
+        """Validate at the end of every n-th epoch (None: every `val_check_interval` steps only)."""
         return self.flags.check_val_every_n_epoch
 
     @property
@@ -112,8 +122,8 @@ class FlagViews:
         return self.flags.min_lr_ratio
 
     @property
-    def deterministic(self) -> bool:
-        """Whether deterministic algorithms are asked of torch during each stage."""
+    def deterministic(self) -> bool | str:
+        """Whether deterministic algorithms are asked of torch during each stage ("warn": warn where none)."""
         return self.flags.deterministic
 
     @property
@@ -140,3 +150,53 @@ class FlagViews:
     def allow_unverified_checkpoints(self) -> bool:
         """Whether a checkpoint without a manifest loads (with a warning)."""
         return self.flags.allow_unverified_checkpoints
+
+    @property
+    def overfit_batches(self) -> int | float:
+        """Train and validate on this many first batches (or this fraction), unshuffled; 0.0: off."""
+        return self.flags.overfit_batches
+
+    @property
+    def benchmark(self) -> bool | None:
+        """`torch.backends.cudnn.benchmark` during each stage (None: left as it is)."""
+        return self.flags.benchmark
+
+    @property
+    def inference_mode(self) -> bool:
+        """Whether validate/test/predict run under `torch.inference_mode` (else `torch.no_grad`)."""
+        return self.flags.inference_mode
+
+    @property
+    def use_distributed_sampler(self) -> bool:
+        """Whether each rank's loaders are its share of the data (False: read as given)."""
+        return self.flags.use_distributed_sampler
+
+    @property
+    def detect_anomaly(self) -> bool:
+        """Whether autograd's anomaly detection is on during each stage."""
+        return self.flags.detect_anomaly
+
+    @property
+    def barebones(self) -> bool:
+        """Lightning's speed-only mode (no checkpoints, loggers of yours, bar, summary or sanity check)."""
+        return self.flags.barebones
+
+    @property
+    def sync_batchnorm(self) -> bool:
+        """Whether BatchNorm layers normalise over the global batch under several data-parallel ranks."""
+        return self.flags.sync_batchnorm
+
+    @property
+    def reload_dataloaders_every_n_epochs(self) -> int:
+        """Call the datamodule's (or module's) loader methods again every n epochs (0: once per fit)."""
+        return self.flags.reload_dataloaders_every_n_epochs
+
+    @property
+    def enable_autolog_hparams(self) -> bool:
+        """Whether the hyperparameters go to the loggers when a fit starts."""
+        return self.flags.enable_autolog_hparams
+
+    @property
+    def model_registry(self) -> str | None:
+        """Lightning's model-hub name (kept for reading; this Trainer uploads nowhere)."""
+        return self.flags.model_registry

@@ -177,11 +177,14 @@ class LoopFlags:
 
     max_steps: int | None
     max_epochs: int | None
+    # the fit does not stop for `should_stop` (EarlyStopping) before both are met; the max_* still bound it
+    min_steps: int | None
+    min_epochs: int | None
     val_check_interval: int | float | None
     val_at_start: bool
     num_sanity_val_steps: int
     enable_model_summary: bool
-    check_val_every_n_epoch: int
+    check_val_every_n_epoch: int | None  # None: by `val_check_interval` steps only, as in Lightning
     max_time: float | None  # seconds
     limit_train_batches: int | float | None
     limit_val_batches: int | float | None
@@ -193,13 +196,24 @@ class LoopFlags:
     lr_schedule: str
     warmup_steps: int
     min_lr_ratio: float
-    deterministic: bool
+    deterministic: bool | str  # "warn": deterministic where torch can, a warning where it cannot
     log_every_n_steps: int
     default_root_dir: Path
     enable_progress_bar: bool
     enable_checkpointing: bool  # whether a ModelCheckpoint is added when the callbacks have none
     # a checkpoint without a manifest (or an empty one) loads only when asked, with a warning
     allow_unverified_checkpoints: bool
+    # Lightning's: train (and validate) on the first n batches (or that fraction), unshuffled; 0: off
+    overfit_batches: int | float
+    benchmark: bool | None  # torch.backends.cudnn.benchmark during each stage (None: left as it is)
+    inference_mode: bool  # validate/test/predict under torch.inference_mode (else no_grad)
+    use_distributed_sampler: bool  # False: every rank reads its loaders as given, unsharded
+    detect_anomaly: bool  # torch.autograd's anomaly detection during each stage
+    barebones: bool  # Lightning's speed-only mode: no checkpoints, loggers, bar, summary, sanity check
+    sync_batchnorm: bool  # BatchNorm layers as SyncBatchNorm under several data-parallel ranks
+    reload_dataloaders_every_n_epochs: int  # 0: the loaders of a fit are read once
+    enable_autolog_hparams: bool  # the hyperparameters go to the loggers at the start of a fit
+    model_registry: str | None  # Lightning's model-hub name: kept, nothing uploads here
 
 
 LOOP_FLAGS = (
@@ -210,19 +224,27 @@ LOOP_FLAGS = (
 
 def check_loop_flags(fast_dev_run: bool | int = False, **given: Any) -> LoopFlags:
     """Every loop flag of the Trainer checked (a one-line error names the first bad one), `given` by the
-    names of `LoopFlags`' fields."""
+    names of `LoopFlags`' fields; Lightning's "not set" values (None, max_steps=-1) mean this Trainer's
+    defaults, and max_epochs=-1 no epoch limit."""
+    given.update({name: default for name, default in _DEFAULTS.items() if given[name] is None})
     if fast_dev_run:  # Lightning's smoke run: n batches of each loop (True: 1), no checkpoints
         n = check_int("fast_dev_run", 1 if fast_dev_run is True else fast_dev_run, 1)
         given.update(max_steps=n, max_epochs=1, val_check_interval=None, enable_checkpointing=False)
-        given.update(num_sanity_val_steps=0, log_every_n_steps=1)
+        given.update(num_sanity_val_steps=0, log_every_n_steps=1, check_val_every_n_epoch=1)
         given.update(dict.fromkeys(_LIMITS, n))
-    max_steps = check_int("max_steps", given["max_steps"], 1, allow_none=True)
-    max_epochs = check_int("max_epochs", given["max_epochs"], 1, allow_none=True)
-    if max_steps is None and max_epochs is None:
+    overfit = check_overfit_batches(given["overfit_batches"])
+    if overfit:  # as Lightning: the train and val limits, whatever fast_dev_run set
+        given.update(dict.fromkeys(_LIMITS[:2], overfit))
+    max_steps = (
+        None if given["max_steps"] == -1 else check_int("max_steps", given["max_steps"], 1, allow_none=True)
+    )
+    unbounded = given["max_epochs"] == -1
+    max_epochs = None if unbounded else check_int("max_epochs", given["max_epochs"], 1, allow_none=True)
+    if max_steps is None and max_epochs is None and not unbounded:
         max_epochs = 1
     val_check_interval = check_val_interval(given["val_check_interval"])
     num_sanity_val_steps = check_int("num_sanity_val_steps", given["num_sanity_val_steps"], -1)
-    check_val_every_n_epoch = check_int("check_val_every_n_epoch", given["check_val_every_n_epoch"], 1)
+    check_val_every_n_epoch = check_val_epochs(given["check_val_every_n_epoch"], val_check_interval)
     max_time = check_max_time(given["max_time"])
     limits = {name: check_limit(name, given[name]) for name in _LIMITS}
     accumulate = check_int("accumulate_grad_batches", given["accumulate_grad_batches"], 1)
@@ -241,9 +263,12 @@ def check_loop_flags(fast_dev_run: bool | int = False, **given: Any) -> LoopFlag
         raise ValueError(f"min_lr_ratio={min_lr_ratio!r} is invalid; allowed: a number in [0, 1]")
     if max_steps is not None:  # the schedule's own checks, now, before any process starts
         LRSchedule(lr_schedule, warmup_steps, max_steps, float(min_lr_ratio))
+    deterministic = check_deterministic(given["deterministic"])
     return LoopFlags(
         max_steps=max_steps,
         max_epochs=max_epochs,
+        min_steps=check_int("min_steps", given["min_steps"], 0, allow_none=True),
+        min_epochs=check_int("min_epochs", given["min_epochs"], 0, allow_none=True),
         val_check_interval=val_check_interval,
         val_at_start=bool(given["val_at_start"]),
         num_sanity_val_steps=num_sanity_val_steps,
@@ -257,13 +282,89 @@ def check_loop_flags(fast_dev_run: bool | int = False, **given: Any) -> LoopFlag
         lr_schedule=lr_schedule,
         warmup_steps=warmup_steps,
         min_lr_ratio=float(min_lr_ratio),
-        deterministic=bool(given["deterministic"]),
+        deterministic=deterministic,
         log_every_n_steps=check_int("log_every_n_steps", given["log_every_n_steps"], 1),
         default_root_dir=Path(given["default_root_dir"]),
         enable_progress_bar=bool(given["enable_progress_bar"]),
         enable_checkpointing=bool(given["enable_checkpointing"]),
         allow_unverified_checkpoints=bool(given["allow_unverified_checkpoints"]),
+        overfit_batches=overfit,
+        benchmark=check_benchmark(given["benchmark"], deterministic),
+        inference_mode=bool(given["inference_mode"]),
+        use_distributed_sampler=bool(given["use_distributed_sampler"]),
+        detect_anomaly=bool(given["detect_anomaly"]),
+        barebones=bool(given["barebones"]),
+        sync_batchnorm=bool(given["sync_batchnorm"]),
+        reload_dataloaders_every_n_epochs=check_int(
+            "reload_dataloaders_every_n_epochs", given["reload_dataloaders_every_n_epochs"], 0
+        ),
+        enable_autolog_hparams=bool(given["enable_autolog_hparams"]),
+        model_registry=check_model_registry(given["model_registry"]),
     )
 
 
+def check_overfit_batches(value: Any) -> int | float:
+    """Lightning's `overfit_batches`: 0 (off), an int count of batches or a float fraction in (0, 1]."""
+    if value == 0 and not isinstance(value, bool):
+        return 0.0
+    if isinstance(value, float) and 0.0 < value <= 1.0:
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return value
+    raise ValueError(
+        f"overfit_batches={value!r} is invalid; allowed: 0 (off), an int >= 1 or a float in (0.0, 1.0]"
+    )
+
+
+def check_val_epochs(value: Any, val_check_interval: int | float | None) -> int | None:
+    """`check_val_every_n_epoch`: an int >= 1, or None (Lightning's: validate by steps only, which needs an
+    int `val_check_interval`)."""
+    if value is None:
+        if not isinstance(val_check_interval, int):
+            raise ValueError(
+                f"check_val_every_n_epoch=None validates every val_check_interval steps, but val_check_interval="
+                f"{val_check_interval!r}; allowed: an int val_check_interval, or check_val_every_n_epoch >= 1"
+            )
+        return None
+    return check_int("check_val_every_n_epoch", value, 1)
+
+
+def check_deterministic(value: Any) -> bool | str:
+    """True, False (None: False) or Lightning's "warn" (deterministic algorithms where torch has them)."""
+    if value is None or value is False:
+        return False
+    if value is True or value == "warn":
+        return value
+    raise ValueError(f"deterministic={value!r} is invalid; allowed: True, False, 'warn' or None")
+
+
+def check_benchmark(value: Any, deterministic: bool | str) -> bool | None:
+    """`torch.backends.cudnn.benchmark` for the stages; None leaves it as it is, unless `deterministic` asks
+    for it off (Lightning's rule: autotuned kernels may differ from run to run)."""
+    if value is None:
+        return False if deterministic else None
+    if not isinstance(value, bool):
+        raise ValueError(f"benchmark={value!r} is invalid; allowed: True, False or None")
+    return value
+
+
+def check_model_registry(value: Any) -> str | None:
+    """Lightning's model-hub name, its ':version' dropped as Lightning drops it."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"model_registry={value!r} is invalid; allowed: a model name or None")
+    return value.split(":")[0]
+
+
+# this Trainer's defaults for the flags whose Lightning default is None ("not set")
+_DEFAULTS = {
+    "enable_checkpointing": True,
+    "enable_progress_bar": True,
+    "enable_model_summary": True,
+    "num_sanity_val_steps": 2,
+    "log_every_n_steps": 10,
+    "gradient_clip_algorithm": "norm",
+    "default_root_dir": "runs",
+}
 _LIMITS = ("limit_train_batches", "limit_val_batches", "limit_test_batches", "limit_predict_batches")

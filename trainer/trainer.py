@@ -18,7 +18,7 @@ from callbacks.progress_bars import check_progress_bars
 from strategies.base import Strategy
 from strategies.registry import build_strategy
 from strategies.techniques.compile_blocks import check_compile
-from trainer import flags
+from trainer import flags, lightning_arguments
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.core.logging import configure_console_logging, rank_zero_info
 from trainer.core.metrics import MetricBuffer
@@ -67,42 +67,60 @@ class Trainer(LightningViews, FlagViews):
         num_nodes: int = 1,
         max_steps: int | None = None,
         max_epochs: int | None = None,
+        min_steps: int | None = None,
+        min_epochs: int | None = None,
         val_check_interval: int | float | None = None,
         val_at_start: bool = False,
         limit_train_batches: int | float | None = None,
         limit_val_batches: int | float | None = None,
         limit_test_batches: int | float | None = None,
         limit_predict_batches: int | float | None = None,
+        overfit_batches: int | float = 0.0,
         accumulate_grad_batches: int = 1,
         gradient_clip_val: float | None = None,
-        gradient_clip_algorithm: str = "norm",
-        precision: str | int = "32",
+        gradient_clip_algorithm: str | None = "norm",
+        precision: str | int | None = "32",
+        plugins: Any = None,
         compile: bool | str = False,
         activation_checkpointing: str | None = None,
+        sync_batchnorm: bool = False,
         lr_schedule: str = "constant",
         warmup_steps: int = 0,
         min_lr_ratio: float = 0.1,
         seed: int | None = None,
-        deterministic: bool = False,
-        log_every_n_steps: int = 10,
-        default_root_dir: str | Path = "runs",
-        callbacks: list[Callback] | None = None,
+        deterministic: bool | str | None = False,
+        benchmark: bool | None = None,
+        detect_anomaly: bool = False,
+        inference_mode: bool = True,
+        use_distributed_sampler: bool = True,
+        reload_dataloaders_every_n_epochs: int = 0,
+        log_every_n_steps: int | None = None,
+        default_root_dir: str | Path | None = "runs",
+        callbacks: list[Callback] | Callback | None = None,
         loggers: list[Logger | str] | None = None,
         logger: bool | Logger | str | list[Logger | str] | None = None,
-        enable_progress_bar: bool = True,
-        enable_checkpointing: bool = True,
-        check_val_every_n_epoch: int = 1,
+        enable_autolog_hparams: bool = True,
+        profiler: Any = None,
+        enable_progress_bar: bool | None = None,
+        enable_checkpointing: bool | None = None,
+        check_val_every_n_epoch: int | None = 1,
         max_time: str | dict | datetime.timedelta | None = None,
         fast_dev_run: bool | int = False,
-        num_sanity_val_steps: int = 2,
-        enable_model_summary: bool = True,
+        barebones: bool = False,
+        num_sanity_val_steps: int | None = None,
+        enable_model_summary: bool | None = None,
         allow_unverified_checkpoints: bool = False,
+        model_registry: str | None = None,
         fault_tolerance: FaultTolerance | None = None,
     ) -> None:
         configure_console_logging()
         given = dict(locals())  # the flags as passed (a copy: some names are rebound below)
+        lightning_arguments.resolve_plugins(given)  # precision and sync_batchnorm may come from plugins
+        lightning_arguments.apply_barebones(given)
         # the loop flags, checked, as one typed object; `trainer.max_steps`, ... read it (FlagViews)
         self.flags = flags.check_loop_flags(**{name: given[name] for name in flags.LOOP_FLAGS})
+        lightning_arguments.say_unapplied(self.model_registry)
+        logger, precision = given["logger"], given["precision"]
         self.seed = seed if seed is None else seed_everything(seed)
         if logger is not None:  # Lightning's name; False: no logger but the always-on JSONL file
             if loggers is not None:
@@ -117,15 +135,21 @@ class Trainer(LightningViews, FlagViews):
         self.num_devices, self.num_nodes = devices, num_nodes  # Lightning's: processes per node, nodes
         self.strategy = build_strategy(strategy, processes=devices * num_nodes)
         self.fault_tolerance = check_fault_tolerance(fault_tolerance, self.strategy)
+        lightning_arguments.check_distributed_sampler(
+            self.use_distributed_sampler, self.strategy, self.fault_tolerance
+        )
         self.strategy.set_block_options(activation_checkpointing, check_compile(compile))
         self.strategy.configure(
             accelerator, devices, num_nodes, Precision(precision, accelerator), device_ids
         )
-        self.callbacks = list(callbacks or [])
+        # Lightning's callbacks= takes one callback as well as a list
+        self.callbacks = [callbacks] if isinstance(callbacks, Callback) else list(callbacks or [])
         for cb in self.callbacks:
             if not isinstance(cb, Callback):
                 raise TypeError(f"callbacks must be Callback instances; got {type(cb).__name__}")
         check_progress_bars(self.callbacks, self.enable_progress_bar)
+        if (profiler_callback := lightning_arguments.profiler_callback(profiler)) is not None:
+            self.callbacks.append(profiler_callback)
         if self.strategy.compile:
             self.callbacks.append(CompileReport())
         if self.enable_checkpointing and not any(isinstance(cb, ModelCheckpoint) for cb in self.callbacks):
@@ -159,7 +183,8 @@ class Trainer(LightningViews, FlagViews):
         # the running fit's state (the last fit's after it ends, so its views still read); None before
         self._fit_loop: FitLoop | None = None
         self._module_name = ""
-        self._was_deterministic = False
+        # what a stage's torch switches replaced, put back after it (trainer/loop/torch_switches.py)
+        self._torch_switches: Any = None
         # the one owner of the run's checkpoint folders: run id, folders, and every file operation on them
         self.checkpoint_manager = CheckpointManager(self)
         # the training state by named parts: what saves, resumes, rollbacks and replica recovery capture or restore
@@ -350,7 +375,8 @@ class Trainer(LightningViews, FlagViews):
         there is one), every rank; the fit then stops."""
         saver = self.checkpoint_callback
         path = saver.save(self) if saver is not None else self.save_checkpoint()
-        self.should_stop = True
+        # min_steps/min_epochs do not hold it back: the checkpoint says the fit stopped here
+        self._fit_loop.stop_now()
         return path
 
     def log_metrics(self, metrics: dict[str, float], hidden: set[str] = frozenset()) -> None:

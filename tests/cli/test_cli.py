@@ -58,7 +58,10 @@ def test_fit_the_tiny_recipe_end_to_end_then_resume_and_validate(tmp_path):
         ("trainer.max_steps=abc", "trainer.max_steps expects int or null; got str 'abc'"),
         ("optimizer.lr=fast", "optimizer.lr expects float; got str 'fast'"),
         ("data.batch_size=2.5", "data.batch_size expects int; got float 2.5"),
-        ("trainer.enable_progress_bar=3", "trainer.enable_progress_bar expects bool (true/false); got int 3"),
+        (
+            "trainer.enable_progress_bar=3",
+            "trainer.enable_progress_bar expects bool (true/false) or null; got int 3",
+        ),
         ("strategy.name=ddpp", "strategy.name='ddpp' is unknown"),
         ("strategy.bucket=3", "strategy 'auto' takes no arguments (got bucket)"),
         ("model.n_heads=7", "model: dim=256 is not divisible by n_heads=7"),

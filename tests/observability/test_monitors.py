@@ -134,7 +134,7 @@ def test_the_time_a_run_sat_stopped_is_not_counted_in_its_effective_training_tim
 @pytest.mark.parametrize(
     "make, message",
     [
-        (lambda: EarlyStopping(patience=0), "patience=0 is invalid; allowed: an int >= 1"),
+        (lambda: EarlyStopping(patience=-1), "patience=-1 is invalid; allowed: an int >= 0"),
         (lambda: EarlyStopping(mode="up"), "mode='up' is invalid; allowed: 'min' or 'max'"),
         (lambda: LearningRateMonitor(every_n_steps=0), "every_n_steps=0 is invalid"),
     ],

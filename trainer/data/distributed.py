@@ -101,9 +101,7 @@ def shard_loader(loader: Any, rank: int, size: int, seed: int) -> Any:
         return loader
     if isinstance(loader.sampler, DistributedSampler):
         return loader  # already sharded by the user
-    kwargs = {name: getattr(loader, name) for name in _LOADER_ARGS if hasattr(loader, name)}
-    if kwargs.get("num_workers", 0) == 0:
-        kwargs.pop("prefetch_factor", None)
+    kwargs = _loader_kwargs(loader)
     if isinstance(loader.dataset, IterableDataset):
         return DataLoader(RoundRobinShard(loader.dataset, rank, size), **kwargs)
     sampler = loader.sampler
@@ -122,6 +120,26 @@ def shard_loader(loader: Any, rank: int, size: int, seed: int) -> Any:
         loader.dataset, size, rank, shuffle=shuffle, seed=seed, drop_last=loader.drop_last
     )
     return DataLoader(loader.dataset, sampler=sampler, **kwargs)
+
+
+def sequential_loader(loader: Any) -> Any:
+    """`loader` read in order, the same batches every epoch (Lightning's `overfit_batches`): a DataLoader
+    that shuffles is rebuilt over a SequentialSampler; any other loader is its own order, and comes back."""
+    if (
+        not isinstance(loader, DataLoader)
+        or not isinstance(loader.sampler, RandomSampler)
+        or type(loader.batch_sampler) is not BatchSampler
+    ):
+        return loader
+    return DataLoader(loader.dataset, sampler=SequentialSampler(loader.dataset), **_loader_kwargs(loader))
+
+
+def _loader_kwargs(loader: DataLoader) -> dict[str, Any]:
+    """The arguments a copy of `loader` over another sampler or dataset keeps."""
+    kwargs = {name: getattr(loader, name) for name in _LOADER_ARGS if hasattr(loader, name)}
+    if kwargs.get("num_workers", 0) == 0:
+        kwargs.pop("prefetch_factor", None)
+    return kwargs
 
 
 def _refuse_hf_dataset(loader: Any) -> None:

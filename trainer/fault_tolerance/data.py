@@ -11,16 +11,16 @@ from trainer.data.distributed import shard_loader
 from trainer.fault_tolerance.config import FaultTolerance
 
 
-def check_strategy(strategy: Strategy) -> None:
+def check_strategy(strategy: Strategy, setting: str = "fault_tolerance=") -> None:
     """A one-line error (before any process starts) for a strategy that samples its own data (DP-SGD's
-    Poisson sampling): its batches cannot be split over replica groups."""
+    Poisson sampling): its batches cannot be split over replica groups, nor left to the user (`setting`)."""
     # the parallel strategy's override only refuses evaluation under some pipeline schedules
     if type(strategy).process_dataloader not in (
         Strategy.process_dataloader,
         ParallelStrategy.process_dataloader,
     ):
         raise ValueError(
-            f"fault_tolerance= with {type(strategy).__name__}, which samples its own batches; allowed: a "
+            f"{setting} with {type(strategy).__name__}, which samples its own batches; allowed: a "
             "strategy that reads the user's loader split over its ranks (single, ddp, fsdp, 3d)"
         )
 

@@ -22,13 +22,18 @@ class EpochBatches:
     def __init__(
         self, loader: Iterable, limit: int | float | None = None, name: str = "limit_train_batches"
     ) -> None:
-        self.loader = loader
         self.limit, self.name = limit, name  # name: the Trainer flag the limit came from, for errors
+        self.use(loader)
+        self._epoch_rng: dict[str, Any] | None = None
+        self._pending: dict[str, Any] | None = None
+
+    def use(self, loader: Iterable) -> None:
+        """Read `loader` from the next `begin` on (a loader read again: reload_dataloaders_every_n_epochs);
+        the limit and a position waiting to be restored stay."""
+        self.loader = loader
         self.stateful = callable(getattr(loader, "state_dict", None)) and callable(
             getattr(loader, "load_state_dict", None)
         )
-        self._epoch_rng: dict[str, Any] | None = None
-        self._pending: dict[str, Any] | None = None
 
     def epoch_length(self) -> int | None:
         """Batches per epoch after `limit` (an int count or a fraction), None when the loader has no len."""

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from strategies.base import unpack_loss
+from trainer.core.dtensors import is_dtensor
 from trainer.core.metrics import MetricBuffer, kept_metric_states
 from trainer.core.rng import isolated_rng
 from trainer.loop import step_log
@@ -68,7 +69,7 @@ def evaluate(
             trainer.evaluating = True
             try:
                 dispatch.all(f"on_{stage}_epoch_start")
-                with isolated_rng(), torch.no_grad():
+                with isolated_rng(), _without_grad(trainer, module):
                     for idx, batch in enumerate(loader):
                         if n_batches is not None and idx >= n_batches:
                             break
@@ -100,6 +101,19 @@ def evaluate(
             report(metrics, hidden, prog_bar)
         dispatch.all(f"on_{stage}_end")
     return metrics, hidden, outputs
+
+
+def _without_grad(trainer: Trainer, module: TrainModule) -> contextlib.AbstractContextManager:
+    """Lightning's rule: validate/test/predict under `torch.inference_mode` with `inference_mode=True` (their
+    tensors can never join a graph), a fit's validation under `no_grad`. Under several processes or sharded
+    (DTensor) parameters, `no_grad` too: Lightning takes it on gloo and FSDP, and torch's collectives,
+    DTensors and pipelining are not tested under inference mode here."""
+    alone = trainer.strategy.world_size == 1 and not any(is_dtensor(p) for p in module.parameters())
+    return (
+        torch.inference_mode()
+        if trainer.inference_mode and not trainer.fitting and alone
+        else torch.no_grad()
+    )
 
 
 def _weight(num_tokens: torch.Tensor | None, batch: Any, device: torch.device) -> torch.Tensor:

@@ -23,6 +23,7 @@ from trainer.loop import eval_loop, step_log
 from trainer.loop.epochs import EpochBatches
 from trainer.loop.optim_config import parse_optimizers
 from trainer.loop.progress import ProgressBar
+from trainer.loop.reload import LoaderReload
 from trainer.loop.state import LoopState
 from trainer.loop.step_log import Throughput
 from trainer.loop.stop_signals import NAMES, StoppedBySignal, StopSignals
@@ -41,6 +42,8 @@ class FitLoop:
         self, trainer: Trainer, module: TrainModule, train_loader: Iterable, val_loader: Iterable | None
     ) -> None:
         self.trainer, self.module, self.val_loader = trainer, module, val_loader
+        # reload_dataloaders_every_n_epochs: when the loaders are read again (set by stages; default: never)
+        self.reload = LoaderReload()
         self.train_batches = EpochBatches(train_loader, trainer.limit_train_batches)
         if trainer.limit_train_batches is not None and self.train_batches.epoch_length() == 0:
             raise ValueError(
@@ -65,6 +68,7 @@ class FitLoop:
         self.signals = StopSignals()  # Ctrl-C / SIGTERM while the fit runs
         self.stopped_by: int | None = None  # the signal the ranks agreed to stop for
         self.stop_checkpoint: Any = None  # the checkpoint saved for that stop (None: no step to save)
+        self.must_stop = False  # a stop min_steps/min_epochs do not hold back (see `stop_now`)
         self.replicas: ReplicaGroup | None = None  # fault tolerance's replica group (set by stages), or None
 
     # ---- the run ---------------------------------------------------------------------------------
@@ -103,7 +107,7 @@ class FitLoop:
             self.progress = ProgressBar(self.total_steps(), trainer.global_step, **options)
         dispatch.all("on_fit_start")
         if val_loader is not None and trainer.num_sanity_val_steps and not self._val_at_start_due():
-            eval_loop.sanity_check(trainer, module, val_loader)
+            eval_loop.sanity_check(trainer, module, self._current_val_loader())
         dispatch.all("on_train_start")
         self._train()
         dispatch.all("on_train_end")
@@ -122,8 +126,12 @@ class FitLoop:
         meter = Throughput()
         if val_loader is not None and self._val_at_start_due():
             # the baseline the run's progress is read against
-            eval_loop.validate_in_fit(trainer, self.module, val_loader)
+            self._validate()
         while self._goes_on():
+            # a train loader read again comes before on_train_epoch_start, as in Lightning
+            if self.reload.train(self.train_batches, s.epoch):
+                epoch_len = self.train_batches.epoch_length()
+                val_every = self._val_every_n_steps(epoch_len)
             trainer._dispatch.all("on_train_epoch_start")
             if not self._epoch(epoch_len, val_every, meter):
                 if s.batches_in_epoch:  # stopped inside the epoch (max_steps or should_stop): it ends here
@@ -132,7 +140,7 @@ class FitLoop:
             self._end_epoch(val_every)
         step_log.log_epoch_metrics(trainer)  # a run stopped inside an epoch ends its aggregates here
         if val_loader is not None and self.last_val_step != s.global_step and self.stopped_by is None:
-            eval_loop.validate_in_fit(trainer, self.module, val_loader)
+            self._validate()
 
     def _end_epoch(self, val_every: int | None) -> None:
         """An epoch whose data ran out: validation (at epoch ends), its hooks, aggregates, schedule."""
@@ -152,7 +160,7 @@ class FitLoop:
                 and not val_every
                 and s.epoch % trainer.check_val_every_n_epoch == 0
             ):
-                eval_loop.validate_in_fit(trainer, self.module, self.val_loader)
+                self._validate()
             trainer._dispatch.train_epoch_end(lambda: step_log.log_epoch_metrics(trainer))
         finally:
             self.ending_epoch = None
@@ -160,7 +168,7 @@ class FitLoop:
 
     def _epoch(self, epoch_len: int | None, val_every: int | None, meter: Throughput) -> bool:
         """Optimizer steps until the epoch's data runs out (True) or the run is done (False)."""
-        trainer, s, module, val_loader = self.trainer, self.trainer.state, self.module, self.val_loader
+        trainer, s, val_loader = self.trainer, self.trainer.state, self.val_loader
         iterator = self.train_batches.begin(s.epoch, s.batches_in_epoch)
         while self._goes_on():
             # fault tolerance: this step's quorum; a group that took a peer's state reads on from its position
@@ -177,7 +185,7 @@ class FitLoop:
             try:
                 outputs = self._optimizer_step(window, meter, started)
                 if val_loader is not None and val_every and s.global_step % val_every == 0:
-                    eval_loop.validate_in_fit(trainer, module, val_loader)
+                    self._validate()
                 trainer._dispatch.step("on_train_batch_end", (outputs, window[0], first_idx))
             finally:
                 trainer._step_hooks = False
@@ -303,18 +311,40 @@ class FitLoop:
 
     @property
     def done(self) -> bool:
-        """Whether the fit stops before the next step: should_stop, max_steps or max_epochs (pure: the stop
-        reasons that come from outside, with the checkpoint they save, are `poll_stops`')."""
+        """Whether the fit stops before the next step: max_steps, max_epochs, a stop that must be obeyed
+        (`stop_now`), or should_stop once min_steps and min_epochs are met, as Lightning's `done` (pure: the
+        stop reasons that come from outside, with the checkpoint they save, are `poll_stops`')."""
         trainer, s = self.trainer, self.trainer.state
         return (
-            trainer.should_stop
+            self.must_stop
             or (trainer.max_steps is not None and s.global_step >= trainer.max_steps)
             or (trainer.max_epochs is not None and s.epoch >= trainer.max_epochs)
+            or (trainer.should_stop and self.can_stop_early)
         )
+
+    @property
+    def can_stop_early(self) -> bool:
+        """Lightning's `_can_stop_early`: min_epochs epochs done and min_steps steps taken (min_steps alone
+        also asks for one whole epoch, as Lightning's loop limits do)."""
+        trainer, s = self.trainer, self.trainer.state
+        min_epochs = trainer.min_epochs
+        if min_epochs is None and trainer.min_steps is not None:
+            min_epochs = 1
+        return s.epoch >= (min_epochs or 0) and s.global_step >= (trainer.min_steps or 0)
+
+    def stop_now(self) -> None:
+        """End the fit before the next step, whatever min_steps/min_epochs say: a signal, max_time, a spent
+        budget, a `save_and_stop` (each has said or saved where it stopped)."""
+        self.must_stop = True
+        self.trainer.should_stop = True
 
     def _goes_on(self) -> bool:
         """Before each step (and each epoch): the outside stop reasons polled, then whether the fit goes on."""
         self.poll_stops()
+        trainer = self.trainer
+        if trainer.should_stop and not self.done:
+            why = f"min_epochs={trainer.min_epochs}, min_steps={trainer.min_steps} not met"
+            trainer.say_once("min_steps", f"should_stop was set but {why}: training goes on, as in Lightning")
         return not self.done
 
     def poll_stops(self) -> None:
@@ -323,29 +353,33 @@ class FitLoop:
         saving the last step first when a resume could go on from it."""
         trainer = self.trainer
         s = trainer.state
-        if not trainer.should_stop and (number := self.signals.agreed(trainer.strategy.world_size)):
+        if not self._stopping() and (number := self.signals.agreed(trainer.strategy.world_size)):
             self._stop_for_signal(number)
-        if self.time_limit is not None and not trainer.should_stop:
+        if self.time_limit is not None and not self._stopping():
             # every rank must stop at the same step: their clocks agree at steps they all know (time_limit.py)
             if self.time_limit.reached(s.global_step, time.time() - self.started, self._slowest):
-                trainer.should_stop = True
+                self.stop_now()
                 rank_zero_info(
                     f"stopping at step {s.global_step}: max_time of {trainer.max_time:.0f} s reached"
                 )
-        reason = None if trainer.should_stop else trainer.strategy.stop_reason()
+        reason = None if self._stopping() else trainer.strategy.stop_reason()
         if reason is not None:
             if s.global_step > self.start_step:  # this fit trained: keep where it stopped
                 trainer.save_and_stop(reason, resumable=False)
             else:
-                trainer.should_stop = True
+                self.stop_now()
                 rank_zero_info(f"stopping at step {s.global_step} before training: {reason}")
+
+    def _stopping(self) -> bool:
+        """A stop is decided (should_stop counts once min_steps/min_epochs allow it): nothing more to poll."""
+        return self.must_stop or (self.trainer.should_stop and self.can_stop_early)
 
     def _stop_for_signal(self, number: int) -> None:
         """Every rank had a signal's word: a checkpoint of the last step when this fit trained one, then stop."""
         self.stopped_by = number
         if self.trainer.global_step > self.start_step:
             self.stop_checkpoint = self.trainer._save_for_stop()
-        self.trainer.should_stop = True
+        self.stop_now()
 
     def signal_exit(self) -> StoppedBySignal:
         """The fit's last line after a signal stopped it, and the exit that follows (128 + the signal)."""
@@ -438,6 +472,14 @@ class FitLoop:
                 f"val_check_interval={interval} is a fraction of an epoch but the loader has no len(); pass an int"
             )
         return max(1, round(interval * math.ceil(epoch_len / self.trainer.accumulate_grad_batches)))
+
+    def _current_val_loader(self) -> Iterable:
+        """The val loader, read again first when reload_dataloaders_every_n_epochs says it is due."""
+        self.val_loader = self.reload.val(self.val_loader, self.trainer.current_epoch)
+        return self.val_loader
+
+    def _validate(self) -> None:
+        eval_loop.validate_in_fit(self.trainer, self.module, self._current_val_loader())
 
     def _val_at_start_due(self) -> bool:
         return self.trainer.val_at_start and self.trainer.state.global_step == 0

@@ -9,18 +9,19 @@ import sys
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-import torch
-
+from strategies.techniques.sync_batchnorm import convert_sync_batchnorm, revert_sync_batchnorm
 from trainer.core.host_memory import keep_freed_memory
 from trainer.core.logging import rank_zero_info, set_rank
 from trainer.core.rng import seed_everything, seeds_workers, worker_init_function
+from trainer.data.distributed import sequential_loader
 from trainer.data.loader import pin_for_device
 from trainer.datamodule import call_if_defined, loaders_from
 from trainer.fault_tolerance.data import replica_loader
 from trainer.fault_tolerance.replica_group import ReplicaGroup
-from trainer.loop import eval_loop
+from trainer.loop import eval_loop, torch_switches
 from trainer.loop.entry_checks import check_not_empty
 from trainer.loop.fit_loop import FitLoop
+from trainer.loop.reload import LoaderReload
 from trainer.module import TrainModule, uncalled_lightning_methods
 
 if TYPE_CHECKING:
@@ -42,15 +43,20 @@ def run_fit(
     _setup(trainer, module, "fit", datamodule)
     replicas = None
     try:
+        reload = LoaderReload()
         if train_loader is None:  # the datamodule's, or the module's own, read after their setup
-            train_loader, own_val = loaders_from(datamodule or module, "fit")
+            source = datamodule or module
+            train_loader, own_val = loaders_from(source, "fit")
+            if trainer.reload_dataloaders_every_n_epochs:
+                load = functools.partial(
+                    _reloaded, trainer, source, own_val is not None and val_loader is None
+                )
+                reload = LoaderReload(trainer.reload_dataloaders_every_n_epochs, load)
             val_loader = own_val if val_loader is None else val_loader
-            check_not_empty("train_dataloader()", train_loader)
-            if val_loader is not None:
-                check_not_empty("val_dataloader()", val_loader)
-        train_loader = _rank_loader(trainer, train_loader, train=True)
-        val_loader = _rank_loader(trainer, val_loader, train=False) if val_loader is not None else None
+        train_loader = _fit_loader(trainer, train_loader, train=True)
+        val_loader = _fit_loader(trainer, val_loader, train=False)
         trainer._fit_loop = FitLoop(trainer, module, train_loader, val_loader)
+        trainer._fit_loop.reload = reload
         if trainer.fault_tolerance is not None:  # this group joins the others at the lighthouse
             replicas = trainer._fit_loop.replicas = ReplicaGroup(trainer)
         trainer._fit_loop.run(ckpt_path)
@@ -63,6 +69,25 @@ def run_fit(
         _finish(trainer, "fit")
     if trainer._fit_loop.stopped_by is not None:  # after the tear-down: its checkpoint is complete
         raise trainer._fit_loop.signal_exit()
+
+
+def _fit_loader(trainer: Trainer, loader: Iterable | None, train: bool) -> Iterable | None:
+    """A loader of the fit as this rank reads it: not empty, unshuffled under `overfit_batches` (as Lightning
+    turns shuffling off there, for the train and the val loader), its share of the data."""
+    if loader is None:
+        return None
+    check_not_empty("train_dataloader()" if train else "val_dataloader()", loader)
+    if trainer.overfit_batches:
+        loader = sequential_loader(loader)
+    return _rank_loader(trainer, loader, train=train)
+
+
+def _reloaded(trainer: Trainer, source: Any, with_val: bool, which: str) -> Iterable | None:
+    """`reload_dataloaders_every_n_epochs`: `source`'s `train_dataloader()` or `val_dataloader()` called again
+    (the val one only when the fit's val loader came from it), made this rank's as at the fit's start."""
+    if which == "val" and not with_val:
+        return None
+    return _fit_loader(trainer, getattr(source, f"{which}_dataloader")(), which == "train")
 
 
 def run_evaluate(
@@ -104,9 +129,8 @@ def _setup(trainer: Trainer, module: TrainModule, stage: str, datamodule: Any) -
     call_if_defined(datamodule, "setup", stage)
     if trainer.seed is not None:
         seed_everything(trainer.seed, workers=seeds_workers())
-    trainer._was_deterministic = torch.are_deterministic_algorithms_enabled()
-    if trainer.deterministic:
-        torch.use_deterministic_algorithms(True)  # for this run only: _finish restores the setting
+    # for this stage only: _finish puts them back
+    trainer._torch_switches = torch_switches.set_for_stage(trainer)
     module._trainer = trainer
     trainer.module = module
     trainer._module_name = type(module).__name__  # before wrapping (FSDP2 renames the class)
@@ -125,6 +149,9 @@ def _setup(trainer: Trainer, module: TrainModule, stage: str, datamodule: Any) -
         raise ValueError(
             f"{type(module).__name__} has no parameters; build layers in __init__ or configure_model()"
         )
+    if stage == "fit" and trainer.sync_batchnorm and strategy.dp_size > 1:
+        # before the wrapping, as Lightning converts them: the ranks that read different data normalise together
+        convert_sync_batchnorm(module, strategy.dp_group, strategy.root_device.type)
     strategy.setup_module(module)
 
 
@@ -154,7 +181,9 @@ def _finish(trainer: Trainer, stage: str) -> None:
     if trainer.is_global_zero and stage == "fit":  # last: callbacks may still log in teardown
         for lg in trainer.loggers:
             lg.finalize()
-    torch.use_deterministic_algorithms(trainer._was_deterministic)
+    if stage == "fit":  # the module leaves the fit with the BatchNorm layers it came with, as in Lightning
+        revert_sync_batchnorm(trainer.module)
+    trainer._torch_switches.apply()
 
 
 def _rank_loader(trainer: Trainer, loader: Iterable, train: bool) -> Iterable:
@@ -162,7 +191,7 @@ def _rank_loader(trainer: Trainer, loader: Iterable, train: bool) -> Iterable:
     ours pins its batches for a GPU, so that their copies there don't wait for the step in flight."""
     if train and trainer.fault_tolerance is not None:  # the replica groups split the data first
         loader = replica_loader(loader, trainer.fault_tolerance, trainer.strategy, trainer.seed or 0)
-    else:
+    elif trainer.use_distributed_sampler:
         loader = trainer.strategy.process_dataloader(loader, trainer.seed or 0, train=train)
     pin_for_device(loader, trainer.strategy.root_device)
     if seeds_workers() and getattr(loader, "worker_init_fn", False) is None:  # as Lightning adds it

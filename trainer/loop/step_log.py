@@ -86,7 +86,8 @@ def start_loggers(trainer: Trainer, module: TrainModule, resumed: bool) -> None:
     params = plain({**dict(getattr(trainer.datamodule, "hparams", None) or {}), **dict(module.hparams)})
     record = hyperparams(trainer, module)
     for lg in trainer.loggers:
-        lg.log_hyperparams(params)
+        if trainer.enable_autolog_hparams:
+            lg.log_hyperparams(params)
         lg.log_run(record)
 
 
