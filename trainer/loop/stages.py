@@ -21,6 +21,7 @@ from trainer.fault_tolerance.replica_group import ReplicaGroup
 from trainer.loop import eval_loop
 from trainer.loop.entry_checks import check_not_empty
 from trainer.loop.fit_loop import FitLoop
+from trainer.loop.manual_step import ManualFitLoop
 from trainer.module import TrainModule, uncalled_lightning_methods
 
 if TYPE_CHECKING:
@@ -50,7 +51,8 @@ def run_fit(
                 check_not_empty("val_dataloader()", val_loader)
         train_loader = _rank_loader(trainer, train_loader, train=True)
         val_loader = _rank_loader(trainer, val_loader, train=False) if val_loader is not None else None
-        trainer._fit_loop = FitLoop(trainer, module, train_loader, val_loader)
+        loop = FitLoop if module.automatic_optimization else ManualFitLoop
+        trainer._fit_loop = loop(trainer, module, train_loader, val_loader)
         if trainer.fault_tolerance is not None:  # this group joins the others at the lighthouse
             replicas = trainer._fit_loop.replicas = ReplicaGroup(trainer)
         trainer._fit_loop.run(ckpt_path)
