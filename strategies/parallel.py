@@ -152,7 +152,10 @@ class ParallelStrategy(MeshStrategy):
 
     def check_module(self, module: nn.Module) -> None:
         """One-line errors for a model these degrees cannot cut: heads not divisible by tp, fewer
-        blocks than pipeline stages, a hook the degrees need and the module lacks."""
+        blocks than pipeline stages, a hook the degrees need and the module lacks; manual optimization where
+        the layout owns part of the step."""
+        if not getattr(module, "automatic_optimization", True):
+            self._check_manual_optimization(type(module).__name__)
         for degree, hooks in HOOKS.items():
             for hook in hooks if self._degree(degree) > 1 else ():
                 if not callable(getattr(module, hook, None)):
@@ -171,8 +174,6 @@ class ParallelStrategy(MeshStrategy):
         shape = shape() if callable(shape) else None
         if shape is not None:
             self._check_shape(shape)
-        if not getattr(module, "automatic_optimization", True):
-            self._check_manual_optimization(type(module).__name__)
 
     def _check_manual_optimization(self, name: str) -> None:
         """A manually optimized module (whose step does its own backwards and optimizer steps) runs under DDP
@@ -344,13 +345,22 @@ class ParallelStrategy(MeshStrategy):
     def manual_training_step(self, module: nn.Module, batch: Any, batch_idx: int) -> Any:
         if not self._sharded:  # through DDP: manual_backward arms its sync for each backward
             return super().manual_training_step(module, batch, batch_idx)
-        # Not as FSDP's registered forward method: its gradients reduce-scatter in a backward after it returns,
-        # never for one taken inside it. Called plainly, each layer the step runs (`self(x)`, a unit of
-        # `transformer_blocks()`) gathers its parameters in its own forward and reduce-scatters in its own
-        # backward; a root's layer called outside `self(x)` meets its shards and fails loudly in torch.
+        # Not as FSDP's registered forward method: the root's gradients reduce-scatter in a backward after it
+        # returns, not in one taken inside it (they would stay unsynced, silently). Called plainly, each layer
+        # the step runs (`self(x)`, a unit of `transformer_blocks()`) gathers its parameters in its own forward
+        # and reduce-scatters them in its own backward; a root's layer called outside `self(x)` meets its shards.
         init_root(self._root)
-        with self.precision.autocast(), self._loss_parallel():
-            return type(module).training_step(module, batch, batch_idx)
+        try:
+            with self.precision.autocast(), self._loss_parallel():
+                return type(module).training_step(module, batch, batch_idx)
+        except RuntimeError as err:
+            if "mixed torch.Tensor and DTensor" not in str(err):
+                raise
+            raise RuntimeError(
+                f"{type(module).__name__}.training_step ran a layer outside `self(x)` and outside the units of "
+                "transformer_blocks(), whose parameters FSDP holds sharded in a manually optimized step; "
+                "allowed: call it through forward, or declare it in transformer_blocks()"
+            ) from None
 
     def accumulation_context(self, is_last_micro_batch: bool) -> contextlib.AbstractContextManager:
         """Gradient sync only on the step's last micro-batch; the others accumulate locally."""
