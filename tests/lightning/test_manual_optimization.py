@@ -2,7 +2,8 @@
 accumulation (tests/scripts/manual_parity.py) run on PyTorch Lightning and here with only the import changed:
 the same hooks in the same order, each optimizer step's loss, learning rate and `global_step`, what
 on_train_batch_end received, the logged metrics and the final weights; a resumed GAN continues bit-exact. In
-this process: two optimizers stepped by hand against plain PyTorch, `toggle_optimizer`, and every refusal."""
+this process: two optimizers stepped by hand against plain PyTorch and torch's AMP recipe, `toggle_optimizer`,
+and every refusal."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from helpers import SCRIPTS, quiet, regression_loader, run_ranks
 from torch import nn
 
+from callbacks import LearningRateMonitor
 from strategies import DPSGDStrategy, FSDPStrategy, Parallel3DStrategy
 from trainer import Trainer, TrainModule
 from trainer.checkpoint import CheckpointError
@@ -50,7 +52,11 @@ def assert_same_run(lightning: dict, here: dict, unlike: tuple[str, ...] = ()) -
 
 @pytest.mark.slow
 def test_every_form_runs_as_under_lightning(tmp_path):
-    lightning, here = run(tmp_path / "pl", "lightning", FORMS), run(tmp_path / "here", "trainer", FORMS)
+    every = ("--val-every", "3")  # val_check_interval=3: after every third batch
+    lightning, here = (
+        run(tmp_path / "pl", "lightning", FORMS, *every),
+        run(tmp_path / "here", "trainer", FORMS, *every),
+    )
     for form in FORMS:
         assert_same_run(lightning[form], here[form])
     gan = here["gan"]
@@ -58,6 +64,7 @@ def test_every_form_runs_as_under_lightning(tmp_path):
     assert [s["step"] for s in gan["steps"]] == list(range(1, 25)) and gan["attrs"]["global_step"] == 24
     assert len({s["lr"] for s in gan["steps"]}) > 4  # both schedulers, stepped by hand, moved the rates
     assert gan["attrs"]["optimizers"] == gan["attrs"]["schedulers"] == 2
+    assert gan["attrs"]["validated_at"] == [6, 12, 18, 24]  # intervals count batches, as Lightning's
     assert gan["calls"][:7] == [
         "cb.on_train_batch_start", "on_train_batch_start", "on_before_backward", "cb.on_after_backward",
         "on_after_backward", "cb.on_before_optimizer_step", "on_before_optimizer_step",
@@ -296,3 +303,15 @@ def test_a_manual_step_misused_fails_in_one_line(tmp_path, mistake, error, match
         Trainer(max_steps=1, default_root_dir=tmp_path, **quiet()).fit(
             Misconfigured(mistake), regression_loader()
         )
+
+
+def test_the_learning_rate_monitor_logs_the_first_of_several_optimizers(tmp_path):
+    class Grouped(TwoHeads):
+        def configure_optimizers(self):
+            groups = [{"params": [self.b.weight], "lr": 0.2}, {"params": [self.b.bias], "lr": 0.3}]
+            return [torch.optim.SGD(self.a.parameters(), lr=0.1), torch.optim.SGD(groups)]
+
+    monitor = LearningRateMonitor(logging_interval="step")
+    trainer = Trainer(max_steps=4, default_root_dir=tmp_path, callbacks=[monitor], **quiet())
+    trainer.fit(Grouped(), regression_loader())
+    assert trainer.logged_metrics["lr/group0"] == 0.1 and "lr/group1" not in trainer.logged_metrics

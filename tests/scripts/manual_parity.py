@@ -20,7 +20,8 @@ runs DDP (with find_unused_parameters: a toggled optimizer leaves the other's pa
 `--strategy ddp_plain` leaves it off, `fsdp` runs FSDPStrategy(zero_stage=3) instead). Each rank
 writes OUT/FORM/rank<R>.json: every hook call in order, each optimizer step's loss, learning rate and
 `global_step`, what on_train_batch_end received, the logged metrics, the trainer's attributes and the final
-weights; `--save` writes a checkpoint at the end (OUT/FORM/saved), `--ckpt-path` resumes from one.
+weights, and with `--val-every N` (val_check_interval) the global steps validated at; `--save` writes a
+checkpoint at the end (OUT/FORM/saved), `--ckpt-path` resumes from one.
 Lightning's GAN tutorial writes `training_step(self, batch)`; here it takes `batch_idx` too (README)."""
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ _parser.add_argument("--batch", type=int, default=8)
 _parser.add_argument("--max-steps", type=int, default=-1)
 _parser.add_argument("--ckpt-path", default=None)
 _parser.add_argument("--save", action="store_true")
+_parser.add_argument("--val-every", type=int, default=None)  # val_check_interval, with a validation loader
 _parser.add_argument("--strategy", default="ddp", choices=["ddp", "ddp_plain", "fsdp"])
 _args = _parser.parse_args()
 FRAMEWORK, OUT, DEVICES, FORMS = _args.framework, _args.out, _args.devices, _args.forms.split(",")
@@ -123,6 +125,13 @@ class Recorded(LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx):
         self.batch_outputs.append({k: plain(v) for k, v in outputs.items()})
 
+    def on_validation_start(self):
+        if not self.trainer.sanity_checking:
+            self.attrs.setdefault("validated_at", []).append(self.global_step)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_score", self.validation_score(*batch))
+
     def on_train_start(self):
         self.attrs.update(
             optimizers=len(self.trainer.optimizers),
@@ -180,6 +189,9 @@ class GAN(Recorded):
             for scheduler in schedulers:
                 scheduler.step()
         return {"loss": d_loss, "g_loss": g_loss}
+
+    def validation_score(self, imgs, z):
+        return self.adversarial_loss(self.discriminator(imgs), torch.ones(imgs.size(0), 1))
 
     def record(self, which, loss, optimizer):
         lr = optimizer.param_groups[0]["lr"]
@@ -246,6 +258,9 @@ class Accumulating(Recorded):
         self.log("train_loss", loss)
         return loss
 
+    def validation_score(self, x, z):
+        return F.mse_loss(self(x), z[:, :1])
+
     def on_train_epoch_end(self):
         self.lr_schedulers().step()
 
@@ -288,10 +303,12 @@ def run(form: str, out: Path) -> None:
     trainer = Trainer(
         accelerator="cpu", devices=DEVICES, strategy=DDP if DEVICES > 1 else "auto", max_epochs=2, **limit,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        log_every_n_steps=2, default_root_dir=out, callbacks=[Recorder()],
+        log_every_n_steps=2, default_root_dir=out, callbacks=[Recorder()], num_sanity_val_steps=0,
+        **({} if _args.val_every is None else {"val_check_interval": _args.val_every}),
     )  # fmt: skip
     loader = DataLoader(data(), batch_size=_args.batch)
-    trainer.fit(model, loader, ckpt_path=_args.ckpt_path)
+    val = None if _args.val_every is None else DataLoader(data(), batch_size=_args.batch)
+    trainer.fit(model, loader, val, ckpt_path=_args.ckpt_path)
     if _args.save:  # where a resumed fit goes on from
         trainer.save_checkpoint(out / "saved")
     record = {

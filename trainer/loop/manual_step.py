@@ -105,7 +105,7 @@ class ManualFitLoop(FitLoop):
         outputs = _step_outputs(output)
         loss = outputs.get("loss")
         self.step_loss = loss
-        if isinstance(loss, torch.Tensor):
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:  # the fit's end checks it is finite
             self._track_finite(loss, s.global_step)
             self.last_loss = loss
         s.productive_s += time.perf_counter() - started
