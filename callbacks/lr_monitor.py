@@ -38,7 +38,10 @@ class LearningRateMonitor(Callback):
         self._lrs: list[float] = []
 
     def on_before_optimizer_step(self, trainer: Trainer, module: TrainModule, optimizer: Any) -> None:
-        self._lrs = [group["lr"] for group in optimizer.param_groups]  # the rate this step uses
+        if (
+            optimizer is trainer.optimizer
+        ):  # the one it logs (under manual optimization, the first of several)
+            self._lrs = [group["lr"] for group in optimizer.param_groups]  # the rate this step uses
 
     def on_train_batch_end(
         self, trainer: Trainer, module: TrainModule, outputs: dict[str, Any], batch: Any, batch_idx: int

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from strategies.checkpoint_io import CheckpointIO, read_checkpoint
+from strategies.checkpoint_io import CheckpointIO, Optimizers, read_checkpoint
 from strategies.checkpoint_io.sharded_state import ShardedState
 from strategies.checkpoint_io.whole_files import WholeFiles
 from strategies.collectives import check_reduce_op
@@ -26,6 +26,7 @@ from strategies.step_skip import DECLARATION, may_return_none
 from strategies.techniques.activation_checkpointing import check_mode, checkpoint_blocks, transformer_blocks
 from strategies.techniques.compile_blocks import compile_units
 from strategies.techniques.ep.experts import expert_modules, update_expert_biases
+from trainer.core.dtensors import local_part
 from trainer.core.precision import Precision
 from trainer.core.timing import PhaseClock
 from trainer.core.tree import apply_to_tensors
@@ -277,6 +278,12 @@ class Strategy:
         module's own forward. One process, no wrapper: a plain call."""
         return getattr(module, method)(*args)
 
+    def manual_training_step(self, module: nn.Module, batch: Any, batch_idx: int) -> Any:
+        """`training_step` of a manually optimized module, which takes its backwards (`manual_backward`) and
+        optimizer steps itself, under the run's precision; by default through the wrapper, as `call_step`."""
+        with self.precision.autocast():
+            return self.call_step(module, "training_step", batch, batch_idx)
+
     def eval_step(self, module: nn.Module, method: str, batch: Any, batch_idx: int) -> Any:
         """`validation_step` or `test_step` under the run's precision (the caller disables grad), through
         the wrapper like training steps, so a sharded model gathers its parameters."""
@@ -285,6 +292,12 @@ class Strategy:
 
     def backward(self, loss: torch.Tensor) -> None:
         self.precision.backward(loss)
+
+    def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """The backward of `loss` taken inside a manually optimized `training_step` (Lightning's
+        `manual_backward`; `args`/`kwargs` go to `Tensor.backward`), under the precision's loss scaling. A
+        data-parallel strategy first arms its gradient sync: the step runs inside its wrapper's forward."""
+        self.precision.backward(loss, *args, **kwargs)
 
     def finish_gradients(
         self, module: nn.Module, optimizer: torch.optim.Optimizer, num_tokens: torch.Tensor | None
@@ -310,12 +323,18 @@ class Strategy:
 
     def clip_gradients(self, module: nn.Module, max_value: float, algorithm: str) -> torch.Tensor:
         """Clip by global norm ("norm") or elementwise ("value"); returns the norm before clipping."""
-        grads = _grads(module)
+        return self.clip_parameters(list(module.parameters()), max_value, algorithm)
+
+    def clip_parameters(self, params: list[nn.Parameter], max_value: float, algorithm: str) -> torch.Tensor:
+        """`clip_gradients` of `params`' gradients only (one optimizer's, under manual optimization)."""
+        grads = [p.grad for p in params if p.grad is not None]
         norm = self.global_norm(grads)
         if algorithm == "norm":  # torch's clip_grads_with_norm_, for gradients on several meshes
             scale_(grads, (max_value / (norm + 1e-6)).clamp(max=1.0))
-        else:
-            torch.nn.utils.clip_grad_value_(module.parameters(), max_value)
+        else:  # elementwise, so each rank clamps the values it holds (torch's clip_grad_value_ fails on a
+            # DTensor whose shard on this rank is empty: a small FSDP-sharded bias)
+            for grad in grads:
+                local_part(grad).clamp_(-max_value, max_value)
         return norm
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -393,7 +412,7 @@ class Strategy:
 
     # ---- checkpoints: the layout this strategy writes, and those it reads (strategies/checkpoint_io/) --
     def save_checkpoint(
-        self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]
+        self, path: Path, module: nn.Module, optimizer: Optimizers | None, state: dict[str, Any]
     ) -> None:
         """Write model, optimizer and `state` as one atomic checkpoint directory in this strategy's
         layout (one process: whole files; several: each rank its own part)."""
@@ -444,9 +463,7 @@ class Strategy:
         readers = {"files": WholeFiles().load, "state_dict": ShardedState(self).load}
         return dict(sorted(readers.items(), key=lambda item: item[0] != self.checkpoint_io.layout))
 
-    def load_checkpoint(
-        self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None
-    ) -> dict[str, Any]:
+    def load_checkpoint(self, path: Path, module: nn.Module, optimizer: Optimizers | None) -> dict[str, Any]:
         """Load model (and optimizer) in place from `path`; returns the rest of the saved state. A
         one-line error names a layout this strategy cannot read and those it can."""
         return read_checkpoint(Path(path), module, optimizer, self.checkpoint_readers(), type(self).__name__)

@@ -133,7 +133,13 @@ class DPSGDStrategy(MeshStrategy):
         super().check_configuration()
 
     def check_module(self, module: nn.Module) -> None:
-        """BatchNorm and layers whose per-sample gradients cannot be computed are named before training."""
+        """BatchNorm and layers whose per-sample gradients cannot be computed, and manual optimization, are
+        named before training."""
+        if not getattr(module, "automatic_optimization", True):
+            raise ValueError(
+                f"{type(module).__name__} optimizes manually, but DPSGDStrategy computes, clips and noises "
+                "per-sample gradients in its own step; allowed with DPSGDStrategy: automatic optimization"
+            )
         PerSampleGradients(module, "sum", self.grad_sample_mode, self.clipping)
 
     # ---- set-up ----------------------------------------------------------------------------------

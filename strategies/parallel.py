@@ -21,6 +21,8 @@ from strategies.parallel_dims import ParallelDims
 from strategies.parallelize import Parallelized, ParallelOptions, parallelize
 from strategies.step_output import StepOutput, combine_micro_batches
 from strategies.techniques.cp.attention import check_sequence
+from strategies.techniques.ddp.apply import prepare_for_backward
+from strategies.techniques.fsdp.apply import init_root
 from strategies.techniques.pp.stages import V_SHAPED, check_layers_per_stage
 from strategies.techniques.zero1.sliced_parameters import SlicedParameters
 from trainer.core.dtensors import full_value, is_dtensor
@@ -150,7 +152,10 @@ class ParallelStrategy(MeshStrategy):
 
     def check_module(self, module: nn.Module) -> None:
         """One-line errors for a model these degrees cannot cut: heads not divisible by tp, fewer
-        blocks than pipeline stages, a hook the degrees need and the module lacks."""
+        blocks than pipeline stages, a hook the degrees need and the module lacks; manual optimization where
+        the layout owns part of the step."""
+        if not getattr(module, "automatic_optimization", True):
+            self._check_manual_optimization(type(module).__name__)
         for degree, hooks in HOOKS.items():
             for hook in hooks if self._degree(degree) > 1 else ():
                 if not callable(getattr(module, hook, None)):
@@ -169,6 +174,27 @@ class ParallelStrategy(MeshStrategy):
         shape = shape() if callable(shape) else None
         if shape is not None:
             self._check_shape(shape)
+
+    def _check_manual_optimization(self, name: str) -> None:
+        """A manually optimized module (whose step does its own backwards and optimizer steps) runs under DDP
+        and FSDP stages 2/3; the layouts that own part of the step themselves are refused in one line."""
+        if self.pp > 1:
+            raise ValueError(
+                f"{name} optimizes manually, but pp={self.pp} runs each step's forward and backward in the "
+                "pipeline schedule; allowed with manual optimization: pp=1"
+            )
+        if self.options.data_parallel == "zero1":
+            raise ValueError(
+                f"{name} optimizes manually, but zero_stage=1 slices the state of the one optimizer the Trainer "
+                "steps; allowed with manual optimization: DDP, or FSDP with zero_stage 2 or 3"
+            )
+        model_parallel = {"tp": self.tp, "cp": self.cp, "ep": self.ep}
+        if max(model_parallel.values()) > 1:
+            degrees = ", ".join(f"{k}={v}" for k, v in model_parallel.items() if v > 1)
+            raise ValueError(
+                f"{name} optimizes manually, with {degrees}: manual optimization is validated under data "
+                "parallelism only; allowed with manual optimization: tp=cp=ep=1"
+            )
 
     def _check_shape(self, shape: dict[str, Any]) -> None:
         for what in ("heads", "kv_heads", "vocab"):
@@ -316,6 +342,26 @@ class ParallelStrategy(MeshStrategy):
                 return self.model(method, *args)  # through DDP, which syncs the step's backward
             return getattr(module, method)(*args)  # registered: runs inside FSDP's pre/post-forward
 
+    def manual_training_step(self, module: nn.Module, batch: Any, batch_idx: int) -> Any:
+        if not self._sharded:  # through DDP: manual_backward arms its sync for each backward
+            return super().manual_training_step(module, batch, batch_idx)
+        # Not as FSDP's registered forward method: the root's gradients reduce-scatter in a backward after it
+        # returns, not in one taken inside it (they would stay unsynced, silently). Called plainly, each layer
+        # the step runs (`self(x)`, a unit of `transformer_blocks()`) gathers its parameters in its own forward
+        # and reduce-scatters them in its own backward; a root's layer called outside `self(x)` meets its shards.
+        init_root(self._root)
+        try:
+            with self.precision.autocast(), self._loss_parallel():
+                return type(module).training_step(module, batch, batch_idx)
+        except RuntimeError as err:
+            if "mixed torch.Tensor and DTensor" not in str(err):
+                raise
+            raise RuntimeError(
+                f"{type(module).__name__}.training_step ran a layer outside `self(x)` and outside the units of "
+                "transformer_blocks(), whose parameters FSDP holds sharded in a manually optimized step; "
+                "allowed: call it through forward, or declare it in transformer_blocks()"
+            ) from None
+
     def accumulation_context(self, is_last_micro_batch: bool) -> contextlib.AbstractContextManager:
         """Gradient sync only on the step's last micro-batch; the others accumulate locally."""
         if self.model is not None:
@@ -331,6 +377,12 @@ class ParallelStrategy(MeshStrategy):
     def backward(self, loss: torch.Tensor) -> None:
         with self._loss_parallel():
             super().backward(loss)
+
+    def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        if self.model is not None:  # the step runs inside DDP's forward: its sync is armed after it, too late
+            prepare_for_backward(self.model, loss)
+        with self._loss_parallel():
+            super().manual_backward(loss, *args, **kwargs)
 
     def train_step(self, module: nn.Module, micro_batches: list[Any], first_batch_idx: int) -> StepOutput:
         if self.pipeline is None:

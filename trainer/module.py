@@ -12,13 +12,14 @@ from torch import nn
 
 from trainer.core.logging import console_write
 from trainer.core.metrics import is_torchmetric, metric_items
+from trainer.module_optimizers import ModuleOptimizers
 
 if TYPE_CHECKING:
     from trainer.loggers import Logger
     from trainer.trainer import Trainer
 
 
-class TrainModule(nn.Module):
+class TrainModule(ModuleOptimizers, nn.Module):
     """Subclass this: build layers in `__init__` (or late in `configure_model`), define
     `training_step` and `configure_optimizers`, optionally `validation_step`/`test_step`.
 
@@ -26,6 +27,9 @@ class TrainModule(nn.Module):
     of items the loss is a mean over. With "num_tokens" the Trainer weights micro-batches (and data-
     parallel ranks) by it, so gradient accumulation equals one large batch even when micro-batches hold
     different token counts; without it every micro-batch weighs the same.
+
+    `self.automatic_optimization = False` (Lightning's manual optimization): `training_step` does its own
+    backward and optimizer steps, of one or several optimizers (trainer/module_optimizers.py).
     """
 
     def __init__(self) -> None:
@@ -307,14 +311,6 @@ class TrainModule(nn.Module):
         for tensor in self.parameters():
             return tensor.device
         return self._trainer.strategy.root_device if self._trainer is not None else torch.device("cpu")
-
-    def optimizers(self) -> torch.optim.Optimizer:
-        """The optimizer the Trainer steps (what `configure_optimizers` returned, as set up by the strategy)."""
-        return self.trainer.optimizer
-
-    def lr_schedulers(self) -> Any:
-        """The learning-rate scheduler in use: yours from `configure_optimizers`, else the Trainer's."""
-        return self.trainer.lr_scheduler
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """`print` on global rank zero only; to the terminal above the progress bar, as Lightning's."""

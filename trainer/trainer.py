@@ -33,6 +33,7 @@ from trainer.loop import entry_checks, eval_loop, stages, step_log
 from trainer.loop.fit_loop import FitLoop, effective_training_time
 from trainer.loop.hooks import HookDispatcher
 from trainer.loop.lightning_views import LightningViews
+from trainer.loop.manual_step import check_manual_optimization
 from trainer.loop.optim_config import SchedulerConfig
 from trainer.loop.predict_record import PredictRecord
 from trainer.loop.state import LoopState
@@ -270,6 +271,7 @@ class Trainer(LightningViews, FlagViews):
         checkpoint after its checksums are verified. `datamodule` (Lightning's) supplies the loaders."""
         train_dataloaders, datamodule = entry_checks.split_datamodule(train_dataloaders, datamodule, "fit")
         entry_checks.check_fit(model, train_dataloaders, val_dataloaders, ckpt_path, datamodule)
+        check_manual_optimization(model, self.flags, self.fault_tolerance)
         self.strategy.check_module(model)
         return self.strategy.launch(
             stages.run_fit, self, model, train_dataloaders, val_dataloaders, ckpt_path, datamodule

@@ -20,17 +20,21 @@ LAYOUTS = {  # every layout, by who writes it
 }
 
 
+# what a checkpoint holds as its optimizer state: the fit's optimizer, or a manually optimized module's several
+Optimizers = torch.optim.Optimizer | list[torch.optim.Optimizer]
+
+
 class CheckpointIO(Protocol):
     """One checkpoint layout: save on every rank (each writes its part), load in place on every rank."""
 
     layout: str  # a key of LAYOUTS, recorded in meta.json
 
     def save(
-        self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]
+        self, path: Path, module: nn.Module, optimizer: Optimizers | None, state: dict[str, Any]
     ) -> None:
-        """Write model, optimizer and the trainer `state` as one atomic checkpoint directory."""
+        """Write model, optimizer(s) and the trainer `state` as one atomic checkpoint directory."""
 
-    def load(self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    def load(self, path: Path, module: nn.Module, optimizer: Optimizers | None) -> dict[str, Any]:
         """Fill `module` and `optimizer` in place from `path`; returns the trainer state."""
 
     @property
@@ -74,7 +78,7 @@ def checked_state(path: Path) -> dict[str, Any]:
 def read_checkpoint(
     path: Path,
     module: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
+    optimizer: Optimizers | None,
     readers: dict[str, Callable[..., dict[str, Any]]],
     reader_name: str,
 ) -> dict[str, Any]:
@@ -88,3 +92,26 @@ def read_checkpoint(
             f"{reads}: resume with one of those (any world size), or `trainer export` its weights"
         )
     return readers[layout](path, module, optimizer)
+
+
+def optimizer_state(optimizer: Optimizers) -> dict[str, Any]:
+    """The whole state of the optimizer, or of several as {"optimizers": [each one's state, in order]}."""
+    if isinstance(optimizer, list):
+        return {"optimizers": [o.state_dict() for o in optimizer]}
+    return optimizer.state_dict()
+
+
+def load_optimizer_state(optimizer: Optimizers, state: dict[str, Any], source: Path) -> None:
+    """`optimizer_state`'s inverse; a checkpoint of another number of optimizers is refused in one line."""
+    several = state.get("optimizers")
+    count = len(optimizer) if isinstance(optimizer, list) else 1
+    if (several is None) != (count == 1) or (several is not None and len(several) != count):
+        saved = 1 if several is None else len(several)
+        raise ckpt.CheckpointError(
+            f"checkpoint '{source}' holds the state of {saved} optimizer(s), configure_optimizers returned "
+            f"{count}; allowed: the optimizers the checkpointed run had"
+        )
+    for one, one_state in zip(
+        optimizer if isinstance(optimizer, list) else [optimizer], several or [state], strict=True
+    ):
+        one.load_state_dict(one_state)

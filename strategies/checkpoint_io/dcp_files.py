@@ -12,14 +12,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from strategies.checkpoint_io import checks_frozen_parameters
+from strategies.checkpoint_io import Optimizers, checks_frozen_parameters
 from trainer import checkpoint as ckpt
 from trainer.checkpoint import safe_dcp
 from trainer.checkpoint.integrity import HashingFile
@@ -83,9 +82,7 @@ def load(payload: dict[str, Any], path: Path, group: Any) -> None:
         raise ckpt.CheckpointError(f"checkpoint '{path}' does not fit this model: {first}") from None
 
 
-def load_state_dict_layout(
-    path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None, group: Any
-) -> None:
+def load_state_dict_layout(path: Path, module: nn.Module, optimizer: Optimizers | None, group: Any) -> None:
     """Load a checkpoint of the "state_dict" layout (DDP, FSDP stages 2/3, 3D) into `module` and
     `optimizer` as they are sharded now, by any strategy and world size (`group` None: one process). A module
     that does not checkpoint its frozen parameters gets the others (every one of them, or DCP's load fails)."""

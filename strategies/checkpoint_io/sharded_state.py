@@ -10,11 +10,10 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
-from strategies.checkpoint_io import checked_state, checks_frozen_parameters
+from strategies.checkpoint_io import Optimizers, checked_state, checks_frozen_parameters
 from trainer import checkpoint as ckpt
 
 if TYPE_CHECKING:
@@ -33,9 +32,10 @@ class ShardedState:
         self._pending: Any = None  # (future, finish, staging dir, path) of a background save
         self._save_group: Any = None  # the background writer's own process group
 
-    def payload(self, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    def payload(self, module: nn.Module, optimizer: Optimizers | None) -> dict[str, Any]:
         """What the ranks write: replicated tensors are written once, spread over the ranks by DCP (frozen
-        parameters only when the module checkpoints them)."""
+        parameters only when the module checkpoints them); several optimizers' states are keyed by parameter
+        name together, as torch's `get_state_dict` keys them."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
         options = StateDictOptions(ignore_frozen_params=not checks_frozen_parameters(module))
@@ -43,7 +43,7 @@ class ShardedState:
         return {"model": model_sd, **({"optim": optim_sd} if optimizer is not None else {})}
 
     def save(
-        self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]
+        self, path: Path, module: nn.Module, optimizer: Optimizers | None, state: dict[str, Any]
     ) -> None:
         """Every rank writes its part into `dcp/`, hashed as written; rank zero then adds the trainer state
         and the manifest of every rank's files, and renames the directory into place. In the background,
@@ -131,12 +131,12 @@ class ShardedState:
                 self._abandon_save(tmp, path, err)
             finish()
 
-    def load(self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    def load(self, path: Path, module: nn.Module, optimizer: Optimizers | None) -> dict[str, Any]:
         """Fill `module` and `optimizer`, sharded as they are now, each rank reading what its shards need."""
         self.load_parts(path, module, optimizer)
         return checked_state(path)
 
-    def load_parts(self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    def load_parts(self, path: Path, module: nn.Module, optimizer: Optimizers | None) -> None:
         """The model and optimizer part of `load`."""
         from strategies.checkpoint_io import dcp_files
 

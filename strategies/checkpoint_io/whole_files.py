@@ -8,7 +8,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from strategies.checkpoint_io import checked_state, checkpointed_state_dict, checks_frozen_parameters
+from strategies.checkpoint_io import (
+    Optimizers,
+    checked_state,
+    checkpointed_state_dict,
+    checks_frozen_parameters,
+    load_optimizer_state,
+    optimizer_state,
+)
 from trainer import checkpoint as ckpt
 
 
@@ -19,11 +26,11 @@ class WholeFiles:
     in_progress = False
 
     def save(
-        self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]
+        self, path: Path, module: nn.Module, optimizer: Optimizers | None, state: dict[str, Any]
     ) -> None:
-        """Write model, optimizer and `state` as one atomic checkpoint directory of whole files."""
+        """Write model, optimizer(s) and `state` as one atomic checkpoint directory of whole files."""
         model_sd = checkpointed_state_dict(module)
-        optim_sd = optimizer.state_dict() if optimizer is not None else None
+        optim_sd = optimizer_state(optimizer) if optimizer is not None else None
 
         def write(tmp: Path) -> ckpt.Entries:
             entries = ckpt.save_model_file(model_sd, tmp / ckpt.MODEL_FILE)
@@ -33,11 +40,11 @@ class WholeFiles:
 
         ckpt.write_atomically(Path(path), write, ckpt.meta_for(state))
 
-    def load(self, path: Path, module: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-        """The whole model (and optimizer) into `module` (and `optimizer`), as every rank holds them."""
+    def load(self, path: Path, module: nn.Module, optimizer: Optimizers | None) -> dict[str, Any]:
+        """The whole model (and optimizer(s)) into `module` (and `optimizer`), as every rank holds them."""
         load_module_state(module, ckpt.load_model_file(path / ckpt.MODEL_FILE), path)
         if optimizer is not None:
-            optimizer.load_state_dict(ckpt.load_torch_file(path / ckpt.OPTIMIZER_FILE))
+            load_optimizer_state(optimizer, ckpt.load_torch_file(path / ckpt.OPTIMIZER_FILE), path)
         return checked_state(path)
 
     def finish(self) -> None:

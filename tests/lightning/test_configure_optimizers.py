@@ -152,7 +152,7 @@ def test_the_scheduler_position_resumes_from_a_checkpoint(tmp_path):
     "form, error, match",
     [
         (lambda opt: [opt, torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1)], TypeError,
-         r"returned SGD, SGD; allowed: .*one optimizer: several need manual optimization"),
+         r"returned 2 optimizers \(SGD, SGD\); several are trained with manual optimization only: set `self.automatic_optimization = False`"),
         (lambda opt: {"lr_scheduler": step_lr(opt)}, TypeError, r"returned a dict without 'optimizer'"),
         (lambda opt: {"optimizer": opt, "lr_scheduler": {"scheduler": step_lr(opt), "intervall": "step"}}, TypeError,
          r"lr_scheduler config has keys \['intervall', 'scheduler'\]; allowed: 'scheduler' \(required\)"),

@@ -82,7 +82,7 @@ def test_configure_optimizers_returning_nothing_is_an_error(tmp_path):
             return None
 
     with pytest.raises(
-        TypeError, match=r"configure_optimizers returned NoneType; allowed: an optimizer, \[optimizer\]"
+        TypeError, match=r"configure_optimizers returned NoneType; allowed: an optimizer, \[optimizers\]"
     ):
         Trainer(max_steps=1, default_root_dir=tmp_path, **quiet()).fit(NoOpt(), regression_loader())
 

@@ -208,7 +208,7 @@ class CheckpointManager:
             },
         }
         trainer.training_state.saving(state)
-        optimizer = None if weights_only else trainer.optimizer
+        optimizer = None if weights_only else trainer.training_state.optimizers()
         trainer.strategy.save_checkpoint(path, trainer.module, optimizer, state)
         return path
 
@@ -431,7 +431,7 @@ class CheckpointManager:
                 f"there is none in {self.folder}"
             )
         _refuse_weights_only(path, "rollback")
-        state = trainer.strategy.load_checkpoint(path, trainer.module, trainer.optimizer)
+        state = trainer.strategy.load_checkpoint(path, trainer.module, trainer.training_state.optimizers())
         trainer.training_state.rewind_loop(state["loop"])
         trainer.training_state.restore(state, ROLLBACK_PARTS)
         trainer.training_state.loaded(state)
@@ -441,7 +441,7 @@ class CheckpointManager:
         """Everything a resumed fit continues from: model, optimizer, loop, RNG, schedule, data, callbacks."""
         trainer = self._trainer
         _refuse_weights_only(path, "fit")
-        state = trainer.strategy.load_checkpoint(path, trainer.module, trainer.optimizer)
+        state = trainer.strategy.load_checkpoint(path, trainer.module, trainer.training_state.optimizers())
         trainer.training_state.restore(state, CHECKPOINT_PARTS)
         trainer.training_state.loaded(state)
 

@@ -47,8 +47,9 @@ class Precision:
             return torch.autocast(self.device_type, dtype=dtype)
         return contextlib.nullcontext()
 
-    def backward(self, loss: torch.Tensor) -> None:
-        (self.scaler.scale(loss) if self.scaler else loss).backward()
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """`loss.backward(*args, **kwargs)`, of the loss scaled by fp16's scaler."""
+        (self.scaler.scale(loss) if self.scaler else loss).backward(*args, **kwargs)
 
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Bring scaled fp16 gradients back to true values before they are measured or clipped."""

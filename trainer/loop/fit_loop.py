@@ -184,7 +184,7 @@ class FitLoop:
             trainer._step_hooks = True
             try:
                 outputs = self._optimizer_step(window, meter, started)
-                if val_loader is not None and val_every and s.global_step % val_every == 0:
+                if val_loader is not None and val_every and self._stepped() % val_every == 0:
                     self._validate()
                 trainer._dispatch.step("on_train_batch_end", (outputs, window[0], first_idx))
             finally:
@@ -254,6 +254,10 @@ class FitLoop:
         trainer._fit_metrics.reset_step()
         self.step_logged = log_now
         return {"loss": loss, "skipped": skipped}
+
+    def _stepped(self) -> int:
+        """The count `val_check_interval` (an int) is in: optimizer steps (manual optimization: batches)."""
+        return self.trainer.state.global_step
 
     def _skip_returned_none(self, window: list[Any]) -> dict[str, Any]:
         """training_step returned None: the step counts (as in Lightning, where the optimizer is still

@@ -10,6 +10,7 @@ import torch
 
 from callbacks.checkpoint import ModelCheckpoint
 from callbacks.progress_bars import ProgressBarCallback
+from trainer.loop.manual_step import ManualFitLoop
 
 if TYPE_CHECKING:
     from trainer.loggers import Logger
@@ -43,14 +44,28 @@ class LightningViews:
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
-        """Lightning's list of the fit's optimizers (one here; empty before `configure_optimizers` ran)."""
+        """Lightning's list of the fit's optimizers (one, or under manual optimization as many as
+        `configure_optimizers` returned; empty before it ran)."""
+        manual = self.manual_optimization
+        if manual is not None:
+            return list(manual.optimizers)
         return [] if self.optimizer is None else [self.optimizer]
 
     @property
     def lr_scheduler_configs(self) -> list[SchedulerConfig]:
-        """The scheduler `configure_optimizers` returned with its settings (`.scheduler`, `.interval`,
+        """The schedulers `configure_optimizers` returned with their settings (`.scheduler`, `.interval`,
         `.frequency`, `.monitor`, ...), as Lightning's list; empty without one (the Trainer's own schedule)."""
+        manual = self.manual_optimization
+        if manual is not None:
+            return list(manual.lr_scheduler_configs)
         return [] if self._scheduler_config is None else [self._scheduler_config]
+
+    @property
+    def manual_optimization(self) -> ManualFitLoop | None:
+        """The running (or last) fit's loop when its module optimizes manually (`automatic_optimization =
+        False`): what the module's `optimizers()`, `manual_backward` and `clip_gradients` reach; else None."""
+        loop = self._fit_loop
+        return loop if isinstance(loop, ManualFitLoop) else None
 
     @property
     def num_training_batches(self) -> int | float:

@@ -1,11 +1,11 @@
 """What `configure_optimizers` may return, in every form Lightning accepts, and when its scheduler steps.
 
-Forms: an optimizer; a list or tuple of one; `([optimizer], [scheduler])`; a dict
+Forms: an optimizer; a list or tuple of them; `([optimizers], [schedulers])` (or one scheduler); a dict
 `{"optimizer": ..., "lr_scheduler": scheduler or {"scheduler": ..., "interval": "step" | "epoch",
-"frequency": N, "monitor": name, "strict": bool, "name": str}, "monitor": name}`; a list of one such dict.
+"frequency": N, "monitor": name, "strict": bool, "name": str}, "monitor": name}`; a list of such dicts.
 As in Lightning, a scheduler steps once per epoch unless its interval is "step", and `ReduceLROnPlateau`
-is stepped with the value of its `monitor` metric. Several optimizers need manual optimization, which
-this Trainer does not offer: they are refused.
+is stepped with the value of its `monitor` metric. Several optimizers need manual optimization (the module
+steps them, and its schedulers, itself: trainer/loop/manual_step.py); automatic optimization takes one.
 """
 
 from __future__ import annotations
@@ -19,7 +19,10 @@ import torch
 log = logging.getLogger("trainer")
 
 _SCHEDULER_KEYS = ("scheduler", "interval", "frequency", "monitor", "strict", "name")
-_ALLOWED = "an optimizer, [optimizer], ([optimizer], [scheduler]), or {'optimizer': ..., 'lr_scheduler': ...}"
+_ALLOWED = (
+    "an optimizer, [optimizers], ([optimizers], [schedulers]), {'optimizer': ..., 'lr_scheduler': ...} or a list "
+    "of such dicts"
+)
 
 
 @dataclass
@@ -56,43 +59,68 @@ class SchedulerConfig:
 
 
 def parse_optimizers(configured: Any) -> tuple[torch.optim.Optimizer, SchedulerConfig | None]:
-    """The optimizer and scheduler configuration of any Lightning return form; a one-line error otherwise."""
-    optimizers, schedulers, monitor = _split(configured)
-    if len(optimizers) != 1 or not isinstance(optimizers[0], torch.optim.Optimizer):
-        found = ", ".join(type(o).__name__ for o in optimizers) or "nothing"
+    """The optimizer and scheduler configuration of any Lightning return form, for automatic optimization
+    (one optimizer, at most one scheduler); a one-line error otherwise."""
+    optimizers, schedulers = configured_optimizers(configured, manual=False)
+    if len(optimizers) > 1:
         raise TypeError(
-            f"configure_optimizers returned {found}; allowed: {_ALLOWED} (one optimizer: several need manual "
-            "optimization, which this Trainer does not offer)"
+            f"configure_optimizers returned {len(optimizers)} optimizers ({_names(optimizers)}); several are "
+            "trained with manual optimization only: set `self.automatic_optimization = False` and step them in "
+            "training_step (`opt1, opt2 = self.optimizers()`)"
         )
     if len(schedulers) > 1:
         raise TypeError(
             f"configure_optimizers returned {len(schedulers)} lr schedulers; allowed: at most one"
         )
-    if not schedulers:
-        return optimizers[0], None
-    return optimizers[0], _scheduler_config(schedulers[0], monitor)
+    return optimizers[0], schedulers[0] if schedulers else None
 
 
-def _split(configured: Any) -> tuple[list[Any], list[Any], str | None]:
+def configured_optimizers(
+    configured: Any, *, manual: bool
+) -> tuple[list[torch.optim.Optimizer], list[SchedulerConfig]]:
+    """Every optimizer and scheduler of any Lightning return form, each scheduler attached to one of the
+    optimizers. `manual`: the module steps its schedulers itself, so their stepping settings (monitor,
+    strict) are not read, as in Lightning's manual optimization."""
+    optimizers, entries = _split(configured)
+    if not optimizers or not all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
+        raise TypeError(
+            f"configure_optimizers returned {_names(optimizers) or 'nothing'}; allowed: {_ALLOWED}"
+        )
+    schedulers = [_scheduler_config(entry, monitor, manual) for entry, monitor in entries]
+    for config in schedulers:
+        attached = getattr(config.scheduler, "optimizer", None)
+        if attached is not None and not any(attached is o for o in optimizers):
+            raise ValueError(
+                f"lr scheduler {type(config.scheduler).__name__} steps an optimizer configure_optimizers did not "
+                "return; allowed: schedulers of the returned optimizers"
+            )
+    return optimizers, schedulers
+
+
+def _names(optimizers: list[Any]) -> str:
+    return ", ".join(type(o).__name__ for o in optimizers)
+
+
+def _split(configured: Any) -> tuple[list[Any], list[tuple[Any, str | None]]]:
+    """(optimizers, [(scheduler entry, the monitor named beside it)]) of a return form."""
     if isinstance(configured, dict):
         if "optimizer" not in configured:
             raise TypeError(f"configure_optimizers returned a dict without 'optimizer'; allowed: {_ALLOWED}")
         scheduler = configured.get("lr_scheduler")
-        return (
-            [configured["optimizer"]],
-            [scheduler] if scheduler is not None else [],
-            configured.get("monitor"),
-        )
+        entries = [] if scheduler is None else [(scheduler, configured.get("monitor"))]
+        return [configured["optimizer"]], entries
     if isinstance(configured, (list, tuple)):
-        if len(configured) == 2 and all(isinstance(c, (list, tuple)) for c in configured):
-            return list(configured[0]), list(configured[1]), None  # ([optimizers], [schedulers])
-        if len(configured) == 1 and isinstance(configured[0], dict):
-            return _split(configured[0])
-        return list(configured), [], None
-    return [configured], [], None
+        if len(configured) == 2 and isinstance(configured[0], (list, tuple)):  # ([optimizers], [schedulers])
+            schedulers = configured[1] if isinstance(configured[1], (list, tuple)) else [configured[1]]
+            return list(configured[0]), [(s, None) for s in schedulers]
+        if configured and all(isinstance(c, dict) for c in configured):
+            parts = [_split(c) for c in configured]
+            return [o for p in parts for o in p[0]], [e for p in parts for e in p[1]]
+        return list(configured), []
+    return [configured], []
 
 
-def _scheduler_config(entry: Any, monitor: str | None) -> SchedulerConfig:
+def _scheduler_config(entry: Any, monitor: str | None, manual: bool) -> SchedulerConfig:
     if not isinstance(entry, dict):
         entry = {"scheduler": entry}
     unknown = sorted(set(entry) - set(_SCHEDULER_KEYS))
@@ -110,7 +138,7 @@ def _scheduler_config(entry: Any, monitor: str | None) -> SchedulerConfig:
         raise TypeError(
             f"lr_scheduler {type(config.scheduler).__name__} has no step(); allowed: a torch.optim.lr_scheduler"
         )
-    if config.needs_metric and config.monitor is None:
+    if config.needs_metric and config.monitor is None and not manual:
         raise ValueError(
             "ReduceLROnPlateau needs the metric it watches: add 'monitor': 'val/loss' (or a name you log) to "
             "the lr_scheduler config or the returned dict"

@@ -21,6 +21,7 @@ from trainer.fault_tolerance.replica_group import ReplicaGroup
 from trainer.loop import eval_loop, torch_switches
 from trainer.loop.entry_checks import check_not_empty
 from trainer.loop.fit_loop import FitLoop
+from trainer.loop.manual_step import ManualFitLoop
 from trainer.loop.reload import LoaderReload
 from trainer.module import TrainModule, uncalled_lightning_methods
 
@@ -55,7 +56,8 @@ def run_fit(
             val_loader = own_val if val_loader is None else val_loader
         train_loader = _fit_loader(trainer, train_loader, train=True)
         val_loader = _fit_loader(trainer, val_loader, train=False)
-        trainer._fit_loop = FitLoop(trainer, module, train_loader, val_loader)
+        loop = FitLoop if module.automatic_optimization else ManualFitLoop
+        trainer._fit_loop = loop(trainer, module, train_loader, val_loader)
         trainer._fit_loop.reload = reload
         if trainer.fault_tolerance is not None:  # this group joins the others at the lighthouse
             replicas = trainer._fit_loop.replicas = ReplicaGroup(trainer)

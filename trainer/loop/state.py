@@ -26,6 +26,8 @@ class LoopState:
     started_at: float = 0.0  # time.time() when the run first started, moved on by the time it sat stopped
     restarts: int = 0  # resumes from a checkpoint, rollbacks included
     skipped_steps: int = 0  # optimizer steps skipped (non-finite or spiking loss, fp16 scaler overflow)
+    # batches trained under manual optimization, where Lightning counts logging and validation intervals
+    manual_batches: int = 0
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)

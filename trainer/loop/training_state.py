@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
+import torch
+
 from trainer.core.rng import rng_state, set_rng_state
 
 if TYPE_CHECKING:
@@ -29,7 +31,7 @@ class TrainingState:
         fit = trainer._fit_loop
         return {
             "model": trainer.module,
-            "optimizer": trainer.optimizer,  # its param groups' LR with it
+            "optimizer": trainer.optimizer,  # its param groups' LR with it (fault tolerance's: one optimizer)
             "loop": trainer.state,
             "rng": RngStreams(trainer.strategy, local),
             "scheduler": Schedule(trainer),
@@ -39,6 +41,12 @@ class TrainingState:
             "strategy": trainer.strategy,
             "module": ModuleExtras(trainer.module),
         }
+
+    def optimizers(self) -> torch.optim.Optimizer | list[torch.optim.Optimizer] | None:
+        """What the strategy writes and reads as a checkpoint's optimizer state: the fit's optimizer, or the list
+        of them when a manually optimized module has several."""
+        optimizers = self._trainer.optimizers
+        return optimizers if len(optimizers) > 1 else self._trainer.optimizer
 
     def capture(self, names: Iterable[str], *, local: bool = False) -> dict[str, Any]:
         """The named parts' state (every rank calls it, unless `local`)."""
@@ -100,11 +108,25 @@ class Schedule:
         self.trainer = trainer
 
     def state_dict(self) -> dict[str, Any]:
+        configs = self.trainer.lr_scheduler_configs
+        if len(configs) > 1:  # a manually optimized module's schedulers
+            return {"schedulers": [config.scheduler.state_dict() for config in configs]}
         scheduler = self.trainer.lr_scheduler
         return scheduler.state_dict() if scheduler is not None else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         trainer = self.trainer
+        configs = trainer.lr_scheduler_configs
+        if len(configs) > 1:
+            saved = state.get("schedulers", [])
+            if len(saved) != len(configs):
+                raise ValueError(
+                    f"the checkpoint holds {len(saved)} lr scheduler states, configure_optimizers returned "
+                    f"{len(configs)} schedulers; allowed: the schedulers the checkpointed run had"
+                )
+            for config, scheduler_state in zip(configs, saved, strict=True):
+                config.scheduler.load_state_dict(scheduler_state)
+            return
         scheduler, schedule = trainer.lr_scheduler, trainer._schedule
         if schedule is not None:
             scheduler.load_state_dict({**state, "lr_lambdas": [None] * len(trainer.optimizer.param_groups)})

@@ -54,6 +54,31 @@ def apply_ddp(
     return model
 
 
+def prepare_for_backward(model: DistributedDataParallel, loss: torch.Tensor) -> None:
+    """Arm DDP's gradient sync for a backward taken inside its forward (a manually optimized step, which may
+    take several): DDP arms it once its forward returns, for the one backward that follows. With
+    `find_unused_parameters`, the parameters `loss` does not reach (another optimizer's, switched off by
+    `toggle_optimizer`) are marked ready at once, so the sync does not wait for them. Under `no_sync` nothing
+    is armed: the gradients stay on each rank."""
+    if not (torch.is_grad_enabled() and model.require_backward_grad_sync):
+        return
+    model.require_forward_param_sync = True
+    reducer = model.reducer
+    # closes the previous backward's bucket bookkeeping (DDP does it at each forward); DDP raises when that
+    # backward left parameters unreduced
+    try:
+        reducer._rebuild_buckets()
+    except RuntimeError as err:
+        if "finished reduction in the prior iteration" not in str(err):
+            raise
+        raise RuntimeError(
+            "a backward of this manually optimized step reached only some parameters (those of the optimizer "
+            "`toggle_optimizer` left on, or a detached part), so DDP's gradient sync waits for the rest; "
+            "allowed: DDPStrategy(find_unused_parameters=True)"
+        ) from None
+    reducer.prepare_for_backward([loss] if model.find_unused_parameters and not model.static_graph else [])
+
+
 def _register_compression(
     model: DistributedDataParallel, group: Any, compression: str | None, rank: int, start_iter: int
 ) -> None:

@@ -59,6 +59,12 @@ def apply_fsdp(
         block.set_modules_to_backward_prefetch([previous])
 
 
+def init_root(root: nn.Module) -> None:
+    """Make `root` FSDP2's root now (idempotent). FSDP2 takes the first module to run forward as the root;
+    a step that runs outside the root's forward (manual optimization) may first call one of its units."""
+    root._get_fsdp_state()._lazy_init()  # FSDP2 has no public call for it (torch 2.13)
+
+
 def apply_fsdp_to_experts(
     experts: list[nn.Module],
     mesh: DeviceMesh,
