@@ -18,14 +18,17 @@ from callbacks.progress_bars import RichProgressBar, TQDMProgressBar
 from callbacks.pruning import ModelPruning
 from callbacks.rich_model_summary import RichModelSummary
 from callbacks.spike_detection import SpikeDetection
+from callbacks.stochastic_weight_avg import StochasticWeightAveraging
 from callbacks.straggler import StragglerDetector
 from callbacks.throughput import ThroughputMonitor
 from callbacks.timer import Timer
+from callbacks.weight_averaging import EMAWeightAveraging, WeightAveraging
 
 __all__ = [
     "BasePredictionWriter",
     "Callback",
     "DeviceStatsMonitor",
+    "EMAWeightAveraging",
     "EarlyStopping",
     "GPUHealthMonitor",
     "GradientAccumulationScheduler",
@@ -41,8 +44,10 @@ __all__ = [
     "RichModelSummary",
     "RichProgressBar",
     "SpikeDetection",
+    "StochasticWeightAveraging",
     "StragglerDetector",
     "TQDMProgressBar",
     "ThroughputMonitor",
     "Timer",
+    "WeightAveraging",
 ]
