@@ -4,6 +4,7 @@ from callbacks.base import Callback
 from callbacks.checkpoint import ModelCheckpoint
 from callbacks.device_stats import DeviceStatsMonitor
 from callbacks.early_stopping import EarlyStopping
+from callbacks.finetuning import BackboneFinetuning, BaseFinetuning
 from callbacks.gpu_health import GPUHealthMonitor
 from callbacks.gradient_accumulation import GradientAccumulationScheduler
 from callbacks.lambda_callback import LambdaCallback
@@ -25,6 +26,8 @@ from callbacks.timer import Timer
 from callbacks.weight_averaging import EMAWeightAveraging, WeightAveraging
 
 __all__ = [
+    "BackboneFinetuning",
+    "BaseFinetuning",
     "BasePredictionWriter",
     "Callback",
     "DeviceStatsMonitor",
