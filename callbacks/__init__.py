@@ -1,6 +1,7 @@
 """Callbacks: code that watches or steers a run at named moments."""
 
 from callbacks.base import Callback
+from callbacks.batch_size_finder import BatchSizeFinder
 from callbacks.checkpoint import ModelCheckpoint
 from callbacks.device_stats import DeviceStatsMonitor
 from callbacks.early_stopping import EarlyStopping
@@ -8,6 +9,7 @@ from callbacks.finetuning import BackboneFinetuning, BaseFinetuning
 from callbacks.gpu_health import GPUHealthMonitor
 from callbacks.gradient_accumulation import GradientAccumulationScheduler
 from callbacks.lambda_callback import LambdaCallback
+from callbacks.lr_finder import LearningRateFinder
 from callbacks.lr_monitor import LearningRateMonitor
 from callbacks.model_summary import ModelSummary
 from callbacks.nan_guard import NaNGuard
@@ -29,6 +31,7 @@ __all__ = [
     "BackboneFinetuning",
     "BaseFinetuning",
     "BasePredictionWriter",
+    "BatchSizeFinder",
     "Callback",
     "DeviceStatsMonitor",
     "EMAWeightAveraging",
@@ -36,6 +39,7 @@ __all__ = [
     "GPUHealthMonitor",
     "GradientAccumulationScheduler",
     "LambdaCallback",
+    "LearningRateFinder",
     "LearningRateMonitor",
     "ModelCheckpoint",
     "ModelPruning",

@@ -12,8 +12,10 @@ from typing import Any
 import torch
 
 from callbacks.base import Callback
+from callbacks.batch_size_finder import BatchSizeFinder
 from callbacks.checkpoint import ModelCheckpoint
 from callbacks.compile_report import CompileReport
+from callbacks.lr_finder import LearningRateFinder
 from callbacks.progress_bars import check_progress_bars
 from strategies.base import Strategy
 from strategies.registry import build_strategy
@@ -148,6 +150,9 @@ class Trainer(LightningViews, FlagViews):
             if not isinstance(cb, Callback):
                 raise TypeError(f"callbacks must be Callback instances; got {type(cb).__name__}")
         check_progress_bars(self.callbacks, self.enable_progress_bar)
+        # the tuner's callbacks first, as Lightning orders them: the other callbacks' hooks see the lr or batch
+        # size they found
+        self.callbacks.sort(key=lambda cb: not isinstance(cb, (LearningRateFinder, BatchSizeFinder)))
         if (profiler_callback := lightning_arguments.profiler_callback(profiler)) is not None:
             self.callbacks.append(profiler_callback)
         if self.strategy.compile:
