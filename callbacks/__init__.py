@@ -1,12 +1,15 @@
 """Callbacks: code that watches or steers a run at named moments."""
 
 from callbacks.base import Callback
+from callbacks.batch_size_finder import BatchSizeFinder
 from callbacks.checkpoint import ModelCheckpoint
 from callbacks.device_stats import DeviceStatsMonitor
 from callbacks.early_stopping import EarlyStopping
+from callbacks.finetuning import BackboneFinetuning, BaseFinetuning
 from callbacks.gpu_health import GPUHealthMonitor
 from callbacks.gradient_accumulation import GradientAccumulationScheduler
 from callbacks.lambda_callback import LambdaCallback
+from callbacks.lr_finder import LearningRateFinder
 from callbacks.lr_monitor import LearningRateMonitor
 from callbacks.model_summary import ModelSummary
 from callbacks.nan_guard import NaNGuard
@@ -18,18 +21,25 @@ from callbacks.progress_bars import RichProgressBar, TQDMProgressBar
 from callbacks.pruning import ModelPruning
 from callbacks.rich_model_summary import RichModelSummary
 from callbacks.spike_detection import SpikeDetection
+from callbacks.stochastic_weight_avg import StochasticWeightAveraging
 from callbacks.straggler import StragglerDetector
 from callbacks.throughput import ThroughputMonitor
 from callbacks.timer import Timer
+from callbacks.weight_averaging import EMAWeightAveraging, WeightAveraging
 
 __all__ = [
+    "BackboneFinetuning",
+    "BaseFinetuning",
     "BasePredictionWriter",
+    "BatchSizeFinder",
     "Callback",
     "DeviceStatsMonitor",
+    "EMAWeightAveraging",
     "EarlyStopping",
     "GPUHealthMonitor",
     "GradientAccumulationScheduler",
     "LambdaCallback",
+    "LearningRateFinder",
     "LearningRateMonitor",
     "ModelCheckpoint",
     "ModelPruning",
@@ -41,8 +51,10 @@ __all__ = [
     "RichModelSummary",
     "RichProgressBar",
     "SpikeDetection",
+    "StochasticWeightAveraging",
     "StragglerDetector",
     "TQDMProgressBar",
     "ThroughputMonitor",
     "Timer",
+    "WeightAveraging",
 ]

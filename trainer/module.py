@@ -334,6 +334,11 @@ class TrainModule(ModuleOptimizers, nn.Module):
         else:
             super().__setattr__(name, value)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # a copy of the module (deepcopy, pickle) leaves its Trainer behind, as Lightning's does: the copy that
+        # WeightAveraging's AveragedModel keeps must not copy the run (its strategy, loaders and process group)
+        return {**self.__dict__, "_trainer": None}
+
 
 # Lightning methods this Trainer does not call: a module that defines one is told once, by name
 LIGHTNING_ONLY = (

@@ -5,15 +5,17 @@ process's set-up around it in trainer/loop/stages.py; the strategy owns the para
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from callbacks.base import Callback
+from callbacks.batch_size_finder import BatchSizeFinder
 from callbacks.checkpoint import ModelCheckpoint
 from callbacks.compile_report import CompileReport
+from callbacks.lr_finder import LearningRateFinder
 from callbacks.progress_bars import check_progress_bars
 from strategies.base import Strategy
 from strategies.registry import build_strategy
@@ -29,7 +31,7 @@ from trainer.core.timing import PhaseClock
 from trainer.fault_tolerance import FaultTolerance, check_fault_tolerance
 from trainer.flag_views import FlagViews
 from trainer.loggers import JSONLLogger, Logger, build_logger
-from trainer.loop import entry_checks, eval_loop, stages, step_log
+from trainer.loop import entry_checks, eval_loop, stages, step_log, trial
 from trainer.loop.fit_loop import FitLoop, effective_training_time
 from trainer.loop.hooks import HookDispatcher
 from trainer.loop.lightning_views import LightningViews
@@ -149,6 +151,9 @@ class Trainer(LightningViews, FlagViews):
             if not isinstance(cb, Callback):
                 raise TypeError(f"callbacks must be Callback instances; got {type(cb).__name__}")
         check_progress_bars(self.callbacks, self.enable_progress_bar)
+        # the tuner's callbacks first, as Lightning orders them: the other callbacks' hooks see the lr or batch
+        # size they found
+        self.callbacks.sort(key=lambda cb: not isinstance(cb, (LearningRateFinder, BatchSizeFinder)))
         if (profiler_callback := lightning_arguments.profiler_callback(profiler)) is not None:
             self.callbacks.append(profiler_callback)
         if self.strategy.compile:
@@ -177,6 +182,7 @@ class Trainer(LightningViews, FlagViews):
         self.resume_hint = "ckpt_path='last'"  # how the user resumes this run (the CLI: its option)
         self.module: TrainModule | None = None
         self.datamodule: Any = None  # the datamodule of the running fit/validate/test/predict
+        self._loaders_given = (False, False)  # the fit's (train, val) loaders came as fit()'s arguments
         self.optimizer: torch.optim.Optimizer | None = None
         self.lr_scheduler: Any = None
         self._scheduler_config: SchedulerConfig | None = None  # a scheduler from configure_optimizers
@@ -272,6 +278,7 @@ class Trainer(LightningViews, FlagViews):
         train_dataloaders, datamodule = entry_checks.split_datamodule(train_dataloaders, datamodule, "fit")
         entry_checks.check_fit(model, train_dataloaders, val_dataloaders, ckpt_path, datamodule)
         check_manual_optimization(model, self.flags, self.fault_tolerance)
+        self._loaders_given = (train_dataloaders is not None, val_dataloaders is not None)
         self.strategy.check_module(model)
         return self.strategy.launch(
             stages.run_fit, self, model, train_dataloaders, val_dataloaders, ckpt_path, datamodule
@@ -380,6 +387,32 @@ class Trainer(LightningViews, FlagViews):
         # min_steps/min_epochs do not hold it back: the checkpoint says the fit stopped here
         self._fit_loop.stop_now()
         return path
+
+    def use_lr_scheduler(self, scheduler: Any, interval: str = "epoch", frequency: int = 1) -> None:
+        """Step `scheduler` every `frequency` `interval`s ("step" or "epoch") in place of the fit's LR schedule
+        from now on, as Lightning's callbacks replace `trainer.lr_scheduler_configs[0]` (StochasticWeightAveraging's
+        SWALR); checkpoints then hold its state."""
+        self._scheduler_config = SchedulerConfig(scheduler, interval=interval, frequency=frequency)
+        self.lr_scheduler, self._schedule = scheduler, None
+
+    def run_trial(
+        self,
+        steps: int,
+        callbacks: Sequence[Callback] = (),
+        lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+    ) -> None:
+        """Up to `steps` optimizer steps of the running fit with only `callbacks` (no validation, loggers or
+        checkpoints; `lr_scheduler(optimizer)`, when given, builds the scheduler stepped after each), then
+        the model, optimizer, step counters, RNG streams, LR schedule, data position and callbacks' state are
+        put back as they were, also when a step failed (as Lightning's tuner restores them from a temporary
+        checkpoint). Call on every rank between steps (on_fit_start, on_train_epoch_start)."""
+        trial.run_trial(self, steps, callbacks, lr_scheduler)
+
+    def reload_dataloaders(self) -> None:
+        """Read the fit's loaders again from its datamodule or module (`train_dataloader()`, and
+        `val_dataloader()` unless fit() was given one), e.g. after the batch size finder changed
+        `batch_size`; a train loader passed to fit() cannot be: a one-line error. Call on every rank."""
+        trial.reload_fit_loaders(self)
 
     def log_metrics(self, metrics: dict[str, float], hidden: set[str] = frozenset()) -> None:
         """Send metrics (already agreed over ranks) to every logger at the current step, except the

@@ -298,12 +298,12 @@ class CheckpointManager:
         """Load the checkpoint's weights into the live module for the body of the `with`, then put the live
         values back (stashed on the CPU) and reshard: the module ends as it began."""
         trainer = self._trainer
-        stash = _stash(trainer.module)
+        stash = stash_weights(trainer.module)
         try:
             trainer.strategy.load_checkpoint(path, trainer.module, None)
             yield
         finally:
-            _unstash(stash)
+            put_back_weights(stash)
             trainer.strategy.reshard(trainer.module)
 
     def resume(self, ckpt_path: Any) -> Path | None:
@@ -456,13 +456,15 @@ def _refuse_weights_only(path: Path, what: str) -> None:
         )
 
 
-def _stash(module: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """CPU copies of this rank's part of every state-dict tensor, to put back after a trial load."""
+def stash_weights(module: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """CPU copies of this rank's part of every state-dict tensor, to put back after a trial load (or the
+    tuner's trial steps)."""
     local = [t.to_local() if hasattr(t, "to_local") else t for t in module.state_dict().values()]
     return [(t, t.detach().to("cpu", copy=True)) for t in local]
 
 
-def _unstash(stash: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def put_back_weights(stash: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy what `stash_weights` kept back into the module's tensors, in place."""
     with torch.no_grad():
         for target, saved in stash:
             target.copy_(saved)

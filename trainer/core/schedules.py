@@ -70,8 +70,16 @@ class LRSchedule:
         return r + (1.0 - r) * 0.5 * (1.0 + math.cos(math.pi * p))
 
 
-def build_scheduler(
-    optimizer: torch.optim.Optimizer, schedule: LRSchedule
-) -> torch.optim.lr_scheduler.LambdaLR:
+class ScheduleLR(torch.optim.lr_scheduler.LambdaLR):
+    """LambdaLR over the param groups the optimizer had when it was built. A group added later (a fine-tuning
+    callback's `unfreeze_and_add_param_group`) keeps the LR it was given, as it does in Lightning without a
+    scheduler; torch's LambdaLR would fail at its next step on the group count."""
+
+    def get_lr(self) -> list[float]:
+        lrs = super().get_lr()
+        return lrs + [group["lr"] for group in self.optimizer.param_groups[len(lrs) :]]
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, schedule: LRSchedule) -> ScheduleLR:
     """Attach `schedule` to every param group of `optimizer` (each group keeps its own peak lr)."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    return ScheduleLR(optimizer, schedule)

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -102,3 +102,8 @@ class LightningViews:
         """The TQDMProgressBar or RichProgressBar among the callbacks (it sets how the Trainer's bar is drawn),
         or None: the bar as it is by default."""
         return next((cb for cb in self.callbacks if isinstance(cb, ProgressBarCallback)), None)
+
+    @property
+    def train_dataloader(self) -> Any:
+        """The fit's train loader, this rank's share (Lightning's `trainer.train_dataloader`); None outside a fit."""
+        return None if self._fit_loop is None else self._fit_loop.train_batches.loader

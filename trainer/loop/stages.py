@@ -9,6 +9,7 @@ import sys
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from callbacks.tuning import TunerExit
 from strategies.techniques.sync_batchnorm import convert_sync_batchnorm, revert_sync_batchnorm
 from trainer.core.host_memory import keep_freed_memory
 from trainer.core.logging import rank_zero_info, set_rank
@@ -62,6 +63,8 @@ def run_fit(
         if trainer.fault_tolerance is not None:  # this group joins the others at the lighthouse
             replicas = trainer._fit_loop.replicas = ReplicaGroup(trainer)
         trainer._fit_loop.run(ckpt_path)
+    except TunerExit:  # a Tuner's fit ends once its value is found: no failure, as in Lightning
+        raise
     except BaseException as exc:
         trainer._dispatch.callbacks("on_exception", exc)
         raise
