@@ -353,7 +353,7 @@ class Trainer(LightningViews, FlagViews):
 
     def not_finite_since(self) -> int | None:
         """The first step of this fit whose loss was not finite on any rank, or None. Call on every rank."""
-        return self._fit_loop.not_finite_since()
+        return self._fit_loop.losses.first_not_finite()
 
     def skip_optimizer_step(self, reason: str) -> None:
         """Don't apply this step's update (call on every rank, from on_before_optimizer_step): parameters

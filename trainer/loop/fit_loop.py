@@ -13,14 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from callbacks.checkpoint import ModelNotFiniteError
 from trainer.checkpoint.layout import read_meta
-from trainer.core.dtensors import local_part
 from trainer.core.fused_optim import prefer_fused
 from trainer.core.logging import rank_zero_info
 from trainer.core.schedules import LRSchedule, build_scheduler
 from trainer.loop import eval_loop, step_log
 from trainer.loop.epochs import EpochBatches
+from trainer.loop.finiteness import LossWatch
 from trainer.loop.optim_config import parse_optimizers
 from trainer.loop.progress import ProgressBar
 from trainer.loop.reload import LoaderReload
@@ -63,8 +62,7 @@ class FitLoop:
         self.started = 0.0  # time.time() when training started: max_time counts this fit
         self.start_step = 0
         self.time_limit: TimeLimit | None = None  # max_time, once training started
-        self.first_not_finite: torch.Tensor | None = None  # see not_finite_since
-        self.last_loss: torch.Tensor | None = None  # this rank's loss of the last step that returned one
+        self.losses = LossWatch(trainer.strategy)  # the first non-finite step, the end-of-fit check
         self.signals = StopSignals()  # Ctrl-C / SIGTERM while the fit runs
         self.stopped_by: int | None = None  # the signal the ranks agreed to stop for
         self.stop_checkpoint: Any = None  # the checkpoint saved for that stop (None: no step to save)
@@ -112,7 +110,9 @@ class FitLoop:
         self._train()
         dispatch.all("on_train_end")
         dispatch.all("on_fit_end")
-        self._check_finite_end()  # after ModelCheckpoint's last save, which names the last good checkpoint
+        self.losses.check_end(
+            module
+        )  # after ModelCheckpoint's last save, which names the last good checkpoint
         rank_zero_info(step_log.effective_time_line(trainer))
 
     def _train(self) -> None:
@@ -244,8 +244,7 @@ class FitLoop:
         strategy.after_optimizer_step()
         if not skipped:
             s.productive_s += time.perf_counter() - started
-        self._track_finite(loss, s.global_step)  # the model as of this step gave a non-finite loss
-        self.last_loss = loss
+        self.losses.record(loss, s.global_step)  # the model as of this step gave a non-finite loss?
         s.global_step += 1
         s.batches_in_epoch += len(window)
         meter.step_done()
@@ -297,21 +296,6 @@ class FitLoop:
         if self.step_norm is None:
             self.step_norm = self.trainer.strategy.grad_norm(self.module)
         return self.step_norm
-
-    def not_finite_since(self) -> int | None:
-        """The first step of this fit whose loss was not finite on any rank, or None (every rank calls)."""
-        first = self.first_not_finite
-        mine = torch.tensor(math.inf) if first is None else first.detach().float().cpu()
-        found = float(self.trainer.strategy.reduce(mine, "min", group="world"))
-        return None if math.isinf(found) else int(found)
-
-    def _track_finite(self, loss: torch.Tensor, step: int) -> None:
-        """Remember the first step whose loss was not finite, on the device (no host sync per step)."""
-        first = self.first_not_finite
-        if first is None:
-            first = self.first_not_finite = torch.full((), math.inf, device=loss.device)
-        bad = ~torch.isfinite(loss.detach()) & torch.isinf(first)
-        self.first_not_finite = torch.where(bad, torch.full_like(first, step), first)
 
     @property
     def done(self) -> bool:
@@ -395,27 +379,6 @@ class FitLoop:
                 f"stopped at step {step} ({name}): checkpoint {self.stop_checkpoint}; resume with {hint}"
             )
         return StoppedBySignal(self.stopped_by)
-
-    def _check_finite_end(self) -> None:
-        """A fit never ends quietly with a non-finite model, or a non-finite loss at its last step, whatever
-        the callbacks (ModelCheckpoint finds it earlier when there is one). Every rank calls."""
-        last = self.last_loss
-        bad_loss = last is not None and not bool(torch.isfinite(last.detach()).all())
-        bad_model = not all(
-            bool(torch.isfinite(local_part(p.detach())).all()) for p in self.module.parameters()
-        )
-        strategy = self.trainer.strategy
-        if not strategy.any_rank(bad_loss or bad_model):
-            return
-        since = self.not_finite_since()
-        what = (
-            "non-finite parameters" if strategy.any_rank(bad_model) else "a non-finite loss at its last step"
-        )
-        # `since` counts the updates before the step (0-based); the line counts steps as checkpoints do
-        first = (
-            "every loss was finite" if since is None else f"the loss was first non-finite in step {since + 1}"
-        )
-        raise ModelNotFiniteError(f"the fit ended with {what} ({first}); nothing it trained since is usable")
 
     def _slowest(self, elapsed: float) -> float:
         """The largest of the ranks' `elapsed` (every rank calls it)."""

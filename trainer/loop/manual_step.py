@@ -106,8 +106,7 @@ class ManualFitLoop(FitLoop):
         loss = outputs.get("loss")
         self.step_loss = loss
         if isinstance(loss, torch.Tensor) and loss.numel() == 1:  # the fit's end checks it is finite
-            self._track_finite(loss, s.global_step)
-            self.last_loss = loss
+            self.losses.record(loss, s.global_step)
         s.productive_s += time.perf_counter() - started
         s.batches_in_epoch += 1
         s.manual_batches += 1
