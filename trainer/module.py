@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 from pathlib import Path
@@ -31,6 +32,15 @@ class TrainModule(ModuleOptimizers, nn.Module):
     `self.automatic_optimization = False` (Lightning's manual optimization): `training_step` does its own
     backward and optimizer steps, of one or several optimizers (trainer/module_optimizers.py).
     """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A `*_step(self, batch)` without `batch_idx` (Lightning calls it without one) takes the Trainer's
+        `batch_idx` and leaves it unused, so every caller passes the same arguments."""
+        super().__init_subclass__(**kwargs)
+        for name in STEP_METHODS:
+            step = getattr(cls, name, None)  # its own, or a mixin's (a class shared with Lightning's module)
+            if step is not None and not _takes_batch_idx(step):
+                setattr(cls, name, _ignoring_batch_idx(step))
 
     def __init__(self) -> None:
         super().__init__()
@@ -381,6 +391,27 @@ def init_arguments(
     if varkw is not None and not names:
         kept.update({k: v for k, v in values[varkw].items() if k not in skipped})
     return kept
+
+
+STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
+def _takes_batch_idx(step: Any) -> bool:
+    """Lightning's rule: `batch_idx` is passed to a step that names it, takes two positional arguments or more
+    (after self), or takes *args."""
+    if not inspect.isfunction(step):
+        return True
+    params = list(inspect.signature(step).parameters.values())[1:]
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return any(p.kind is p.VAR_POSITIONAL or p.name == "batch_idx" for p in params) or len(positional) >= 2
+
+
+def _ignoring_batch_idx(step: Any) -> Any:
+    @functools.wraps(step)
+    def called_without_batch_idx(self: TrainModule, batch: Any, batch_idx: int, *rest: Any) -> Any:
+        return step(self, batch)
+
+    return called_without_batch_idx
 
 
 def warn_unsynced_once(trainer: Trainer, name: str) -> None:
