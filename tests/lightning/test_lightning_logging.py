@@ -12,6 +12,7 @@ from helpers import quiet, regression_data
 from torch import nn
 from torch.utils.data import DataLoader
 
+from callbacks import Callback
 from trainer import Trainer, TrainModule
 
 
@@ -150,3 +151,26 @@ def test_what_on_train_batch_end_and_on_train_epoch_end_log_lands_where_lightnin
     at_batch_end = {r["step"]: r["batch_end_loss"] for r in logged if "batch_end_loss" in r}
     assert at_batch_end == pytest.approx({i + 1: v for i, (v, _) in enumerate(module.step_values)}, abs=1e-6)
     assert {r["step"]: r["epoch_seen"] for r in logged if "epoch_seen" in r} == {3: 0.0, 6: 1.0}
+
+
+class Watcher(Callback):
+    """What a callback reads after each optimizer step."""
+
+    def __init__(self):
+        self.callback_values, self.logged_values = [], []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.callback_values.append(trainer.callback_metrics.get("train_loss_step"))
+        self.logged_values.append(trainer.logged_metrics.get("train_loss_step"))
+
+
+def test_each_step_s_values_reach_callback_and_logged_metrics_between_the_logged_rows(tmp_path):
+    module, watcher = LitClassifier(), Watcher()
+    Trainer(max_epochs=2, default_root_dir=tmp_path, callbacks=[watcher], **quiet(log_every_n_steps=4)).fit(
+        module, DataLoader(regression_data(40), batch_size=16)
+    )
+    losses = [v for v, _ in module.step_values]
+    # as in Lightning: both hold every step's value, the loggers get a row every 4 steps
+    assert watcher.callback_values == pytest.approx(losses, abs=1e-6)
+    assert watcher.logged_values == pytest.approx(losses, abs=1e-6)
+    assert [r["step"] for r in rows(tmp_path) if "train_loss_step" in r] == [4]

@@ -238,6 +238,8 @@ class FitLoop:
         meter.step_done()
         if log_now:  # written now, before batch-end callbacks (a checkpoint, a stop) can interrupt
             step_log.log_train(trainer, loss, num_tokens, lr, self.step_norm, meter)
+        else:
+            step_log.keep_step_metrics(trainer)
         trainer._fit_metrics.reset_step()
         self.step_logged = log_now
         return {"loss": loss, "skipped": skipped}

@@ -39,10 +39,7 @@ def log_metrics(
     """Send `metrics` to every logger at the current step, except the `hidden` names, and the Trainer's
     `own` ones (train/loss, rates, a returned val/loss) only to loggers that take them (not Lightning's
     CSV); all of them reach `callback_metrics`, a `name_step`/`name_epoch` pair also under `name`."""
-    trainer.callback_metrics.update(metrics)
-    for key, value in metrics.items():
-        if key.endswith(("_step", "_epoch")):
-            trainer.callback_metrics[key[: key.rindex("_")]] = value
+    note_metrics(trainer, metrics)
     logged = {k: v for k, v in metrics.items() if k not in hidden}
     trainer.logged_metrics.update(logged)
     if trainer.is_global_zero and logged:
@@ -52,6 +49,25 @@ def log_metrics(
             row = logged if lg.trainer_metrics else users
             if row.keys() - {"epoch"}:
                 lg.log_metrics({**row, **epoch}, trainer.global_step)
+
+
+def note_metrics(trainer: Trainer, metrics: dict[str, float]) -> None:
+    """`metrics` into `callback_metrics`, a `name_step`/`name_epoch` pair also under `name` (its latest value)."""
+    trainer.callback_metrics.update(metrics)
+    for key, value in metrics.items():
+        if key.endswith(("_step", "_epoch")):
+            trainer.callback_metrics[key[: key.rindex("_")]] = value
+
+
+def keep_step_metrics(trainer: Trainer) -> None:
+    """A step that writes no row (`log_every_n_steps`): what the module logged per step still reaches
+    `callback_metrics` and `logged_metrics`, as in Lightning, where both hold each step's values whatever
+    the loggers get."""
+    buffer = trainer._fit_metrics
+    metrics = buffer.compute_step(trainer._reduce_logged)
+    note_metrics(trainer, metrics)
+    hidden = buffer.not_for_loggers()
+    trainer.logged_metrics.update({k: v for k, v in metrics.items() if k not in hidden})
 
 
 def start_loggers(trainer: Trainer, module: TrainModule, resumed: bool) -> None:
