@@ -174,3 +174,32 @@ def test_each_step_s_values_reach_callback_and_logged_metrics_between_the_logged
     assert watcher.callback_values == pytest.approx(losses, abs=1e-6)
     assert watcher.logged_values == pytest.approx(losses, abs=1e-6)
     assert [r["step"] for r in rows(tmp_path) if "train_loss_step" in r] == [4]
+
+
+def test_validation_on_step_values_are_rows_numbered_by_the_fit_s_validation_batches(tmp_path):
+    class StepValidation(LitClassifier):
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            loss = nn.functional.mse_loss(self(x), y)
+            self.val_values.append((loss.item(), len(x)))
+            self.log("val_loss", loss, on_step=True, batch_size=len(x))
+
+    module = StepValidation()
+    trainer = Trainer(max_epochs=2, default_root_dir=tmp_path, **quiet())
+    trainer.fit(
+        module,
+        DataLoader(regression_data(40), batch_size=16),
+        DataLoader(regression_data(24, seed=1), batch_size=16),
+    )
+    logged = rows(tmp_path)
+    # the two validations' batches: after the sanity check's two (not logged), before the step that the final
+    # checkpoint's check runs (Trainer.loss_on, which logs nothing)
+    batch_values = [v for v, _ in module.val_values[2:6]]
+    # Lightning's rows: each validation batch at the count of the fit's validation batches before it, no epoch
+    assert [(r["step"], r["val_loss_step"]) for r in logged if "val_loss_step" in r] == [
+        (i, pytest.approx(v, abs=1e-6)) for i, v in enumerate(batch_values)
+    ]
+    assert [r["step"] for r in logged if "val_loss_epoch" in r] == [3, 6]
+    assert trainer.logged_metrics["val_loss_step"] == pytest.approx(batch_values[-1], abs=1e-6)
+    assert "val_loss_step" not in trainer.callback_metrics  # it keeps the epoch's value, as Lightning's
+    assert trainer.callback_metrics["val_loss"] == trainer.callback_metrics["val_loss_epoch"]

@@ -57,6 +57,7 @@ class FitLoop:
             None  # the epoch ending, through its validation and on_train_epoch_end
         )
         self.last_val_step: int | None = None
+        self.val_batches_seen = 0  # this fit's validation batches (not the sanity check's): their rows' step
         self.started = 0.0  # time.time() when training started: max_time counts this fit
         self.start_step = 0
         self.time_limit: TimeLimit | None = None  # max_time, once training started

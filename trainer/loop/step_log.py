@@ -70,6 +70,17 @@ def keep_step_metrics(trainer: Trainer) -> None:
     trainer.logged_metrics.update({k: v for k, v in metrics.items() if k not in hidden})
 
 
+def log_eval_step(trainer: Trainer, metrics: dict[str, float], hidden: set[str], step: int) -> None:
+    """A validation batch's `on_step=True` values (`name_step`), as Lightning logs them: to the loggers at
+    `step` (the fit's validation batches before this one) without an epoch, and into `logged_metrics`, not
+    into `callback_metrics` (which keep the epoch's values)."""
+    logged = {k: v for k, v in metrics.items() if k not in hidden}
+    trainer.logged_metrics.update(logged)
+    if trainer.is_global_zero and logged:
+        for lg in trainer.loggers:
+            lg.log_metrics(logged, step)
+
+
 def start_loggers(trainer: Trainer, module: TrainModule, resumed: bool) -> None:
     """At fit start: rank zero sets up every logger (each versioned one claims its `version_N` folder)
     and gives it the module's hyperparameters (merged with the datamodule's, as Lightning) and the run's
