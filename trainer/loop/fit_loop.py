@@ -265,12 +265,16 @@ class FitLoop:
 
     def _end_step(self) -> None:
         """After on_train_batch_end: what it logged per step belongs to the step that just ended (as in
-        Lightning), so it is logged at that step when the step was; then the step's metrics clear."""
+        Lightning), so it is logged at that step when the step was (else kept for callback_metrics and
+        logged_metrics, as the step's own values were); then the step's metrics clear."""
         trainer = self.trainer
         buffer = trainer._fit_metrics
-        extra = buffer.compute_step(trainer._reduce_logged) if self.step_logged else {}
-        if extra:
-            trainer.log_metrics(extra, hidden=buffer.not_for_loggers())
+        if self.step_logged:
+            extra = buffer.compute_step(trainer._reduce_logged)
+            if extra:
+                trainer.log_metrics(extra, hidden=buffer.not_for_loggers())
+        else:
+            step_log.keep_step_metrics(trainer)
         self.step_logged = False
         buffer.reset_step()
         if self.progress is not None:
@@ -414,7 +418,8 @@ class FitLoop:
             if interval == "step":
                 trainer.lr_scheduler.step()
         elif config.interval == interval:
-            config.step(count, trainer.callback_metrics)
+            # a scheduler without a monitor reads no metric: not reading them keeps this step off the host
+            config.step(count, trainer.callback_metrics if config.needs_metric else {})
 
     def total_steps(self) -> int | None:
         """Optimizer steps the fit will take, if knowable."""

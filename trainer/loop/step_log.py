@@ -12,6 +12,7 @@ import torch
 
 from trainer.checkpoint import run_folder
 from trainer.core.logging import rank_zero_info
+from trainer.core.metrics import with_bare_names
 from trainer.loggers.base import LoggerRun, plain
 from trainer.loop.progress import fmt
 
@@ -53,21 +54,15 @@ def log_metrics(
 
 def note_metrics(trainer: Trainer, metrics: dict[str, float]) -> None:
     """`metrics` into `callback_metrics`, a `name_step`/`name_epoch` pair also under `name` (its latest value)."""
-    trainer.callback_metrics.update(metrics)
-    for key, value in metrics.items():
-        if key.endswith(("_step", "_epoch")):
-            trainer.callback_metrics[key[: key.rindex("_")]] = value
+    trainer.callback_metrics.update(with_bare_names(metrics))
 
 
 def keep_step_metrics(trainer: Trainer) -> None:
     """A step that writes no row (`log_every_n_steps`): what the module logged per step still reaches
     `callback_metrics` and `logged_metrics`, as in Lightning, where both hold each step's values whatever
-    the loggers get."""
+    the loggers get; they are read from the device when one of them is (`UnreadStepValues`)."""
     buffer = trainer._fit_metrics
-    metrics = buffer.compute_step(trainer._reduce_logged)
-    note_metrics(trainer, metrics)
-    hidden = buffer.not_for_loggers()
-    trainer.logged_metrics.update({k: v for k, v in metrics.items() if k not in hidden})
+    trainer._unread_steps.add(buffer.step_values(trainer._reduce_logged), buffer.not_for_loggers())
 
 
 def log_eval_step(trainer: Trainer, metrics: dict[str, float], hidden: set[str], step: int) -> None:
