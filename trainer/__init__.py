@@ -2,11 +2,12 @@
 
 from typing import Any
 
+from trainer.core.logging import rank_zero_only
 from trainer.core.rng import seed_everything
 from trainer.datamodule import DataModule
 from trainer.module import TrainModule
 
-__all__ = ["DataModule", "TrainModule", "Trainer", "seed_everything"]
+__all__ = ["DataModule", "TrainModule", "Trainer", "rank_zero_only", "seed_everything"]
 
 
 def __getattr__(name: str) -> Any:

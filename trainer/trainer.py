@@ -23,7 +23,7 @@ from strategies.techniques.compile_blocks import check_compile
 from trainer import flags, lightning_arguments
 from trainer.checkpoint.manager import CheckpointManager
 from trainer.core.logging import configure_console_logging, rank_zero_info
-from trainer.core.metrics import MetricBuffer
+from trainer.core.metrics import MetricBuffer, UnreadStepValues
 from trainer.core.precision import Precision
 from trainer.core.rng import seed_everything
 from trainer.core.schedules import LRSchedule
@@ -171,8 +171,11 @@ class Trainer(LightningViews, FlagViews):
         self._fit_metrics = MetricBuffer()  # what training steps and fit-level hooks log
         self._eval_metrics: MetricBuffer | None = None  # the running evaluation loop's, inside one
         self.predict_loop = PredictRecord()  # Lightning's name: the predict's outputs and batch indices
-        self.callback_metrics: dict[str, float] = {}  # every metric's latest value, for callbacks
-        self.logged_metrics: dict[str, float] = {}  # what was sent to the loggers
+        # every metric's latest value, for callbacks, and what was logged (`callback_metrics`/`logged_metrics`,
+        # which take in the values of steps that wrote no row when read)
+        self._callback_metrics: dict[str, float] = {}
+        self._logged_metrics: dict[str, float] = {}
+        self._unread_steps = UnreadStepValues()
         self.fitting = False  # inside fit (its validations included), as Lightning's state.fn == "fit"
         self.evaluating = False  # inside a validation/test loop
         self._step_hooks = False  # from on_train_batch_start to on_train_batch_end of a step

@@ -164,15 +164,21 @@ class MetricBuffer:
             if on:
                 store.setdefault(name, _Accumulator(options.reduce_fx)).add(value, batch_size or 1)
 
+    def step_values(self, reduce: Callable[[torch.Tensor, str], torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The step's values under their logged names (`name`, or `name_step` when also on_epoch), as 0-dim
+        tensors where they were computed: reading them is left to the caller (a host sync on a GPU)."""
+        values = {name: self._reduced(name, acc, reduce) for name, acc in self._step.items()}
+        values.update(self._metric_steps)
+        return self._named(values, "_step")
+
     def compute_step(self, reduce: Callable[[torch.Tensor, str], torch.Tensor]) -> dict[str, float]:
         """The step's values under their logged names (`name`, or `name_step` when also on_epoch)."""
-        out = self._compute(self._step, reduce, "_step")
-        out.update(self._named({n: float(v) for n, v in self._metric_steps.items()}, "_step"))
-        return out
+        return {name: float(value) for name, value in self.step_values(reduce).items()}
 
     def compute_epoch(self, reduce: Callable[[torch.Tensor, str], torch.Tensor]) -> dict[str, float]:
         """The epoch's values under their logged names (`name`, or `name_epoch` when also on_step)."""
-        out = self._compute(self._epoch, reduce, "_epoch")
+        out = {name: float(self._reduced(name, acc, reduce)) for name, acc in self._epoch.items()}
+        out = self._named(out, "_epoch")
         # compute() is a collective under torchmetrics' sync: every rank calls it, in the same order
         computed = {n: m.compute() for n, m in self._metrics.items() if self.options[n].on_epoch}
         for name, value in computed.items():
@@ -205,29 +211,61 @@ class MetricBuffer:
             metric.reset()
         self._metrics.clear()
 
-    def _named(self, values: dict[str, float], suffix: str) -> dict[str, float]:
+    def _named(self, values: dict[str, Any], suffix: str) -> dict[str, Any]:
         """`values` under their logged names: `name`, or `name` + `suffix` when logged both per step and epoch."""
         return {
             n + suffix if self.options[n].on_step and self.options[n].on_epoch else n: v
             for n, v in values.items()
         }
 
-    def _compute(
-        self, store: dict[str, _Accumulator], reduce: Callable[[torch.Tensor, str], torch.Tensor], suffix: str
-    ) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for name, acc in store.items():
-            opts = self.options[name]
-            value, weight = acc.value, torch.tensor(acc.weight, device=acc.value.device)
-            if opts.sync_dist:  # a weighted mean over ranks: sum the weighted sums and the weights
-                if opts.reduce_fx == "mean":
-                    value, weight = reduce(torch.stack([value, weight]), "sum").unbind(0)
-                else:
-                    value = reduce(value, opts.reduce_fx)
+    def _reduced(
+        self, name: str, acc: _Accumulator, reduce: Callable[[torch.Tensor, str], torch.Tensor]
+    ) -> torch.Tensor:
+        """`name`'s aggregate, over the ranks with sync_dist; on its device (the weight is filled there, not
+        copied from the host: no sync)."""
+        opts = self.options[name]
+        value, weight = acc.value, torch.full_like(acc.value, acc.weight)
+        if opts.sync_dist:  # a weighted mean over ranks: sum the weighted sums and the weights
             if opts.reduce_fx == "mean":
-                value = value / weight
-            out[name] = float(value)
-        return self._named(out, suffix)
+                value, weight = reduce(torch.stack([value, weight]), "sum").unbind(0)
+            else:
+                value = reduce(value, opts.reduce_fx)
+        if opts.reduce_fx == "mean":
+            value = value / weight
+        return value
+
+
+class UnreadStepValues:
+    """The values of the training steps that wrote no logger row (`log_every_n_steps`), kept as tensors where
+    they were computed: `trainer.callback_metrics` and `logged_metrics` take them in when read, so a fit
+    pays a host sync per read of those, not per step."""
+
+    def __init__(self) -> None:
+        self._values: dict[str, torch.Tensor] = {}  # every name, the latest step's value
+        self._logged: set[str] = set()  # the names that go into logged_metrics (not logger=False)
+
+    def add(self, values: dict[str, torch.Tensor], hidden: set[str]) -> None:
+        self._values.update(values)
+        self._logged |= set(values) - hidden
+
+    def settle(self, callback_metrics: dict[str, float], logged_metrics: dict[str, float]) -> None:
+        """Read the values into `callback_metrics` (with bare names, `with_bare_names`) and `logged_metrics`."""
+        if not self._values:
+            return
+        values = {name: float(value) for name, value in self._values.items()}
+        callback_metrics.update(with_bare_names(values))
+        logged_metrics.update({name: v for name, v in values.items() if name in self._logged})
+        self._values, self._logged = {}, set()
+
+
+def with_bare_names(metrics: dict[str, float]) -> dict[str, float]:
+    """`metrics` plus, for each `name_step`/`name_epoch`, `name` with that value (the later one wins), as
+    Lightning's `callback_metrics` hold them."""
+    out = dict(metrics)
+    for key, value in metrics.items():
+        if key.endswith(("_step", "_epoch")):
+            out[key[: key.rindex("_")]] = value
+    return out
 
 
 def _keys(name: str, options: _Options) -> list[str]:

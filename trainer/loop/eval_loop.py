@@ -47,13 +47,15 @@ def evaluate(
     stage: str,
     limit: Any,
     report: Callable[[dict[str, float], set[str], set[str]], None] | None = None,
+    log_step: Callable[[dict[str, float], set[str]], None] | None = None,
 ) -> tuple[dict[str, float], set[str], list[Any]]:
     """`stage`'s loop ("validation", "test", "predict") over at most `limit` batches of `loader`, in eval
     mode from `on_<stage>_start` to `on_<stage>_end`: the returned loss's mean over the examples (tokens,
     with num_tokens) of every rank, what the step logged (aggregated as it asked), the names logged with
     logger=False, and every step's output.
     `report(metrics, hidden, prog_bar)` (the names logged with prog_bar=True) runs before
-    `on_<stage>_end`, so that its callbacks read them."""
+    `on_<stage>_end`, so that its callbacks read them; `log_step(metrics, hidden)` after each batch's
+    `on_<stage>_batch_end`, with what it logged `on_step`."""
     dispatch, strategy, method = trainer._dispatch, trainer.strategy, _STEP[stage]
     n_batches = EpochBatches(loader, limit, _LIMIT[stage]).epoch_length()
     outputs: list[Any] = []  # predict's; the others keep only each step's loss and its weight
@@ -79,6 +81,9 @@ def evaluate(
                         dispatch.all(f"on_{stage}_batch_start", batch, idx)
                         output = strategy.eval_step(module, method, batch, idx)
                         dispatch.all(f"on_{stage}_batch_end", output, batch, idx)
+                        if log_step is not None:
+                            log_step(buffer.compute_step(trainer._reduce_logged), buffer.not_for_loggers())
+                        buffer.reset_step()
                         if stage == "predict":
                             outputs.append(output)
                         elif output is not None:
@@ -124,14 +129,20 @@ def _weight(num_tokens: torch.Tensor | None, batch: Any, device: torch.device) -
 
 
 def validate_in_fit(trainer: Trainer, module: TrainModule, loader: Iterable) -> dict[str, float]:
-    """A validation inside a fit: its metrics go to the loggers at the current step."""
+    """A validation inside a fit: its metrics go to the loggers at the current step, each batch's `on_step`
+    values (Lightning's rows) at the count of the fit's validation batches before it."""
+    loop = trainer._fit_loop
+
+    def log_step(metrics: dict[str, float], hidden: set[str]) -> None:
+        step_log.log_eval_step(trainer, metrics, hidden, loop.val_batches_seen)
+        loop.val_batches_seen += 1
 
     def report(metrics: dict[str, float], hidden: set[str], prog_bar: set[str]) -> None:
         step_log.log_metrics(trainer, metrics, hidden, own={"val/loss"})  # the returned loss: ours
-        trainer._fit_loop.last_val_step = trainer.global_step
+        loop.last_val_step = trainer.global_step
         step_log.show_validation(trainer, metrics, prog_bar)
 
-    return evaluate(trainer, module, loader, "validation", trainer.limit_val_batches, report)[0]
+    return evaluate(trainer, module, loader, "validation", trainer.limit_val_batches, report, log_step)[0]
 
 
 def sanity_check(trainer: Trainer, module: TrainModule, loader: Iterable) -> None:

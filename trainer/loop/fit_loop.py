@@ -59,6 +59,7 @@ class FitLoop:
             None  # the epoch ending, through its validation and on_train_epoch_end
         )
         self.last_val_step: int | None = None
+        self.val_batches_seen = 0  # this fit's validation batches (not the sanity check's): their rows' step
         self.started = 0.0  # time.time() when training started: max_time counts this fit
         self.start_step = 0
         self.time_limit: TimeLimit | None = None  # max_time, once training started
@@ -250,6 +251,8 @@ class FitLoop:
         meter.step_done()
         if log_now:  # written now, before batch-end callbacks (a checkpoint, a stop) can interrupt
             step_log.log_train(trainer, loss, num_tokens, lr, self.step_norm, meter)
+        else:
+            step_log.keep_step_metrics(trainer)
         trainer._fit_metrics.reset_step()
         self.step_logged = log_now
         return {"loss": loss, "skipped": skipped}
@@ -278,12 +281,16 @@ class FitLoop:
 
     def _end_step(self) -> None:
         """After on_train_batch_end: what it logged per step belongs to the step that just ended (as in
-        Lightning), so it is logged at that step when the step was; then the step's metrics clear."""
+        Lightning), so it is logged at that step when the step was (else kept for callback_metrics and
+        logged_metrics, as the step's own values were); then the step's metrics clear."""
         trainer = self.trainer
         buffer = trainer._fit_metrics
-        extra = buffer.compute_step(trainer._reduce_logged) if self.step_logged else {}
-        if extra:
-            trainer.log_metrics(extra, hidden=buffer.not_for_loggers())
+        if self.step_logged:
+            extra = buffer.compute_step(trainer._reduce_logged)
+            if extra:
+                trainer.log_metrics(extra, hidden=buffer.not_for_loggers())
+        else:
+            step_log.keep_step_metrics(trainer)
         self.step_logged = False
         buffer.reset_step()
         if self.progress is not None:
@@ -417,7 +424,8 @@ class FitLoop:
             if interval == "step":
                 trainer.lr_scheduler.step()
         elif config.interval == interval:
-            config.step(count, trainer.callback_metrics)
+            # a scheduler without a monitor reads no metric: not reading them keeps this step off the host
+            config.step(count, trainer.callback_metrics if config.needs_metric else {})
 
     def total_steps(self) -> int | None:
         """Optimizer steps the fit will take, if knowable."""

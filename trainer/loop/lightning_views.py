@@ -33,6 +33,19 @@ class LightningViews:
         return logger.log_dir or logger.save_dir if logger is not None else str(self.default_root_dir)
 
     @property
+    def callback_metrics(self) -> dict[str, float]:
+        """Every metric's latest value (Lightning's), for callbacks: what the loggers got, `logger=False`
+        values, and each training step's per-step values, also between the rows `log_every_n_steps` writes."""
+        self._unread_steps.settle(self._callback_metrics, self._logged_metrics)
+        return self._callback_metrics
+
+    @property
+    def logged_metrics(self) -> dict[str, float]:
+        """What was logged (Lightning's): the loggers' values, and each training step's per-step values."""
+        self._unread_steps.settle(self._callback_metrics, self._logged_metrics)
+        return self._logged_metrics
+
+    @property
     def world_size(self) -> int:
         return self.strategy.world_size
 

@@ -12,6 +12,7 @@ import torch
 
 from trainer.checkpoint import run_folder
 from trainer.core.logging import rank_zero_info
+from trainer.core.metrics import with_bare_names
 from trainer.loggers.base import LoggerRun, plain
 from trainer.loop.progress import fmt
 
@@ -39,10 +40,7 @@ def log_metrics(
     """Send `metrics` to every logger at the current step, except the `hidden` names, and the Trainer's
     `own` ones (train/loss, rates, a returned val/loss) only to loggers that take them (not Lightning's
     CSV); all of them reach `callback_metrics`, a `name_step`/`name_epoch` pair also under `name`."""
-    trainer.callback_metrics.update(metrics)
-    for key, value in metrics.items():
-        if key.endswith(("_step", "_epoch")):
-            trainer.callback_metrics[key[: key.rindex("_")]] = value
+    note_metrics(trainer, metrics)
     logged = {k: v for k, v in metrics.items() if k not in hidden}
     trainer.logged_metrics.update(logged)
     if trainer.is_global_zero and logged:
@@ -52,6 +50,30 @@ def log_metrics(
             row = logged if lg.trainer_metrics else users
             if row.keys() - {"epoch"}:
                 lg.log_metrics({**row, **epoch}, trainer.global_step)
+
+
+def note_metrics(trainer: Trainer, metrics: dict[str, float]) -> None:
+    """`metrics` into `callback_metrics`, a `name_step`/`name_epoch` pair also under `name` (its latest value)."""
+    trainer.callback_metrics.update(with_bare_names(metrics))
+
+
+def keep_step_metrics(trainer: Trainer) -> None:
+    """A step that writes no row (`log_every_n_steps`): what the module logged per step still reaches
+    `callback_metrics` and `logged_metrics`, as in Lightning, where both hold each step's values whatever
+    the loggers get; they are read from the device when one of them is (`UnreadStepValues`)."""
+    buffer = trainer._fit_metrics
+    trainer._unread_steps.add(buffer.step_values(trainer._reduce_logged), buffer.not_for_loggers())
+
+
+def log_eval_step(trainer: Trainer, metrics: dict[str, float], hidden: set[str], step: int) -> None:
+    """A validation batch's `on_step=True` values (`name_step`), as Lightning logs them: to the loggers at
+    `step` (the fit's validation batches before this one) without an epoch, and into `logged_metrics`, not
+    into `callback_metrics` (which keep the epoch's values)."""
+    logged = {k: v for k, v in metrics.items() if k not in hidden}
+    trainer.logged_metrics.update(logged)
+    if trainer.is_global_zero and logged:
+        for lg in trainer.loggers:
+            lg.log_metrics(logged, step)
 
 
 def start_loggers(trainer: Trainer, module: TrainModule, resumed: bool) -> None:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainer.checkpoint.manager import put_back_weights, stash_weights
+from trainer.core.metrics import UnreadStepValues
 from trainer.core.tree import apply_to_tensors
 from trainer.datamodule import loaders_from
 from trainer.loop.epochs import EpochBatches
@@ -72,7 +73,8 @@ class KeptState:
         trainer.optimizer.load_state_dict(self.optimizer)
         trainer.training_state.restore(self.parts, KEPT_PARTS)
         trainer._fit_metrics.reset()
-        trainer.callback_metrics, trainer.logged_metrics = dict(self.metrics[0]), dict(self.metrics[1])
+        trainer._callback_metrics, trainer._logged_metrics = dict(self.metrics[0]), dict(self.metrics[1])
+        trainer._unread_steps = UnreadStepValues()  # the trial steps' values, unread: gone with them
         trainer.should_stop = False
 
 
