@@ -24,7 +24,7 @@ from torch import nn
 
 from trainer.core.logging import rank_zero_info
 from trainer.data.hf_data import padding_id
-from trainer.models import hf_adapters, hf_build, hf_dpo, hf_export, hf_init, hf_metrics
+from trainer.models import hf_adapters, hf_build, hf_dpo, hf_export, hf_init, hf_metrics, hf_tp_plan
 from trainer.models.hf_build import TASKS
 from trainer.models.hf_packing import packed_inputs
 from trainer.models.hf_tokenizer import load_tokenizer
@@ -200,28 +200,15 @@ class HFModule(TrainModule):
         }
 
     def tensor_parallel_plan(self, sequence_parallel: bool, loss_parallel: bool) -> dict[str, Any]:
-        """Parallel3DStrategy's `tp` from transformers' own `base_model_tp_plan` (Megatron's column/row
-        split of attention and MLP); embeddings and the head stay replicated, so no sequence or loss
-        parallelism."""
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
+        """Parallel3DStrategy's `tp` from transformers' own `base_model_tp_plan`, each of its styles as a
+        DTensor style (trainer/models/hf_tp_plan.py); the head stays whole on every rank, so no sequence or
+        loss parallelism."""
         if sequence_parallel or loss_parallel:
             raise ValueError(
-                "a Hugging Face model's tensor-parallel plan covers attention and MLP only; allowed: "
-                "Parallel3DStrategy(..., sequence_parallel=False, loss_parallel=False)"
+                "a Hugging Face model's tensor-parallel plan splits its layers, not the activations between them "
+                "nor the head; allowed: Parallel3DStrategy(..., sequence_parallel=False, loss_parallel=False)"
             )
-        hf = self.hf_model()
-        plan = getattr(hf.config, "base_model_tp_plan", None)
-        if not plan:
-            raise ValueError(f"{type(hf).__name__} has no base_model_tp_plan in its config; allowed: tp=1")
-        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-        unknown = sorted({s for s in plan.values() if s not in styles})
-        if unknown:
-            raise ValueError(
-                f"{type(hf).__name__}'s tensor-parallel plan uses {', '.join(unknown)}; allowed: colwise, rowwise"
-            )
-        base = f"{self._hf_path()}.{hf.base_model_prefix}"
-        return {f"{base}.{path}": styles[style]() for path, style in plan.items()}
+        return hf_tp_plan.tensor_parallel_plan(self.hf_model(), self._hf_path())
 
     def _hf_path(self) -> str:
         """Where the transformers model sits inside this module ("model", or PEFT's nesting)."""

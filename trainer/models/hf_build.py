@@ -49,6 +49,8 @@ def _auto(task: str) -> Any:
 
 
 def _mapping(task: str) -> Any:
+    """transformers' Auto-class table of `task` (config class -> model class, built from its
+    `MODEL_FOR_..._MAPPING_NAMES` by model type, with the classes registered since)."""
     from transformers.models.auto import modeling_auto
 
     return getattr(modeling_auto, _MAPPINGS[task])
@@ -62,23 +64,36 @@ def _model_class(task: str, config: Any) -> type | None:
         return None
 
 
+def _bidirectional(config: Any) -> bool:
+    """Whether transformers trains `config`'s model type as a bidirectional encoder: it has a masked-LM
+    class (BERT, RoBERTa), and is not a seq2seq model, whose causal-LM class is its decoder half (BART). The
+    type's causal-LM class is then the encoder under an LM head, which attends causally only with
+    `config.is_decoder=True`, and would otherwise see the very tokens it is to predict."""
+    from transformers.models.auto import modeling_auto
+
+    masked = modeling_auto.MODEL_FOR_MASKED_LM_MAPPING
+    return type(config) in masked and type(config) not in _mapping("seq2seq")
+
+
 def _can_do(task: str, config: Any) -> bool:
-    """`task`'s Auto class builds a model for `config`; for "causal-lm" it must also attend causally: an
-    encoder that can be a decoder (BERT, RoBERTa) declares `is_decoder`, False unless set, and would
-    otherwise see the very tokens it is to predict."""
+    """`task`'s Auto class builds a model for `config`'s type; as a causal LM, one that attends causally."""
     if _model_class(task, config) is None:
         return False
-    return task not in ("causal-lm", "dpo") or getattr(config, "is_decoder", True) is not False
+    causal = task in ("causal-lm", "dpo")
+    return not causal or not _bidirectional(config) or bool(getattr(config, "is_decoder", False))
 
 
 def _check_task(task: str, config: Any, name: str | None = None) -> None:
+    """A one-line ValueError when `config`'s model type cannot do `task`, naming the tasks it can do."""
     if _can_do(task, config):
         return
     able = [t for t in TASKS if _can_do(t, config)]
     kind = getattr(config, "model_type", None) or type(config).__name__
     what = f"a {name} ({kind!r})" if name else f"a {kind!r} model"
     why = (
-        " (an encoder: set config.is_decoder=True to train it causally)" if _model_class(task, config) else ""
+        " (a bidirectional encoder: set config.is_decoder=True to train it causally)"
+        if _model_class(task, config)
+        else ""
     )
     raise ValueError(
         f"{what} cannot do task {task!r}{why}; allowed tasks for it: "
