@@ -48,12 +48,13 @@ def _shared_rank_slots(tmp_path_factory: pytest.TempPathFactory) -> None:
 # s), longest first. They run first: pytest-xdist hands each worker the next module as it finishes one, so the
 # short modules then fill the end of the run instead of one worker finishing a long module alone.
 LONG_POLES = (
-    "distributed/test_ddp.py", "distributed/test_fsdp.py", "distributed/test_parallel3d.py",
+    "hf/test_hf_matrix.py", "distributed/test_ddp.py", "distributed/test_fsdp.py", "distributed/test_parallel3d.py",
     "distributed/test_fault_drill.py", "distributed/test_expert_parallel.py", "lightning/test_lightning_parity.py",
     "distributed/test_fault_tolerance.py", "observability/test_gpu_bench.py", "hf/test_hf_recipes.py",
     "distributed/test_collective_count.py", "distributed/test_fault_tolerance_launch.py",
     "checkpoint/test_zero1_checkpoint.py", "distributed/test_moe_memory_plan.py", "observability/test_profiler.py",
-    "cli/test_cli.py", "cli/test_doctor.py", "distributed/test_compile.py",
+    "cli/test_cli.py", "cli/test_doctor.py", "distributed/test_compile.py", "lightning/test_lightning_examples.py",
+    "distributed/test_manual_optimization_ddp.py",
 )  # fmt: skip
 
 
