@@ -164,6 +164,10 @@ class MetricBuffer:
             if on:
                 store.setdefault(name, _Accumulator(options.reduce_fx)).add(value, batch_size or 1)
 
+    def has_step_values(self) -> bool:
+        """Whether anything was logged per step since the last `reset_step`."""
+        return bool(self._step or self._metric_steps)
+
     def step_values(self, reduce: Callable[[torch.Tensor, str], torch.Tensor]) -> dict[str, torch.Tensor]:
         """The step's values under their logged names (`name`, or `name_step` when also on_epoch), as 0-dim
         tensors where they were computed: reading them is left to the caller (a host sync on a GPU)."""

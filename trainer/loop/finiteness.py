@@ -67,7 +67,7 @@ class LossWatch:
         """The recorded losses' first non-finite step, merged into the one found so far, on the device."""
         if not self._losses:
             return
-        losses = torch.stack([loss.reshape(()).float() for loss in self._losses])
+        losses = torch.stack([loss.reshape(()) for loss in self._losses]).float()
         steps = torch.tensor(self._steps, dtype=torch.float32).to(losses.device, non_blocking=True)
         found = torch.where(torch.isfinite(losses), math.inf, steps).min()
         self._first = found if self._first is None else torch.minimum(self._first, found)

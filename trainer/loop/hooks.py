@@ -20,8 +20,9 @@ class HookDispatcher:
 
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
-        # who implements each per-step hook, for the module and callbacks in `_owners_key`
-        self._owners_key: tuple = ()
+        # who implements each per-step hook, for `_owners_module` and `_owners_callbacks` (a copy of the list)
+        self._owners_module: Any = None
+        self._owners_callbacks: list[Callback] = []
         self._owners: dict[str, tuple[list[Callback], bool]] = {}
 
     def callbacks(self, hook: str, *args: Any) -> None:
@@ -54,20 +55,26 @@ class HookDispatcher:
         class's no-op are skipped."""
         trainer = self.trainer
         module = trainer.module
-        key = (module, *trainer.callbacks)
-        owners = self._owners.get(hook) if key == self._owners_key else None
-        callbacks, module_too = owners or self._find_owners(key, hook)
+        # still the module and callbacks the owners were found for? (compared without building a key: this
+        # runs several times a step)
+        same = module is self._owners_module and trainer.callbacks == self._owners_callbacks
+        owners = self._owners.get(hook) if same else None
+        callbacks, module_too = owners or self._find_owners(hook)
         for cb in callbacks:
             getattr(cb, hook)(trainer, module, *args)
         if module_too:
             getattr(module, hook)(*args)
 
-    def _find_owners(self, key: tuple, hook: str) -> tuple[list[Callback], bool]:
+    def _find_owners(self, hook: str) -> tuple[list[Callback], bool]:
         """The callbacks that implement `hook`, and whether the module does; remembered until the module or
-        the list of callbacks (`key`) changes."""
-        if key != self._owners_key:
-            self._owners_key, self._owners = key, {}
+        the list of callbacks changes."""
         trainer = self.trainer
+        if trainer.module is not self._owners_module or trainer.callbacks != self._owners_callbacks:
+            self._owners_module, self._owners_callbacks, self._owners = (
+                trainer.module,
+                list(trainer.callbacks),
+                {},
+            )
         owners = self._owners[hook] = (
             [cb for cb in trainer.callbacks if _implements(cb, hook, Callback)],
             _implements(trainer.module, hook, TrainModule),

@@ -62,7 +62,8 @@ def keep_step_metrics(trainer: Trainer) -> None:
     `callback_metrics` and `logged_metrics`, as in Lightning, where both hold each step's values whatever
     the loggers get; they are read from the device when one of them is (`UnreadStepValues`)."""
     buffer = trainer._fit_metrics
-    trainer._unread_steps.add(buffer.step_values(trainer._reduce_logged), buffer.not_for_loggers())
+    if buffer.has_step_values():  # (most steps of a module that logs nothing per step: nothing to keep)
+        trainer._unread_steps.add(buffer.step_values(trainer._reduce_logged), buffer.not_for_loggers())
 
 
 def log_eval_step(trainer: Trainer, metrics: dict[str, float], hidden: set[str], step: int) -> None:
