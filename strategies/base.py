@@ -186,7 +186,12 @@ class Strategy:
         return optimizer
 
     def batch_to_device(self, batch: Any) -> Any:
-        """Move every tensor of the batch to this process's device, in the precision's input dtype."""
+        """The batch a step runs on: `to_device`'s (a strategy may shard it further: context parallel)."""
+        return self.to_device(batch)
+
+    def to_device(self, batch: Any) -> Any:
+        """Every tensor of the batch on this process's device, in the precision's input dtype (again: a
+        no-op)."""
         device = self.root_device
         if device.type != "cpu":  # loaders yield CPU tensors: nothing to move for a CPU run
             batch = apply_to_tensors(batch, lambda t: t.to(device, non_blocking=True))

@@ -207,6 +207,9 @@ class FitLoop:
         )
         if self.first_train_batch is None:
             self.first_train_batch = window[0]
+        # the batch hooks see the first micro-batch on the step's device, as Lightning moves it before
+        # on_train_batch_start (the step's own move is then a no-op)
+        window[0] = strategy.to_device(window[0])
         dispatch.step("on_train_batch_start", (window[0], s.batches_in_epoch))
         for batch in window:
             samples, tokens = meter.count(batch)

@@ -95,6 +95,7 @@ class ManualFitLoop(FitLoop):
         batch_idx = s.batches_in_epoch
         if self.first_train_batch is None:
             self.first_train_batch = batch
+        batch = strategy.to_device(batch)  # the hooks see it on the step's device, as in Lightning
         trainer._dispatch.step("on_train_batch_start", (batch, batch_idx))
         samples, tokens = batch_size(batch)
         s.samples_seen += samples
