@@ -94,6 +94,10 @@ class Regression(TrainModule):
         return torch.nn.functional.mse_loss(self(x), y)
 
     def configure_optimizers(self):
+        if self.optimizer_name == "sgd-steplr":  # a scheduler of the module's own: the LR halves every step
+            sgd = torch.optim.SGD(self.parameters(), lr=self.lr)
+            halving = torch.optim.lr_scheduler.StepLR(sgd, 1, gamma=0.5)
+            return {"optimizer": sgd, "lr_scheduler": {"scheduler": halving, "interval": "step"}}
         if self.optimizer_name == "sgd":
             return torch.optim.SGD(self.parameters(), lr=self.lr)
         return torch.optim.AdamW(self.parameters(), lr=self.lr)

@@ -51,6 +51,17 @@ RUNS = {
     },
     FSDP_SCRIPT: {
         "zero1": ["--stage", "1", "--model", "regression", "--optimizer", "sgd", "--accumulate", "1"],
+        # the module's own StepLR drives the LR of ZeRO-1's sliced optimizer (it stayed at its first value)
+        "zero1-steplr": [
+            "--stage",
+            "1",
+            "--model",
+            "regression",
+            "--optimizer",
+            "sgd-steplr",
+            "--accumulate",
+            "1",
+        ],
         "zero2-llama": ["--stage", "2", "--model", "llama", "--optimizer", "sgd", "--accumulate", "1"],
         "zero3-llama-accumulate2": [
             "--stage",
@@ -108,8 +119,8 @@ def assert_same_training(out: dict, root: Path, params: list, norms: dict[int, f
 
 
 @pytest.mark.parametrize(
-    "name, model", [("ddp-accumulate2", "regression"), ("zero1", "regression"), ("zero2-llama", "llama"),
-                    ("zero3-llama-accumulate2", "llama")],
+    "name, model", [("ddp-accumulate2", "regression"), ("zero1", "regression"), ("zero1-steplr", "regression"),
+                    ("zero2-llama", "llama"), ("zero3-llama-accumulate2", "llama")],
 )  # fmt: skip
 def test_two_ranks_with_sgd_and_no_clipping_match_one_process_step_by_step(tmp_path, worlds, name, model):
     out, root = run(worlds, name)
@@ -120,8 +131,9 @@ def test_two_ranks_with_sgd_and_no_clipping_match_one_process_step_by_step(tmp_p
         module = ScriptLM(LLAMA, lr=1e-2, optimizer="sgd")
         params, norms = one_process(tmp_path, module, token_loader(GLOBAL_BATCH))
     else:
-        module = Regression(optimizer="sgd")
-        first = Regression(optimizer="sgd")
+        optimizer = "sgd-steplr" if name.endswith("steplr") else "sgd"
+        module = Regression(optimizer=optimizer)
+        first = Regression(optimizer=optimizer)
         first.load_state_dict(module.state_dict())
         params, norms = one_process(tmp_path, module, DataLoader(regression_data(), batch_size=GLOBAL_BATCH))
         # the reference itself: its first gradient is that of the first 16 samples' mean squared error

@@ -38,7 +38,7 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--validate", action="store_true")
     p.add_argument("--model", default="regression", choices=["regression", "llama", "tokens"])
-    p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"])  # "tokens" always uses SGD
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd", "sgd-steplr"])  # "tokens": SGD
     p.add_argument("--no-clip", action="store_true")  # gradient_clip_val=None instead of 0.5
     p.add_argument("--precision", default="32")
     p.add_argument("--compile", default=None)  # the Trainer's compile flag: a mode ("default", ...)

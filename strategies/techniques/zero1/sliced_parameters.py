@@ -45,6 +45,11 @@ class SlicedParameters:
         self.optimizer = type(optimizer)(
             groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted}
         )
+        # the slices' optimizer steps through the original's group dicts (their params now the slices): a
+        # scheduler `configure_optimizers` built on the original sets the LR the slices' optimizer uses
+        for original, sliced in zip(optimizer.param_groups, self.optimizer.param_groups, strict=True):
+            original.update(sliced)
+        self.optimizer.param_groups = optimizer.param_groups
 
     def attach_gradients(self) -> None:
         """Point each slice's .grad at its part of the full (all-reduced) gradient: no copy."""
