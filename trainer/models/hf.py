@@ -430,10 +430,6 @@ class HFModule(TrainModule):
     def save_pretrained(
         self, out_dir: str | os.PathLike, max_shard_size: int | str = "2GB", merged: bool = True
     ) -> Path:
-        """Write the model in Hugging Face's layout to `out_dir` (config.json, model.safetensors or
-        shards with their index above `max_shard_size`, the tokenizer's files when there is a tokenizer);
-        LoRA adapters are merged into the written weights (the module keeps them), or with `merged=False`
-        written as PEFT's adapter_config.json + adapter_model.safetensors, which
-        `peft.PeftModel.from_pretrained(base, out_dir)` loads. Sharded (FSDP) weights are gathered to
-        rank 0, so call it on every rank then; rank 0 writes. Returns `out_dir`."""
+        """Write the model in Hugging Face's layout to `out_dir`, LoRA merged unless `merged=False`; call on
+        every rank (trainer/models/hf_export.py says what is written)."""
         return hf_export.save_pretrained(self, out_dir, max_shard_size, merged)
