@@ -1,6 +1,6 @@
 """Callbacks: code that watches or steers a run at named moments."""
 
-from callbacks.base import Callback
+from callbacks.base import Callback, Checkpoint
 from callbacks.batch_size_finder import BatchSizeFinder
 from callbacks.checkpoint import ModelCheckpoint
 from callbacks.device_stats import DeviceStatsMonitor
@@ -17,7 +17,7 @@ from callbacks.on_exception_checkpoint import OnExceptionCheckpoint
 from callbacks.phase_times import PhaseTimes
 from callbacks.prediction_writer import BasePredictionWriter
 from callbacks.profiler import Profiler
-from callbacks.progress_bars import RichProgressBar, TQDMProgressBar
+from callbacks.progress_bars import ProgressBar, RichProgressBar, TQDMProgressBar
 from callbacks.pruning import ModelPruning
 from callbacks.rich_model_summary import RichModelSummary
 from callbacks.spike_detection import SpikeDetection
@@ -33,6 +33,7 @@ __all__ = [
     "BasePredictionWriter",
     "BatchSizeFinder",
     "Callback",
+    "Checkpoint",
     "DeviceStatsMonitor",
     "EMAWeightAveraging",
     "EarlyStopping",
@@ -48,6 +49,7 @@ __all__ = [
     "OnExceptionCheckpoint",
     "PhaseTimes",
     "Profiler",
+    "ProgressBar",
     "RichModelSummary",
     "RichProgressBar",
     "SpikeDetection",

@@ -189,3 +189,7 @@ class Callback:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what `state_dict` returned."""
+
+
+class Checkpoint(Callback):
+    """Lightning's base class of the callbacks that save checkpoints (ModelCheckpoint, OnExceptionCheckpoint)."""

@@ -16,7 +16,7 @@ import torch
 
 from callbacks import checkpoint_names as names
 from callbacks import checkpoint_schedule as schedule
-from callbacks.base import Callback
+from callbacks.base import Checkpoint
 from callbacks.checkpoint_validation import Validation, not_finite, state_not_finite
 from trainer import checkpoint as ckpt
 from trainer import flags
@@ -38,7 +38,7 @@ class ModelNotFiniteError(RuntimeError):
     """The live model became non-finite: the fit ends (its checkpoints are set aside as bad)."""
 
 
-class ModelCheckpoint(Callback):
+class ModelCheckpoint(Checkpoint):
     """Save `<dirpath>/step-XXXXXXXX/` every `every_n_steps` optimizer steps and/or `every_n_minutes`, and
     (with `save_last`) at the end of fit. Each file's hashes, taken as it is written, go into the manifest.
 

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from callbacks.base import Callback
+from callbacks.base import Checkpoint
 from trainer.core.logging import log, rank_zero_info
 
 if TYPE_CHECKING:
@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from trainer.trainer import Trainer
 
 
-class OnExceptionCheckpoint(Callback):
+class OnExceptionCheckpoint(Checkpoint):
     """When the fit fails, the training state of the last completed step goes to `<dirpath>/<filename>.ckpt`
     (a checkpoint directory, as `Trainer.save_checkpoint` writes them); `fit(..., ckpt_path=that path)`
     continues from it. A name already taken, by an earlier failure or anything else, is never written over:

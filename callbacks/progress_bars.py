@@ -9,7 +9,7 @@ from callbacks.base import Callback
 from trainer import flags
 
 
-class ProgressBarCallback(Callback):
+class ProgressBar(Callback):
     """How the bar is drawn: `refresh_rate` 0 (or `disable()`) shows none; `leave=True` keeps each epoch's last
     state as a line above the bar."""
 
@@ -42,7 +42,7 @@ class ProgressBarCallback(Callback):
         return {"leave_epochs": self._leave}
 
 
-class TQDMProgressBar(ProgressBarCallback):
+class TQDMProgressBar(ProgressBar):
     """The bar moves every `refresh_rate` optimizer steps (and at the last); `process_position` is its line
     (tqdm's `position`, for several bars in one terminal); `leave=True` keeps a line per epoch."""
 
@@ -62,7 +62,7 @@ class TQDMProgressBar(ProgressBarCallback):
         }
 
 
-class RichProgressBar(ProgressBarCallback):
+class RichProgressBar(ProgressBar):
     """The bar redraws at most `refresh_rate` times a second (Lightning's rich bar counts per second, too);
     `leave=True` keeps a line per epoch. Drawn by the Trainer's tqdm bar: rich's theme and console are not
     taken."""
@@ -76,7 +76,7 @@ class RichProgressBar(ProgressBarCallback):
 
 def check_progress_bars(callbacks: list[Callback], enable_progress_bar: bool) -> None:
     """Lightning's rules: at most one progress bar callback, and none with `enable_progress_bar=False`."""
-    bars = [cb for cb in callbacks if isinstance(cb, ProgressBarCallback)]
+    bars = [cb for cb in callbacks if isinstance(cb, ProgressBar)]
     if len(bars) > 1:
         names = ", ".join(type(cb).__name__ for cb in bars)
         raise ValueError(f"callbacks hold {len(bars)} progress bars ({names}); allowed: one")

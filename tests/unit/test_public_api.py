@@ -24,3 +24,13 @@ def test_the_public_names_import_from_their_packages():
     assert {DDPStrategy, FSDPStrategy, Parallel3DStrategy, SingleDeviceStrategy} <= set(
         __import__("strategies.registry").registry.STRATEGIES.values()
     )
+
+
+def test_every_callback_class_of_lightning_has_its_name_here():
+    import pytorch_lightning as pl
+
+    import callbacks
+
+    assert set(pl.callbacks.__all__) <= set(callbacks.__all__)
+    assert issubclass(callbacks.ModelCheckpoint, callbacks.Checkpoint)
+    assert issubclass(callbacks.TQDMProgressBar, callbacks.ProgressBar)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from callbacks.checkpoint import ModelCheckpoint
-from callbacks.progress_bars import ProgressBarCallback
+from callbacks.progress_bars import ProgressBar
 from trainer.loop.manual_step import ManualFitLoop
 
 if TYPE_CHECKING:
@@ -111,10 +111,10 @@ class LightningViews:
         return [cb for cb in self.callbacks if isinstance(cb, ModelCheckpoint)]
 
     @property
-    def progress_bar_callback(self) -> ProgressBarCallback | None:
+    def progress_bar_callback(self) -> ProgressBar | None:
         """The TQDMProgressBar or RichProgressBar among the callbacks (it sets how the Trainer's bar is drawn),
         or None: the bar as it is by default."""
-        return next((cb for cb in self.callbacks if isinstance(cb, ProgressBarCallback)), None)
+        return next((cb for cb in self.callbacks if isinstance(cb, ProgressBar)), None)
 
     @property
     def train_dataloader(self) -> Any:
