@@ -18,7 +18,7 @@ from helpers import Regression, quiet, read_metrics, regression_loader
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
-from callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
+from callbacks import Callback, EarlyStopping, LearningRateMonitor, ModelCheckpoint
 from trainer import DataModule, Trainer, TrainModule, seed_everything
 
 
@@ -347,6 +347,31 @@ def test_seed_everything_workers_gives_each_loader_lightnings_worker_seeding(tmp
         worker_init_function(int(worker[0]), rank=0)
         assert draws[0].tolist() == [random.random(), float(np.random.rand()), torch.rand(()).item()]
     assert seen[0][2][0].tolist() != seen[1][2][0].tolist()
+
+
+def test_a_val_loader_without_a_validation_step_is_no_validation_as_in_lightning(tmp_path, caplog):
+    """Lightning skips the val loop, with a warning, when a val loader comes without a validation_step (its GAN
+    example's datamodule has one): no sanity check, no validation, and the fit runs."""
+
+    class TrainsOnly(Regression):
+        validation_step = TrainModule.validation_step  # none of its own
+
+    calls = []
+
+    class Hooks(Callback):
+        def on_validation_start(self, trainer, pl_module):
+            calls.append("validation")
+
+        def on_sanity_check_start(self, trainer, pl_module):
+            calls.append("sanity check")
+
+    trainer = Trainer(
+        max_epochs=2, limit_train_batches=3, default_root_dir=tmp_path, callbacks=[Hooks()], **quiet()
+    )
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        trainer.fit(TrainsOnly(), regression_loader(), regression_loader())
+    assert calls == [] and trainer.global_step == 6
+    assert any("no validation_step: no validation" in r.message for r in caplog.records)
 
 
 def test_worker_init_function_seeds_as_lightnings_pl_worker_init_function():

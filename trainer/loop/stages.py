@@ -55,6 +55,12 @@ def run_fit(
                 )
                 reload = LoaderReload(trainer.reload_dataloaders_every_n_epochs, load)
             val_loader = own_val if val_loader is None else val_loader
+        if val_loader is not None and not _validates(module):
+            # as Lightning: no validation (nor sanity check) without a validation_step (the GAN example)
+            rank_zero_info(
+                "warning: a val_dataloader was given but the module has no validation_step: no validation"
+            )
+            val_loader = None
         train_loader = _fit_loader(trainer, train_loader, train=True)
         val_loader = _fit_loader(trainer, val_loader, train=False)
         loop = FitLoop if module.automatic_optimization else ManualFitLoop
@@ -74,6 +80,12 @@ def run_fit(
         _finish(trainer, "fit")
     if trainer._fit_loop.stopped_by is not None:  # after the tear-down: its checkpoint is complete
         raise trainer._fit_loop.signal_exit()
+
+
+def _validates(module: TrainModule) -> bool:
+    """Whether `module` has a validation_step of its own (as Lightning's `is_overridden`, one set on the
+    instance counts)."""
+    return getattr(module.validation_step, "__code__", None) is not TrainModule.validation_step.__code__
 
 
 def _fit_loader(trainer: Trainer, loader: Iterable | None, train: bool) -> Iterable | None:
