@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SCRIPTS, quiet, regression_loader, run_ranks
+from helpers import SCRIPTS, quiet, read_metrics, regression_loader, run_ranks
 from torch import nn
 
-from callbacks import LearningRateMonitor
+from callbacks import Callback, LearningRateMonitor
 from strategies import DPSGDStrategy, FSDPStrategy, Parallel3DStrategy
 from trainer import Trainer, TrainModule
 from trainer.checkpoint import CheckpointError
@@ -303,6 +303,32 @@ def test_a_manual_step_misused_fails_in_one_line(tmp_path, mistake, error, match
         Trainer(max_steps=1, default_root_dir=tmp_path, **quiet()).fit(
             Misconfigured(mistake), regression_loader()
         )
+
+
+def test_what_a_batch_logs_is_in_callback_metrics_at_its_on_train_batch_end(tmp_path):
+    """As in Lightning (and the automatic step): an on_train_batch_end callback reads what that batch's
+    training_step logged, on batches that write a row (every 2nd here) and on the others; the rows hold it."""
+
+    class LogsBatch(TwoHeads):
+        def training_step(self, batch, batch_idx):
+            loss = super().training_step(batch, batch_idx)
+            self.log("batch", float(batch_idx))
+            return loss
+
+    seen = []
+
+    class Reads(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.append(
+                [batch_idx, float(trainer.callback_metrics["batch"]), float(trainer.logged_metrics["batch"])]
+            )
+
+    trainer = Trainer(
+        max_steps=8, default_root_dir=tmp_path, callbacks=[Reads()], **quiet(log_every_n_steps=2)
+    )
+    trainer.fit(LogsBatch(), regression_loader())
+    assert seen == [[i, float(i), float(i)] for i in range(4)]
+    assert read_metrics(tmp_path, "batch") == {4: 1.0, 8: 3.0}  # rows at the optimizer steps done (README)
 
 
 def test_the_learning_rate_monitor_logs_the_first_of_several_optimizers(tmp_path):

@@ -286,6 +286,15 @@ class FitLoop:
         """After on_train_batch_end: what it logged per step belongs to the step that just ended (as in
         Lightning), so it is logged at that step when the step was (else kept for callback_metrics and
         logged_metrics, as the step's own values were); then the step's metrics clear."""
+        self._take_step_values()
+        self.step_logged = False
+        if self.progress is not None:
+            self.progress.update()
+        self.step_loss = self.step_norm = None
+
+    def _take_step_values(self) -> None:
+        """What was logged per step since the last take: logged at this step when it writes a row
+        (`step_logged`), else kept for callback_metrics and logged_metrics; then cleared."""
         trainer = self.trainer
         buffer = trainer._fit_metrics
         if self.step_logged:
@@ -294,11 +303,7 @@ class FitLoop:
                 trainer.log_metrics(extra, hidden=buffer.not_for_loggers())
         else:
             step_log.keep_step_metrics(trainer)
-        self.step_logged = False
         buffer.reset_step()
-        if self.progress is not None:
-            self.progress.update()
-        self.step_loss = self.step_norm = None
 
     # ---- what the Trainer's control methods reach ------------------------------------------------
     def step_grad_norm(self) -> torch.Tensor:

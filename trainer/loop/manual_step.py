@@ -113,7 +113,10 @@ class ManualFitLoop(FitLoop):
         s.manual_batches += 1
         if self.progress is not None:  # a batch took any number of steps; _end_step moves the bar one
             self.progress.update(s.global_step - steps_before - 1)
-        self.step_logged = log_now  # _end_step logs what the step and its batch-end hooks logged
+        # the batch's values reach the loggers and callback_metrics before on_train_batch_end reads them, as
+        # Lightning's and the automatic step's; _end_step then takes what the batch-end hooks log
+        self.step_logged = log_now
+        self._take_step_values()
         return outputs
 
     def _stepped(self) -> int:
