@@ -26,6 +26,7 @@ from strategies.techniques.fsdp.apply import init_root
 from strategies.techniques.pp.stages import V_SHAPED, check_layers_per_stage
 from strategies.techniques.zero1.sliced_parameters import SlicedParameters
 from trainer.core.dtensors import full_value, is_dtensor
+from trainer.core.rng import reset_seed
 from trainer.core.tree import apply_to_tensors
 
 if TYPE_CHECKING:
@@ -78,6 +79,12 @@ class ParallelStrategy(MeshStrategy):
         self._step_methods: list[str] = []  # registered as FSDP forward methods on it
         if options.data_parallel == "zero1":
             self.checkpoint_io = Zero1Slices(self, lambda: self._sliced)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        # as Lightning's parallel strategies (setup_distributed): every process seeded again with
+        # seed_everything's seed, so a launch's ranks draw alike whatever they drew before the stage
+        reset_seed()
 
     # ---- the degrees -------------------------------------------------------------------------------
     def parallel_dims(self) -> ParallelDims:

@@ -12,6 +12,7 @@ import torch
 from helpers import LAUNCHER_KEYS, RANK_SLOTS, SEED
 
 from trainer.core.launch import destroy_process_group
+from trainer.core.rng import SEED_ENV
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -28,7 +29,7 @@ def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]
     monkeypatch.chdir(tmp_path)
     torch.manual_seed(SEED)
     random.seed(SEED)
-    for key in LAUNCHER_KEYS:
+    for key in (*LAUNCHER_KEYS, SEED_ENV):  # nor the sampling seed an earlier test's seed_everything left
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("TRAINER_CACHE", str(tmp_path / "trainer-cache"))
     yield

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
 from callbacks import Callback, EarlyStopping, LearningRateMonitor, ModelCheckpoint
+from strategies import SingleDeviceStrategy
 from trainer import DataModule, Trainer, TrainModule, seed_everything
 
 
@@ -347,6 +348,55 @@ def test_seed_everything_workers_gives_each_loader_lightnings_worker_seeding(tmp
         worker_init_function(int(worker[0]), rank=0)
         assert draws[0].tolist() == [random.random(), float(np.random.rand()), torch.rand(()).item()]
     assert seen[0][2][0].tolist() != seen[1][2][0].tolist()
+
+
+def test_a_fits_data_sampling_is_seeded_by_seed_everything_as_lightnings_distributed_sampler(tmp_path):
+    """Lightning seeds the DistributedSampler it adds with seed_everything's seed (PL_GLOBAL_SEED, inherited
+    by the processes a launch starts), so a DDP fit's shuffle follows the seed the script chose; the
+    Trainer's own `seed` comes first, and without either it is 0."""
+    seeds = []
+
+    class RecordsTheSeed(SingleDeviceStrategy):
+        def process_dataloader(self, loader, seed, train=True):
+            seeds.append(seed)
+            return loader
+
+    def fit(**seed):
+        trainer = Trainer(
+            strategy=RecordsTheSeed(), max_steps=1, limit_val_batches=0, default_root_dir=tmp_path,
+            enable_checkpointing=False, **seed, **quiet(),
+        )  # fmt: skip
+        trainer.fit(Regression(), regression_loader())
+        return seeds.pop()
+
+    assert fit() == 0
+    seed_everything(1234)
+    assert fit() == 1234
+    assert fit(seed=7) == 7
+
+
+def test_a_parallel_strategy_seeds_again_with_seed_everythings_seed_as_lightnings_reset_seed(tmp_path):
+    """Lightning's parallel strategies call `reset_seed()` when a stage sets up: each process starts the stage
+    from seed_everything's seed whatever it drew since (the GAN example's noise under DDP depends on it); a
+    single-device fit continues the stream."""
+    draws = {}
+
+    class Draws(Regression):
+        def training_step(self, batch, batch_idx):
+            draws[key] = torch.rand(()).item()
+            return super().training_step(batch, batch_idx)
+
+    for key in [(strategy, drawn) for strategy in ("ddp", "auto") for drawn in (0, 3)]:
+        strategy, drawn = key
+        seed_everything(5)
+        model = Draws()
+        torch.rand(drawn)  # what the script draws between seeding and fitting
+        Trainer(
+            strategy=strategy, devices=1, max_steps=1, limit_val_batches=0, default_root_dir=tmp_path / str(key),
+            enable_checkpointing=False, **quiet(),
+        ).fit(model, regression_loader())  # fmt: skip
+    assert draws[("ddp", 0)] == draws[("ddp", 3)]
+    assert draws[("auto", 0)] != draws[("auto", 3)]
 
 
 def test_a_val_loader_without_a_validation_step_is_no_validation_as_in_lightning(tmp_path, caplog):

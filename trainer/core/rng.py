@@ -14,6 +14,8 @@ import torch
 # set by seed_everything(workers=True): an environment variable, as Lightning's, so that the processes a
 # launch starts (which inherit the environment) seed their loaders' workers too
 SEED_WORKERS_ENV = "TRAINER_SEED_WORKERS"
+# the last seed_everything's seed (Lightning's PL_GLOBAL_SEED), inherited by the processes a launch starts
+SEED_ENV = "TRAINER_GLOBAL_SEED"
 
 
 def seed_everything(seed: int, workers: bool = False) -> int:
@@ -23,10 +25,26 @@ def seed_everything(seed: int, workers: bool = False) -> int:
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32:
         raise ValueError(f"seed={seed!r} is invalid; allowed: an int in [0, 2**32)")
     os.environ[SEED_WORKERS_ENV] = str(int(bool(workers)))
+    os.environ[SEED_ENV] = str(seed)
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)  # also seeds every CUDA device
     return seed
+
+
+def global_seed() -> int:
+    """The seed of the last `seed_everything` (this process's or its launcher's), 0 without one: what seeds
+    a fit's data sampling (its DistributedSampler) when the Trainer has no `seed`, as Lightning's."""
+    return int(os.environ.get(SEED_ENV, 0))
+
+
+def reset_seed() -> None:
+    """Lightning's `reset_seed`: seed again with the last `seed_everything`'s seed and workers choice, if it
+    was called (in this process or its launcher); what Lightning's parallel strategies do in every process
+    when a stage sets up."""
+    seed = os.environ.get(SEED_ENV)
+    if seed is not None:
+        seed_everything(int(seed), workers=seeds_workers())
 
 
 def seeds_workers() -> bool:

@@ -13,7 +13,7 @@ from callbacks.tuning import TunerExit
 from strategies.techniques.sync_batchnorm import convert_sync_batchnorm, revert_sync_batchnorm
 from trainer.core.host_memory import keep_freed_memory
 from trainer.core.logging import rank_zero_info, set_rank
-from trainer.core.rng import seed_everything, seeds_workers, worker_init_function
+from trainer.core.rng import global_seed, seed_everything, seeds_workers, worker_init_function
 from trainer.data.distributed import sequential_loader
 from trainer.data.loader import pin_for_device
 from trainer.datamodule import call_if_defined, loaders_from
@@ -206,10 +206,12 @@ def _finish(trainer: Trainer, stage: str) -> None:
 def _rank_loader(trainer: Trainer, loader: Iterable, train: bool) -> Iterable:
     """The loader this rank reads, as the strategy decides (by default: its share of the batch group);
     ours pins its batches for a GPU, so that their copies there don't wait for the step in flight."""
+    # the sampling seed: the Trainer's, else seed_everything's (as Lightning's DistributedSampler), else 0
+    seed = trainer.seed if trainer.seed is not None else global_seed()
     if train and trainer.fault_tolerance is not None:  # the replica groups split the data first
-        loader = replica_loader(loader, trainer.fault_tolerance, trainer.strategy, trainer.seed or 0)
+        loader = replica_loader(loader, trainer.fault_tolerance, trainer.strategy, seed)
     elif trainer.use_distributed_sampler:
-        loader = trainer.strategy.process_dataloader(loader, trainer.seed or 0, train=train)
+        loader = trainer.strategy.process_dataloader(loader, seed, train=train)
     pin_for_device(loader, trainer.strategy.root_device)
     if seeds_workers() and getattr(loader, "worker_init_fn", False) is None:  # as Lightning adds it
         loader.worker_init_fn = functools.partial(worker_init_function, rank=trainer.global_rank)
