@@ -1,14 +1,15 @@
 """Lightning's own examples (examples/pytorch/ at commit 7f0c3436cd) run on PyTorch Lightning and here with their
 imports as the only change, as their main runs them (examples/run.py), on generated data, same seeds and the
-same Trainer flags. `basics/autoencoder.py` and `basics/backbone_image_classifier.py` are vendored in
-tests/lightning/examples/ and run as their `cli_main` (fit, test(ckpt_path="best"), predict(ckpt_path="best")):
+same Trainer flags. Lightning's code is not copied into this repository: every example is read from a Lightning
+checkout (LIGHTNING_EXAMPLES=<checkout>/examples/pytorch; skipped without it: CI has none) by examples/upstream.py.
+`basics/autoencoder.py` and `basics/backbone_image_classifier.py` run as their `cli_main` (fit,
+test(ckpt_path="best"), predict(ckpt_path="best")):
 the same optimizer steps and epochs, the values a callback reads after every step and validation,
 `callback_metrics` and `logged_metrics`, the rows of the CSV log, the checkpoints kept and the one "best"
 reads, the final weights, and what test and predict return; the classifier also under DDP on 2 processes,
 rank by rank. `domain_templates/generative_adversarial_net.py` (manual optimization, two optimizers; 1 and 2
 processes) and `domain_templates/computer_vision_fine_tuning.py` (BaseFinetuning, a scheduler, torchmetrics)
-are read from a Lightning checkout (LIGHTNING_EXAMPLES=<checkout>/examples/pytorch; skipped without it) and
-compared the same way, the GAN's TensorBoard scalars and images too. The differences on purpose (README,
+are compared the same way, the GAN's TensorBoard scalars and images too. The differences on purpose (README,
 "Coming from Lightning") are applied to Lightning's side before comparing: a training row's `step` counts
 the optimizer steps done (one more; under manual optimization Lightning counts batches), a checkpoint is a
 directory named `step-XXXXXXXX` by default, `test` returns one dict, validation draws nothing from the
@@ -36,7 +37,7 @@ FLAGS = {
 }  # fmt: skip
 
 
-# the examples not vendored here are read from a Lightning checkout (examples/upstream.py)
+# every example is read from a Lightning checkout (examples/upstream.py)
 needs_upstream = pytest.mark.skipif(
     not os.environ.get("LIGHTNING_EXAMPLES"),
     reason="LIGHTNING_EXAMPLES (a Lightning checkout's examples/pytorch folder) is unset",
@@ -154,6 +155,7 @@ def assert_same_run(lightning: dict, here: dict) -> None:
 
 
 @pytest.mark.slow
+@needs_upstream
 def test_autoencoder_runs_as_under_lightning(tmp_path):
     results = run_both(tmp_path, "autoencoder", 1)
     (lightning,), (here,) = results["lightning"], results["trainer"]
@@ -168,6 +170,7 @@ def test_autoencoder_runs_as_under_lightning(tmp_path):
 
 
 @pytest.mark.slow
+@needs_upstream
 def test_backbone_image_classifier_runs_as_under_lightning(tmp_path):
     results = run_both(tmp_path, "backbone_image_classifier", 1)
     (lightning,), (here,) = results["lightning"], results["trainer"]
@@ -177,6 +180,7 @@ def test_backbone_image_classifier_runs_as_under_lightning(tmp_path):
 
 
 @pytest.mark.slow
+@needs_upstream
 def test_backbone_image_classifier_under_ddp_on_two_processes_runs_as_under_lightning(tmp_path):
     results = run_both(tmp_path, "backbone_image_classifier", 2)
     for rank in range(2):

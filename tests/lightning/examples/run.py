@@ -1,4 +1,4 @@
-"""Runs one of Lightning's examples (vendored beside this file, or read from a checkout of Lightning: upstream.py)
+"""Runs one of Lightning's examples (read from a checkout of Lightning: upstream.py)
 as its main does, on PyTorch Lightning or on this project, the example's imports (framework.py) being the only
 difference:
 
@@ -11,7 +11,7 @@ may name the strategy). Both runs log where the example's main does (a CSVLogger
 LightningCLI example, Lightning's default TensorBoardLogger otherwise) and record what they observe
 (`Recorder`, `fit_record`); each rank writes OUT/rank<R>.pt (torch.save: the weights and images as
 tensors, the rest plain values). MAINS says how each example's main is run;
-adding an example is its file (or its entry in upstream.py), one entry there and a test."""
+adding an example is its entry in upstream.py, one entry there and a test."""
 
 from __future__ import annotations
 
@@ -262,10 +262,8 @@ def fine_tuning_cli_main(example: ModuleType, flags: dict, out: Path, arguments:
 
 
 def load_example(name: str) -> ModuleType:
-    """Example `name`: its file beside this one, or read from Lightning's checkout (upstream.py)."""
-    if name in upstream.IMPORTS:
-        return upstream.load(name)
-    return __import__(name)
+    """Example `name`, read from Lightning's checkout with its imports replaced (upstream.py)."""
+    return upstream.load(name)
 
 
 def without_arguments(main: Callable[[ModuleType, dict, Path], dict]) -> Callable[..., dict]:

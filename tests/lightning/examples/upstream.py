@@ -15,6 +15,34 @@ ENV = "LIGHTNING_EXAMPLES"
 
 # example -> (its path under examples/pytorch, {its import line: the line that replaces it})
 IMPORTS: dict[str, tuple[str, dict[str, str]]] = {
+    "autoencoder": (
+        "basics/autoencoder.py",
+        {
+            "from lightning.pytorch import LightningDataModule, LightningModule, Trainer, callbacks, cli_lightning_logo": (
+                "from framework import LightningDataModule, LightningModule, Trainer, callbacks, cli_lightning_logo"
+            ),
+            "from lightning.pytorch.cli import LightningCLI": "from framework import LightningCLI",
+            "from lightning.pytorch.demos.mnist_datamodule import MNIST": "from framework import MNIST",
+            "from lightning.pytorch.utilities import rank_zero_only": "from framework import rank_zero_only",
+            # the shim's transforms (ToTensor), which MyDataModule calls even without torchvision
+            "from lightning.pytorch.utilities.imports import _TORCHVISION_AVAILABLE": (
+                "from framework import _TORCHVISION_AVAILABLE, transforms"
+            ),
+        },
+    ),
+    "backbone_image_classifier": (
+        "basics/backbone_image_classifier.py",
+        {
+            "from lightning.pytorch import LightningDataModule, LightningModule, cli_lightning_logo": (
+                "from framework import LightningDataModule, LightningModule, cli_lightning_logo"
+            ),
+            "from lightning.pytorch.cli import LightningCLI": "from framework import LightningCLI",
+            "from lightning.pytorch.demos.mnist_datamodule import MNIST": "from framework import MNIST",
+            "from lightning.pytorch.utilities.imports import _TORCHVISION_AVAILABLE": (
+                "from framework import _TORCHVISION_AVAILABLE, transforms"
+            ),
+        },
+    ),
     "generative_adversarial_net": (
         "domain_templates/generative_adversarial_net.py",
         {
