@@ -135,7 +135,11 @@ class FitLoop:
                 val_every = self._val_every_n_steps(epoch_len)
             trainer._dispatch.all("on_train_epoch_start")
             if not self._epoch(epoch_len, val_every, meter):
-                if s.batches_in_epoch:  # stopped inside the epoch (max_steps or should_stop): it ends here
+                if epoch_len is not None and s.batches_in_epoch >= epoch_len:
+                    # the step that stopped the fit took the epoch's last batch: the epoch is done (a resume
+                    # starts the next one), as Lightning counts it
+                    self._end_epoch(val_every)
+                elif s.batches_in_epoch:  # stopped inside the epoch (max_steps or should_stop): it ends here
                     trainer._dispatch.train_epoch_end(lambda: step_log.log_epoch_metrics(trainer))
                 break
             self._end_epoch(val_every)
