@@ -44,6 +44,8 @@ else:
     from trainer import Trainer, seed_everything
     from trainer import TrainModule as LightningModule
 
+from hook_recording import recording  # noqa: E402
+
 CALLS: list[str] = []
 MODULE_HOOKS = [
     "prepare_data", "setup", "configure_model", "on_fit_start", "on_train_start", "on_train_epoch_start",
@@ -67,24 +69,7 @@ CALLBACK_HOOKS = [
 ]  # fmt: skip
 
 
-def recording(hooks: list[str], prefix: str):
-    """Class decorator: each hook in `hooks` appends its name to CALLS, then does what it did."""
-
-    def wrap(cls):
-        for name in hooks:
-            original = getattr(cls, name)
-
-            def hook(self, *args, _name=name, _original=original, **kwargs):
-                CALLS.append(prefix + _name)
-                return _original(self, *args, **kwargs)
-
-            setattr(cls, name, hook)
-        return cls
-
-    return wrap
-
-
-@recording(MODULE_HOOKS, "")
+@recording(MODULE_HOOKS, "", CALLS)
 class LitClassifier(LightningModule):
     def __init__(self, hidden_dim: int = 32, learning_rate: float = 0.2, form: str = "plain"):
         super().__init__()
@@ -225,7 +210,7 @@ class ToyData(LightningDataModule):
         return DataLoader(self.test, batch_size=self.hparams.batch_size)
 
 
-@recording(CALLBACK_HOOKS, "cb.")
+@recording(CALLBACK_HOOKS, "cb.", CALLS)
 class Recorder(Callback):
     pass
 

@@ -66,6 +66,8 @@ else:
         "fsdp": FSDPStrategy(zero_stage=3),
     }[_args.strategy]
 
+from hook_recording import recording  # noqa: E402
+
 CALLS: list[str] = []
 MODULE_HOOKS = [
     "on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
@@ -76,23 +78,6 @@ CALLBACK_HOOKS = [
     "on_train_batch_end", "on_train_epoch_end",
 ]  # fmt: skip
 LATENT = 4
-
-
-def recording(hooks: list[str], prefix: str):
-    """Class decorator: each hook in `hooks` appends its name to CALLS, then does what it did."""
-
-    def wrap(cls):
-        for name in hooks:
-            original = getattr(cls, name)
-
-            def hook(self, *args, _name=name, _original=original, **kwargs):
-                CALLS.append(prefix + _name)
-                return _original(self, *args, **kwargs)
-
-            setattr(cls, name, hook)
-        return cls
-
-    return wrap
 
 
 class Generator(nn.Module):
@@ -140,7 +125,7 @@ class Recorded(LightningModule):
         )
 
 
-@recording(MODULE_HOOKS, "")
+@recording(MODULE_HOOKS, "", CALLS)
 class GAN(Recorded):
     def __init__(self, form: str = "gan", lr: float = 0.05):
         super().__init__()
@@ -221,7 +206,7 @@ class ShardedGAN(GAN):
         return [self.generator, self.discriminator]
 
 
-@recording(MODULE_HOOKS, "")
+@recording(MODULE_HOOKS, "", CALLS)
 class Accumulating(Recorded):
     """The docs' gradient accumulation with manual optimization, its step taking a closure."""
 
@@ -269,7 +254,7 @@ class Accumulating(Recorded):
         return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5)}
 
 
-@recording(CALLBACK_HOOKS, "cb.")
+@recording(CALLBACK_HOOKS, "cb.", CALLS)
 class Recorder(Callback):
     pass
 
