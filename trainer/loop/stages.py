@@ -61,8 +61,8 @@ def run_fit(
                 "warning: a val_dataloader was given but the module has no validation_step: no validation"
             )
             val_loader = None
-        train_loader = _fit_loader(trainer, train_loader, train=True)
-        val_loader = _fit_loader(trainer, val_loader, train=False)
+        train_loader = fit_loader(trainer, train_loader, train=True)
+        val_loader = fit_loader(trainer, val_loader, train=False)
         loop = FitLoop if module.automatic_optimization else ManualFitLoop
         trainer._fit_loop = loop(trainer, module, train_loader, val_loader)
         trainer._fit_loop.reload = reload
@@ -88,7 +88,7 @@ def _validates(module: TrainModule) -> bool:
     return getattr(module.validation_step, "__code__", None) is not TrainModule.validation_step.__code__
 
 
-def _fit_loader(trainer: Trainer, loader: Iterable | None, train: bool) -> Iterable | None:
+def fit_loader(trainer: Trainer, loader: Iterable | None, train: bool) -> Iterable | None:
     """A loader of the fit as this rank reads it: not empty, unshuffled under `overfit_batches` (as Lightning
     turns shuffling off there, for the train and the val loader), its share of the data."""
     if loader is None:
@@ -104,7 +104,7 @@ def _reloaded(trainer: Trainer, source: Any, with_val: bool, which: str) -> Iter
     (the val one only when the fit's val loader came from it), made this rank's as at the fit's start."""
     if which == "val" and not with_val:
         return None
-    return _fit_loader(trainer, getattr(source, f"{which}_dataloader")(), which == "train")
+    return fit_loader(trainer, getattr(source, f"{which}_dataloader")(), which == "train")
 
 
 def run_evaluate(

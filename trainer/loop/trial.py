@@ -19,7 +19,7 @@ from trainer.core.tree import apply_to_tensors
 from trainer.datamodule import loaders_from
 from trainer.loop.epochs import EpochBatches
 from trainer.loop.fit_loop import FitLoop
-from trainer.loop.stages import _fit_loader
+from trainer.loop.stages import fit_loader
 
 if TYPE_CHECKING:
     from callbacks.base import Callback
@@ -136,9 +136,9 @@ def reload_fit_loaders(trainer: Trainer) -> None:
     train, val = loaders_from(trainer.datamodule or trainer.module, "fit")
     fit = trainer._fit_loop
     # a new EpochBatches: the new loader is read from its start, whatever position the old one had
-    fit.train_batches = EpochBatches(_fit_loader(trainer, train, train=True), trainer.limit_train_batches)
+    fit.train_batches = EpochBatches(fit_loader(trainer, train, train=True), trainer.limit_train_batches)
     if val is not None and not val_given:
-        fit.val_loader = _fit_loader(trainer, val, train=False)
+        fit.val_loader = fit_loader(trainer, val, train=False)
 
 
 def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
