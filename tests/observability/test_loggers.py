@@ -216,3 +216,39 @@ def test_wandb_logger_with_lightnings_arguments_runs_offline_without_an_api_key(
     assert "step-00000003/model.safetensors" in artifact.manifest.entries
     with pytest.raises(ValueError, match=r"WandbLogger\(offline=True, log_model=True\): an offline run"):
         WandbLogger(offline=True, log_model=True)
+
+
+def test_wandb_rows_are_keyed_by_global_step_as_lightnings_so_none_is_dropped(tmp_path, monkeypatch):
+    """wandb drops a row logged with `step=` lower than its last; Lightning logs `trainer/global_step` as a
+    metric (the x-axis of every other) instead. The same rows through Lightning's WandbLogger: the same calls."""
+    from pytorch_lightning.loggers import WandbLogger as LightningWandbLogger
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    import wandb
+
+    calls = []
+    for name in ("log", "define_metric"):
+        real = getattr(wandb.sdk.wandb_run.Run, name)
+        monkeypatch.setattr(
+            wandb.sdk.wandb_run.Run,
+            name,
+            lambda run, *a, _name=name, _real=real, **kw: (
+                calls.append((_name, a, kw)) or _real(run, *a, **kw)
+            ),
+        )
+    fit(tmp_path, WandbLogger(project="lit"), max_epochs=2)
+    ours, calls[:] = list(calls), []
+    logs = [a[0] for name, a, kw in ours if name == "log"]
+    assert all(kw == {} for name, a, kw in ours if name == "log")  # no wandb step: no row can be dropped
+    assert any(k.startswith("val") for row in logs for k in row) and all(
+        "trainer/global_step" in r for r in logs
+    )
+
+    theirs = LightningWandbLogger(project="lit", save_dir=tmp_path / "pl", mode="offline")
+    for row in logs:
+        step = row["trainer/global_step"]
+        theirs.log_metrics({k: v for k, v in row.items() if k != "trainer/global_step"}, step=step)
+    theirs.experiment.finish()
+    assert [c for c in calls if c[0] == "define_metric"] == [c for c in ours if c[0] == "define_metric"]
+    assert [c for c in calls if c[0] == "log"] == [c for c in ours if c[0] == "log"]

@@ -13,6 +13,7 @@ from trainer.core.logging import rank_zero_info
 from trainer.loggers.base import Logger, LoggerRun, NoExperiment
 
 ID_FILE = "wandb_run_id"  # "<run id> <wandb id>": which wandb run a resumed fit continues
+GLOBAL_STEP = "trainer/global_step"  # Lightning's x-axis of every metric
 
 
 class WandbLogger(Logger):
@@ -97,6 +98,11 @@ class WandbLogger(Logger):
             **self._kwargs,
         )
         self._id = self._run.id
+        # as Lightning's: rows are keyed by trainer/global_step, not wandb's own step, which drops any row
+        # logged at a lower step than the last (a validation row after the training rows of its epoch)
+        if getattr(self._run, "define_metric", None) is not None:
+            self._run.define_metric(GLOBAL_STEP)
+            self._run.define_metric("*", step_metric=GLOBAL_STEP, step_sync=True)
         id_file.write_text(f"{run.run_id} {self._run.id}")
         self._checkpoint_dir = run.checkpoint_dir
 
@@ -107,7 +113,7 @@ class WandbLogger(Logger):
     @rank_zero_only  # as Lightning's: a call on another rank does nothing
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         named = {(f"{self.prefix}-{k}" if self.prefix else k): v for k, v in metrics.items()}
-        self._run.log(named, step=step)
+        self._run.log(named if step is None else {**named, GLOBAL_STEP: step})
 
     def finalize(self, status: str = "success") -> None:
         if self._run is None:
