@@ -97,6 +97,7 @@ class Drill(Callback):
             "position": self.position,
             "params": params_hash(module),
             "attempt": self.args.attempt,
+            "synced": trainer._fit_loop.replicas.synced,
         }
         self.log.write(json.dumps(row) + "\n")
         self.log.flush()
@@ -130,6 +131,7 @@ def train(args: argparse.Namespace) -> None:
             replicas=2,
             timeout_s=20,
             quorum_timeout_s=60,
+            sync_every=args.sync_every,
         ),
     )
     trainer.fit(module, regression_loader(batch_size=BATCH, n=N))
@@ -209,6 +211,7 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--max-steps", type=int, default=100000)  # a bound; the drill stops the groups itself
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sync-every", type=int, default=1)  # > 1: DiLoCo
     p.add_argument("--root", required=True)
     p.add_argument("--out", required=True)
     args = p.parse_args()

@@ -30,6 +30,10 @@ class FaultTolerance:
     `--min-replicas` = `min_replicas`, forms none while fewer groups are alive). This group's
     servers (its torchft manager and store) listen on `bind` only, the address peers reach it at:
     127.0.0.1 keeps a job on one machine; a multi-node job names the node's address.
+
+    `sync_every` > 1 is DiLoCo (outer_sync.py): the groups train apart and meet every `sync_every` steps,
+    where an outer SGD (`outer_lr`, Nesterov `outer_momentum`; the paper's 0.7 and 0.9) steps the averaged
+    pseudo-gradient; the quorum (and a recovery) happens at those meetings only.
     """
 
     lighthouse: str
@@ -39,6 +43,9 @@ class FaultTolerance:
     timeout_s: float = 60.0
     quorum_timeout_s: float = 60.0
     bind: str = "127.0.0.1"
+    sync_every: int = 1
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
 
     def __post_init__(self) -> None:
         _host_port("lighthouse", self.lighthouse)
@@ -49,6 +56,11 @@ class FaultTolerance:
                 f"FaultTolerance replica_id={self.replica_id} with replicas={self.replicas}; allowed: 0 to {self.replicas - 1}"
             )
         _int("min_replicas", self.min_replicas, 1)
+        _int("sync_every", self.sync_every, 1)
+        for name, top in (("outer_lr", math.inf), ("outer_momentum", 1.0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < top:
+                raise ValueError(f"FaultTolerance {name}={value!r}; allowed: a number >= 0 and < {top:g}")
         if self.min_replicas > self.replicas:
             raise ValueError(
                 f"FaultTolerance min_replicas={self.min_replicas} exceeds replicas={self.replicas}; allowed: 1 to {self.replicas}"

@@ -16,6 +16,7 @@ from torch import nn
 
 from trainer.core.dtensors import local_part
 from trainer.fault_tolerance.config import NoQuorumError
+from trainer.fault_tolerance.outer_sync import OuterSync
 from trainer.fault_tolerance.overlap import OverlappedAverage
 from trainer.fault_tolerance.state import load_replica_state, replica_state
 
@@ -86,13 +87,26 @@ class ReplicaGroup:
         self.manager.register_state_dict_fn("trainer", self._load, lambda: replica_state(trainer))
         self.recovered = False  # this step's quorum replaced the training state with a peer's
         self.participants = 0
-        self.overlap = OverlappedAverage(trainer.module, self.manager) if _overlap_is_valid(trainer) else None
+        self.synced: bool | None = (
+            None  # DiLoCo: whether the last step's meeting committed (None: no meeting)
+        )
+        self.outer = (
+            OuterSync(trainer.module, config.sync_every, config.outer_lr, config.outer_momentum)
+            if config.sync_every > 1
+            else None
+        )
+        if self.outer is not None:  # a rejoining group takes the outer momentum too
+            self.manager.register_state_dict_fn("outer", self.outer.load_state_dict, self.outer.state_dict)
+        per_step = self.outer is None and _overlap_is_valid(trainer)
+        self.overlap = OverlappedAverage(trainer.module, self.manager) if per_step else None
 
     def start_step(self) -> bool:
         """Join this step's quorum; True when this group was behind and now holds a peer's training state
         (the loop then re-opens its data iterator at the new position). A one-line error when fewer than
         `min_replicas` groups are alive for longer than `quorum_timeout_s`."""
         self.recovered = False
+        if self.outer is not None and not self.outer.starts_window(self.trainer.global_step):
+            return False  # DiLoCo: inside a window the group trains alone
         # torchft's step is what its quorum compares to pick the groups to heal from: it counts this run's
         # steps as the loop does (a discarded step counts too), so after a resume the group with the newest
         # checkpoint is the source, not the one torchft ranks first among fresh processes at step 0
@@ -112,6 +126,8 @@ class ReplicaGroup:
         self.participants = self.manager.num_participants()
         if self.overlap is not None:
             self.overlap.arm()
+        if self.outer is not None:
+            self.outer.begin()
         return self.recovered
 
     def average_gradients(self, module: nn.Module, num_tokens: torch.Tensor | None = None) -> None:
@@ -120,7 +136,10 @@ class ReplicaGroup:
         mid-reduce) is not raised: torchft records it and `commit` discards the step; the gradients may then
         be garbage, and are never applied. `num_tokens` (this rank's, for a token-weighted loss): each group
         weighs by its share of the step's tokens, so the result is the one-process token-mean gradient of
-        all groups' batches, also when they hold different token counts."""
+        all groups' batches, also when they hold different token counts. Under DiLoCo: nothing (the
+        groups meet in `end_step`)."""
+        if self.outer is not None:
+            return
         if num_tokens is not None:  # the group's tokens (the strategy's normalisation counted them too)
             mine = self.trainer.strategy.reduce(num_tokens.float(), "sum", group="loss").double()
         if self.overlap is not None and self.overlap.finish(use=True):
@@ -132,18 +151,23 @@ class ReplicaGroup:
         if num_tokens is not None:  # .grad is this group's token mean: weigh it by the group's tokens
             mean = self._mean_over_groups(mine)
             torch._foreach_mul_(grads, float(mine) / mean if mean > 0 else 0.0)  # 0: no tokens anywhere
+        self._average(grads)
+
+    def _average(self, tensors: list[torch.Tensor]) -> None:
+        """Replace `tensors` by their mean over the participating groups: one all-reduce per dtype of a flat
+        copy. A failure leaves them as they are or garbage; torchft then discards the step."""
         by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-        for g in grads:
-            by_kind.setdefault((g.dtype, g.device), []).append(g)
+        for t in tensors:
+            by_kind.setdefault((t.dtype, t.device), []).append(t)
         for group in by_kind.values():
-            flat = torch.cat([g.reshape(-1) for g in group])
+            flat = torch.cat([t.reshape(-1) for t in group])
             if not self.manager.allreduce(flat).wait():
                 return
             torch._foreach_copy_(
                 group,
                 [
-                    piece.view_as(g)
-                    for piece, g in zip(flat.split([g.numel() for g in group]), group, strict=True)
+                    piece.view_as(t)
+                    for piece, t in zip(flat.split([t.numel() for t in group]), group, strict=True)
                 ],
             )
 
@@ -156,11 +180,20 @@ class ReplicaGroup:
     def commit(self, vote: bool) -> bool:
         """Whether this step's update is applied (every rank of the group gets the same answer). `vote`
         False (a callback skips the step here) makes the group vote against it, so its ranks agree."""
+        self.trainer.metrics.add("train/replicas", float(self.participants), on_step=True, on_epoch=False)
+        if self.outer is not None:  # DiLoCo: a step inside a window is this group's own
+            return vote
         if not vote:
             self.manager.report_error(RuntimeError("a callback skipped the optimizer step"))
-        committed = self.manager.should_commit()
-        self.trainer.metrics.add("train/replicas", float(self.participants), on_step=True, on_epoch=False)
-        return committed
+        return self.manager.should_commit()
+
+    def end_step(self) -> None:
+        """After the optimizer step: under DiLoCo, at a window's last step, the groups meet (the outer step,
+        or the window undone when torchft discards it)."""
+        self.synced = None
+        if self.outer is not None and self.outer.ends_window(self.trainer.global_step):
+            self.synced = self.outer.sync(self._average, self.manager.should_commit)
+            self.trainer.metrics.add("train/outer_sync", float(self.synced), on_step=True, on_epoch=False)
 
     def shutdown(self) -> None:
         """Stop this group's manager server, its transport and the quorum thread; take the hooks off."""

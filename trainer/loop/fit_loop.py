@@ -250,6 +250,8 @@ class FitLoop:
             optimizer.zero_grad(set_to_none=True)
             self.step_scheduler("step", s.global_step + 1)
         strategy.after_optimizer_step()
+        if self.replicas is not None:  # DiLoCo's groups meet after a window's last step
+            self.replicas.end_step()
         if not skipped:
             s.productive_s += time.perf_counter() - started
         self.losses.record(loss, s.global_step)  # the model as of this step gave a non-finite loss?

@@ -1,0 +1,101 @@
+"""DiLoCo across replica groups (`FaultTolerance(sync_every=k)`) on torchft across real processes: two groups
+train apart and meet every k steps; one is SIGKILLed inside a window and relaunched, rejoining at a meeting
+with its peer's weights and outer momentum. Checked against a plain-PyTorch replay of DiLoCo."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+import torch
+from ft_script import BATCH, LR, N, params_hash
+from helpers import SEED, Regression, regression_data
+from test_fault_tolerance import alone, groups_ending_well, lighthouse, start_group, steps  # noqa: F401
+
+from trainer.fault_tolerance import FaultTolerance
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("torchft")
+
+K, OUTER_LR, OUTER_MOMENTUM = 4, 0.7, 0.9  # FaultTolerance's defaults: the paper's outer Nesterov SGD
+
+
+def replay(rows: list[dict]) -> Regression:
+    """DiLoCo in one process with plain PyTorch, from the survivor's rows: per window, each participating
+    group (group r reads shard r at the recorded positions) takes its SGD steps from the window's start
+    weights; when the meeting committed, Nesterov SGD steps the start weights by the mean of the groups'
+    start-minus-own; a discarded meeting leaves them."""
+    torch.manual_seed(SEED)
+    model = Regression(lr=LR, optimizer="sgd")
+    start = [p.detach().clone() for p in model.parameters()]
+    outer = torch.optim.SGD(start, lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
+    x, y = regression_data(N).tensors
+    shards = [torch.arange(N)[r::2] for r in range(2)]  # DistributedSampler(shuffle=False) of 2
+    window: list[dict] = []
+    for row in rows:
+        window.append(row)
+        if row["synced"] is None:
+            continue
+        if row["synced"]:
+            pseudo = []
+            for r in range(window[0]["replicas"]):
+                for p, s in zip(model.parameters(), start, strict=True):
+                    p.data = s.clone()
+                sgd = torch.optim.SGD(model.parameters(), lr=LR)
+                for step in window:
+                    index = shards[r][step["position"] * BATCH : (step["position"] + 1) * BATCH]
+                    model.zero_grad()
+                    torch.nn.functional.mse_loss(model(x[index]), y[index]).backward()
+                    sgd.step()
+                pseudo.append([s - p.detach() for s, p in zip(start, model.parameters(), strict=True)])
+            for s, *gs in zip(start, *pseudo, strict=True):
+                s.grad = gs[0] if len(gs) == 1 else (gs[0] + gs[1]) / 2
+            outer.step()
+        window = []
+    for p, s in zip(model.parameters(), start, strict=True):
+        p.data = s.clone()
+    return model
+
+
+def test_diloco_groups_meet_every_k_steps_survive_a_kill_and_match_a_replay(tmp_path, lighthouse, alone):  # noqa: F811
+    first_steps = str(tmp_path / "replica0" / "steps-rank0.jsonl")
+    diloco = ["--sync-every", str(K), "--after-rejoin", str(3 * K)]
+    relaunched = ["--restarts", "1", "--wait-for", first_steps]
+    with groups_ending_well(tmp_path) as groups:  # group 1 dies after its 6th step (inside its 2nd window)
+        groups += [
+            start_group(tmp_path, lighthouse, 0, "5@end", *diloco),
+            start_group(tmp_path, lighthouse, 1, "5@end", *diloco, *relaunched),
+        ]
+    assert json.loads((tmp_path / "replica1" / "attempts.json").read_text()) == [-signal.SIGKILL, 0]
+    alive, killed = steps(tmp_path, 0), steps(tmp_path, 1)
+    assert [row["step"] for row in alive] == list(range(len(alive)))
+    meetings = [row for row in alive if row["synced"] is not None]
+    assert [row["step"] % K for row in meetings] == [K - 1] * len(meetings)  # only at a window's last step
+    assert {row["replicas"] for row in alive} == {1, 2}
+    rejoined = [row for row in killed if row["attempt"] == 1]
+    assert rejoined[0]["step"] % K == 0 and rejoined[0]["replicas"] == 2  # it rejoined at a meeting
+    by_step = {row["step"]: row for row in alive}
+    for row in killed:  # after every meeting both took part in: bit-identical parameters
+        if row["synced"] and by_step[row["step"]]["replicas"] == 2:
+            assert row["params"] == by_step[row["step"]]["params"], row
+    final = json.loads((tmp_path / "replica0.json").read_text())
+    assert final["hash"] == json.loads((tmp_path / "replica1.json").read_text())["hash"]
+    reference = replay(alive)
+    got = torch.cat([torch.tensor(p).reshape(-1) for p in final["params"]])
+    want = torch.cat([p.detach().reshape(-1) for p in reference.parameters()])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert params_hash(reference) != params_hash(Regression())  # it trained
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "allowed"),
+    [
+        ("sync_every", 0, "an int >= 1"),
+        ("outer_lr", -1.0, "a number >= 0"),
+        ("outer_momentum", 1.0, "a number >= 0 and < 1"),
+    ],
+)
+def test_bad_diloco_settings_are_named_in_one_line(field, value, allowed):
+    with pytest.raises(ValueError, match=rf"FaultTolerance {field}={value!r}; allowed: {allowed}"):
+        FaultTolerance(lighthouse="127.0.0.1:1", replica_id=0, **{field: value})

@@ -1,0 +1,67 @@
+"""DiLoCo across replica groups (Douillard et al. 2023, arXiv 2311.08105): each group takes `sync_every`
+optimizer steps on its own; then the groups average their pseudo-gradient (the window's start weights minus
+their own) and an outer SGD with Nesterov momentum moves the start weights by it. One cross-group
+all-reduce of the parameters per window instead of one of the gradients per step: groups on slow links.
+
+The window's start weights are kept beside the model (one copy of this rank's parameters) and are what the
+outer optimizer steps, as plain tensors: sharded (DTensor) parameters need no special case."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainer.core.dtensors import local_part
+
+
+class OuterSync:
+    """The outer loop of DiLoCo for one rank: `begin` at a window's start, `sync` after its last step."""
+
+    def __init__(self, module: nn.Module, sync_every: int, lr: float, momentum: float) -> None:
+        self.sync_every = sync_every
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        with torch.no_grad():
+            self.start = [local_part(p).detach().clone() for p in self.params]
+        self.outer = torch.optim.SGD(self.start, lr=lr, momentum=momentum, nesterov=momentum > 0)
+        self.began = False  # this process has a window: until then it joins the quorum at its first step
+
+    def starts_window(self, step: int) -> bool:
+        """Whether the step `step` (0-based) opens a window (or is this process's first step)."""
+        return not self.began or step % self.sync_every == 0
+
+    def ends_window(self, step: int) -> bool:
+        """Whether the step `step` (0-based, just taken) closes its window."""
+        return (step + 1) % self.sync_every == 0
+
+    def begin(self) -> None:
+        """Remember the weights the window starts from (after the quorum: a recovered group's are its peer's)."""
+        with torch.no_grad():
+            torch._foreach_copy_(self.start, [local_part(p).detach() for p in self.params])
+        self.began = True
+
+    def sync(self, average: Any, should_commit: Any) -> bool:
+        """Average the pseudo-gradients with `average` (in place, over the groups), then, when
+        `should_commit()` agrees, step the start weights with the outer optimizer; the model takes them
+        either way (a discarded window is undone)."""
+        local = [local_part(p).detach() for p in self.params]
+        with torch.no_grad():
+            pseudo = torch._foreach_sub(self.start, local)
+        average(pseudo)
+        committed = bool(should_commit())
+        if committed:
+            for start, grad in zip(self.start, pseudo, strict=True):
+                start.grad = grad
+            self.outer.step()
+            self.outer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            torch._foreach_copy_(local, self.start)
+        return committed
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a rejoining group needs beyond the training state: the outer optimizer's momentum."""
+        return {"outer": self.outer.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.outer.load_state_dict(state["outer"])
