@@ -283,6 +283,7 @@ class Trainer(LightningViews, FlagViews):
         check_manual_optimization(model, self.flags, self.fault_tolerance)
         self._loaders_given = (train_dataloaders is not None, val_dataloaders is not None)
         self.strategy.check_module(model)
+        self.should_stop = False  # as Lightning: a stop asked in an earlier fit does not end this one
         return self.strategy.launch(
             stages.run_fit, self, model, train_dataloaders, val_dataloaders, ckpt_path, datamodule
         )
