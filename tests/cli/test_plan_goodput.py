@@ -77,3 +77,14 @@ def test_bad_goodput_flags_are_one_line_errors(capsys, flag, value, allowed):
     assert exited.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last == f"trainer plan: error: argument {flag}: {value!r} is invalid; allowed: {allowed}", last
+
+
+@pytest.mark.parametrize(
+    "stall, said",
+    [("590", "beats restart while its step costs under 1.0"), ("590", "and never reaches 95%"),
+     ("3000", "live recovery loses to restart even at no per-step cost")],
+)  # fmt: skip
+def test_the_break_even_line_says_when_live_recovery_cannot_pay(capsys, stall, said):
+    # a 590 s stall per failure every 2.8 h: 94.1% at no per-step cost (restart: 93.7%); 3000 s: 70%
+    out, _ = projection(capsys, "--ft-stall-s", stall)
+    assert said in out, out

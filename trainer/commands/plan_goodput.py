@@ -8,6 +8,13 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from strategies.plan.goodput import Costs
+    from strategies.plan.hardware import Hardware
+    from strategies.plan.search import Candidate
+    from trainer.config.plan_inputs import PlanInputs
 
 # this project's measurements (`python bench/fault_tolerance.py --rounds 2`, issue #53): the survivor's
 # stall at a loss (the lighthouse's heartbeat timeout), a relaunched group's rejoin, and torchft's step over
@@ -17,18 +24,16 @@ RESTART_MIN = 10.0  # a job's relaunch (assumed: Llama 3 gives no figure; see th
 SCALES = (16_384, 100_000)  # Llama 3's run, the seed's
 
 
-def _number(low: float, high: float = math.inf, low_open: bool = False) -> Callable[[str], float]:
-    """An argparse type: a finite number in [low, high] ((low, high] if `low_open`), else one line."""
-    allowed = f"a finite number {'>' if low_open else '>='} {low:g}" + (
-        f" and <= {high:g}" if high < math.inf else ""
-    )
+def _number(low: float, high: float = math.inf) -> Callable[[str], float]:
+    """An argparse type: a finite number in [low, high], else one line naming what is allowed."""
+    allowed = f"a finite number >= {low:g}" + (f" and <= {high:g}" if high < math.inf else "")
 
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             value = math.nan
-        if not (math.isfinite(value) and low <= value <= high) or (low_open and value == low):
+        if not (math.isfinite(value) and low <= value <= high):
             raise argparse.ArgumentTypeError(f"{text!r} is invalid; allowed: {allowed}")
         return value
 
@@ -63,7 +68,9 @@ def add_arguments(cmd: argparse.ArgumentParser) -> None:
                      help="the share of failures that take every replica group (default 0)")  # fmt: skip
 
 
-def goodput_lines(args: argparse.Namespace, best, inputs, hardware) -> list[str]:
+def goodput_lines(
+    args: argparse.Namespace, best: Candidate, inputs: PlanInputs, hardware: Hardware
+) -> list[str]:
     """The projection's table (planned GPUs, 16,384, 100,000 at Llama 3's rate and the seed's), the per-step
     cost at which live recovery stops paying, and the assumptions."""
     from strategies.plan.checkpoint_interval import (
@@ -72,7 +79,7 @@ def goodput_lines(args: argparse.Namespace, best, inputs, hardware) -> list[str]
         LLAMA3_INTERRUPTIONS,
         llama3_mtbf_s,
     )
-    from strategies.plan.goodput import SEED_GPUS, SEED_MTBF_S, seed_mtbf_s
+    from strategies.plan.goodput import LLAMA3_UNEXPECTED, SEED_GPUS, SEED_MTBF_S, seed_mtbf_s
     from strategies.plan.hardware import GB
     from strategies.plan.replica_group import checkpoint_bytes, smallest_group
 
@@ -102,7 +109,7 @@ def goodput_lines(args: argparse.Namespace, best, inputs, hardware) -> list[str]
     replace = "--restart-min" if args.replace_min is None else f"{args.replace_min:g} min"
     lines += [
         "assumptions:",
-        f"  failures: Llama 3 405B's pre-training, {LLAMA3_INTERRUPTIONS} interruptions (419 unexpected) in {LLAMA3_DAYS} "
+        f"  failures: Llama 3 405B's pre-training, {LLAMA3_INTERRUPTIONS} interruptions ({LLAMA3_UNEXPECTED} unexpected) in {LLAMA3_DAYS} "
         f"days on {LLAMA3_GPUS:,} H100s (Dubey et al. 2024, 'The Llama 3 Herd of Models', section 3.3.4), independent "
         f"per GPU: a job's MTBF falls as 1/GPUs; the seed's: one every {SEED_MTBF_S / 60:.0f} min at {SEED_GPUS:,} GPUs",
         f"  restart: relaunch {args.restart_min:g} min (assumed: Llama 3 reports > 90% effective time, no restart "
@@ -111,14 +118,15 @@ def goodput_lines(args: argparse.Namespace, best, inputs, hardware) -> list[str]
         f"written by every node at {args.storage_gbps:g} GB/s (Llama 3's storage: 2 TB/s sustained)",
         f"  live recovery: survivors stall {args.ft_stall_s:g}s and drop the step in flight; the lost group's share "
         f"waits for a replacement node ({replace}) and its rejoin ({args.ft_rejoin_s:g}s); every step costs "
-        f"{args.ft_step_ratio:g}x; {args.job_wide:g} of failures take every group (restart from checkpoint)",
+        f"{args.ft_step_ratio:g}x; the share of failures that take every group (and restart): {args.job_wide:g}",
         "  hot spares: a spare node is waiting, the group rejoins at once; the step time is the planned layout's "
         "at every scale (weak scaling: more replica groups, a larger global batch); first order (Young 1974)",
     ]
     return lines
 
 
-def _costs(args: argparse.Namespace, step_s: float, state: float, gpus: int, group: int):
+def _costs(args: argparse.Namespace, step_s: float, state: float, gpus: int, group: int) -> Costs:
+    """The model's inputs at `gpus`: the save and the read over every node's storage rate, the flags'."""
     from strategies.plan.goodput import Costs
 
     nodes = max(1, -(-gpus // args.gpus_per_node))
@@ -132,7 +140,8 @@ def _costs(args: argparse.Namespace, step_s: float, state: float, gpus: int, gro
     )  # fmt: skip
 
 
-def _row(gpus: int, mtbf: float, source: str, costs) -> str:
+def _row(gpus: int, mtbf: float, source: str, costs: Costs) -> str:
+    """One row of the table: the three ways' goodput at `gpus` ('-' for live recovery of one group)."""
     from strategies.plan.goodput import checkpoint_every_s, live_goodput, restart_goodput
 
     every = checkpoint_every_s(costs, mtbf)
@@ -146,25 +155,27 @@ def _row(gpus: int, mtbf: float, source: str, costs) -> str:
     )
 
 
-def _break_even(costs, mtbf: float, ratio: float) -> str:
+def _break_even(costs: Costs, mtbf: float, ratio: float) -> str:
     """The per-step costs under which live recovery beats restart, and reaches 95%."""
     from strategies.plan.goodput import break_even_ratio, restart_goodput
 
     if costs.groups < 2:
         return f"at {SCALES[0]:,} GPUs: one replica group, no live recovery"
-
     beats = break_even_ratio(costs, mtbf, restart_goodput(costs, mtbf))
     high = break_even_ratio(costs, mtbf, 0.95)
+    if beats < 1:
+        return f"at {SCALES[0]:,} GPUs live recovery loses to restart even at no per-step cost"
+    reaches = f"reaches 95% under {high:.3f}x" if high >= 1 else "never reaches 95%"
     return (
         f"at {SCALES[0]:,} GPUs live recovery beats restart while its step costs under {beats:.3f}x a plain "
-        f"step's, and reaches 95% under {high:.3f}x (--ft-step-ratio {ratio:g}; issue #53's target: 1.02x)"
+        f"step's, and {reaches} (--ft-step-ratio {ratio:g}; issue #53's target: 1.02x)"
     )
 
 
 def _duration(seconds: float) -> str:
-    """Seconds as s, min or h, whichever reads best."""
+    """Seconds as s, min or h, whichever reads best (one word: a table cell)."""
     if seconds < 120:
-        return f"{seconds:.0f} s"
+        return f"{seconds:.0f}s"
     if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
+        return f"{seconds / 60:.0f}min"
+    return f"{seconds / 3600:.1f}h"
