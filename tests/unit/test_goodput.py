@@ -124,3 +124,24 @@ def test_the_smallest_replica_group_is_the_fsdp_cut_that_fits_and_at_least_a_nod
     assert smallest_group(LLAMA_70B, TP8_FSDP64, RUN, 10_000 * GB, 8) == 8, "a node, when it all fits"
     assert smallest_group(LLAMA_70B, TP8_FSDP64, RUN, 1 * GB, 8) == 512, "nothing fits: the whole replica"
     assert smallest_group(LLAMA_70B, TP8_FSDP64, RUN, 80 * GB, 64) >= 64, "never less than a node"
+
+
+def test_a_moe_checkpoint_holds_every_expert_once_whatever_ep_splits_them():
+    moe = ModelShape(
+        vocab_size=32000, dim=1024, n_layers=8, n_heads=16, n_kv_heads=4, ffn_dim=4096, n_experts=8, top_k=2,
+        expert_ffn_dim=1024, n_dense_layers=1,
+    )  # fmt: skip
+    # attention 8 x 2.6M, embedding and output 2 x 32.8M, the first (dense) block's FFN 12.6M, 7 routers, the
+    # experts of 7 MoE blocks 7 x 8 x 3.1M, norms (step_time.expert_params counts 8 MoE blocks: 4.6% more)
+    params = (
+        8 * 1024 * 64 * 40
+        + 2 * 32000 * 1024
+        + 3 * 1024 * 4096
+        + 7 * 8 * 1024
+        + 7 * 8 * 3 * 1024**2
+        + 17 * 1024
+    )
+    whole = 12 * params  # fp32 weights and AdamW's two states
+    for ep in (1, 2, 8):
+        layout = Layout(dp_shard=8, ep=ep)
+        assert checkpoint_bytes(moe, layout, RunShape(1, 1024)) == pytest.approx(whole, rel=0.001), ep
