@@ -9,6 +9,8 @@ from pathlib import Path
 
 import yaml
 
+from trainer.commands.plan_goodput import add_arguments as add_goodput_arguments
+from trainer.commands.plan_goodput import goodput_lines
 from trainer.config import ConfigError, load_recipe
 
 
@@ -31,6 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="checkpoint write rate per node in GB/s, for the save cost (default 1)")  # fmt: skip
     cmd.add_argument("--top", type=int, default=8, help="layouts listed (default 8)")
     cmd.add_argument("--write", type=Path, default=None, help="write the chosen layout's overrides as YAML")
+    add_goodput_arguments(cmd)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
     print("\n".join(_plan_lines(args, plan, inputs, hardware)))
     print("overrides: " + " ".join(override_args(config, overrides)))
     print(_checkpoint_line(args, inputs, best))
+    if args.goodput:
+        print("\n".join(goodput_lines(args, best, inputs, hardware)))
     if args.write is not None:
         nested: dict = {}
         for key, value in overrides.items():
