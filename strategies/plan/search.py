@@ -151,9 +151,10 @@ def default_memory() -> Memory:
 
 def search(shape: ModelShape, hardware: Hardware, world: int, seq_len: int, global_batch: int,
            precision: str = "bf16", optimizer: str = "adamw", memory: Memory | None = None,
-           keep: Callable[[Layout], bool] | None = None) -> Plan:  # fmt: skip
+           keep: Callable[[Layout, RunShape], bool] | None = None) -> Plan:  # fmt: skip
     """The layouts of `world` ranks on `hardware` that fit its memory, fastest first (see the module's
-    docstring); `keep` narrows the layouts tried (e.g. to what a CPU backend runs). A one-line ValueError
+    docstring); `keep` narrows the layouts tried (e.g. to what a CPU backend runs, or `trainer plan --keep`'s
+    pins, the micro-batch among them: hence the RunShape). A one-line ValueError
     when none fits, naming the smallest peak seen."""
     if not 1 <= world <= MAX_WORLD:
         raise ValueError(f"a world of {world:,} GPUs is not planned; allowed: 1 to {MAX_WORLD:,} GPUs")
@@ -170,7 +171,7 @@ def search(shape: ModelShape, hardware: Hardware, world: int, seq_len: int, glob
             f"blocks); allowed: up to {MAX_LAYOUTS:,} (fewer GPUs, or a world and global batch with fewer divisors)"
         )
     for layout, run in every:
-        if keep is not None and not keep(layout):
+        if keep is not None and not keep(layout, run):
             continue
         tried += 1
         peak = float(memory(shape, layout, run).peak)

@@ -33,12 +33,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="checkpoint write rate per node in GB/s, for the save cost (default 1)")  # fmt: skip
     cmd.add_argument("--top", type=int, default=8, help="layouts listed (default 8)")
     cmd.add_argument("--write", type=Path, default=None, help="write the chosen layout's overrides as YAML")
+    cmd.add_argument("--keep", default=None, metavar="tp=8,pp=16",
+                     help="pin dimensions of the searched layouts (Layout's fields and micro_batch)")  # fmt: skip
     add_goodput_arguments(cmd)
 
 
 def run(args: argparse.Namespace) -> int:
     """`trainer plan`: the table, the why-line, the overrides and the checkpoint interval."""
     from strategies.plan.hardware import Rates, build_hardware, parse_bytes
+    from strategies.plan.keep import parse_keep
+    from trainer.commands.plan_score import recipe_lines
     from trainer.config.plan_inputs import layout_overrides, override_args, plan_for
 
     try:
@@ -56,15 +60,17 @@ def run(args: argparse.Namespace) -> int:
             hardware = build_hardware(
                 args.device, args.gpus_per_node, args.link, gpu_memory=memory, rates=rates
             )
+            keep = parse_keep(args.keep, args.gpus) if args.keep is not None else None
         except ValueError as err:
             raise ConfigError(str(err)) from err
-        plan, inputs = plan_for(config, args.gpus, hardware)
+        plan, inputs = plan_for(config, args.gpus, hardware, keep=keep)
     except (ConfigError, FileNotFoundError) as err:
         print(f"trainer: error: {err}", file=sys.stderr)
         return 2
     best = plan.best
     overrides = layout_overrides(config, best.layout, best.run, inputs.global_batch)
     print("\n".join(_plan_lines(args, plan, inputs, hardware)))
+    print("\n".join(recipe_lines(config, args.gpus, hardware, plan, inputs, keep)))
     print("overrides: " + " ".join(override_args(config, overrides)))
     print(_checkpoint_line(args, inputs, best))
     if args.goodput:
@@ -91,7 +97,8 @@ def _plan_lines(args: argparse.Namespace, plan, inputs, hardware) -> list[str]:
         f"{params:.1f}B-parameter Llama ({shape.n_layers} blocks, dim {shape.dim}), sequences of {inputs.seq_len}, "
         f"global batch {inputs.global_batch} ({tokens / 1e6:.2f}M tokens), {inputs.precision}",
         f"{args.gpus} x {describe(hardware)}",
-        f"{plan.tried} layouts tried, {plan.too_big} over the memory; the fastest of each mesh:",
+        f"{plan.tried} layouts tried{f' (--keep {args.keep})' if args.keep else ''}, {plan.too_big} over the "
+        "memory; the fastest of each mesh:",
         f"  {'#':>2}  {'layout':<52} {'mb':>3} {'GB/GPU':>7} {'tokens/s':>12} {'MFU':>6}  dominant",
     ]
     for i, c in enumerate(plan.ranked[: args.top], 1):

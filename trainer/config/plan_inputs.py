@@ -125,22 +125,71 @@ def override_args(config: dict[str, Any], overrides: dict[str, Any]) -> list[str
 
 
 def plan_for(
-    config: dict[str, Any], world: int, hardware: Any, memory: Any = None, recipe_world: int | None = None
+    config: dict[str, Any],
+    world: int,
+    hardware: Any,
+    memory: Any = None,
+    recipe_world: int | None = None,
+    keep: Any = None,
 ) -> tuple[Any, PlanInputs]:
     """The ranked layouts (strategies.plan.search.Plan) of a resolved recipe over `world` devices of
-    `hardware`, its global batch that of `recipe_world` processes (default: the recipe's); a ConfigError
-    naming the problem when none fits."""
-    from strategies.plan.search import search
+    `hardware`, its global batch that of `recipe_world` processes (default: the recipe's), those `keep`
+    (strategies.plan.keep.Keep) pins only; a ConfigError naming the problem when none fits."""
+    from strategies.plan.search import layouts, search
 
     inputs = plan_inputs(config, recipe_world)
     try:
+        if keep is not None:  # a pin the search never weighs: named, instead of "nothing fits"
+            keep.check_weighed(layouts(
+                inputs.shape, world, hardware.gpus_per_node, inputs.seq_len, inputs.global_batch,
+                inputs.precision, inputs.optimizer,
+            ))  # fmt: skip
         plan = search(
             inputs.shape, hardware, world, inputs.seq_len, inputs.global_batch, inputs.precision,
-            inputs.optimizer, memory=memory,
+            inputs.optimizer, memory=memory, keep=keep,
         )  # fmt: skip
     except ValueError as err:
         raise ConfigError(f"plan: {err}") from err
     return plan, inputs
+
+
+def recipe_layout(config: dict[str, Any], world: int, inputs: PlanInputs) -> tuple[Any, Any]:
+    """The Layout and RunShape the recipe's strategy section runs over `world` processes with the planned
+    global batch (the recipe's accumulation, the rest per micro-batch); a one-line ValueError naming the
+    first constraint it breaks there (the strategy's own checks before any process starts)."""
+    from strategies.plan.from_strategy import layout_of
+    from strategies.plan.shapes import Layout, RunShape
+    from strategies.registry import build_strategy
+    from trainer.models.causal_lm import CausalLM
+
+    trainer, args = config["trainer"], dict(config["strategy"])
+    name = args.pop("name")
+    try:
+        strategy = build_strategy(name, processes=world, **args)
+    except TypeError as err:
+        raise ValueError(f"strategy: {err}") from err
+    ac, chunk = trainer["activation_checkpointing"], config["model"]["loss_chunk_tokens"]
+    if name == "single":
+        if world != 1:
+            raise ValueError(f"strategy 'single' runs one process, not {world}; allowed: --gpus 1")
+        layout = Layout(
+            activation_checkpointing=ac or "none", loss_chunk_tokens=chunk, precision=inputs.precision
+        )
+    elif getattr(strategy, "options", None) is None:  # not a ParallelStrategy preset (dp_sgd)
+        raise ValueError(f"strategy {name!r} is not in the planner's models; allowed: ddp, fsdp, parallel3d")
+    else:
+        strategy.devices, strategy.num_nodes = world, 1  # the world DDP's replicas span
+        layout = layout_of(strategy, world, str(trainer["precision"]), ac, chunk)
+    strategy.check_module(CausalLM(build_llama_config(config["model"])))  # built late: only its shape is read
+    readers, accumulation = layout.dp_replicate * layout.dp_shard, trainer["accumulate_grad_batches"]
+    if inputs.global_batch % (readers * accumulation):
+        raise ValueError(
+            f"the global batch of {inputs.global_batch} sequences does not split over {readers} data-parallel "
+            f"ranks x accumulate_grad_batches={accumulation}; allowed: a multiple of {readers * accumulation}"
+        )
+    micro = inputs.global_batch // (readers * accumulation)
+    strategy.check_batch(micro, inputs.seq_len)
+    return layout, RunShape(micro, inputs.seq_len, inputs.optimizer, accumulation=accumulation)
 
 
 def local_hardware(accelerator: str, devices_per_node: int) -> Any:
