@@ -42,25 +42,25 @@ class Keep:
     def __str__(self) -> str:
         return ",".join(f"{key}={value}" for key, value in self.pins.items())
 
-    def check_weighed(self, candidates: Iterable[tuple[Layout, RunShape]]) -> None:
-        """A one-line ValueError unless one of `candidates` (what the search lists) obeys every pin: the
-        first pin none of them has, with the values they have; else the pins together."""
+    def unweighed(self, candidates: Iterable[tuple[Layout, RunShape]]) -> str | None:
+        """Why none of `candidates` (what the search lists) obeys every pin, in one line: the first pin none
+        of them has, with the values they have, else the pins together; None when one obeys them all, or
+        when nothing is listed (then the search's own message says why)."""
         seen: dict[str, set[Any]] = {key: set() for key in self.pins}
         for layout, run in candidates:
             if self(layout, run):
-                return
+                return None
             for key in self.pins:
                 seen[key].add(_value(layout, run, key))
+        if not any(seen.values()):
+            return None
         for key, value in self.pins.items():
             if value not in seen[key]:
-                raise ValueError(
+                return (
                     f"--keep {key}={value}: no layout the search weighs for this model, world and batch has it; "
                     f"allowed: {', '.join(map(str, sorted(seen[key])))}"
                 )
-        raise ValueError(
-            f"--keep {self}: no layout the search weighs for this model, world and batch has them all at once; "
-            "allowed: fewer pins"
-        )
+        return f"--keep {self}: no layout the search weighs for this model, world and batch has them all at once; allowed: fewer pins"
 
 
 def _value(layout: Layout, run: RunShape, key: str) -> Any:

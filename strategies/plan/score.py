@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from strategies.plan.hardware import Hardware
-from strategies.plan.search import USABLE_MEMORY, Candidate, Memory, Plan, default_memory
+from strategies.plan.search import USABLE_MEMORY, Candidate, Plan, default_memory
 from strategies.plan.shapes import Layout, ModelShape, RunShape
 from strategies.plan.step_time import StepTime, step_time
 
@@ -37,16 +37,10 @@ def largest_costs(time: StepTime, n: int = 3) -> list[tuple[str, float]]:
     return [(name, s) for s, name in shown[:n]]
 
 
-def score(
-    shape: ModelShape,
-    layout: Layout,
-    run: RunShape,
-    hardware: Hardware,
-    plan: Plan,
-    memory: Memory | None = None,
-) -> Score:
-    """`layout` running `run` on `hardware`, weighed by the models the search used and placed in `plan`."""
-    peak = float((memory or default_memory())(shape, layout, run).peak)
+def score(shape: ModelShape, layout: Layout, run: RunShape, hardware: Hardware, plan: Plan) -> Score:
+    """`layout` running `run` on `hardware`, weighed by the search's memory and step-time models and placed
+    among `plan`'s ranked layouts."""
+    peak = float(default_memory()(shape, layout, run).peak)
     time = step_time(shape, layout, run, hardware)
     faster = sum(c.time.tokens_per_s > time.tokens_per_s for c in plan.ranked)
     usable = hardware.device.memory_bytes * USABLE_MEMORY

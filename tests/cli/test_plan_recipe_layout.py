@@ -138,6 +138,11 @@ def test_keep_narrows_the_search_to_exactly_the_layouts_that_obey_it():
             "tp=8",
             "--keep tp=8: no layout the search weighs for this model, world and batch has it; allowed: 1, 2",
         ),
+        (  # each value is weighed, never the three together
+            "zero_stage=2,cp=4,pp=2",
+            "--keep zero_stage=2,cp=4,pp=2: no layout the search weighs for this model, world and batch has them all "
+            "at once; allowed: fewer pins",
+        ),
     ],
 )
 def test_a_bad_keep_is_one_line_naming_the_key_and_what_it_allows(capsys, keep, message):
@@ -146,6 +151,16 @@ def test_a_bad_keep_is_one_line_naming_the_key_and_what_it_allows(capsys, keep, 
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and err.startswith("trainer: error: "), err
     assert message in err, err
+
+
+def test_pins_whose_layouts_are_all_over_the_memory_get_the_searchs_reason(capsys):
+    keep = "tp=1,pp=1,cp=1,activation_checkpointing=none"  # 70B at 8K, no recompute, FSDP alone
+    assert main(["plan", str(LLAMA_70B), "--gpus", "128", "--keep", keep]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, err
+    assert err.startswith(
+        f"trainer: error: plan --keep {keep}: no layout of 128 GPUs fits in 80 GB per GPU"
+    ), err
 
 
 @pytest.mark.parametrize(

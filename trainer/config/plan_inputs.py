@@ -139,17 +139,17 @@ def plan_for(
 
     inputs = plan_inputs(config, recipe_world)
     try:
-        if keep is not None:  # a pin the search never weighs: named, instead of "nothing fits"
-            keep.check_weighed(layouts(
-                inputs.shape, world, hardware.gpus_per_node, inputs.seq_len, inputs.global_batch,
-                inputs.precision, inputs.optimizer,
-            ))  # fmt: skip
         plan = search(
             inputs.shape, hardware, world, inputs.seq_len, inputs.global_batch, inputs.precision,
             inputs.optimizer, memory=memory, keep=keep,
         )  # fmt: skip
     except ValueError as err:
-        raise ConfigError(f"plan: {err}") from err
+        # a pin the search never weighs is named, rather than what nothing fitting would say
+        pinned = keep.unweighed(layouts(
+            inputs.shape, world, hardware.gpus_per_node, inputs.seq_len, inputs.global_batch,
+            inputs.precision, inputs.optimizer,
+        )) if keep is not None else None  # fmt: skip
+        raise ConfigError(pinned or f"plan{f' --keep {keep}' if keep else ''}: {err}") from err
     return plan, inputs
 
 
