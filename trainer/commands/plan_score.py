@@ -36,9 +36,9 @@ def recipe_lines(
     costs = ", ".join(f"{name} {sec:.3g}s ({sec / t.step_s:.1%})" for name, sec in largest_costs(t))
     return [
         text,
-        f"  rank {s.rank} ({f'{s.rank - 1} of the' if s.rank > 1 else 'none of the'} {s.ranked} searched meshes "
-        f"faster): {t.tokens_per_s:,.0f} tokens/s, MFU {t.mfu:.1%} ({t.tokens_per_s / best.tokens_per_s - 1:+.0%} "
-        f"against the best: {best.tokens_per_s:,.0f} tokens/s, MFU {best.mfu:.1%})",
+        f"  rank {s.rank} ({s.rank - 1} of the {s.ranked} searched meshes faster): {t.tokens_per_s:,.0f} "
+        f"tokens/s, MFU {t.mfu:.1%} ({t.tokens_per_s / best.tokens_per_s - 1:+.0%} against the best: "
+        f"{best.tokens_per_s:,.0f} tokens/s, MFU {best.mfu:.1%})",
         f"  peak {_size(s.peak_bytes)} per GPU: fits ({_size(s.usable_bytes)} usable of {_size(device)})",
         f"  step {t.step_s:.3g}s, largest costs: {costs}",
     ]
