@@ -34,7 +34,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     cmd.add_argument("--top", type=int, default=8, help="layouts listed (default 8)")
     cmd.add_argument("--write", type=Path, default=None, help="write the chosen layout's overrides as YAML")
     cmd.add_argument("--keep", default=None, metavar="tp=8,pp=16",
-                     help="pin dimensions of the searched layouts (Layout's fields and micro_batch)")  # fmt: skip
+                     help="only layouts with these dimensions, e.g. tp=8,pp=16,activation_checkpointing=full "
+                          "(a layout's degrees, zero_stage, pp_schedule, pp_microbatches, micro_batch)")  # fmt: skip
     add_goodput_arguments(cmd)
 
 
