@@ -77,6 +77,8 @@ class ParallelStrategy(MeshStrategy):
         self._parts: Parallelized | None = None
         self._root: nn.Module | None = None  # "fsdp": the fully_shard-ed module
         self._step_methods: list[str] = []  # registered as FSDP forward methods on it
+        # a GradientNoiseScale's record of each bucket's squared norm before DDP's all-reduce, or None
+        self._watch: Callable[[torch.Tensor], None] | None = None
         if options.data_parallel == "zero1":
             self.checkpoint_io = Zero1Slices(self, lambda: self._sliced)
 
@@ -258,7 +260,13 @@ class ParallelStrategy(MeshStrategy):
     def shard(self, module: nn.Module) -> nn.Module:
         """Apply every technique (strategies/parallelize.py) to `module` in place; returns it."""
         self._parts = parallelize(
-            module, self.mesh, self.options, self.precision, self.root_device, self.prepare_blocks
+            module,
+            self.mesh,
+            self.options,
+            self.precision,
+            self.root_device,
+            self.prepare_blocks,
+            self._watch,
         )
         self.model, self.context = self._parts.ddp, self._parts.context
         return self._parts.module
@@ -368,6 +376,27 @@ class ParallelStrategy(MeshStrategy):
                 "transformer_blocks(), whose parameters FSDP holds sharded in a manually optimized step; "
                 "allowed: call it through forward, or declare it in transformer_blocks()"
             ) from None
+
+    def watch_local_gradients(self, record: Callable[[torch.Tensor], None]) -> str:
+        """Replicas (DDP, ZeRO-1): `record` gets each gradient bucket's squared norm before its all-reduce,
+        from a comm hook around DDP's all-reduce (or the compression's), so the sum is this rank's own
+        gradient of the step; "sync". Layouts in which no rank holds its whole gradient are refused."""
+        if self._sharded:
+            raise ValueError(
+                f"{self} reduce-scatters each block's gradient during the backward, as soon as it is made, so no "
+                "rank holds its whole gradient before the sync; allowed: DDPStrategy, or zero_stage 0 or 1"
+            )
+        split = {"tp": self.tp, "pp": self.pp, "cp": self.cp, "ep": self.ep}
+        if max(split.values()) > 1:
+            degrees = ", ".join(f"{k}={v}" for k, v in split.items() if v > 1)
+            raise ValueError(
+                f"{self} with {degrees}: each rank holds part of the model's gradient, so a rank's buckets are not "
+                "its batch's gradient; allowed: tp=pp=cp=ep=1"
+            )
+        if self.dp_size == 1:
+            return super().watch_local_gradients(record)
+        self._watch = record
+        return "sync"
 
     def accumulation_context(self, is_last_micro_batch: bool) -> contextlib.AbstractContextManager:
         """Gradient sync only on the step's last micro-batch; the others accumulate locally."""
