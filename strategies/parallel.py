@@ -383,14 +383,14 @@ class ParallelStrategy(MeshStrategy):
         gradient of the step; "sync". Layouts in which no rank holds its whole gradient are refused."""
         if self._sharded:
             raise ValueError(
-                f"{self} reduce-scatters each block's gradient during the backward, as soon as it is made, so no "
+                f"{type(self).__name__} reduce-scatters each block's gradient during the backward, as soon as it is made, so no "
                 "rank holds its whole gradient before the sync; allowed: DDPStrategy, or zero_stage 0 or 1"
             )
         split = {"tp": self.tp, "pp": self.pp, "cp": self.cp, "ep": self.ep}
         if max(split.values()) > 1:
             degrees = ", ".join(f"{k}={v}" for k, v in split.items() if v > 1)
             raise ValueError(
-                f"{self} with {degrees}: each rank holds part of the model's gradient, so a rank's buckets are not "
+                f"{type(self).__name__} with {degrees}: each rank holds part of the model's gradient, so a rank's buckets are not "
                 "its batch's gradient; allowed: tp=pp=cp=ep=1"
             )
         if self.dp_size == 1:

@@ -3,6 +3,7 @@ gradient-compression comm hook."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -112,8 +113,10 @@ def _register_hook(
 
 def _watched(hook: Any, watch: Callable[[torch.Tensor], None]) -> Any:
     """`hook` after `watch(squared norm of the bucket)`: read first, as the all-reduce divides the bucket in
-    place (on a GPU the norm is queued before it on the same stream)."""
+    place (on a GPU the norm is queued before it on the same stream). It keeps `hook`'s name and signature,
+    which DDP checks and logs."""
 
+    @functools.wraps(hook)
     def watched(state: Any, bucket: Any) -> Any:
         watch(torch.linalg.vector_norm(bucket.buffer(), dtype=torch.float32).square())
         return hook(state, bucket)

@@ -1,0 +1,63 @@
+"""GradientNoiseScale under 2-process gloo DDP against the closed form (tests/noise_scale_problem.py): each
+rank's gradient read by the comm hook before the all-reduce (B_small = the rank's batch) against the
+all-reduced one (B_big = the global batch); with DDP's own all-reduce and wrapped around fp16 compression
+with accumulation, whose hook it must keep."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import SEED, call_ranks
+from noise_scale_problem import DIM, NOISE_STD, OFFSET, closed_form_noise_scale, measured_noise_scale
+
+from strategies import DDPStrategy, FSDPStrategy
+
+pytestmark = pytest.mark.slow
+
+WORLD, STEPS = 2, 150
+# name -> (DDPStrategy kwargs, accumulate_grad_batches, micro-batch): 64 samples per rank and step in both
+RUNS = {"allreduce": ({}, 1, 64), "fp16-accumulated": ({"gradient_compression": "fp16"}, 2, 32)}
+
+
+def _rank(rank: int, port: int, root: str) -> None:
+    """One rank: the runs of RUNS one after another in the same world; rank 0 writes what they logged."""
+    torch.set_num_threads(1)
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(WORLD),
+        LOCAL_WORLD_SIZE=str(WORLD),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TORCHELASTIC_RUN_ID="test",
+        TORCHELASTIC_USE_AGENT_STORE="true",  # the test process hosts the store, as torchrun's agent does
+    )
+    got = {}
+    for name, (kwargs, accumulate, micro_batch) in RUNS.items():
+        strategy = DDPStrategy(**kwargs)
+        got[name] = measured_noise_scale(Path(root) / name, STEPS, accumulate, micro_batch, strategy=strategy)
+    try:  # FSDP holds no rank's whole gradient: refused in one line on every rank
+        measured_noise_scale(Path(root) / "fsdp", 1, 1, 8, strategy=FSDPStrategy())
+    except ValueError as err:
+        got["fsdp"] = str(err)
+    if rank == 0:
+        (Path(root) / "got.json").write_text(json.dumps(got))
+
+
+def test_noise_scale_under_ddp_is_within_20_percent_of_the_closed_form(tmp_path):
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # bound on a port it picks
+    call_ranks(_rank, WORLD, store.port, str(tmp_path))
+    got = json.loads((tmp_path / "got.json").read_text())
+    expected = closed_form_noise_scale(DIM, NOISE_STD, OFFSET)
+    for name in RUNS:
+        run = got[name]
+        assert (run["noise_scale/batch_small"], run["noise_scale/batch_big"]) == (64, 128), name
+        error = run["noise_scale"] / expected - 1
+        assert abs(error) < 0.2, f"{name}, seed {SEED}: B_simple {run['noise_scale']:.1f} vs {expected:.1f}"
+    assert got["fsdp"].startswith("FSDPStrategy reduce-scatters each block's gradient during the backward")
+    assert "\n" not in got["fsdp"]
