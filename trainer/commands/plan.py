@@ -31,11 +31,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="checkpoint write rate per node in GB/s, for the save cost (default 1)")  # fmt: skip
     cmd.add_argument("--top", type=int, default=8, help="layouts listed (default 8)")
     cmd.add_argument("--write", type=Path, default=None, help="write the chosen layout's overrides as YAML")
+    cmd.add_argument("--noise-scale", default=None, metavar="B|FILE",
+                     help="the gradient noise scale in sequences, or a metrics file or run folder where "
+                     "GradientNoiseScale logged it: warn when the global batch is far beyond it, and print "
+                     "tokens/s and time to the target loss against the GPU count")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
     """`trainer plan`: the table, the why-line, the overrides and the checkpoint interval."""
     from strategies.plan.hardware import Rates, build_hardware, parse_bytes
+    from strategies.plan.scaling import noise_scale_report, read_noise_scale
     from trainer.config.plan_inputs import layout_overrides, override_args, plan_for
 
     try:
@@ -48,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
                 raise ConfigError(f"{name} {value}; allowed: a finite number > 0")
         config = load_recipe(args.recipe, args.overrides)
         try:
+            noise = None if args.noise_scale is None else read_noise_scale(args.noise_scale)
             rates = Rates.read(args.measured) if args.measured is not None else None
             memory = parse_bytes(args.gpu_memory) if args.gpu_memory is not None else None
             hardware = build_hardware(
@@ -64,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
     print("\n".join(_plan_lines(args, plan, inputs, hardware)))
     print("overrides: " + " ".join(override_args(config, overrides)))
     print(_checkpoint_line(args, inputs, best))
+    if noise is not None:
+        print("\n".join(noise_scale_report(inputs, hardware, args.gpus, *noise)))
     if args.write is not None:
         nested: dict = {}
         for key, value in overrides.items():
