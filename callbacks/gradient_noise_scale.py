@@ -64,6 +64,11 @@ class GradientNoiseScale(Callback):
     def setup(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
         if stage != "fit":
             return
+        if not getattr(module, "automatic_optimization", True):
+            raise ValueError(
+                f"GradientNoiseScale reads the gradients of the Trainer's optimizer steps, but {type(module).__name__} "
+                "optimizes manually (its backwards are its own); allowed: automatic_optimization=True"
+            )
         self.mode = trainer.strategy.watch_local_gradients(self._buckets.append)
         if self.mode == "micro-batches" and trainer.accumulate_grad_batches < 2:
             raise ValueError(

@@ -57,9 +57,11 @@ class LinearRegression(TrainModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
-def measured_noise_scale(root: Path, steps: int, accumulate: int, micro_batch: int, **trainer_kwargs) -> dict:
+def measured_noise_scale(
+    root: Path, steps: int, accumulate: int, micro_batch: int, module: type | None = None, **trainer_kwargs
+) -> dict:
     """`noise_scale` and the batch sizes of the last logged row of a GradientNoiseScale fit of the regression
-    problem, `micro_batch` samples per micro-batch on each rank."""
+    problem (or of `module`, a LinearRegression subclass), `micro_batch` samples per micro-batch on each rank."""
     data, weights = regression_problem(SEED)
     torch.manual_seed(SEED)
     loader = DataLoader(data, batch_size=micro_batch, shuffle=True)
@@ -72,6 +74,6 @@ def measured_noise_scale(root: Path, steps: int, accumulate: int, micro_batch: i
         callbacks=[GradientNoiseScale(ema_decay=0.998)],
         **quiet(log_every_n_steps=steps, **trainer_kwargs),
     )
-    trainer.fit(LinearRegression(weights), loader)
+    trainer.fit((module or LinearRegression)(weights), loader)
     keys = ("noise_scale", "noise_scale/batch_small", "noise_scale/batch_big")
     return {key: read_metrics(root, key)[steps] for key in keys}

@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import pytest
 from helpers import SEED
-from noise_scale_problem import DIM, NOISE_STD, OFFSET, closed_form_noise_scale, measured_noise_scale
+from noise_scale_problem import (
+    DIM,
+    NOISE_STD,
+    OFFSET,
+    LinearRegression,
+    closed_form_noise_scale,
+    measured_noise_scale,
+)
 
 from callbacks import GradientNoiseScale
 from strategies import DPSGDStrategy
@@ -18,6 +25,36 @@ def test_noise_scale_under_accumulation_is_within_20_percent_of_the_closed_form(
     assert (got["noise_scale/batch_small"], got["noise_scale/batch_big"]) == (64, 256)
     error = got["noise_scale"] / expected - 1
     assert abs(error) < 0.2, f"seed {SEED}: B_simple {got['noise_scale']:.1f} vs closed form {expected:.1f}"
+
+
+class TokenWeighted(LinearRegression):
+    """The same loss returned with a token count (one per sample): back-propagated as a token sum, so a
+    micro-batch's gradient enters `.grad` weighted by its count instead of 1/accumulation."""
+
+    def training_step(self, batch, batch_idx):
+        return {"loss": super().training_step(batch, batch_idx), "num_tokens": batch[0].shape[0]}
+
+
+class Manual(LinearRegression):
+    def __init__(self, weights) -> None:
+        super().__init__(weights)
+        self.automatic_optimization = False
+
+
+def test_a_token_weighted_loss_gives_the_same_estimate(tmp_path):
+    """The weight each micro-batch's loss enters the backward with is read from the gradient reaching it."""
+    mean = measured_noise_scale(tmp_path / "mean", steps=20, accumulate=2, micro_batch=64)
+    tokens = measured_noise_scale(
+        tmp_path / "tokens", steps=20, accumulate=2, micro_batch=64, module=TokenWeighted
+    )
+    assert tokens == pytest.approx(mean, rel=1e-9)
+
+
+def test_manual_optimization_is_refused_in_one_line(tmp_path):
+    with pytest.raises(
+        ValueError, match=r"Manual optimizes manually .*; allowed: automatic_optimization=True"
+    ):
+        measured_noise_scale(tmp_path, steps=1, accumulate=1, micro_batch=8, module=Manual)
 
 
 def test_one_process_without_accumulation_is_refused_in_one_line(tmp_path):
