@@ -378,20 +378,15 @@ class ParallelStrategy(MeshStrategy):
             ) from None
 
     def watch_local_gradients(self, record: Callable[[torch.Tensor], None]) -> str:
-        """Replicas (DDP, ZeRO-1): `record` gets each gradient bucket's squared norm before its all-reduce,
-        from a comm hook around DDP's all-reduce (or the compression's), so the sum is this rank's own
-        gradient of the step; "sync". Layouts in which no rank holds its whole gradient are refused."""
-        if self._sharded:
+        """Replicas (DDP, ZeRO-1): "sync", `record` getting each gradient bucket's squared norm before DDP
+        all-reduces it (techniques/ddp/apply.py). Refused where no rank holds its whole gradient."""
+        degrees = {"tp": self.tp, "pp": self.pp, "cp": self.cp, "ep": self.ep}
+        split = ", ".join(f"{k}={v}" for k, v in degrees.items() if v > 1)
+        if self._sharded or split:
+            why = "reduce-scatters each block's gradient in the backward, as soon as it is made"
             raise ValueError(
-                f"{type(self).__name__} reduce-scatters each block's gradient during the backward, as soon as it is made, so no "
-                "rank holds its whole gradient before the sync; allowed: DDPStrategy, or zero_stage 0 or 1"
-            )
-        split = {"tp": self.tp, "pp": self.pp, "cp": self.cp, "ep": self.ep}
-        if max(split.values()) > 1:
-            degrees = ", ".join(f"{k}={v}" for k, v in split.items() if v > 1)
-            raise ValueError(
-                f"{type(self).__name__} with {degrees}: each rank holds part of the model's gradient, so a rank's buckets are not "
-                "its batch's gradient; allowed: tp=pp=cp=ep=1"
+                f"{type(self).__name__} {why if self._sharded else f'with {split} splits the gradient over ranks'}, "
+                "so no rank holds its whole gradient before the sync; allowed: DDPStrategy (or ZeRO-1), tp=pp=cp=ep=1"
             )
         if self.dp_size == 1:
             return super().watch_local_gradients(record)

@@ -59,5 +59,5 @@ def test_noise_scale_under_ddp_is_within_20_percent_of_the_closed_form(tmp_path)
         assert (run["noise_scale/batch_small"], run["noise_scale/batch_big"]) == (64, 128), name
         error = run["noise_scale"] / expected - 1
         assert abs(error) < 0.2, f"{name}, seed {SEED}: B_simple {run['noise_scale']:.1f} vs {expected:.1f}"
-    assert got["fsdp"].startswith("FSDPStrategy reduce-scatters each block's gradient during the backward")
+    assert got["fsdp"].startswith("FSDPStrategy reduce-scatters each block's gradient in the backward")
     assert "\n" not in got["fsdp"]
