@@ -58,10 +58,17 @@ class LinearRegression(TrainModule):
 
 
 def measured_noise_scale(
-    root: Path, steps: int, accumulate: int, micro_batch: int, module: type | None = None, **trainer_kwargs
+    root: Path,
+    steps: int,
+    accumulate: int,
+    micro_batch: int,
+    module: type | None = None,
+    callbacks: tuple = (),
+    **trainer_kwargs,
 ) -> dict:
     """`noise_scale` and the batch sizes of the last logged row of a GradientNoiseScale fit of the regression
-    problem (or of `module`, a LinearRegression subclass), `micro_batch` samples per micro-batch on each rank."""
+    problem (or of `module`, a LinearRegression subclass, with more `callbacks`), `micro_batch` samples per
+    micro-batch on each rank."""
     data, weights = regression_problem(SEED)
     torch.manual_seed(SEED)
     loader = DataLoader(data, batch_size=micro_batch, shuffle=True)
@@ -71,7 +78,7 @@ def measured_noise_scale(
         accumulate_grad_batches=accumulate,
         default_root_dir=root,
         enable_checkpointing=False,
-        callbacks=[GradientNoiseScale(ema_decay=0.998)],
+        callbacks=[GradientNoiseScale(ema_decay=0.998), *callbacks],
         **quiet(log_every_n_steps=steps, **trainer_kwargs),
     )
     trainer.fit((module or LinearRegression)(weights), loader)
