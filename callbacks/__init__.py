@@ -8,6 +8,7 @@ from callbacks.early_stopping import EarlyStopping
 from callbacks.finetuning import BackboneFinetuning, BaseFinetuning
 from callbacks.gpu_health import GPUHealthMonitor
 from callbacks.gradient_accumulation import GradientAccumulationScheduler
+from callbacks.gradient_noise_scale import GradientNoiseScale
 from callbacks.lambda_callback import LambdaCallback
 from callbacks.lr_finder import LearningRateFinder
 from callbacks.lr_monitor import LearningRateMonitor
@@ -39,6 +40,7 @@ __all__ = [
     "EarlyStopping",
     "GPUHealthMonitor",
     "GradientAccumulationScheduler",
+    "GradientNoiseScale",
     "LambdaCallback",
     "LearningRateFinder",
     "LearningRateMonitor",

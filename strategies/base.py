@@ -248,6 +248,19 @@ class Strategy:
             return None
         return outputs[0] if len(outputs) == 1 else combine_micro_batches(outputs)
 
+    def watch_local_gradients(self, record: Callable[[torch.Tensor], None]) -> str:
+        """Where this rank's gradient can be read before it is combined with other ranks' (for a gradient
+        noise estimate, at no extra pass): "micro-batches" here, one process whose `.grad` holds the first
+        micro-batch's gradient once the second's backward begins (`record` is not called). A data-parallel
+        strategy may instead call `record(squared norm)` per gradient bucket before its all-reduce and
+        return "sync". A one-line ValueError where no such gradient exists. Call before `setup_module`."""
+        if self.world_size > 1:
+            raise ValueError(
+                f"{type(self).__name__} has no gradient of one rank before its sync to read; allowed: one "
+                "process with accumulation, or DDPStrategy"
+            )
+        return "micro-batches"
+
     def accumulation_context(self, is_last_micro_batch: bool) -> contextlib.AbstractContextManager:
         """Wraps each micro-batch; data-parallel strategies skip gradient sync until the last one."""
         return contextlib.nullcontext()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -196,6 +196,14 @@ class DPSGDStrategy(MeshStrategy):
                 f"(delta {self.delta}) in {steps} steps at sample rate {q:.4g}"
             )
         return loader
+
+    def watch_local_gradients(self, record: Callable[[torch.Tensor], None]) -> str:
+        """Refused: the gradient DP-SGD steps on is made of per-sample gradients clipped to max_grad_norm,
+        plus noise; its norms measure the clipping and the noise, not the data's gradient noise."""
+        raise ValueError(
+            "DPSGDStrategy clips every per-sample gradient and adds noise, so no rank ever holds the batch's "
+            "true gradient to measure; allowed: DDPStrategy, or one process with accumulation"
+        )
 
     # ---- the step: Opacus's DPOptimizer.pre_step as three named steps -----------------------------
     def train_step(

@@ -77,6 +77,8 @@ class ParallelStrategy(MeshStrategy):
         self._parts: Parallelized | None = None
         self._root: nn.Module | None = None  # "fsdp": the fully_shard-ed module
         self._step_methods: list[str] = []  # registered as FSDP forward methods on it
+        # a GradientNoiseScale's record of each bucket's squared norm before DDP's all-reduce, or None
+        self._watch: Callable[[torch.Tensor], None] | None = None
         if options.data_parallel == "zero1":
             self.checkpoint_io = Zero1Slices(self, lambda: self._sliced)
 
@@ -258,7 +260,13 @@ class ParallelStrategy(MeshStrategy):
     def shard(self, module: nn.Module) -> nn.Module:
         """Apply every technique (strategies/parallelize.py) to `module` in place; returns it."""
         self._parts = parallelize(
-            module, self.mesh, self.options, self.precision, self.root_device, self.prepare_blocks
+            module,
+            self.mesh,
+            self.options,
+            self.precision,
+            self.root_device,
+            self.prepare_blocks,
+            self._watch,
         )
         self.model, self.context = self._parts.ddp, self._parts.context
         return self._parts.module
@@ -368,6 +376,22 @@ class ParallelStrategy(MeshStrategy):
                 "transformer_blocks(), whose parameters FSDP holds sharded in a manually optimized step; "
                 "allowed: call it through forward, or declare it in transformer_blocks()"
             ) from None
+
+    def watch_local_gradients(self, record: Callable[[torch.Tensor], None]) -> str:
+        """Replicas (DDP, ZeRO-1): "sync", `record` getting each gradient bucket's squared norm before DDP
+        all-reduces it (techniques/ddp/apply.py). Refused where no rank holds its whole gradient."""
+        degrees = {"tp": self.tp, "pp": self.pp, "cp": self.cp, "ep": self.ep}
+        split = ", ".join(f"{k}={v}" for k, v in degrees.items() if v > 1)
+        if self._sharded or split:
+            why = "reduce-scatters each block's gradient in the backward, as soon as it is made"
+            raise ValueError(
+                f"{type(self).__name__} {why if self._sharded else f'with {split} splits the gradient over ranks'}, "
+                "so no rank holds its whole gradient before the sync; allowed: DDPStrategy (or ZeRO-1), tp=pp=cp=ep=1"
+            )
+        if self.dp_size == 1:
+            return super().watch_local_gradients(record)
+        self._watch = record
+        return "sync"
 
     def accumulation_context(self, is_last_micro_batch: bool) -> contextlib.AbstractContextManager:
         """Gradient sync only on the step's last micro-batch; the others accumulate locally."""

@@ -84,10 +84,12 @@ def parallelize(
     precision: Precision,
     device: torch.device,
     prepare_blocks: Callable[[nn.Module], list[nn.Module]],
+    watch: Callable[[torch.Tensor], None] | None = None,
 ) -> Parallelized:
     """Apply to `module`, in place, every technique `mesh.dims` asks for, in this order.
     `prepare_blocks` applies activation checkpointing, then compile, to the model's blocks and returns
-    them as they then sit in the model (Strategy.prepare_blocks)."""
+    them as they then sit in the model (Strategy.prepare_blocks). `watch`, with replicas, gets each
+    gradient bucket's squared norm before DDP all-reduces it (Strategy.watch_local_gradients)."""
     dims, sharded = mesh.dims, options.data_parallel == "fsdp"
     # A sharded model may be built on meta: it is materialised after sharding, shard by shard, so it is
     # not moved here. Replicas are moved whole before DDP, which broadcasts rank 0's values.
@@ -127,6 +129,7 @@ def parallelize(
             options.gradient_compression,
             options.powersgd_rank,
             options.powersgd_start_iter,
+            watch,
         )
         return done  # "zero1" slices the optimizer state when the optimizer exists (setup_optimizer)
     quiet_norm_reduction()

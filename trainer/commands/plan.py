@@ -37,12 +37,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="only layouts with these dimensions, e.g. tp=8,pp=16,activation_checkpointing=full "
                           "(a layout's degrees, zero_stage, pp_schedule, pp_microbatches, micro_batch)")  # fmt: skip
     add_goodput_arguments(cmd)
+    cmd.add_argument("--noise-scale", default=None, metavar="B|FILE",
+                     help="the gradient noise scale in sequences, or a metrics file or run folder where "
+                     "GradientNoiseScale logged it: warn when the global batch is far beyond it, and print "
+                     "tokens/s and time to the target loss against the GPU count")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
     """`trainer plan`: the table, the why-line, the overrides and the checkpoint interval."""
     from strategies.plan.hardware import Rates, build_hardware, parse_bytes
     from strategies.plan.keep import parse_keep
+    from strategies.plan.scaling import noise_scale_report, read_noise_scale
     from trainer.commands.plan_score import recipe_lines
     from trainer.config.plan_inputs import layout_overrides, override_args, plan_for
 
@@ -56,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
                 raise ConfigError(f"{name} {value}; allowed: a finite number > 0")
         config = load_recipe(args.recipe, args.overrides)
         try:
+            noise = None if args.noise_scale is None else read_noise_scale(args.noise_scale)
             rates = Rates.read(args.measured) if args.measured is not None else None
             memory = parse_bytes(args.gpu_memory) if args.gpu_memory is not None else None
             hardware = build_hardware(
@@ -76,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
     print(_checkpoint_line(args, inputs, best))
     if args.goodput:
         print("\n".join(goodput_lines(args, best, inputs, hardware)))
+    if noise is not None:
+        print("\n".join(noise_scale_report(inputs, hardware, args.gpus, *noise)))
     if args.write is not None:
         nested: dict = {}
         for key, value in overrides.items():

@@ -3,6 +3,8 @@ gradient-compression comm hook."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,15 +44,16 @@ def apply_ddp(
     compression: str | None = None,
     powersgd_rank: int = 1,
     powersgd_start_iter: int = 10,
+    watch: Callable[[torch.Tensor], None] | None = None,
 ) -> DistributedDataParallel:
     """DDP over `group` around a StepRunner of `module` (the module itself is left unwrapped, so the
     Trainer and the user keep calling it); DDP's constructor broadcasts rank 0's parameters and buffers,
-    so every replica starts equal."""
+    so every replica starts equal. `watch` gets each bucket's squared norm before its all-reduce."""
     device_ids = [device.index] if device.type == "cuda" else None
     model = DistributedDataParallel(
         StepRunner(module), device_ids=device_ids, process_group=group, **ddp_kwargs
     )
-    _register_compression(model, group, compression, powersgd_rank, powersgd_start_iter)
+    _register_hook(model, group, compression, powersgd_rank, powersgd_start_iter, watch)
     return model
 
 
@@ -79,19 +82,43 @@ def prepare_for_backward(model: DistributedDataParallel, loss: torch.Tensor) -> 
     reducer.prepare_for_backward([loss] if model.find_unused_parameters and not model.static_graph else [])
 
 
-def _register_compression(
-    model: DistributedDataParallel, group: Any, compression: str | None, rank: int, start_iter: int
+def _register_hook(
+    model: DistributedDataParallel,
+    group: Any,
+    compression: str | None,
+    rank: int,
+    start_iter: int,
+    watch: Callable[[torch.Tensor], None] | None,
 ) -> None:
+    """The one comm hook DDP allows: the compression's (None: DDP's built-in all-reduce, or, when
+    watched, the same all-reduce as a Python hook), run after `watch` reads the bucket."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
+    state: Any = group
+    hook: Any = None if watch is None else default_hooks.allreduce_hook
     if compression == "fp16":
-        model.register_comm_hook(group, default_hooks.fp16_compress_hook)
+        hook = default_hooks.fp16_compress_hook
     elif compression == "bf16":
-        model.register_comm_hook(group, default_hooks.bf16_compress_hook)
+        hook = default_hooks.bf16_compress_hook
     elif compression == "powersgd":
         state = powerSGD_hook.PowerSGDState(
             process_group=group,  # PowerSGD's own all-reduces: over DDP's replicas only
             matrix_approximation_rank=rank,
             start_powerSGD_iter=start_iter,
         )
-        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        hook = powerSGD_hook.powerSGD_hook
+    if hook is not None:
+        model.register_comm_hook(state, hook if watch is None else _watched(hook, watch))
+
+
+def _watched(hook: Any, watch: Callable[[torch.Tensor], None]) -> Any:
+    """`hook` after `watch(squared norm of the bucket)`: read first, as the all-reduce divides the bucket in
+    place (on a GPU the norm is queued before it on the same stream). It keeps `hook`'s name and signature,
+    which DDP checks and logs."""
+
+    @functools.wraps(hook)
+    def watched(state: Any, bucket: Any) -> Any:
+        watch(torch.linalg.vector_norm(bucket.buffer(), dtype=torch.float32).square())
+        return hook(state, bucket)
+
+    return watched
