@@ -59,6 +59,8 @@ class FitLoop:
             None  # the epoch ending, through its validation and on_train_epoch_end
         )
         self.last_val_step: int | None = None
+        # the epoch's scheduler (one without a monitor) already stepped in its last batch, as Lightning's does
+        self.epoch_scheduler_stepped = False
         self.val_batches_seen = 0  # this fit's validation batches (not the sanity check's): their rows' step
         self.started = 0.0  # time.time() when training started: max_time counts this fit
         self.start_step = 0
@@ -125,6 +127,8 @@ class FitLoop:
         epoch_len = self.train_batches.epoch_length()
         val_every = self._val_every_n_steps(epoch_len)
         meter = Throughput()
+        # resumed from a checkpoint of an epoch's last batch: its scheduler stepped before that was written
+        self.epoch_scheduler_stepped = epoch_len is not None and s.batches_in_epoch >= epoch_len > 0
         if val_loader is not None and self._val_at_start_due():
             # the baseline the run's progress is read against
             self._validate()
@@ -169,7 +173,11 @@ class FitLoop:
             trainer._dispatch.train_epoch_end(lambda: step_log.log_epoch_metrics(trainer))
         finally:
             self.ending_epoch = None
-        self.step_scheduler("epoch", s.epoch)  # after validation: ReduceLROnPlateau reads its metric
+        if (
+            not self.epoch_scheduler_stepped
+        ):  # ReduceLROnPlateau (the validation's metric), or a loader without len
+            self.step_scheduler("epoch", s.epoch)
+        self.epoch_scheduler_stepped = False
 
     def _epoch(self, epoch_len: int | None, val_every: int | None, meter: Throughput) -> bool:
         """Optimizer steps until the epoch's data runs out (True) or the run is done (False)."""
@@ -189,6 +197,8 @@ class FitLoop:
             trainer._step_hooks = True
             try:
                 outputs = self._optimizer_step(window, meter, started)
+                if len(window) == remaining:  # the epoch's last batch: Lightning steps its scheduler now
+                    self._step_epoch_scheduler_early(s.epoch + 1)
                 if val_loader is not None and val_every and self._stepped() % val_every == 0:
                     self._validate()
                 trainer._dispatch.step("on_train_batch_end", (outputs, window[0], first_idx))
@@ -438,6 +448,14 @@ class FitLoop:
         elif config.interval == interval:
             # a scheduler without a monitor reads no metric: not reading them keeps this step off the host
             config.step(count, trainer.callback_metrics if config.needs_metric else {})
+
+    def _step_epoch_scheduler_early(self, epochs_done: int) -> None:
+        """In the epoch's last batch, before its on_train_batch_end and the epoch-end validation, as Lightning:
+        a module's epoch-interval scheduler without a monitor (ReduceLROnPlateau waits for the validation)."""
+        config = self.trainer._scheduler_config
+        if config is not None and config.interval == "epoch" and not config.needs_metric:
+            config.step(epochs_done, {})
+            self.epoch_scheduler_stepped = True
 
     def total_steps(self) -> int | None:
         """Optimizer steps the fit will take, if knowable."""
