@@ -32,7 +32,7 @@ class BaseFinetuning(Callback):
 
     def __init__(self) -> None:
         # per optimizer index: its param groups with parameter names in place of the parameters (Lightning's
-        # record; Lightning rebuilds the groups from it when a fit resumes, see the README's differences)
+        # record, from which a resumed fit rebuilds the groups: `restore_param_groups`)
         self._internal_optimizer_metadata: dict[int, list[dict[str, Any]]] = {}
 
     def state_dict(self) -> dict[str, Any]:
@@ -40,6 +40,17 @@ class BaseFinetuning(Callback):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._internal_optimizer_metadata = state["internal_optimizer_metadata"]
+
+    def restore_param_groups(self, trainer: Trainer, state: dict[str, Any]) -> None:
+        """A resumed fit, before the optimizer's state loads: this callback's saved state, and the optimizers'
+        param groups as it recorded them (those it added during the run included), as Lightning's
+        `on_fit_start` puts them back before its optimizer state loads."""
+        self.load_state_dict(state)
+        named = dict(trainer.module.named_parameters())
+        for idx, optimizer in enumerate(trainer.optimizers):
+            if idx in self._internal_optimizer_metadata:
+                groups = self._internal_optimizer_metadata[idx]
+                optimizer.param_groups = self._apply_mapping_to_param_groups(groups, named)
 
     @staticmethod
     def flatten_modules(modules: Modules) -> list[Module]:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 from pathlib import Path
 
 from trainer.flags import LoopFlags, check_int
@@ -35,8 +36,9 @@ class FlagViews:
         return self.flags.min_epochs
 
     @property
-    def val_check_interval(self) -> int | float | None:
-        """Validate every this many optimizer steps (int) or fraction of an epoch (float); None: at epoch ends."""
+    def val_check_interval(self) -> int | float | datetime.timedelta | None:
+        """Validate every this many optimizer steps (int), fraction of an epoch (float) or time since the last
+        validation (timedelta); None: at epoch ends."""
         return self.flags.val_check_interval
 
     @property

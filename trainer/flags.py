@@ -46,17 +46,22 @@ def check_limit(name: str, value: Any) -> int | float | None:
     raise ValueError(f"{name}={value!r} is invalid; allowed: None, an int >= 0, or a float in [0.0, 1.0]")
 
 
-def check_val_interval(value: Any) -> int | float | None:
-    """None (end of every epoch), an int of optimizer steps, or a float fraction of an epoch."""
+def check_val_interval(value: Any) -> int | float | datetime.timedelta | None:
+    """None (end of every epoch), an int of optimizer steps, a float fraction of an epoch, or Lightning 2.6's
+    time-based form ("DD:HH:MM:SS", a dict of timedelta fields, a timedelta): a timedelta."""
     if value is None:
         return None
     if isinstance(value, float) and 0.0 < value <= 1.0:
         return value
     if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
         return value
-    raise ValueError(
-        f"val_check_interval={value!r} is invalid; allowed: None, an int >= 1 (steps), or a float in (0, 1] (of an epoch)"
-    )
+    duration = _duration(value)
+    if duration is None:
+        raise ValueError(
+            f"val_check_interval={value!r} is invalid; allowed: None, an int >= 1 (steps), a float in (0, 1] (of an "
+            "epoch), or a time: 'DD:HH:MM:SS', a dict like {'minutes': 30}, or a timedelta > 0"
+        )
+    return duration
 
 
 def check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
@@ -152,6 +157,16 @@ def check_max_time(value: Any) -> float | None:
     """Lightning's `max_time` in seconds: "DD:HH:MM:SS", a dict of timedelta fields, or a timedelta."""
     if value is None:
         return None
+    duration = _duration(value)
+    if duration is None:
+        raise ValueError(
+            f"max_time={value!r} is invalid; allowed: 'DD:HH:MM:SS', a dict like {{'hours': 2}}, or a timedelta > 0"
+        )
+    return duration.total_seconds()
+
+
+def _duration(value: Any) -> datetime.timedelta | None:
+    """Lightning's durations: "DD:HH:MM:SS", a dict of timedelta fields or a timedelta, if > 0; else None."""
     if isinstance(value, str):
         parts = value.split(":")
         if len(parts) == 4 and all(p.isdigit() for p in parts):
@@ -163,10 +178,8 @@ def check_max_time(value: Any) -> float | None:
         except TypeError:
             pass
     if not isinstance(value, datetime.timedelta) or value.total_seconds() <= 0:
-        raise ValueError(
-            f"max_time={value!r} is invalid; allowed: 'DD:HH:MM:SS', a dict like {{'hours': 2}}, or a timedelta > 0"
-        )
-    return value.total_seconds()
+        return None
+    return value
 
 
 @dataclass(frozen=True)
@@ -180,7 +193,7 @@ class LoopFlags:
     # the fit does not stop for `should_stop` (EarlyStopping) before both are met; the max_* still bound it
     min_steps: int | None
     min_epochs: int | None
-    val_check_interval: int | float | None
+    val_check_interval: int | float | datetime.timedelta | None  # a timedelta: validate by wall-clock time
     val_at_start: bool
     num_sanity_val_steps: int
     enable_model_summary: bool
@@ -316,14 +329,15 @@ def check_overfit_batches(value: Any) -> int | float:
     )
 
 
-def check_val_epochs(value: Any, val_check_interval: int | float | None) -> int | None:
-    """`check_val_every_n_epoch`: an int >= 1, or None (Lightning's: validate by steps only, which needs an
-    int `val_check_interval`)."""
+def check_val_epochs(value: Any, val_check_interval: int | float | datetime.timedelta | None) -> int | None:
+    """`check_val_every_n_epoch`: an int >= 1, or None (Lightning's: validate by steps or time only, which
+    needs an int or time `val_check_interval`)."""
     if value is None:
-        if not isinstance(val_check_interval, int):
+        if not isinstance(val_check_interval, (int, datetime.timedelta)):
             raise ValueError(
-                f"check_val_every_n_epoch=None validates every val_check_interval steps, but val_check_interval="
-                f"{val_check_interval!r}; allowed: an int val_check_interval, or check_val_every_n_epoch >= 1"
+                f"check_val_every_n_epoch=None validates every val_check_interval steps or time, but "
+                f"val_check_interval={val_check_interval!r}; allowed: an int or a time val_check_interval, or "
+                "check_val_every_n_epoch >= 1"
             )
         return None
     return check_int("check_val_every_n_epoch", value, 1)

@@ -72,7 +72,7 @@ class Trainer(LightningViews, FlagViews):
         max_epochs: int | None = None,
         min_steps: int | None = None,
         min_epochs: int | None = None,
-        val_check_interval: int | float | None = None,
+        val_check_interval: int | float | str | dict | datetime.timedelta | None = None,
         val_at_start: bool = False,
         limit_train_batches: int | float | None = None,
         limit_val_batches: int | float | None = None,

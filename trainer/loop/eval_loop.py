@@ -145,6 +145,24 @@ def validate_in_fit(trainer: Trainer, module: TrainModule, loader: Iterable) -> 
     return evaluate(trainer, module, loader, "validation", trainer.limit_val_batches, report, log_step)[0]
 
 
+def evaluate_alone(
+    trainer: Trainer, module: TrainModule, loader: Iterable, stage: str, limit: Any
+) -> dict[str, float]:
+    """`validate`/`test` outside a fit: what they log fills `callback_metrics` and `logged_metrics` as
+    Lightning's do (both emptied first, as every Lightning stage starts): each batch's `on_step` values
+    into `logged_metrics`, the epoch's values into both (`logger=False` ones into `callback_metrics` only)."""
+    step_log.reset_metrics(trainer)
+
+    def log_step(metrics: dict[str, float], hidden: set[str]) -> None:
+        trainer.logged_metrics.update({k: v for k, v in metrics.items() if k not in hidden})
+
+    def report(metrics: dict[str, float], hidden: set[str], prog_bar: set[str]) -> None:
+        step_log.note_metrics(trainer, metrics)
+        log_step(metrics, hidden)
+
+    return evaluate(trainer, module, loader, stage, limit, report, log_step)[0]
+
+
 def sanity_check(trainer: Trainer, module: TrainModule, loader: Iterable) -> None:
     """Lightning's sanity check: the first `num_sanity_val_steps` validation batches (-1: all) run
     before training so that a broken `validation_step` fails now, not after an epoch; nothing it

@@ -27,6 +27,7 @@ from trainer.loop.state import LoopState
 from trainer.loop.step_log import Throughput
 from trainer.loop.stop_signals import NAMES, StoppedBySignal, StopSignals
 from trainer.loop.time_limit import TimeLimit
+from trainer.loop.val_timer import ValTimer
 from trainer.module import TrainModule
 
 if TYPE_CHECKING:
@@ -59,6 +60,8 @@ class FitLoop:
             None  # the epoch ending, through its validation and on_train_epoch_end
         )
         self.last_val_step: int | None = None
+        self.val_timer: ValTimer | None = None  # val_check_interval as a time, once training started
+        self.epoch_scheduler_stepped = False  # in the epoch's last batch (`_step_epoch_scheduler_early`)
         self.val_batches_seen = 0  # this fit's validation batches (not the sanity check's): their rows' step
         self.started = 0.0  # time.time() when training started: max_time counts this fit
         self.start_step = 0
@@ -122,9 +125,12 @@ class FitLoop:
         self.start_step = s.global_step
         if trainer.max_time is not None:
             self.time_limit = TimeLimit(trainer.max_time, s.global_step, trainer.strategy.world_size > 1)
+        self.val_timer = ValTimer.for_fit(trainer, self._slowest)
         epoch_len = self.train_batches.epoch_length()
         val_every = self._val_every_n_steps(epoch_len)
         meter = Throughput()
+        # resumed from a checkpoint of an epoch's last batch: its scheduler stepped before that was written
+        self.epoch_scheduler_stepped = epoch_len is not None and s.batches_in_epoch >= epoch_len > 0
         if val_loader is not None and self._val_at_start_due():
             # the baseline the run's progress is read against
             self._validate()
@@ -133,6 +139,8 @@ class FitLoop:
             if self.reload.train(self.train_batches, s.epoch):
                 epoch_len = self.train_batches.epoch_length()
                 val_every = self._val_every_n_steps(epoch_len)
+                if self.val_timer is not None:  # as Lightning's loader set-up restarts its interval
+                    self.val_timer.restart(s.global_step)
             trainer._dispatch.all("on_train_epoch_start")
             if not self._epoch(epoch_len, val_every, meter):
                 if epoch_len is not None and s.batches_in_epoch >= epoch_len:
@@ -163,18 +171,25 @@ class FitLoop:
             if (
                 self.val_loader is not None
                 and not val_every
+                and self.val_timer is None
                 and s.epoch % trainer.check_val_every_n_epoch == 0
             ):
                 self._validate()
             trainer._dispatch.train_epoch_end(lambda: step_log.log_epoch_metrics(trainer))
         finally:
             self.ending_epoch = None
-        self.step_scheduler("epoch", s.epoch)  # after validation: ReduceLROnPlateau reads its metric
+        if (
+            not self.epoch_scheduler_stepped
+        ):  # ReduceLROnPlateau (the validation's metric), or a loader without len
+            self.step_scheduler("epoch", s.epoch)
+        self.epoch_scheduler_stepped = False
 
     def _epoch(self, epoch_len: int | None, val_every: int | None, meter: Throughput) -> bool:
         """Optimizer steps until the epoch's data runs out (True) or the run is done (False)."""
         trainer, s, val_loader = self.trainer, self.trainer.state, self.val_loader
         iterator = self.train_batches.begin(s.epoch, s.batches_in_epoch)
+        timer = self.val_timer  # a time-based validation may fall in this epoch:
+        timed = timer is not None and val_loader is not None and timer.checks_epoch(s.epoch)
         while self._goes_on():
             # fault tolerance: this step's quorum; a group that took a peer's state reads on from its position
             if self.replicas is not None and self.replicas.start_step():
@@ -189,7 +204,11 @@ class FitLoop:
             trainer._step_hooks = True
             try:
                 outputs = self._optimizer_step(window, meter, started)
-                if val_loader is not None and val_every and self._stepped() % val_every == 0:
+                if len(window) == remaining:  # the epoch's last batch: Lightning steps its scheduler now
+                    self._step_epoch_scheduler_early(s.epoch + 1)
+                if (val_loader is not None and val_every and self._stepped() % val_every == 0) or (
+                    timed and timer.due(s.global_step)
+                ):
                     self._validate()
                 trainer._dispatch.step("on_train_batch_end", (outputs, window[0], first_idx))
             finally:
@@ -441,6 +460,14 @@ class FitLoop:
             # a scheduler without a monitor reads no metric: not reading them keeps this step off the host
             config.step(count, trainer.callback_metrics if config.needs_metric else {})
 
+    def _step_epoch_scheduler_early(self, epochs_done: int) -> None:
+        """In the epoch's last batch, before its on_train_batch_end and the epoch-end validation, as Lightning:
+        a module's epoch-interval scheduler without a monitor (ReduceLROnPlateau waits for the validation)."""
+        config = self.trainer._scheduler_config
+        if config is not None and config.interval == "epoch" and not config.needs_metric:
+            config.step(epochs_done, {})
+            self.epoch_scheduler_stepped = True
+
     def total_steps(self) -> int | None:
         """Optimizer steps the fit will take, if knowable."""
         trainer, per_epoch = self.trainer, None
@@ -454,7 +481,9 @@ class FitLoop:
     def _val_every_n_steps(self, epoch_len: int | None) -> int | None:
         """Steps between validations; None = at the end of each epoch."""
         interval = self.trainer.val_check_interval
-        if interval is None or isinstance(interval, int):
+        if interval is None or self.val_timer is not None:  # (a time: `val_timer`)
+            return None
+        if isinstance(interval, int):
             return interval
         if epoch_len is None:
             raise ValueError(
@@ -469,6 +498,8 @@ class FitLoop:
 
     def _validate(self) -> None:
         eval_loop.validate_in_fit(self.trainer, self.module, self._current_val_loader())
+        if self.val_timer is not None:  # the next is due that long after this one ended, as in Lightning
+            self.val_timer.restart(self.trainer.global_step)
 
     def _val_at_start_due(self) -> bool:
         return self.trainer.val_at_start and self.trainer.state.global_step == 0

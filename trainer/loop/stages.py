@@ -127,7 +127,7 @@ def run_evaluate(
             return eval_loop.evaluate(trainer, module, loader, "predict", trainer.limit_predict_batches)[2]
         loop = "validation" if stage == "validate" else "test"
         limit = trainer.limit_val_batches if stage == "validate" else trainer.limit_test_batches
-        metrics, _, _ = eval_loop.evaluate(trainer, module, loader, loop, limit)
+        metrics = eval_loop.evaluate_alone(trainer, module, loader, loop, limit)
         if trainer.is_global_zero and trainer.enable_progress_bar:
             print("  ".join(f"{k} {v:.4f}" for k, v in metrics.items()), file=sys.stderr)
         return metrics

@@ -12,7 +12,7 @@ import torch
 
 from trainer.checkpoint import run_folder
 from trainer.core.logging import rank_zero_info
-from trainer.core.metrics import with_bare_names
+from trainer.core.metrics import UnreadStepValues, with_bare_names
 from trainer.loggers.base import LoggerRun, plain
 from trainer.loop.progress import fmt
 
@@ -55,6 +55,14 @@ def log_metrics(
 def note_metrics(trainer: Trainer, metrics: dict[str, float]) -> None:
     """`metrics` into `callback_metrics`, a `name_step`/`name_epoch` pair also under `name` (its latest value)."""
     trainer.callback_metrics.update(with_bare_names(metrics))
+
+
+def reset_metrics(trainer: Trainer) -> None:
+    """Empty `callback_metrics` and `logged_metrics` (the values not yet read included), as a Lightning stage
+    starts."""
+    trainer._callback_metrics.clear()
+    trainer._logged_metrics.clear()
+    trainer._unread_steps = UnreadStepValues()
 
 
 def keep_step_metrics(trainer: Trainer) -> None:

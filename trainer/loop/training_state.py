@@ -62,6 +62,16 @@ class TrainingState:
         if fit is not None and fit.progress is not None:
             fit.progress.reset(self._trainer.global_step)
 
+    def restore_param_groups(self, state: dict[str, Any]) -> None:
+        """Before a resume loads the optimizer's state: the callbacks that add param groups during a fit
+        (BaseFinetuning's `restore_param_groups`) re-add them from their saved state, so that the saved state
+        fits the optimizer, as Lightning restores callbacks first."""
+        saved = state.get("callbacks", {})
+        for cb in self._trainer.callbacks:
+            restore = getattr(cb, "restore_param_groups", None)
+            if restore is not None and cb.state_key in saved:
+                restore(self._trainer, saved[cb.state_key])
+
     def rewind_loop(self, saved: dict[str, Any]) -> None:
         """A rollback's loop counters: the step and the productive time of the checkpoint, one restart more;
         epoch, data position and what was seen go on (the batches since are not replayed)."""
@@ -130,7 +140,8 @@ class Schedule:
         scheduler, schedule = trainer.lr_scheduler, trainer._schedule
         if schedule is not None:
             scheduler.load_state_dict({**state, "lr_lambdas": [None] * len(trainer.optimizer.param_groups)})
-            for group, base in zip(trainer.optimizer.param_groups, scheduler.base_lrs, strict=True):
+            # a group a callback added during the fit (BaseFinetuning) is not the schedule's: its LR as saved
+            for group, base in zip(trainer.optimizer.param_groups, scheduler.base_lrs, strict=False):
                 group["lr"] = base * schedule(scheduler.last_epoch)
         elif state:
             scheduler.load_state_dict(state)

@@ -58,8 +58,7 @@ class Recorder(framework.callbacks.Callback):
         self.training: dict = {}
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        # at the batch's start: Lightning steps an epoch-interval scheduler before the epoch's last
-        # on_train_batch_end, this Trainer after the epoch's validation (README)
+        # at the batch's start: the rates this batch trains with (an epoch's scheduler steps in its last batch)
         groups = [[[g["lr"], len(g["params"])] for g in opt.param_groups] for opt in trainer.optimizers]
         self.training = {
             "param_groups": groups,
