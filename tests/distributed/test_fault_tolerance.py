@@ -49,19 +49,11 @@ def alone():
 
 @pytest.fixture(scope="module")
 def lighthouse(tmp_path_factory) -> str:
-    """`trainer lighthouse` on 127.0.0.1 at a port the system picks (a dead group is noticed after 1 s
-    without a heartbeat), for this module's tests; its address, read from the first line it prints."""
+    """`trainer lighthouse` on 127.0.0.1 at a port the system picks, with its default heartbeat timeout
+    (HEARTBEAT_TIMEOUT_MS: a dead group is noticed after 0.5 s without a heartbeat), for this module's tests;
+    its address, read from the first line it prints."""
     root = tmp_path_factory.mktemp("lighthouse")
-    cmd = [
-        sys.executable,
-        "-m",
-        "trainer.cli",
-        "lighthouse",
-        "--bind",
-        "127.0.0.1:0",
-        "--heartbeat-timeout-ms",
-        "1000",
-    ]
+    cmd = [sys.executable, "-m", "trainer.cli", "lighthouse", "--bind", "127.0.0.1:0"]
     proc = start_process(cmd, stdout=subprocess.PIPE, stderr=open(root / "stderr", "w"), text=True, env=ENV)
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 120)
@@ -187,6 +179,39 @@ def test_replica_group_killed_six_times_rejoins_live_and_matches_a_replay(tmp_pa
     with torch.no_grad():
         loss, expected = (torch.nn.functional.mse_loss(m(x), y).item() for m in (trained, reference))
     assert loss == expected, (loss, expected)
+
+
+def test_a_sigkilled_peer_costs_the_survivor_one_step_and_no_long_wait(tmp_path, lighthouse, alone):
+    """Group 1 is SIGKILLed in place of its part of a step's gradient all-reduce (then relaunched). The
+    survivor's all-reduce fails on the closed connection, not on its `timeout_s` (20 s): that step, and no
+    other, is discarded, and the reason logged is gloo's connection error. Its next quorum forms once the dead
+    group's heartbeat runs out (HEARTBEAT_TIMEOUT_MS), well inside a quorum_timeout_s of 3 s (the 5 s heartbeat
+    timeout of old ends the fit), and that step commits alone."""
+    from trainer.fault_tolerance.config import HEARTBEAT_TIMEOUT_MS
+
+    assert HEARTBEAT_TIMEOUT_MS * 6 <= 3000
+    offset = random.Random(SEED).randint(2, 6)
+    first_steps = str(tmp_path / "replica0" / "steps-rank0.jsonl")
+    kills, quick = f"{offset}@allreduce", ("--quorum-timeout", "3")
+    relaunched = ("--restarts", "1", "--wait-for", first_steps)
+    with groups_ending_well(tmp_path) as groups:
+        groups += [
+            start_group(tmp_path, lighthouse, 0, kills, *quick),
+            start_group(tmp_path, lighthouse, 1, kills, *quick, *relaunched),
+        ]
+    alive, killed = steps(tmp_path, 0), steps(tmp_path, 1)
+    died = max(r["step"] for r in killed if r["attempt"] == 0) + 1  # the step group 1 did not finish
+    discarded = [r["step"] for r in alive if not r["committed"]]
+    assert discarded == [died], (discarded, died)
+    after = next(r for r in alive if r["step"] == died + 1)
+    assert (after["committed"], after["replicas"]) == (True, 1), after
+    logged = [
+        line
+        for line in (tmp_path / "replica0" / "stderr").read_text().splitlines()
+        if "fault tolerance: replica group 0 discarded step" in line
+    ]
+    assert len(logged) == 1 and f"discarded step {died}: " in logged[0], logged
+    assert "gloo" in logged[0] and "Timed out" not in logged[0], logged[0]
 
 
 def test_fsdp_replica_groups_survive_a_rank_killed_during_the_all_reduce(tmp_path, lighthouse, alone):

@@ -129,7 +129,7 @@ def train(args: argparse.Namespace) -> None:
             replica_id=args.replica_id,
             replicas=2,
             timeout_s=20,
-            quorum_timeout_s=60,
+            quorum_timeout_s=args.quorum_timeout,
         ),
     )
     trainer.fit(module, regression_loader(batch_size=BATCH, n=N))
@@ -207,6 +207,7 @@ def main() -> None:
     p.add_argument("--wait-for", default=None)  # the survivor's step log (see `relaunch`)
     p.add_argument("--after-rejoin", type=int, default=5)
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--quorum-timeout", type=float, default=60.0)  # FaultTolerance.quorum_timeout_s
     p.add_argument("--max-steps", type=int, default=100000)  # a bound; the drill stops the groups itself
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--root", required=True)

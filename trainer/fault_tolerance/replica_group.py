@@ -8,6 +8,7 @@ import importlib
 import logging
 from collections.abc import Iterator
 from datetime import timedelta
+from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -15,7 +16,8 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer.core.dtensors import local_part
-from trainer.fault_tolerance.config import NoQuorumError
+from trainer.fault_tolerance.config import HEARTBEAT_INTERVAL_MS, NoQuorumError
+from trainer.fault_tolerance.costs import StepCosts
 from trainer.fault_tolerance.overlap import OverlappedAverage
 from trainer.fault_tolerance.state import load_replica_state, replica_state
 
@@ -80,13 +82,20 @@ class ReplicaGroup:
                 lighthouse_addr=config.lighthouse_url,
                 replica_id=config.replica_name,
                 hostname=config.bind,
+                # the lighthouse's heartbeat timeout is HEARTBEAT_TIMEOUT_MS unless it was started with another
+                heartbeat_interval=timedelta(milliseconds=HEARTBEAT_INTERVAL_MS),
                 # the state goes rank to rank over the groups' own process group: no extra server
                 checkpoint_transport=PGTransport(self.pg, timeout, strategy.root_device),
             )
         self.manager.register_state_dict_fn("trainer", self._load, lambda: replica_state(trainer))
         self.recovered = False  # this step's quorum replaced the training state with a peer's
         self.participants = 0
-        self.overlap = OverlappedAverage(trainer.module, self.manager) if _overlap_is_valid(trainer) else None
+        self.costs = StepCosts()
+        self.overlap = (
+            OverlappedAverage(trainer.module, self.manager, costs=self.costs)
+            if _overlap_is_valid(trainer)
+            else None
+        )
 
     def start_step(self) -> bool:
         """Join this step's quorum; True when this group was behind and now holds a peer's training state
@@ -100,6 +109,7 @@ class ReplicaGroup:
             self.manager.load_state_dict(
                 {"step": self.trainer.global_step, "batches_committed": self.manager.batches_committed()}
             )
+        start = perf_counter()
         try:
             self.manager.start_quorum()
         except PeerStateMismatch:
@@ -110,6 +120,7 @@ class ReplicaGroup:
                 f"quorum_timeout_s={self.config.quorum_timeout_s:g} at lighthouse {self.config.lighthouse} ({_first_line(err)})"
             ) from None  # torchft's error, several lines long, is in the line already (its first line)
         self.participants = self.manager.num_participants()
+        self.costs.add("quorum", start)
         if self.overlap is not None:
             self.overlap.arm()
         return self.recovered
@@ -126,7 +137,9 @@ class ReplicaGroup:
         if self.overlap is not None and self.overlap.finish(use=True):
             if num_tokens is not None:  # the buckets held token sums: their mean over the mean token count
                 mean = self._mean_over_groups(mine)
+                start = perf_counter()
                 torch._foreach_mul_(_grads(module), 1.0 / mean if mean > 0 else 0.0)  # 0: no tokens anywhere
+                self.costs.add("copies", start)
             return
         grads = _grads(module)
         if num_tokens is not None:  # .grad is this group's token mean: weigh it by the group's tokens
@@ -136,8 +149,12 @@ class ReplicaGroup:
         for g in grads:
             by_kind.setdefault((g.dtype, g.device), []).append(g)
         for group in by_kind.values():
+            start = perf_counter()
             flat = torch.cat([g.reshape(-1) for g in group])
-            if not self.manager.allreduce(flat).wait():
+            start = self.costs.add("copies", start)
+            done = self.manager.allreduce(flat).wait()
+            start = self.costs.add("allreduce", start)
+            if not done:
                 return
             torch._foreach_copy_(
                 group,
@@ -146,11 +163,13 @@ class ReplicaGroup:
                     for piece, g in zip(flat.split([g.numel() for g in group]), group, strict=True)
                 ],
             )
+            self.costs.add("copies", start)
 
     def _mean_over_groups(self, tokens: torch.Tensor) -> float:
         """The mean of the participating groups' `tokens` (a group that is not participating counts as 0)."""
-        mean = tokens.clone()
+        start, mean = perf_counter(), tokens.clone()
         self.manager.allreduce(mean).wait()  # a failure leaves garbage: the step is then discarded
+        self.costs.add("allreduce", start)
         return float(mean)
 
     def commit(self, vote: bool) -> bool:
@@ -158,9 +177,26 @@ class ReplicaGroup:
         False (a callback skips the step here) makes the group vote against it, so its ranks agree."""
         if not vote:
             self.manager.report_error(RuntimeError("a callback skipped the optimizer step"))
+        start = perf_counter()
         committed = self.manager.should_commit()
+        self.costs.add("commit", start)
+        if not committed and vote:  # a callback's skip is the user's own
+            log.warning(
+                f"fault tolerance: replica group {self.config.replica_id} discarded step "
+                f"{self.trainer.global_step}: {self._discard_reason()}"
+            )
         self.trainer.metrics.add("train/replicas", float(self.participants), on_step=True, on_epoch=False)
         return committed
+
+    def _discard_reason(self) -> str:
+        """Why this group's step was discarded, in one line: the error it recorded (a collective that failed,
+        a callback's skip), too few groups, or another rank of the group."""
+        error = self.manager.errored()
+        if error is not None:
+            return _first_line(getattr(error, "original_exception", error))
+        if self.participants < self.config.min_replicas:
+            return f"{self.participants} replica group(s) took part, fewer than min_replicas={self.config.min_replicas}"
+        return "another rank of this replica group failed"
 
     def shutdown(self) -> None:
         """Stop this group's manager server, its transport and the quorum thread; take the hooks off."""
