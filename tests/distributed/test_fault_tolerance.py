@@ -272,3 +272,50 @@ def test_fewer_live_groups_than_the_quorum_needs_end_the_fit_in_one_line(tmp_pat
     assert "\n" not in str(err.value)
     # a script that does not catch it shows one exception, not torchft's multi-line one chained to it
     assert err.value.__cause__ is None and err.value.__suppress_context__
+
+
+def test_a_one_process_groups_commit_vote_is_its_own_with_no_round_trip(tmp_path):
+    """A group of one process takes torchft's commit vote as its own (OwnVote): no call to its manager
+    server, and torchft still follows it (a step a callback skips is not committed, the others are)."""
+    from helpers import regression_loader
+
+    from callbacks import Callback
+    from trainer import Trainer
+    from trainer.fault_tolerance import FaultTolerance
+    from trainer.fault_tolerance.lighthouse import start_lighthouse
+    from trainer.fault_tolerance.replica_group import OwnVote
+
+    class ServerVoteRefused:
+        def __init__(self, client) -> None:
+            self._quorum = client._quorum  # the quorum still goes to the server
+
+        def should_commit(self, *args, **kwargs):
+            raise AssertionError("the commit vote went to the manager server")
+
+    committed: list[int] = []
+
+    class SkipStepTwo(Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            client = trainer._fit_loop.replicas.manager._client
+            assert isinstance(client, OwnVote)
+            if not isinstance(client.client, ServerVoteRefused):
+                client.client = ServerVoteRefused(client.client)
+
+        def on_before_optimizer_step(self, trainer, module, optimizer):
+            if trainer.global_step == 2:
+                trainer.skip_optimizer_step("a test's skip")
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            committed.append(trainer._fit_loop.replicas.manager.batches_committed())
+
+    server = start_lighthouse("127.0.0.1:0")
+    address = f"127.0.0.1:{server.address().rpartition(':')[2]}"
+    trainer = Trainer(
+        max_steps=4, default_root_dir=tmp_path, enable_progress_bar=False, callbacks=[SkipStepTwo()],
+        fault_tolerance=FaultTolerance(address, 0, replicas=1),
+    )  # fmt: skip
+    try:
+        trainer.fit(Regression(optimizer="sgd"), regression_loader())
+    finally:
+        server.shutdown()
+    assert committed == [1, 2, 2, 3]
