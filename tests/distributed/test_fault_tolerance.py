@@ -214,6 +214,31 @@ def test_a_sigkilled_peer_costs_the_survivor_one_step_and_no_long_wait(tmp_path,
     assert "gloo" in logged[0] and "Timed out" not in logged[0], logged[0]
 
 
+def test_a_group_that_skips_a_step_its_peer_commits_heals_at_the_next_quorum(tmp_path, lighthouse, alone):
+    """Group 1 skips its update at one step (a callback's skip: its vote is its own) while group 0 commits
+    it. Group 1 is then one applied update behind, and the next quorum heals it from group 0: from that step
+    on both hold bit-identical parameters (before, it went on with the update missing, unnoticed)."""
+    offset = random.Random(SEED).randint(2, 6)
+    first_steps = str(tmp_path / "replica0" / "steps-rank0.jsonl")
+    common = ("--skip-at", str(offset), "--after-rejoin", str(offset + 4))
+    with groups_ending_well(tmp_path) as groups:
+        groups += [
+            start_group(tmp_path, lighthouse, 0, "", *common),
+            start_group(tmp_path, lighthouse, 1, "", *common, "--wait-for", first_steps),
+        ]
+    alive, skipper = steps(tmp_path, 0), steps(tmp_path, 1)
+    by_step = {row["step"]: row for row in alive}
+    skipped = skipper[0]["step"] + offset
+    assert [r["step"] for r in skipper if not r["committed"]] == [skipped]
+    assert by_step[skipped]["committed"] and by_step[skipped]["replicas"] == 2
+    for row in skipper:
+        if row["step"] != skipped:
+            assert row["params"] == by_step[row["step"]]["params"], (row, by_step[row["step"]])
+    assert any(r["step"] > skipped + 1 for r in skipper), "the run ended before it showed the heal"
+    recovered = f"replica group 1 recovered from a peer at step {skipped + 1}"
+    assert recovered in (tmp_path / "replica1" / "stderr").read_text()
+
+
 def test_fsdp_replica_groups_survive_a_rank_killed_during_the_all_reduce(tmp_path, lighthouse, alone):
     """Two groups of 2 FSDP ranks, each a torchrun job; rank 1 of group 1 dies during the gradient all-reduce
     and torchrun restarts the group, which rejoins: every rank's shards equal its peer rank's."""

@@ -104,12 +104,16 @@ class ReplicaGroup:
         (the loop then re-opens its data iterator at the new position). A one-line error when fewer than
         `min_replicas` groups are alive for longer than `quorum_timeout_s`."""
         self.recovered = False
-        # torchft's step is what its quorum compares to pick the groups to heal from: it counts this run's
-        # steps as the loop does (a discarded step counts too), so after a resume the group with the newest
-        # checkpoint is the source, not the one torchft ranks first among fresh processes at step 0
-        if self.manager.current_step() != self.trainer.global_step:
+        # torchft's step is what its quorum compares to pick the groups to heal and the one to heal from:
+        # the updates this group applied (the loop's steps less its skipped ones). A group that discarded or
+        # skipped a step its peers committed (a callback's skip, a collective that failed in this group
+        # only) is then behind them and heals now; after a resume the group with the newest checkpoint is
+        # the source, not the one torchft ranks first among fresh processes at step 0
+        loop = self.trainer.state
+        applied = max(loop.global_step - loop.skipped_steps, 0)
+        if self.manager.current_step() != applied:
             self.manager.load_state_dict(
-                {"step": self.trainer.global_step, "batches_committed": self.manager.batches_committed()}
+                {"step": applied, "batches_committed": self.manager.batches_committed()}
             )
         start = perf_counter()
         try:
