@@ -4,16 +4,18 @@
    step of >= 100 ms here): plain DDP of 2 gloo processes under torchrun vs 2 replica groups of 1 process
    under a lighthouse, in interleaved rounds (DDP, torchft, DDP, torchft: a drifting load hits both arms).
    Prints both (wall, and the process's CPU time), their ratio (target <= 1.1 on the >= 100 ms step) and
-   the fixed cost per step in ms (quorum + gradient all-reduce through torchft + commit vote).
+   the fixed cost per step in ms; then where torchft's per-step work goes on group 0 (quorum, all-reduce,
+   commit vote, copies: trainer/fault_tolerance/costs.py).
 2. A kill: group 1 SIGKILLs itself at step 30 and is relaunched as a fresh process once the survivor has
    committed a step alone (so the survivor sees the outage). Prints the survivor's
-   stall (its longest step around the kill: the lighthouse's heartbeat timeout plus the discarded step),
+   stall (its longest step around the kill: the lighthouse's heartbeat timeout, HEARTBEAT_TIMEOUT_MS),
    its solo steps during the outage, the rejoin time (relaunch to the group's first committed step: start-up,
    quorum, live recovery) and the survivor's step that sent the state.
 3. The projection: effective training time at Llama 3's failure rate (466 interruptions in 54 days) for
    restart-from-checkpoint vs live recovery, from the measured costs and the stated assumptions.
 
-`python bench/fault_tolerance.py [--rounds 2]` (about 4 minutes here). Numbers on a shared machine are noisy;
+`python bench/fault_tolerance.py [--rounds 2]` (about 4 minutes here; `--no-drill`: part 1 alone, `--rounds 0`:
+part 2 alone). Numbers on a shared machine are noisy;
 every wait has a deadline (DEADLINE_S) and a failed one ends the bench with one line naming it.
 """
 
@@ -37,6 +39,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from callbacks import Callback  # noqa: E402
 from trainer import Trainer, TrainModule  # noqa: E402
 from trainer.fault_tolerance import FaultTolerance  # noqa: E402
+from trainer.fault_tolerance.config import HEARTBEAT_TIMEOUT_MS  # noqa: E402
+from trainer.fault_tolerance.costs import PARTS  # noqa: E402
 
 WIDTHS = (16, 256, 1024)  # 1.1K, 0.5M, 8.4M parameters
 BATCHES = {16: 64, 256: 64, 1024: 192}  # the largest arm's batch makes plain DDP's step >= 100 ms here
@@ -73,20 +77,26 @@ def loader(width: int, steps: int, groups: int) -> DataLoader:
 
 
 class Clock(Callback):
-    """Wall and CPU time (this process, every thread: gloo's included) at the end of every step."""
+    """Wall and CPU time (this process, every thread: gloo's included) at the end of every step, and with
+    torchft the running seconds of each part of its per-step work (trainer/fault_tolerance/costs.py)."""
 
     def __init__(self) -> None:
         self.wall: list[float] = []
         self.cpu: list[float] = []
+        self.parts: dict[str, list[float]] = {part: [] for part in PARTS}
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.wall.append(time.perf_counter())
         self.cpu.append(time.process_time())
+        replicas = trainer._fit_loop.replicas
+        for part, seconds in replicas.costs.seconds.items() if replicas is not None else ():
+            self.parts[part].append(seconds)
 
 
-def per_step(stamps: list[float]) -> float:
-    """Median step after SKIP warm-up steps."""
-    return statistics.median(b - a for a, b in zip(stamps[SKIP:-1], stamps[SKIP + 1 :], strict=True))
+def per_step(stamps: list[float], quantile: float = 0.5) -> float:
+    """The median step (or another quantile) after SKIP warm-up steps."""
+    steps = sorted(b - a for a, b in zip(stamps[SKIP:-1], stamps[SKIP + 1 :], strict=True))
+    return statistics.median(steps) if quantile == 0.5 else steps[int(quantile * (len(steps) - 1))]
 
 
 class Drill(Callback):
@@ -145,7 +155,13 @@ def rank_main(args: argparse.Namespace) -> None:
         for i, width in enumerate(WIDTHS):
             clock = Clock()
             fit(width, out / f"{args.arm}-{args.round}-{width}", ft[i % len(ft)], [clock], STEPS)
-            times[width] = {"wall": per_step(clock.wall), "cpu": per_step(clock.cpu)}
+            # the fastest tenth of the steps as well: other processes' load only adds time, so it varies less
+            times[width] = {
+                "wall": per_step(clock.wall),
+                "cpu": per_step(clock.cpu),
+                "p10": per_step(clock.wall, 0.1),
+            }
+            times[width].update({part: per_step(seconds) for part, seconds in clock.parts.items() if seconds})
         if int(os.environ.get("RANK", "0")) == 0:  # DDP: rank 0's; torchft: each group writes its own
             (out / f"{args.arm}-{args.round}-{args.replica}.json").write_text(json.dumps(times))
         return
@@ -198,7 +214,7 @@ def rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def main(rounds: int) -> None:
+def main(rounds: int, drill: bool) -> None:
     os.environ.setdefault("RUST_LOG", "warn")  # the lighthouses here log every quorum at INFO otherwise
     from trainer.fault_tolerance.lighthouse import start_lighthouse
 
@@ -208,7 +224,10 @@ def main(rounds: int) -> None:
     servers = []
 
     def lighthouses(n: int, min_replicas: int) -> str:
-        new = [start_lighthouse("127.0.0.1:0", min_replicas, heartbeat_timeout_ms=5000) for _ in range(n)]
+        new = [
+            start_lighthouse("127.0.0.1:0", min_replicas, heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
+            for _ in range(n)
+        ]
         servers.extend(new)
         return ",".join(f"127.0.0.1:{s.address().rpartition(':')[2]}" for s in new)
 
@@ -231,41 +250,8 @@ def main(rounds: int) -> None:
             procs.extend(groups)
             for g, proc in enumerate(groups):
                 wait_exit(f"round {r}'s torchft group {g}", proc, out / f"ft-{r}-{g}.err")
-        address = lighthouses(1, min_replicas=1)
-        drill = [spawn(["--arm", "drill", "--replica", "0", "--lighthouses", address], out, "drill-0")]
-        procs.extend(drill)
-        # group 1 joins the running job (as a relaunch does), so the survivor's participants go 1, 2, 1, 2
-        wait_until(
-            "the survivor's first drill step",
-            lambda: bool(rows(out / "drill-0.jsonl")),
-            drill,
-            out / "drill-0.err",
-        )
-        drill.append(spawn(["--arm", "drill", "--replica", "1", "--lighthouses", address], out, "drill-1"))
-        procs.append(drill[1])
-        # group 1 dies after KILL_AT steps; relaunched only once the survivor committed a step alone, so that
-        # the survivor sees the outage (a relaunch quicker than the heartbeat timeout would join the very
-        # next quorum: the survivor never went solo, and never knew when to stop)
-        wait_exit(
-            f"group 1's SIGKILL after its {KILL_AT}th drill step",
-            drill[1],
-            out / "drill-1.err",
-            code=-signal.SIGKILL,
-        )
-        killed_at = rows(out / "drill-1.jsonl")[-1]["step"]
-        wait_until(
-            "the survivor's first solo committed step",
-            lambda: any(
-                r["step"] > killed_at and r["n"] == 1 and r["committed"] for r in rows(out / "drill-0.jsonl")
-            ),
-            [drill[0]],
-            out / "drill-0.err",
-        )
-        relaunched_at = time.time()
-        rejoin = spawn(["--arm", "rejoin", "--replica", "1", "--lighthouses", address], out, "drill-1-rejoin")
-        procs.append(rejoin)
-        wait_exit("the relaunched group 1", rejoin, out / "drill-1-rejoin.err")
-        wait_exit("the survivor (group 0)", drill[0], out / "drill-0.err")
+        if drill:
+            relaunched_at, killed_at = kill_drill(out, lighthouses(1, min_replicas=1), procs)
     except BenchFailed as err:
         print(f"bench failed: {err}")
         sys.exit(1)
@@ -276,39 +262,110 @@ def main(rounds: int) -> None:
                 proc.wait()
         for server in servers:
             server.shutdown()
-    report(out, rounds, relaunched_at, killed_at)
+    if rounds:
+        report_steps(out, rounds)
+    if drill:
+        stall, rejoin = report_drill(out, relaunched_at, killed_at)
+    if rounds and drill:
+        project(
+            stall,
+            rejoin,
+            arm(out, rounds, "ft", WIDTHS[1], "wall") / 1e3,
+            arm(out, rounds, "ft", WIDTHS[-1], "wall") / arm(out, rounds, "ddp", WIDTHS[-1], "wall"),
+        )
 
 
-def report(out: Path, rounds: int, relaunched_at: float, killed_at: int) -> None:
-    def each(name: str, width: int, kind: str) -> list[float]:  # ms per round (rank 0 / group 0)
-        return [
-            json.loads((out / f"{name}-{r}-0.json").read_text())[str(width)][kind] * 1e3
-            for r in range(rounds)
-        ]
+def kill_drill(out: Path, address: str, procs: list[subprocess.Popen]) -> tuple[float, int]:
+    """Group 1 killed and relaunched under a running group 0 (see the module's note); when it was
+    relaunched (time.time()) and its last step before the kill."""
+    drill = [spawn(["--arm", "drill", "--replica", "0", "--lighthouses", address], out, "drill-0")]
+    procs.extend(drill)
+    # group 1 joins the running job (as a relaunch does), so the survivor's participants go 1, 2, 1, 2
+    wait_until(
+        "the survivor's first drill step",
+        lambda: bool(rows(out / "drill-0.jsonl")),
+        drill,
+        out / "drill-0.err",
+    )
+    drill.append(spawn(["--arm", "drill", "--replica", "1", "--lighthouses", address], out, "drill-1"))
+    procs.append(drill[1])
+    # group 1 dies after KILL_AT steps; relaunched only once the survivor committed a step alone, so that
+    # the survivor sees the outage (a relaunch quicker than the heartbeat timeout would join the very
+    # next quorum: the survivor never went solo, and never knew when to stop)
+    wait_exit(
+        f"group 1's SIGKILL after its {KILL_AT}th drill step",
+        drill[1],
+        out / "drill-1.err",
+        code=-signal.SIGKILL,
+    )
+    killed_at = rows(out / "drill-1.jsonl")[-1]["step"]
+    wait_until(
+        "the survivor's first solo committed step",
+        lambda: any(
+            r["step"] > killed_at and r["n"] == 1 and r["committed"] for r in rows(out / "drill-0.jsonl")
+        ),
+        [drill[0]],
+        out / "drill-0.err",
+    )
+    relaunched_at = time.time()
+    rejoin = spawn(["--arm", "rejoin", "--replica", "1", "--lighthouses", address], out, "drill-1-rejoin")
+    procs.append(rejoin)
+    wait_exit("the relaunched group 1", rejoin, out / "drill-1-rejoin.err")
+    wait_exit("the survivor (group 0)", drill[0], out / "drill-0.err")
+    return relaunched_at, killed_at
 
-    def arm(name: str, width: int, kind: str) -> float:  # the median over rounds
-        return statistics.median(each(name, width, kind))
 
+def each(out: Path, rounds: int, name: str, width: int, kind: str) -> list[float]:
+    """ms per step of arm `name` in each round (rank 0 / group 0)."""
+    return [
+        json.loads((out / f"{name}-{r}-0.json").read_text())[str(width)][kind] * 1e3 for r in range(rounds)
+    ]
+
+
+def arm(out: Path, rounds: int, name: str, width: int, kind: str) -> float:
+    """The median over rounds of `each`."""
+    return statistics.median(each(out, rounds, name, width, kind))
+
+
+def report_steps(out: Path, rounds: int) -> None:
+    """The per-step table (DDP vs torchft) and where torchft's per-step work goes."""
     print(
         f"per step, median of {rounds} interleaved rounds (each the median of steps {SKIP + 1}-{STEPS}); "
-        "wall and this process's CPU time (rank 0 / group 0)"
+        "wall and this process's CPU time (rank 0 / group 0); p10 ratio: of the 10th-percentile steps, which "
+        "another process's load disturbs less"
     )
     print(
         f"{'MLP width':>10} {'params':>8} {'batch':>6} {'DDP ms':>7} {'torchft ms':>11} {'ratio':>6} "
-        f"{'fixed ms':>9} {'DDP cpu':>8} {'ft cpu':>7} {'cpu ratio':>9} {'fixed cpu':>9}  wall ratio per round"
+        f"{'fixed ms':>9} {'DDP cpu':>8} {'ft cpu':>7} {'cpu ratio':>9} {'fixed cpu':>9} {'p10 ratio':>9}  "
+        "wall ratio per round"
     )
     for width in WIDTHS:
         params = 8 * width * width + 5 * width
-        a, b = arm("ddp", width, "wall"), arm("ft", width, "wall")
-        ca, cb = arm("ddp", width, "cpu"), arm("ft", width, "cpu")
+        a, b = arm(out, rounds, "ddp", width, "wall"), arm(out, rounds, "ft", width, "wall")
+        ca, cb = arm(out, rounds, "ddp", width, "cpu"), arm(out, rounds, "ft", width, "cpu")
+        p10 = arm(out, rounds, "ft", width, "p10") / arm(out, rounds, "ddp", width, "p10")
+        per_round = zip(
+            each(out, rounds, "ddp", width, "wall"), each(out, rounds, "ft", width, "wall"), strict=True
+        )
         print(
             f"{width:>10} {params:>8} {BATCHES[width]:>6} {a:>7.1f} {b:>11.1f} {b / a:>6.2f} {b - a:>9.1f} "
-            f"{ca:>8.1f} {cb:>7.1f} {cb / ca:>9.2f} {cb - ca:>9.1f}  "
-            + " ".join(
-                f"{y / x:.2f}"
-                for x, y in zip(each("ddp", width, "wall"), each("ft", width, "wall"), strict=True)
-            )
+            f"{ca:>8.1f} {cb:>7.1f} {cb / ca:>9.2f} {cb - ca:>9.1f} {p10:>9.2f}  "
+            + " ".join(f"{y / x:.2f}" for x, y in per_round)
         )
+    print(
+        "where torchft's per-step work goes (group 0, ms/step, medians as above): quorum = waiting for the "
+        "step's quorum, allreduce = launching the cross-group averages and waiting for what the backward did "
+        "not hide, commit = the commit vote, copies = gradients into and out of the reduce buffers"
+    )
+    print(f"{'MLP width':>10} " + " ".join(f"{part:>9}" for part in PARTS) + f" {'sum':>7} {'fixed ms':>9}")
+    for width in WIDTHS:
+        parts = [arm(out, rounds, "ft", width, part) for part in PARTS]
+        fixed = arm(out, rounds, "ft", width, "wall") - arm(out, rounds, "ddp", width, "wall")
+        print(f"{width:>10} " + " ".join(f"{v:>9.2f}" for v in parts) + f" {sum(parts):>7.2f} {fixed:>9.1f}")
+
+
+def report_drill(out: Path, relaunched_at: float, killed_at: int) -> tuple[float, float]:
+    """The survivor's stall and the relaunched group's rejoin, in seconds (both also printed)."""
     survivor, back = rows(out / "drill-0.jsonl"), rows(out / "drill-1-rejoin.jsonl")
     gaps = [(b["t"] - a["t"], b) for a, b in zip(survivor, survivor[1:], strict=False)]
     stall, at = max((g, b) for g, b in gaps if killed_at < b["step"] <= killed_at + 3)
@@ -319,7 +376,7 @@ def report(out: Path, rounds: int, relaunched_at: float, killed_at: int) -> None
     sent = next(g for g, b in gaps if b["step"] == first_back["step"])
     print(
         f"stall after the kill (group 1's last step {killed_at}): {stall:.2f} s (survivor's step {at['step']}; "
-        "heartbeat timeout 5 s)"
+        f"heartbeat timeout {HEARTBEAT_TIMEOUT_MS / 1e3:g} s)"
     )
     print(
         f"solo steps during the outage: {solo}; discarded: {sum(1 for r in survivor if not r['committed'])}"
@@ -328,12 +385,7 @@ def report(out: Path, rounds: int, relaunched_at: float, killed_at: int) -> None
         f"rejoin: {rejoin_s:.2f} s from relaunch to its first committed step, {first_back['step']} "
         f"({startup_s:.2f} s of it start-up to fit); the survivor's step that sent the state: {sent * 1e3:.0f} ms"
     )
-    project(
-        stall,
-        rejoin_s,
-        arm("ft", WIDTHS[1], "wall") / 1e3,
-        arm("ft", WIDTHS[-1], "wall") / arm("ddp", WIDTHS[-1], "wall"),
-    )
+    return stall, rejoin_s
 
 
 def project(stall_s: float, rejoin_s: float, step_s: float, ratio: float) -> None:
@@ -358,8 +410,13 @@ if __name__ == "__main__":
     p.add_argument("--arm", choices=["ddp", "ft", "drill", "rejoin"], default=None)
     p.add_argument("--replica", type=int, default=0)
     p.add_argument("--round", type=int, default=0)
-    p.add_argument("--rounds", type=int, default=2, help="interleaved DDP/torchft rounds (at least 2)")
+    p.add_argument(
+        "--rounds", type=int, default=2, help="interleaved DDP/torchft rounds (0: the drill alone)"
+    )
+    p.add_argument(
+        "--no-drill", action="store_true", help="the per-step rounds alone (no kill, no projection)"
+    )
     p.add_argument("--lighthouses", default=None)  # one per fit: the overhead widths, then the drill
     p.add_argument("--out", default=None)
     a = p.parse_args()
-    rank_main(a) if a.arm else main(a.rounds)
+    rank_main(a) if a.arm else main(a.rounds, drill=not a.no_drill)

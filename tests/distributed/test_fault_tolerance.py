@@ -49,19 +49,11 @@ def alone():
 
 @pytest.fixture(scope="module")
 def lighthouse(tmp_path_factory) -> str:
-    """`trainer lighthouse` on 127.0.0.1 at a port the system picks (a dead group is noticed after 1 s
-    without a heartbeat), for this module's tests; its address, read from the first line it prints."""
+    """`trainer lighthouse` on 127.0.0.1 at a port the system picks, with its default heartbeat timeout
+    (HEARTBEAT_TIMEOUT_MS: a dead group is noticed after 0.5 s without a heartbeat), for this module's tests;
+    its address, read from the first line it prints."""
     root = tmp_path_factory.mktemp("lighthouse")
-    cmd = [
-        sys.executable,
-        "-m",
-        "trainer.cli",
-        "lighthouse",
-        "--bind",
-        "127.0.0.1:0",
-        "--heartbeat-timeout-ms",
-        "1000",
-    ]
+    cmd = [sys.executable, "-m", "trainer.cli", "lighthouse", "--bind", "127.0.0.1:0"]
     proc = start_process(cmd, stdout=subprocess.PIPE, stderr=open(root / "stderr", "w"), text=True, env=ENV)
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 120)
@@ -189,6 +181,64 @@ def test_replica_group_killed_six_times_rejoins_live_and_matches_a_replay(tmp_pa
     assert loss == expected, (loss, expected)
 
 
+def test_a_sigkilled_peer_costs_the_survivor_one_step_and_no_long_wait(tmp_path, lighthouse, alone):
+    """Group 1 is SIGKILLed in place of its part of a step's gradient all-reduce (then relaunched). The
+    survivor's all-reduce fails on the closed connection, not on its `timeout_s` (20 s): that step, and no
+    other, is discarded, and the reason logged is gloo's connection error. Its next quorum forms once the dead
+    group's heartbeat runs out (HEARTBEAT_TIMEOUT_MS), well inside a quorum_timeout_s of 3 s (the 5 s heartbeat
+    timeout of old ends the fit), and that step commits alone."""
+    from trainer.fault_tolerance.config import HEARTBEAT_TIMEOUT_MS
+
+    assert HEARTBEAT_TIMEOUT_MS * 6 <= 3000
+    offset = random.Random(SEED).randint(2, 6)
+    first_steps = str(tmp_path / "replica0" / "steps-rank0.jsonl")
+    kills, quick = f"{offset}@allreduce", ("--quorum-timeout", "3")
+    relaunched = ("--restarts", "1", "--wait-for", first_steps)
+    with groups_ending_well(tmp_path) as groups:
+        groups += [
+            start_group(tmp_path, lighthouse, 0, kills, *quick),
+            start_group(tmp_path, lighthouse, 1, kills, *quick, *relaunched),
+        ]
+    alive, killed = steps(tmp_path, 0), steps(tmp_path, 1)
+    died = max(r["step"] for r in killed if r["attempt"] == 0) + 1  # the step group 1 did not finish
+    discarded = [r["step"] for r in alive if not r["committed"]]
+    assert discarded == [died], (discarded, died)
+    after = next(r for r in alive if r["step"] == died + 1)
+    assert (after["committed"], after["replicas"]) == (True, 1), after
+    logged = [
+        line
+        for line in (tmp_path / "replica0" / "stderr").read_text().splitlines()
+        if "fault tolerance: replica group 0 discarded step" in line
+    ]
+    assert len(logged) == 1 and f"discarded step {died}: " in logged[0], logged
+    assert "gloo" in logged[0] and "Timed out" not in logged[0], logged[0]
+
+
+def test_a_group_that_skips_a_step_its_peer_commits_heals_at_the_next_quorum(tmp_path, lighthouse, alone):
+    """Group 1 skips its update at one step (a callback's skip: its vote is its own) while group 0 commits
+    it. Group 1 is then one applied update behind, and the next quorum heals it from group 0: from that step
+    on both hold bit-identical parameters (before, it went on with the update missing, unnoticed)."""
+    offset = random.Random(SEED).randint(2, 6)
+    first_steps = str(tmp_path / "replica0" / "steps-rank0.jsonl")
+    common = ("--skip-at", str(offset), "--after-rejoin", str(offset + 4))
+    with groups_ending_well(tmp_path) as groups:
+        groups += [
+            start_group(tmp_path, lighthouse, 0, "", *common),
+            start_group(tmp_path, lighthouse, 1, "", *common, "--wait-for", first_steps),
+        ]
+    alive, skipper = steps(tmp_path, 0), steps(tmp_path, 1)
+    by_step = {row["step"]: row for row in alive}
+    skipped = skipper[0]["step"] + offset
+    assert [r["step"] for r in skipper if not r["committed"]] == [skipped]
+    assert by_step[skipped]["committed"] and by_step[skipped]["replicas"] == 2
+    for row in skipper:
+        if row["step"] != skipped:
+            assert row["params"] == by_step[row["step"]]["params"], (row, by_step[row["step"]])
+    assert any(r["step"] > skipped + 1 for r in skipper), "the run ended before it showed the heal"
+    recovered = f"replica group 1 recovered from a peer at step {skipped + 1}"
+    assert recovered in (tmp_path / "replica1" / "stderr").read_text()
+
+
 def test_fsdp_replica_groups_survive_a_rank_killed_during_the_all_reduce(tmp_path, lighthouse, alone):
     """Two groups of 2 FSDP ranks, each a torchrun job; rank 1 of group 1 dies during the gradient all-reduce
     and torchrun restarts the group, which rejoins: every rank's shards equal its peer rank's."""
@@ -247,3 +297,50 @@ def test_fewer_live_groups_than_the_quorum_needs_end_the_fit_in_one_line(tmp_pat
     assert "\n" not in str(err.value)
     # a script that does not catch it shows one exception, not torchft's multi-line one chained to it
     assert err.value.__cause__ is None and err.value.__suppress_context__
+
+
+def test_a_one_process_groups_commit_vote_is_its_own_with_no_round_trip(tmp_path):
+    """A group of one process takes torchft's commit vote as its own (OwnVote): no call to its manager
+    server, and torchft still follows it (a step a callback skips is not committed, the others are)."""
+    from helpers import regression_loader
+
+    from callbacks import Callback
+    from trainer import Trainer
+    from trainer.fault_tolerance import FaultTolerance
+    from trainer.fault_tolerance.lighthouse import start_lighthouse
+    from trainer.fault_tolerance.replica_group import OwnVote
+
+    class ServerVoteRefused:
+        def __init__(self, client) -> None:
+            self._quorum = client._quorum  # the quorum still goes to the server
+
+        def should_commit(self, *args, **kwargs):
+            raise AssertionError("the commit vote went to the manager server")
+
+    committed: list[int] = []
+
+    class SkipStepTwo(Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            client = trainer._fit_loop.replicas.manager._client
+            assert isinstance(client, OwnVote)
+            if not isinstance(client.client, ServerVoteRefused):
+                client.client = ServerVoteRefused(client.client)
+
+        def on_before_optimizer_step(self, trainer, module, optimizer):
+            if trainer.global_step == 2:
+                trainer.skip_optimizer_step("a test's skip")
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            committed.append(trainer._fit_loop.replicas.manager.batches_committed())
+
+    server = start_lighthouse("127.0.0.1:0")
+    address = f"127.0.0.1:{server.address().rpartition(':')[2]}"
+    trainer = Trainer(
+        max_steps=4, default_root_dir=tmp_path, enable_progress_bar=False, callbacks=[SkipStepTwo()],
+        fault_tolerance=FaultTolerance(address, 0, replicas=1),
+    )  # fmt: skip
+    try:
+        trainer.fit(Regression(optimizer="sgd"), regression_loader())
+    finally:
+        server.shutdown()
+    assert committed == [1, 2, 2, 3]

@@ -4,7 +4,8 @@ tests' Regression model with SGD and appends one line per step to ROOT/steps-ran
 committed, the participants, the data position, a hash of the parameters; ROOT/steps-rank{r}.jsonl per rank
 with `--fsdp`, where the group is a torchrun job of FSDP ranks). `--kills` schedules this group's
 own SIGKILLs, one per attempt (`--restarts K` relaunches it up to K times, see `relaunch`): each at a step offset from the
-attempt's first step, at the start of the step, during the gradient all-reduce, or after the commit. Both
+attempt's first step, at the start of the step, during the gradient all-reduce, or after the commit
+(`--skip-at`: that group skips its update at a step offset instead, alive). Both
 groups stop `--after-rejoin` steps after the group rejoined for the last time: the survivor knows it by
 the other group's drops out of the quorum (the test starts the other group only after the survivor's first
 step, so that the survivor sees every one of the `--kills`)."""
@@ -54,6 +55,7 @@ class Drill(Callback):
         kills = [k.split("@") for k in args.kills.split(",")] if args.kills else []
         mine = args.replica_id == args.killed
         self.kill = kills[args.attempt] if mine and args.attempt < len(kills) else None  # (offset, where)
+        self.skip_at = args.skip_at if mine else None  # an offset from the first step
         self.final = mine and args.attempt >= len(kills)
         self.kills = len(kills)
         self.first_step: int | None = None
@@ -84,6 +86,10 @@ class Drill(Callback):
             if where == "allreduce":  # die in place of this group's part of the gradient all-reduce: the
                 # survivor is in (or enters) its all-reduce with a dead peer
                 replicas.pg.allreduce = lambda *a, **kw: die()
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        if self.skip_at is not None and trainer.global_step - self.first_step == self.skip_at:
+            trainer.skip_optimizer_step("the drill skips this step in this group only")
 
     def kills_me(self, trainer) -> bool:
         """Only rank --kill-rank of the group dies (under torchrun its agent then restarts the whole group)."""
@@ -130,7 +136,7 @@ def train(args: argparse.Namespace) -> None:
             replica_id=args.replica_id,
             replicas=2,
             timeout_s=20,
-            quorum_timeout_s=60,
+            quorum_timeout_s=args.quorum_timeout,
             sync_every=args.sync_every,
         ),
     )
@@ -204,11 +210,13 @@ def main() -> None:
     )  # "offset@where,..." (where: start, allreduce, end), one per attempt
     p.add_argument("--attempt", type=int, default=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     p.add_argument("--kill-rank", type=int, default=0)  # the rank of the group that dies
+    p.add_argument("--skip-at", type=int, default=None)  # group --killed skips this step (offset), alive
     p.add_argument("--fsdp", action="store_true")  # the group is a torchrun job of FSDP ranks
     p.add_argument("--restarts", type=int, default=0)  # > 0: relaunch killed attempts (see `relaunch`)
     p.add_argument("--wait-for", default=None)  # the survivor's step log (see `relaunch`)
     p.add_argument("--after-rejoin", type=int, default=5)
     p.add_argument("--step-sleep", type=float, default=0.0)
+    p.add_argument("--quorum-timeout", type=float, default=60.0)  # FaultTolerance.quorum_timeout_s
     p.add_argument("--max-steps", type=int, default=100000)  # a bound; the drill stops the groups itself
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sync-every", type=int, default=1)  # > 1: DiLoCo

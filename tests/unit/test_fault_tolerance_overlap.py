@@ -10,6 +10,7 @@ import torch
 
 pytest.importorskip("torchft")
 
+from trainer.fault_tolerance.costs import PARTS, StepCosts  # noqa: E402
 from trainer.fault_tolerance.overlap import OverlappedAverage  # noqa: E402
 
 
@@ -100,6 +101,23 @@ def test_a_second_backward_or_a_token_weighted_step_leaves_the_gradients_alone()
     grads = [p.grad.clone() for p in model.net[0].parameters()]
     assert not overlap.finish(use=False)
     assert all(torch.equal(p.grad, g) for p, g in zip(model.net[0].parameters(), grads, strict=True))
+    overlap.remove()
+
+
+def test_a_step_counts_its_copies_and_all_reduce_in_the_replica_groups_costs():
+    """What the bench prints per step: the hooks' copies into the buckets and the launches and waits of
+    their all-reduces go to the group's running totals (the quorum and the vote are the group's own)."""
+    model, manager, costs = _model(), _Manager(), StepCosts()
+    assert costs.seconds == dict.fromkeys(PARTS, 0.0)
+    overlap = OverlappedAverage(model, manager, bucket_bytes=24 * 4, costs=costs)
+    overlap.arm()
+    _backward(model)
+    after_backward = dict(costs.seconds)
+    assert after_backward["copies"] > 0 and after_backward["allreduce"] > 0  # launched during the backward
+    assert overlap.finish(use=True)
+    assert costs.seconds["allreduce"] > after_backward["allreduce"]  # the waits
+    assert costs.seconds["copies"] > after_backward["copies"]  # the averages handed back as .grad
+    assert costs.seconds["quorum"] == costs.seconds["commit"] == 0.0
     overlap.remove()
 
 

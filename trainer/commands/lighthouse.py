@@ -6,6 +6,8 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from trainer.fault_tolerance.config import HEARTBEAT_INTERVAL_MS, HEARTBEAT_TIMEOUT_MS
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """`trainer lighthouse`: torchft's coordinator of fault-tolerant replica groups (trainer/fault_tolerance)."""
@@ -32,8 +34,9 @@ def add_quorum_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--heartbeat-timeout-ms",
         type=bounded_int(1, DAY_MS),
-        default=5000,
-        help="a silent group is dead after this (default 5000)",
+        default=HEARTBEAT_TIMEOUT_MS,
+        help=f"a silent group is dead after this: the survivors' stall after a crash (default "
+        f"{HEARTBEAT_TIMEOUT_MS}; groups heartbeat every {HEARTBEAT_INTERVAL_MS})",
     )
     parser.add_argument(
         "--join-timeout-ms",

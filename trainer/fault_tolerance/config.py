@@ -15,6 +15,16 @@ ENV = {
     "min_replicas": "TRAINER_FT_MIN_REPLICAS",
     "bind": "TRAINER_FT_BIND",
 }
+# A crashed group's process stops heartbeating at once; the lighthouse forms the survivors' next quorum when
+# its last heartbeat is HEARTBEAT_TIMEOUT_MS old (their stall after a crash, the step in flight having failed
+# on the closed connection already). A live group heartbeats every HEARTBEAT_INTERVAL_MS (a thread of
+# torchft's manager server, which a busy or hung Python thread does not hold up): it would miss ten in a row
+# before it reads as dead. A stopped process or a lost machine or network is caught the same way; a hang
+# inside a collective by `timeout_s`.
+HEARTBEAT_INTERVAL_MS = 50
+HEARTBEAT_TIMEOUT_MS = 500
+# the lighthouse re-checks a quorum that waits (for a heartbeat to run out) this often
+QUORUM_TICK_MS = 25
 # the longest wait a timeout may name: beyond it is a typo, and torchft's millisecond timeouts overflow
 WEEK_S = 7 * 24 * 3600
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO
 
-from trainer.fault_tolerance.config import ENV
+from trainer.fault_tolerance.config import ENV, HEARTBEAT_TIMEOUT_MS
 from trainer.fault_tolerance.lighthouse import start_lighthouse
 
 
@@ -29,7 +29,7 @@ class Launch:
     max_restarts: int = 0
     min_replicas: int = 1
     bind: str = "127.0.0.1"
-    heartbeat_timeout_ms: int = 5000
+    heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS
     join_timeout_ms: int = 60000
 
     def __post_init__(self) -> None:

@@ -7,11 +7,15 @@ import signal
 import threading
 from typing import Any
 
+from trainer.fault_tolerance.config import HEARTBEAT_TIMEOUT_MS, QUORUM_TICK_MS
 from trainer.fault_tolerance.replica_group import require_torchft
 
 
 def start_lighthouse(
-    bind: str, min_replicas: int = 1, heartbeat_timeout_ms: int = 5000, join_timeout_ms: int = 60000
+    bind: str,
+    min_replicas: int = 1,
+    heartbeat_timeout_ms: int = HEARTBEAT_TIMEOUT_MS,
+    join_timeout_ms: int = 60000,
 ) -> Any:
     """A running lighthouse listening on `bind` ("host:port", port 0: one the system picks); its
     `address()` is what `FaultTolerance(lighthouse=...)` takes, `shutdown()` stops it. A group whose
@@ -25,6 +29,7 @@ def start_lighthouse(
         min_replicas=min_replicas,
         heartbeat_timeout_ms=heartbeat_timeout_ms,
         join_timeout_ms=join_timeout_ms,
+        quorum_tick_ms=QUORUM_TICK_MS,
     )
 
 

@@ -4,10 +4,13 @@ gradient is accumulated, all of them waited for before the commit."""
 
 from __future__ import annotations
 
+from time import perf_counter
 from typing import Any
 
 import torch
 from torch import nn
+
+from trainer.fault_tolerance.costs import StepCosts
 
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb
 
@@ -38,8 +41,14 @@ class OverlappedAverage:
     gradient this step holds its bucket (and those after it) back to `finish`. Only while `arm`ed: one
     backward per step (a second hook call for a parameter marks the step stale, see `finish`)."""
 
-    def __init__(self, module: nn.Module, manager: Any, bucket_bytes: int = BUCKET_BYTES) -> None:
-        self.manager = manager
+    def __init__(
+        self,
+        module: nn.Module,
+        manager: Any,
+        bucket_bytes: int = BUCKET_BYTES,
+        costs: StepCosts | None = None,
+    ) -> None:
+        self.manager, self.costs = manager, costs or StepCosts()  # the replica group's, to share its totals
         params = [p for p in module.parameters() if p.requires_grad]
         self.buckets: list[_Bucket] = []
         current: list[nn.Parameter] = []
@@ -83,8 +92,10 @@ class OverlappedAverage:
         for bucket in self.buckets[self.next :]:
             self._launch(bucket)
         self.next = len(self.buckets)
+        start = perf_counter()
         for bucket in self.buckets:
             bucket.work.wait()  # a failure is recorded by torchft (the step is then discarded), never raised
+        start = self.costs.add("allreduce", start)
         if not use or self.stale:
             return False
         for bucket in self.buckets:
@@ -93,6 +104,7 @@ class OverlappedAverage:
                     p.grad = view  # as DDP's gradient_as_bucket_view (the Trainer's default): no copy back
                 elif p.grad is not None:
                     p.grad.copy_(view)
+        self.costs.add("copies", start)
         return True
 
     def remove(self) -> None:
@@ -109,7 +121,9 @@ class OverlappedAverage:
         if i in bucket.ready or bucket.work is not None:
             self.stale = True  # a second backward this step: what was copied is out of date
             return
+        start = perf_counter()
         bucket.views[i].copy_(p.grad)
+        self.costs.add("copies", start)
         bucket.ready.add(i)
         while self.next < len(self.buckets) and len(self.buckets[self.next].ready) == len(
             self.buckets[self.next].params
@@ -118,10 +132,13 @@ class OverlappedAverage:
             self.next += 1
 
     def _launch(self, bucket: _Bucket) -> None:
+        start = perf_counter()
         for i, p in enumerate(bucket.params):
             if i not in bucket.ready:  # no gradient this step (unused, or its hook has not run): a zero
                 if p.grad is None:
                     bucket.views[i].zero_()
                 else:
                     bucket.views[i].copy_(p.grad)
+        start = self.costs.add("copies", start)
         bucket.work = self.manager.allreduce(bucket.flat)
+        self.costs.add("allreduce", start)

@@ -8,6 +8,7 @@ import importlib
 import logging
 from collections.abc import Iterator
 from datetime import timedelta
+from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -15,7 +16,8 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer.core.dtensors import local_part
-from trainer.fault_tolerance.config import NoQuorumError
+from trainer.fault_tolerance.config import HEARTBEAT_INTERVAL_MS, NoQuorumError
+from trainer.fault_tolerance.costs import StepCosts
 from trainer.fault_tolerance.outer_sync import OuterSync
 from trainer.fault_tolerance.overlap import OverlappedAverage
 from trainer.fault_tolerance.state import load_replica_state, replica_state
@@ -81,9 +83,13 @@ class ReplicaGroup:
                 lighthouse_addr=config.lighthouse_url,
                 replica_id=config.replica_name,
                 hostname=config.bind,
+                # the lighthouse's heartbeat timeout is HEARTBEAT_TIMEOUT_MS unless it was started with another
+                heartbeat_interval=timedelta(milliseconds=HEARTBEAT_INTERVAL_MS),
                 # the state goes rank to rank over the groups' own process group: no extra server
                 checkpoint_transport=PGTransport(self.pg, timeout, strategy.root_device),
             )
+        if strategy.world_size == 1:
+            self.manager._client = OwnVote(self.manager._client)
         self.manager.register_state_dict_fn("trainer", self._load, lambda: replica_state(trainer))
         self.recovered = False  # this step's quorum replaced the training state with a peer's
         self.participants = 0
@@ -97,8 +103,9 @@ class ReplicaGroup:
         )
         if self.outer is not None:  # a rejoining group takes the outer momentum too
             self.manager.register_state_dict_fn("outer", self.outer.load_state_dict, self.outer.state_dict)
+        self.costs = StepCosts()
         per_step = self.outer is None and _overlap_is_valid(trainer)
-        self.overlap = OverlappedAverage(trainer.module, self.manager) if per_step else None
+        self.overlap = OverlappedAverage(trainer.module, self.manager, costs=self.costs) if per_step else None
 
     def start_step(self) -> bool:
         """Join this step's quorum; True when this group was behind and now holds a peer's training state
@@ -107,13 +114,21 @@ class ReplicaGroup:
         self.recovered = False
         if self.outer is not None and not self.outer.starts_window(self.trainer.global_step):
             return False  # DiLoCo: inside a window the group trains alone
-        # torchft's step is what its quorum compares to pick the groups to heal from: it counts this run's
-        # steps as the loop does (a discarded step counts too), so after a resume the group with the newest
-        # checkpoint is the source, not the one torchft ranks first among fresh processes at step 0
-        if self.manager.current_step() != self.trainer.global_step:
+        # torchft's step is what its quorum compares to pick the groups to heal and the one to heal from:
+        # the updates this group applied (the loop's steps less its skipped ones). A group that discarded or
+        # skipped a step its peers committed (a callback's skip, a collective that failed in this group
+        # only) is then behind them and heals now; after a resume the group with the newest checkpoint is
+        # the source, not the one torchft ranks first among fresh processes at step 0. Under DiLoCo the
+        # groups meet on the loop's step (a local skip inside a window is the group's own)
+        loop = self.trainer.state
+        applied = (
+            loop.global_step if self.outer is not None else max(loop.global_step - loop.skipped_steps, 0)
+        )
+        if self.manager.current_step() != applied:
             self.manager.load_state_dict(
-                {"step": self.trainer.global_step, "batches_committed": self.manager.batches_committed()}
+                {"step": applied, "batches_committed": self.manager.batches_committed()}
             )
+        start = perf_counter()
         try:
             self.manager.start_quorum()
         except PeerStateMismatch:
@@ -124,6 +139,7 @@ class ReplicaGroup:
                 f"quorum_timeout_s={self.config.quorum_timeout_s:g} at lighthouse {self.config.lighthouse} ({_first_line(err)})"
             ) from None  # torchft's error, several lines long, is in the line already (its first line)
         self.participants = self.manager.num_participants()
+        self.costs.add("quorum", start)
         if self.overlap is not None:
             self.overlap.arm()
         if self.outer is not None:
@@ -145,7 +161,9 @@ class ReplicaGroup:
         if self.overlap is not None and self.overlap.finish(use=True):
             if num_tokens is not None:  # the buckets held token sums: their mean over the mean token count
                 mean = self._mean_over_groups(mine)
+                start = perf_counter()
                 torch._foreach_mul_(_grads(module), 1.0 / mean if mean > 0 else 0.0)  # 0: no tokens anywhere
+                self.costs.add("copies", start)
             return
         grads = _grads(module)
         if num_tokens is not None:  # .grad is this group's token mean: weigh it by the group's tokens
@@ -160,8 +178,12 @@ class ReplicaGroup:
         for t in tensors:
             by_kind.setdefault((t.dtype, t.device), []).append(t)
         for group in by_kind.values():
+            start = perf_counter()
             flat = torch.cat([t.reshape(-1) for t in group])
-            if not self.manager.allreduce(flat).wait():
+            start = self.costs.add("copies", start)
+            done = self.manager.allreduce(flat).wait()
+            start = self.costs.add("allreduce", start)
+            if not done:
                 return
             torch._foreach_copy_(
                 group,
@@ -170,11 +192,13 @@ class ReplicaGroup:
                     for piece, t in zip(flat.split([t.numel() for t in group]), group, strict=True)
                 ],
             )
+            self.costs.add("copies", start)
 
     def _mean_over_groups(self, tokens: torch.Tensor) -> float:
         """The mean of the participating groups' `tokens` (a group that is not participating counts as 0)."""
-        mean = tokens.clone()
+        start, mean = perf_counter(), tokens.clone()
         self.manager.allreduce(mean).wait()  # a failure leaves garbage: the step is then discarded
+        self.costs.add("allreduce", start)
         return float(mean)
 
     def commit(self, vote: bool) -> bool:
@@ -185,7 +209,15 @@ class ReplicaGroup:
             return vote
         if not vote:
             self.manager.report_error(RuntimeError("a callback skipped the optimizer step"))
-        return self.manager.should_commit()
+        start = perf_counter()
+        committed = self.manager.should_commit()
+        self.costs.add("commit", start)
+        if not committed and vote:  # a callback's skip is the user's own
+            log.warning(
+                f"fault tolerance: replica group {self.config.replica_id} discarded step "
+                f"{self.trainer.global_step}: {self._discard_reason()}"
+            )
+        return committed
 
     def end_step(self) -> None:
         """After the optimizer step: under DiLoCo, at a window's last step, the groups meet (the outer step,
@@ -194,6 +226,16 @@ class ReplicaGroup:
         if self.outer is not None and self.outer.ends_window(self.trainer.global_step):
             self.synced = self.outer.sync(self._average, self.manager.should_commit)
             self.trainer.metrics.add("train/outer_sync", float(self.synced), on_step=True, on_epoch=False)
+
+    def _discard_reason(self) -> str:
+        """Why this group's step was discarded, in one line: the error it recorded (a collective that failed,
+        a callback's skip), too few groups, or another rank of the group."""
+        error = self.manager.errored()
+        if error is not None:
+            return _first_line(getattr(error, "original_exception", error))
+        if self.participants < self.config.min_replicas:
+            return f"{self.participants} replica group(s) took part, fewer than min_replicas={self.config.min_replicas}"
+        return "another rank of this replica group failed"
 
     def shutdown(self) -> None:
         """Stop this group's manager server, its transport and the quorum thread; take the hooks off."""
@@ -217,6 +259,22 @@ class ReplicaGroup:
             f"fault tolerance: replica group {self.config.replica_id} recovered from a peer at step "
             f"{self.trainer.global_step}"
         )
+
+
+class OwnVote:
+    """torchft's manager client, whose commit vote of a one-process group is that process's own: torchft
+    0.2.0 asks the group's manager server to agree the group's ranks (a round trip per step, ~0.4-1 ms on a
+    loaded machine), which with one rank answers the vote it was given. Everything else goes to `client`."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    def should_commit(self, group_rank: int, step: int, should_commit: bool, timeout: timedelta) -> bool:
+        """The group's decision: its one rank's vote."""
+        return should_commit
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
 
 
 class PeerStateMismatch(RuntimeError):
