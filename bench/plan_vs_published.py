@@ -89,7 +89,7 @@ def evaluate(p: Published, index: int, with_best: bool) -> Row:
     limit = hw.device.memory_bytes * USABLE_MEMORY
     kernels = [p.fused] if p.fused is not None else [False, True]
     mine = [
-        (replace(layout, fused_kernels=fused), run)
+        (replace(layout, fused_kernels=fused, flash_attention=p.flash), run)
         for layout, run in layouts(
             p.shape, p.gpus, GPUS_PER_NODE, p.seq_len, p.global_batch, virtual_stages=WHAT_IF_STAGES
         )

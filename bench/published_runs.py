@@ -68,16 +68,14 @@ class Published:
     tflops: float | None = None  # per GPU, as published (Narayanan: with recompute)
     tokens_per_gpu_s: float | None = None
     gpu_memory: float | None = None  # bytes, when the run's devices differ from the table's
-    fused: bool | None = (
-        None  # elementwise kernels fused (Megatron's fused ops, torch.compile); None: not said
-    )
-    note: str = ""
+    # elementwise kernels fused (Megatron's fused ops, torch.compile); None: not said, the planner picks
+    fused: bool | None = None
+    flash: bool = True  # flash attention (Megatron-LM 2021 predates it: materialized scores)
 
 
 def _megatron_table1() -> list[Published]:
     # Table 1: (params B, heads, hidden, layers, t, p, GPUs, batch, TFLOP/s per GPU); full recompute, fused
-    # kernels (their Section 5.8),
-    # s = 2048, A100 80GB on Selene (8 HDR 200 Gb/s NICs per DGX A100 node)
+    # kernels (their Section 5.8), no flash attention (2021), s = 2048, A100 80GB on Selene (8 HDR 200 Gb/s NICs per DGX A100 node)
     rows = [
         (1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
         (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
@@ -105,6 +103,7 @@ def _megatron_table1() -> list[Published]:
             activation_checkpointing="full",
             tflops=x,
             fused=True,
+            flash=False,
         )  # fmt: skip
         for b, a, h, layers, t, p, n, batch, x in rows
     ]
@@ -146,6 +145,7 @@ def _megatron_table2() -> list[Published]:
             activation_checkpointing="full",
             tflops=x,
             fused=True,
+            flash=False,
         )  # fmt: skip
         for name, shape, n, batch, t, p, fsdp, mb, x in rows
     ]

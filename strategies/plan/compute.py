@@ -11,7 +11,7 @@ No constant is fitted to a paper or a model: the rates come from datasheets and 
 
 from __future__ import annotations
 
-from strategies.plan.hardware import GB, Hardware
+from strategies.plan.hardware import GB, SUSTAINED_SHARE, Hardware
 from strategies.plan.shapes import Layout, ModelShape
 
 # flash attention's FLOPs as run, over the 12 L H hd T the MFU counts: the causal mask skips half the score
@@ -51,19 +51,43 @@ def elementwise_bytes(shape: ModelShape, layout: Layout, tokens: float) -> float
 
 
 def attention_s(shape: ModelShape, layout: Layout, tokens: float, seq_len: int, hw: Hardware) -> float:
-    """Seconds of flash attention over `tokens` query tokens of this rank (all blocks, forward and backward,
-    and the forward again when checkpointing recomputes it)."""
+    """Seconds of attention over `tokens` query tokens of this rank (all blocks, forward and backward, and
+    the forward again when checkpointing recomputes it): flash attention's, or `unfused_attention_s`."""
     counted = 12 * shape.n_layers * shape.n_heads * shape.head_dim / layout.tp * seq_len * tokens
+    if not layout.flash_attention:
+        return unfused_attention_s(shape, layout, counted, tokens, seq_len, hw)
     rerun = (3.5 + 1) / 3.5 if layout.activation_checkpointing != "none" else 1.0
     block = seq_len / layout.cp  # ring attention's blocks: a cp shard's queries against one shard of keys
-    rate = (
-        hw.device.bf16_tflops * 1e12 * hw.device.attention_efficiency * block / (block + ATTENTION_HALF_BLOCK)
-    )
+    peak = hw.device.bf16_tflops * 1e12 * SUSTAINED_SHARE
+    rate = peak * hw.device.attention_efficiency * block / (block + ATTENTION_HALF_BLOCK)
     return counted * CAUSAL_SHARE * FLASH_BACKWARD * rerun / rate
 
 
+def unfused_attention_s(
+    shape: ModelShape, layout: Layout, counted: float, tokens: float, seq_len: int, hw: Hardware
+) -> float:
+    """Attention that materializes its scores (before FlashAttention, Megatron-LM 2021): QK^T and AV as
+    batched GEMMs of a head's (queries x head_dim x keys), every score computed (the mask applied after),
+    and the score matrix through HBM: written by QK^T, read and written by the softmax (scale and mask
+    fused), read by AV in the forward (8 bytes a score in bf16), twice that in the backward (16); the forward
+    again under recompute."""
+    rerun = 4 / 3 if layout.activation_checkpointing != "none" else 1.0
+    queries = seq_len / layout.cp
+    n = _intensity(queries, shape.head_dim, seq_len)
+    heads = shape.n_heads / layout.tp * tokens / queries  # the batch: every head of every sequence shard
+    fill = (heads * queries * shape.head_dim * seq_len) ** (1 / 3)
+    scores = shape.n_layers * shape.n_heads / layout.tp * seq_len * tokens  # score elements of this rank
+    hbm = hw.device.hbm_GBps * GB * HBM_ACHIEVED
+    return counted * rerun / hw.device.gemm_rate(n, fill) + scores * (8 * rerun + 16) / hbm
+
+
+def _intensity(m: float, k: float, n: float) -> float:
+    """The n of an n x n x n product as arithmetic-intense as an m x k by k x n one (step_time's)."""
+    return 3.0 / (1.0 / m + 1.0 / k + 1.0 / n)
+
+
 def pass_seconds(
-    weight_matmuls: list[tuple[float, float]],
+    weight_matmuls: list[tuple[float, float, float, float]],
     shape: ModelShape,
     layout: Layout,
     tokens: float,
@@ -71,10 +95,13 @@ def pass_seconds(
     hw: Hardware,
 ) -> float:
     """Seconds of one rank's forward-backward pass over `tokens` tokens (every block, before a pipeline
-    divides them): its weight matmuls (FLOPs, intensity size) at their shapes' rates (again for the forward
-    a full recompute reruns, the output layer excepted), attention, and the memory-bound ops."""
+    divides them): its weight matmuls ((FLOPs, m, k, n), each at the rate its intensity and its work give:
+    `Device.gemm_rate`; again for the forward a full recompute reruns, the output layer excepted), attention,
+    and the memory-bound ops."""
     rerun = 4 / 3 if layout.activation_checkpointing == "full" else 1.0
-    *blocks, output = weight_matmuls
-    matmul = sum(f / hw.matmul_rate(n) for f, n in blocks) * rerun + output[0] / hw.matmul_rate(output[1])
+    times = [
+        f / hw.device.gemm_rate(_intensity(m, k, n), (m * k * n) ** (1 / 3)) for f, m, k, n in weight_matmuls
+    ]
+    matmul = sum(times[:-1]) * rerun + times[-1]
     memory = elementwise_bytes(shape, layout, tokens) / (hw.device.hbm_GBps * GB * HBM_ACHIEVED)
     return matmul + attention_s(shape, layout, tokens, seq_len, hw) + memory

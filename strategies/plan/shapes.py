@@ -55,9 +55,9 @@ class Layout:
     )
     precision: str = "bf16"
     cpu_offload: bool = False
-    fused_kernels: bool = (
-        False  # elementwise work fused (torch.compile, Megatron-LM's fused kernels), else eager
-    )
+    # elementwise work fused (torch.compile, Megatron-LM's fused kernels), else eager
+    fused_kernels: bool = False
+    flash_attention: bool = True  # else attention materializes its scores (matmuls, softmax over HBM)
 
     @property
     def stages_per_rank(self) -> int:

@@ -146,25 +146,27 @@ def _intensity_size(m: float, k: float, n: float) -> float:
     return 3.0 / (1.0 / m + 1.0 / k + 1.0 / n)
 
 
-def weight_matmuls(shape: ModelShape, layout: Layout, tokens: float) -> list[tuple[float, float]]:
-    """(FLOPs, intensity size) of the weight matmuls of one rank's pass over `tokens` tokens, forward and
-    backward (6 per weight and token): each block's (tp splits each weight's heads or hidden width), every
-    block together, the output layer last."""
+def weight_matmuls(
+    shape: ModelShape, layout: Layout, tokens: float
+) -> list[tuple[float, float, float, float]]:
+    """(FLOPs, m, k, n) of the weight matmuls of one rank's pass over `tokens` tokens, forward and backward
+    (6 per weight and token), each a (tokens x dim) by (dim x width) product: each block's (tp splits each
+    weight's heads or hidden width), every block together, the output layer last."""
     tp, d, T = layout.tp, shape.dim, tokens
     q, kv = shape.n_heads * shape.head_dim / tp, shape.n_kv_heads * shape.head_dim / tp
     if shape.n_experts:  # the router, each routed expert on its share of the tokens, the shared experts
         f, routed = shape.expert_ffn_dim / tp, T * shape.top_k / shape.n_experts
-        ffn = [(d * shape.n_experts, _intensity_size(T, d, shape.n_experts))]
-        ffn.append((3 * d * f * shape.top_k, _intensity_size(routed, d, f)))
+        ffn = [(d * shape.n_experts, T, shape.n_experts)]
+        ffn.append((3 * d * f * shape.top_k, routed, f))
         if shape.n_shared_experts:
-            ffn.append((3 * d * f * shape.n_shared_experts, _intensity_size(T, d, f)))
+            ffn.append((3 * d * f * shape.n_shared_experts, T, f))
     else:
         f = shape.ffn_dim / tp
-        ffn = [(3 * d * f, _intensity_size(T, d, f))]
-    block = [(2 * d * q, _intensity_size(T, d, q)), (2 * d * kv, _intensity_size(T, d, kv)), *ffn]
-    found = [(6 * w * T * shape.n_layers, n) for w, n in block]
+        ffn = [(3 * d * f, T, f)]
+    block = [(2 * d * q, T, q), (2 * d * kv, T, kv), *ffn]
+    found = [(6 * w * T * shape.n_layers, m, d, n) for w, m, n in block]
     vocab = shape.vocab_size / tp
-    found.append((6 * d * vocab * T, _intensity_size(T, d, vocab)))
+    found.append((6 * d * vocab * T, T, d, vocab))
     return found
 
 
@@ -175,10 +177,8 @@ def matmuls(shape: ModelShape, layout: Layout, tokens: float, seq_len: int) -> l
     q = shape.n_heads * shape.head_dim / layout.tp
     scores = 12 * shape.n_layers * q * seq_len * tokens
     queries = seq_len / layout.cp
-    return [
-        *weight_matmuls(shape, layout, tokens),
-        (scores, _intensity_size(queries, shape.head_dim, seq_len)),
-    ]
+    weights = [(f, _intensity_size(m, k, n)) for f, m, k, n in weight_matmuls(shape, layout, tokens)]
+    return [*weights, (scores, _intensity_size(queries, shape.head_dim, seq_len))]
 
 
 def matmul_rate(shape: ModelShape, layout: Layout, tokens: float, seq_len: int, hw: Hardware) -> float:
