@@ -77,6 +77,7 @@ class Row:
     best_layout: Layout | None
     best: StepTime | None
     rank: int | None  # the published layout's place in the planner's ranking (1: its best)
+    same_ac: StepTime | None  # the planner's best with the published activation checkpointing, when published
 
     @property
     def error(self) -> float | None:
@@ -100,12 +101,15 @@ def evaluate(p: Published, index: int, with_best: bool) -> Row:
     peaks = {id(L): per_rank_memory(p.shape, L, run).peak for _, L, run in timed}
     fitting = [t for t in timed if peaks[id(t[1])] <= limit]
     pick = max(fitting or timed, key=lambda t: t[0].tokens_per_s, default=None)
-    best_layout = best = rank = None
+    best_layout = best = rank = same_ac = None
     if with_best:
         try:
-            fused = pick is not None and pick[1].fused_kernels
+            kernels = {
+                "fused_kernels": pick is not None and pick[1].fused_kernels,
+                "flash_attention": p.flash,
+            }
             plan = search(
-                p.shape, hw, p.gpus, p.seq_len, p.global_batch, virtual_stages=WHAT_IF_STAGES, fused=fused
+                p.shape, hw, p.gpus, p.seq_len, p.global_batch, virtual_stages=WHAT_IF_STAGES, kernels=kernels
             )
         except ValueError as err:
             print(f"  {p.name}: the planner finds no layout: {err}")
@@ -113,10 +117,19 @@ def evaluate(p: Published, index: int, with_best: bool) -> Row:
             best_layout, best = plan.best.layout, plan.best.time
             if pick is not None:
                 rank = 1 + sum(c.time.tokens_per_s > pick[0].tokens_per_s for c in plan.ranked)
+            ac = p.activation_checkpointing
+            if ac is not None and plan.best.layout.activation_checkpointing != ac:
+                pinned = search(
+                    p.shape, hw, p.gpus, p.seq_len, p.global_batch, virtual_stages=WHAT_IF_STAGES,
+                    kernels=kernels, keep=lambda L: L.activation_checkpointing == ac,
+                )  # fmt: skip
+                same_ac = pinned.best.time
+            else:
+                same_ac = best
     return Row(
         p, held_out(index), published_mfu(p),
         None if pick is None else pick[1], None if pick is None else pick[0],
-        bool(fitting), (peaks[id(pick[1])] if pick else 0.0) / 1e9, best_layout, best, rank,
+        bool(fitting), (peaks[id(pick[1])] if pick else 0.0) / 1e9, best_layout, best, rank, same_ac,
     )  # fmt: skip
 
 
@@ -125,13 +138,15 @@ def summary(rows: list[Row], label: str) -> str:
     errors = [abs(r.error) for r in rows if r.error is not None]
     near = [r for r in rows if r.best is not None and r.time is not None]
     close = sum(r.time.tokens_per_s >= 0.95 * r.best.tokens_per_s for r in near)
+    same = [r for r in near if r.same_ac is not None]
+    close_ac = sum(r.time.tokens_per_s >= 0.95 * r.same_ac.tokens_per_s for r in same)
     fits = sum(r.fits for r in rows)
     if not errors:
         return f"{label}: no point predicted"
     return (
         f"{label} ({len(rows)} points, {len(errors)} predicted): MFU error median {statistics.median(errors):.1%}, "
         f"worst {max(errors):.1%}; published layout fits memory {fits}/{len(rows)}; within 5% of the planner's "
-        f"best {close}/{len(near)}"
+        f"best {close}/{len(near)}, of its best with the published checkpointing {close_ac}/{len(same)}"
     )
 
 
@@ -163,6 +178,11 @@ def main() -> None:
             print(
                 f"  planner's best {r.best.mfu:.1%} as {layout_text(r.best_layout)}; published layout rank "
                 f"{r.rank}, {ratio:.0%} of the best"
+                + (
+                    f", {r.time.tokens_per_s / r.same_ac.tokens_per_s:.0%} of the best with its checkpointing"
+                    if r.same_ac
+                    else ""
+                )
             )
         print(f"  ({time.perf_counter() - start:.1f}s)")
     print()

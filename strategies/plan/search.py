@@ -7,7 +7,7 @@ recipe's and stays fixed: a layout only decides how it is split."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +29,7 @@ MAX_WORLD = 10_000_000
 # world and the global batch share so many divisors that the answer would take minutes
 MAX_LAYOUTS = 50_000
 Memory = Callable[[ModelShape, Layout, RunShape], Any]  # -> an estimate with `.peak` in bytes
+Kernels = Mapping[str, bool]  # Layout's kernel fields: fused_kernels, flash_attention
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ def divisors(n: int) -> list[int]:
 
 def layouts(shape: ModelShape, world: int, gpus_per_node: int, seq_len: int, global_batch: int,
             precision: str = "bf16", optimizer: str = "adamw", virtual_stages: tuple[int, ...] = RUNTIME_VIRTUAL_STAGES,
-            rejected: Counter[str] | None = None, fused: bool = False) -> Iterator[tuple[Layout, RunShape]]:  # fmt: skip
+            rejected: Counter[str] | None = None, kernels: Kernels | None = None) -> Iterator[tuple[Layout, RunShape]]:  # fmt: skip
     """Every (layout, per-rank batch) of `world` ranks the strategies run for this model: tp divides the
     heads and the vocabulary and stays in a node, cp splits the sequence into 2 cp chunks, pp gives each
     stage a block, the data-parallel ranks split `global_batch` sequences evenly; DDP and ZeRO-1 only
@@ -102,12 +103,12 @@ def layouts(shape: ModelShape, world: int, gpus_per_node: int, seq_len: int, glo
                     rejected[f"the global batch of {global_batch} does not split over dp={dp}"] += 1
                     continue
                 yield from _data_parallel(shape, tp, cp, pp, dp, gpus_per_node, seq_len, global_batch // dp,
-                                          precision, optimizer, virtual_stages, rejected, fused)  # fmt: skip
+                                          precision, optimizer, virtual_stages, rejected, kernels or {})  # fmt: skip
 
 
 def _data_parallel(shape: ModelShape, tp: int, cp: int, pp: int, dp: int, gpus_per_node: int, seq_len: int,
                    per_rank: int, precision: str, optimizer: str, virtual_stages: tuple[int, ...],
-                   rejected: Counter[str], fused: bool) -> Iterator[tuple[Layout, RunShape]]:  # fmt: skip
+                   rejected: Counter[str], kernels: Kernels) -> Iterator[tuple[Layout, RunShape]]:  # fmt: skip
     """The data-parallel splits (FSDP over all, HSDP with a node-wide shard, replicas only) of `dp` ranks,
     each with its ZeRO stages, expert degrees, schedules, micro-batch sizes and AC modes."""
     node_shard = max(1, gpus_per_node // (tp * cp))
@@ -154,7 +155,7 @@ def _data_parallel(shape: ModelShape, tp: int, cp: int, pp: int, dp: int, gpus_p
                                 dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp, ep=ep,
                                 zero_stage=zero_stage, sequence_parallel=tp > 1, pp_schedule=schedule,
                                 pp_microbatches=cuts, pp_virtual_stages=v if v > 1 else 2, activation_checkpointing=ac,
-                                precision=precision, fused_kernels=fused,
+                                precision=precision, **kernels,
                             ), run  # fmt: skip
 
 
@@ -177,11 +178,12 @@ def default_memory() -> Memory:
 def search(shape: ModelShape, hardware: Hardware, world: int, seq_len: int, global_batch: int,
            precision: str = "bf16", optimizer: str = "adamw", memory: Memory | None = None,
            keep: Callable[[Layout], bool] | None = None,
-           virtual_stages: tuple[int, ...] = RUNTIME_VIRTUAL_STAGES, fused: bool = False) -> Plan:  # fmt: skip
+           virtual_stages: tuple[int, ...] = RUNTIME_VIRTUAL_STAGES, kernels: Kernels | None = None) -> Plan:  # fmt: skip
     """The layouts of `world` ranks on `hardware` that fit its memory, fastest first (see the module's
     docstring); `keep` narrows the layouts tried (e.g. to what a CPU backend runs); `virtual_stages` the
     interleaved schedule's stages per rank tried (more than the runtime builds: a what-if, said in `why`);
-    `fused` whether the elementwise work runs fused (torch.compile: the runtime's `compile`). A
+    `kernels` the Layout's kernel fields every layout takes (fused_kernels: torch.compile, the runtime's
+    `compile`; flash_attention). A
     one-line ValueError when none fits, naming what bit: memory (the smallest peak seen), or the
     constraints that left no layout to try."""
     if not 1 <= world <= MAX_WORLD:
@@ -194,7 +196,7 @@ def search(shape: ModelShape, hardware: Hardware, world: int, seq_len: int, glob
     # listing them is cheap (microseconds each); weighing one with the memory and step-time models is not
     rejected: Counter[str] = Counter()
     every = list(layouts(shape, world, hardware.gpus_per_node, seq_len, global_batch, precision, optimizer,
-                         virtual_stages, rejected, fused))  # fmt: skip
+                         virtual_stages, rejected, kernels))  # fmt: skip
     if len(every) > MAX_LAYOUTS:
         raise ValueError(
             f"{len(every):,} layouts of {world:,} GPUs to weigh (global batch {global_batch:,}, {shape.n_layers} "
