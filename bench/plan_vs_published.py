@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.published_runs import POINTS, Published, held_out  # noqa: E402
 from strategies.plan.hardware import build_hardware  # noqa: E402
 from strategies.plan.memory import per_rank_memory  # noqa: E402
+import strategies.plan.search as search_module  # noqa: E402
 from strategies.plan.search import USABLE_MEMORY, layout_text, layouts, search  # noqa: E402
 from strategies.plan.shapes import Layout, RunShape  # noqa: E402
 from strategies.plan.step_time import StepTime, flops_per_token, step_time  # noqa: E402
@@ -29,6 +30,8 @@ from strategies.plan.step_time import StepTime, flops_per_token, step_time  # no
 GPUS_PER_NODE = 8  # every published run: 8-GPU nodes (DGX A100, Grand Teton)
 # interleaved stages per rank weighed (Llama 3's ~8 blocks a stage; the runtime builds 2: a what-if here)
 WHAT_IF_STAGES = (2, 3, 4, 6, 8)
+# the what-if stages multiply the layouts of a world: the largest published worlds weigh ~70,000 (minutes)
+search_module.MAX_LAYOUTS = 200_000
 
 
 def published_mfu(p: Published) -> float:
