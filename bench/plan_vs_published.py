@@ -19,10 +19,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import strategies.plan.search as search_module  # noqa: E402
 from bench.published_runs import POINTS, Published, held_out  # noqa: E402
 from strategies.plan.hardware import build_hardware  # noqa: E402
 from strategies.plan.memory import per_rank_memory  # noqa: E402
-import strategies.plan.search as search_module  # noqa: E402
 from strategies.plan.search import USABLE_MEMORY, layout_text, layouts, search  # noqa: E402
 from strategies.plan.shapes import Layout, RunShape  # noqa: E402
 from strategies.plan.step_time import StepTime, flops_per_token, step_time  # noqa: E402
