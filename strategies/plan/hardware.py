@@ -26,21 +26,58 @@ from pathlib import Path
 from typing import Any
 
 GB = 1e9
+# The GEMM efficiency curve, one for every GPU (Device.gemm_rate): cuBLAS bf16 on a B200 (pyptx.dev/performance,
+# its cuBLAS column: 1006, 1532 and 1610 TFLOP/s at 2048^3, 4096^3 and 8192^3 of a 2250 peak, i.e. 45%, 68%,
+# 72%) fits gemm_max 0.76 with the half-way point at 2 ridges (B200's ridge is n ~ 840: 1700 gives 45/65/73%).
+# The same saturation is what NVIDIA's "Matrix Multiplication Background" guide shows on A100 and H100: large
+# products at 70-80% of the tensor-core peak, small ones bound by wave and tile quantization and by HBM.
+GEMM_MAX = 0.76
+GEMM_HALF_RIDGES = 2.0
+# The share of a kernel benchmark's tensor-core rate a training step sustains: benchmarks time bursts of tens
+# of milliseconds at boost clock on square, cache-friendly operands; hours of dense matmuls run into the
+# board's power limit (A100 400 W, H100 700 W) and clock down, the backward's transposed operands and the
+# launch gaps between kernels cost more. One number for every device and model, the only one fitted: on the
+# tuning points of bench/plan_vs_published.py (median error 20% at 1.0, 6% at 0.85, 4% at 0.8), with the
+# held-out third as its check (5% at 0.8).
+SUSTAINED_SHARE = 0.8
 
 
 @dataclass(frozen=True)
 class Device:
-    """One accelerator: its dense bf16 peak (no sparsity) and its memory."""
+    """One accelerator: its dense bf16 peak (no sparsity), its memory and, for a GPU, what its kernels reach:
+    HBM bandwidth (the roofline of memory-bound work), the share of the peak its largest GEMMs reach, and
+    flash attention's share. A device without `hbm_GBps` (a CPU process) runs every matmul at `achievable`."""
 
     name: str
     bf16_tflops: float
     memory_bytes: float
-    # the share of the peak a training step's matmuls reach when nothing waits on communication: large
-    # bf16 GEMMs reach 70-80% of peak in cuBLAS, a whole step (attention, norms, elementwise, the optimizer)
-    # about half (TorchTitan's published Llama 3 8B on 8 H100 with FSDP and compile: ~40% MFU including
-    # its communication; Megatron-LM's 175B-1T runs: 44-52%)
+    # the share of the peak a step's matmuls reach where nothing finer is known (no HBM bandwidth given)
     achievable: float = 0.5
     fp32_ratio: float = 0.5  # fp32 matmuls run as TF32 at half the bf16 rate (the same datasheets)
+    hbm_GBps: float | None = None
+    gemm_max: float = GEMM_MAX
+    attention_efficiency: float = 0.35
+
+    @property
+    def ridge(self) -> float:
+        """The n of the n x n x n bf16 product whose intensity (n/3 FLOP per byte) meets the roofline's ridge
+        (peak over HBM bandwidth): smaller products are memory-bound."""
+        return 3 * self.bf16_tflops * 1e12 / (self.hbm_GBps * GB) if self.hbm_GBps else 0.0
+
+    def gemm_rate(self, n: float, fill: float | None = None) -> float:
+        """FLOP/s of a bf16 GEMM as arithmetic-intense as an n x n x n one: the roofline (peak, or HBM
+        bandwidth times its n/3 FLOP per byte, whichever is lower) times the GEMM efficiency curve
+        gemm_max * f^2 / (f^2 + (2 ridge)^2), f the cube root of the work that fills the GPU (`fill`: a
+        batched GEMM's whole batch; n for one product): small products leave SMs idle (waves and tiles not
+        filled) and their loads unhidden; large ones saturate at gemm_max."""
+        peak = self.bf16_tflops * 1e12
+        if not self.hbm_GBps:
+            return peak * self.achievable
+        peak *= SUSTAINED_SHARE
+        half = GEMM_HALF_RIDGES * self.ridge
+        f = n if fill is None else fill
+        roof = min(peak, self.hbm_GBps * GB * n / 3)
+        return roof * self.gemm_max * f * f / (f * f + half * half)
 
 
 @dataclass(frozen=True)
@@ -66,14 +103,17 @@ def bus_factor(op: str, n: int) -> float:
 
 
 # Sources: NVIDIA's datasheets (H100: "H100 Tensor Core GPU" datasheet, SXM column, 989 TFLOP/s bf16
-# dense (1979 with sparsity); H200: "H200 Tensor Core GPU" datasheet, same compute, 141 GB HBM3e; B200:
-# "HGX B200" datasheet, 2.25 PFLOP/s bf16 dense per GPU, 180 GB HBM3e; A100: "A100 Tensor Core GPU"
-# datasheet, 312 TFLOP/s bf16 dense, 80 GB HBM2e).
+# dense (1979 with sparsity), 3.35 TB/s HBM3; H200: "H200 Tensor Core GPU" datasheet, same compute, 141 GB
+# HBM3e at 4.8 TB/s; B200: "HGX B200" datasheet, 2.25 PFLOP/s bf16 dense per GPU, 180 GB HBM3e at 8 TB/s; A100:
+# "A100 Tensor Core GPU" datasheet, 312 TFLOP/s bf16 dense, 80 GB HBM2e at 2.039 TB/s).
+# Flash attention's share of the peak, forward and backward together: FlashAttention-2 (Dao 2023) reaches
+# 50-73% of A100's peak in the forward and less in the backward (~50% of the two); on H100 it reaches ~35%
+# (Shah et al. 2024, FlashAttention-3, their FA2 baseline: ~350 of 989 TFLOP/s), which PyTorch's SDPA runs.
 DEVICES: dict[str, Device] = {
-    "h100": Device("H100 SXM 80GB", 989.0, 80e9),
-    "h200": Device("H200 SXM 141GB", 989.0, 141e9),
-    "b200": Device("B200 180GB", 2250.0, 180e9),
-    "a100": Device("A100 SXM 80GB", 312.0, 80e9),
+    "h100": Device("H100 SXM 80GB", 989.0, 80e9, hbm_GBps=3350.0),
+    "h200": Device("H200 SXM 141GB", 989.0, 141e9, hbm_GBps=4800.0),
+    "b200": Device("B200 180GB", 2250.0, 180e9, hbm_GBps=8000.0),
+    "a100": Device("A100 SXM 80GB", 312.0, 80e9, hbm_GBps=2039.0, attention_efficiency=0.5),
 }
 
 # Sources: NVLink 3/4/5 at 600/900/1800 GB/s per GPU both directions together (NVIDIA's A100/H100/B200
@@ -81,7 +121,7 @@ DEVICES: dict[str, Device] = {
 # busbw (80% of 450; NVIDIA's NCCL performance notes), the same share is assumed on NVLink 3 and 5. PCIe
 # Gen5 x16: 64 GB/s per direction (PCI-SIG), ~80% reached. InfiniBand NDR 400 Gb/s = 50 GB/s per port and
 # direction, one port per GPU (rail-optimised DGX SuperPOD, NVIDIA's reference architecture), ~90%
-# reached by NCCL across nodes; RoCE at 400 GbE the same port rate, ~80% reached (congestion control).
+# reached by NCCL across nodes; HDR 200 Gb/s = 25 GB/s per port (DGX A100: 8 HDR NICs per node); RoCE at 400 GbE the same port rate, ~80% reached (congestion control).
 # Latency per ring step: nccl-tests' small-message all_reduce_perf on one 8-GPU NVLink node takes ~10-15 us
 # (14 steps: ~1 us each); a hop between nodes costs the NIC, the switch and NCCL's proxy thread, ~5 us on
 # IB (1-2 us of wire and switch) and somewhat more on RoCE; a PCIe hop through the host ~2 us.
@@ -91,6 +131,7 @@ LINKS: dict[str, Link] = {
     "nvlink5": Link("NVLink 5 (B200)", 900.0, 720.0, 1.0),
     "pcie5": Link("PCIe Gen5 x16", 64.0, 51.0, 2.0),
     "ib-ndr": Link("InfiniBand NDR 400G, one NIC per GPU", 50.0, 45.0, 5.0),
+    "ib-hdr": Link("InfiniBand HDR 200G, one NIC per GPU", 25.0, 22.5, 5.0),
     "roce": Link("RoCE 400GbE, one NIC per GPU", 50.0, 40.0, 7.0),
 }
 NVLINK_OF = {"h100": "nvlink4", "h200": "nvlink4", "b200": "nvlink5", "a100": "nvlink3"}
@@ -307,8 +348,11 @@ class Hardware:
 
     def matmul_rate(self, n: float) -> float:
         """FLOP/s of a matmul whose arithmetic intensity is an n x n product's: measured at a few sizes
-        (interpolated in log n, flat outside), scaled to the rate `flops_per_s` gives; flat otherwise."""
-        sizes = self.rates.matmul_by_size if self.rates is not None else {}
+        (interpolated in log n, flat outside), scaled to the rate `flops_per_s` gives (flat when only one rate
+        was measured); unmeasured, the device's roofline and GEMM efficiency curve (`Device.gemm_rate`)."""
+        if self.rates is None:
+            return self.device.gemm_rate(n)
+        sizes = self.rates.matmul_by_size
         if not sizes:
             return self.flops_per_s
         return self.flops_per_s * _log_interpolate(sizes, n) / sizes[max(sizes)]

@@ -72,7 +72,7 @@ def per_rank_memory(shape: ModelShape, layout: Layout, run: RunShape) -> MemoryE
 def per_stage_memory(shape: ModelShape, layout: Layout, run: RunShape) -> list[MemoryEstimate]:
     """`per_rank_memory` of a rank of each pipeline rank 0..pp-1 (one item without a pipeline)."""
     _check(shape, layout, run)
-    n_stages = layout.pp * (2 if layout.pp_schedule == "interleaved_1f1b" else 1)
+    n_stages = layout.pp * layout.stages_per_rank
     cut = split_blocks(list(range(shape.n_layers)), n_stages)
     kinds = _BlockKinds(shape, layout)
     return [_stage_memory(shape, layout, run, rank, cut, kinds) for rank in range(layout.pp)]

@@ -6,7 +6,8 @@ recipe's and stays fixed: a layout only decides how it is split."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,9 @@ from strategies.plan.step_time import StepTime, crosses_nodes, dense_params, exp
 # buffers and the kernels' workspaces take the rest (PyTorch's memory notes: ~5-10% in practice)
 USABLE_MEMORY = 0.9
 TIE = 0.02  # predictions this close count as equal
+# stages per rank of interleaved_1f1b the runtime builds (strategies/techniques/pp/stages.py's SCHEDULES:
+# Interleaved1F1B holds 2); a what-if search may try more (Llama 3 ran ~8 blocks' worth per stage)
+RUNTIME_VIRTUAL_STAGES = (2,)
 MICRO_BATCHES = (1, 2, 4, 8, 16)  # sequences per micro-batch tried: the larger the fewer FSDP gathers
 # ten times the largest clusters built: past it a world is a typo, and factoring it would take ever longer
 MAX_WORLD = 10_000_000
@@ -25,6 +29,7 @@ MAX_WORLD = 10_000_000
 # world and the global batch share so many divisors that the answer would take minutes
 MAX_LAYOUTS = 50_000
 Memory = Callable[[ModelShape, Layout, RunShape], Any]  # -> an estimate with `.peak` in bytes
+Kernels = Mapping[str, bool]  # Layout's kernel fields: fused_kernels, flash_attention
 
 
 @dataclass(frozen=True)
@@ -70,31 +75,40 @@ def divisors(n: int) -> list[int]:
 
 
 def layouts(shape: ModelShape, world: int, gpus_per_node: int, seq_len: int, global_batch: int,
-            precision: str = "bf16", optimizer: str = "adamw") -> Iterator[tuple[Layout, RunShape]]:  # fmt: skip
+            precision: str = "bf16", optimizer: str = "adamw", virtual_stages: tuple[int, ...] = RUNTIME_VIRTUAL_STAGES,
+            rejected: Counter[str] | None = None, kernels: Kernels | None = None) -> Iterator[tuple[Layout, RunShape]]:  # fmt: skip
     """Every (layout, per-rank batch) of `world` ranks the strategies run for this model: tp divides the
     heads and the vocabulary and stays in a node, cp splits the sequence into 2 cp chunks, pp gives each
     stage a block, the data-parallel ranks split `global_batch` sequences evenly; DDP and ZeRO-1 only
-    without tp/pp/cp (their strategies run no other dimension)."""
+    without tp/pp/cp (their strategies run no other dimension). cp may span nodes (its ring then runs over the
+    inter-node link, step_time's cost). `rejected` counts, by reason, the meshes and splits left out."""
+    rejected = rejected if rejected is not None else Counter()
     for tp in divisors(world):
-        if tp > gpus_per_node or shape.n_heads % tp or shape.n_kv_heads % tp or shape.vocab_size % tp:
+        if tp > gpus_per_node:
+            rejected["tp beyond a node"] += 1
             continue
-        if tp > 1 and seq_len % tp:  # sequence parallel splits the sequence over the tp ranks
+        if shape.n_heads % tp or shape.n_kv_heads % tp or shape.vocab_size % tp or (tp > 1 and seq_len % tp):
+            rejected[f"tp={tp} does not divide the heads, the vocabulary or the sequence"] += 1
             continue
         for cp in divisors(world // tp):
-            if cp > 1 and (seq_len % (2 * cp) or cp > gpus_per_node):
+            if cp > 1 and seq_len % (2 * cp):
+                rejected[f"cp={cp}: the sequence of {seq_len} does not split into 2 cp chunks"] += 1
                 continue
             for pp in divisors(world // (tp * cp)):
                 if pp > shape.n_layers:
+                    rejected["pp beyond the blocks"] += 1
                     continue
                 dp = world // (tp * cp * pp)
                 if global_batch % dp:
+                    rejected[f"the global batch of {global_batch} does not split over dp={dp}"] += 1
                     continue
                 yield from _data_parallel(shape, tp, cp, pp, dp, gpus_per_node, seq_len, global_batch // dp,
-                                          precision, optimizer)  # fmt: skip
+                                          precision, optimizer, virtual_stages, rejected, kernels or {})  # fmt: skip
 
 
 def _data_parallel(shape: ModelShape, tp: int, cp: int, pp: int, dp: int, gpus_per_node: int, seq_len: int,
-                   per_rank: int, precision: str, optimizer: str) -> Iterator[tuple[Layout, RunShape]]:  # fmt: skip
+                   per_rank: int, precision: str, optimizer: str, virtual_stages: tuple[int, ...],
+                   rejected: Counter[str], kernels: Kernels) -> Iterator[tuple[Layout, RunShape]]:  # fmt: skip
     """The data-parallel splits (FSDP over all, HSDP with a node-wide shard, replicas only) of `dp` ranks,
     each with its ZeRO stages, expert degrees, schedules, micro-batch sizes and AC modes."""
     node_shard = max(1, gpus_per_node // (tp * cp))
@@ -116,16 +130,19 @@ def _data_parallel(shape: ModelShape, tp: int, cp: int, pp: int, dp: int, gpus_p
                     if shape.n_experts % e == 0 and not (e > 1 and tp > 1 and pp > 1)
                 ]
             for ep in eps:
-                schedules = ("1f1b", "interleaved_1f1b") if pp > 1 else ("1f1b",)
-                for schedule in schedules:
-                    v = 2 if schedule == "interleaved_1f1b" else 1
+                schedules = [("1f1b", 1)]
+                if pp > 1:
+                    schedules += [("interleaved_1f1b", v) for v in virtual_stages]
+                for schedule, v in schedules:
                     if pp * v > shape.n_layers:
+                        rejected[f"pp={pp} x {v} stages per rank exceeds the {shape.n_layers} blocks"] += 1
                         continue
                     for mb in MICRO_BATCHES:  # sequences of each forward-backward pass
                         if per_rank % mb:
                             continue
                         passes = per_rank // mb
-                        if pp > 1 and (passes < pp or passes % pp):  # the schedules fill every stage
+                        if pp > 1 and not runs_microbatches(schedule, pp, passes):
+                            rejected[f"{passes} micro-batches do not fill pp={pp} ({schedule})"] += 1
                             continue
                         # a pipeline cuts the rank's batch into `passes` micro-batches in one step; without
                         # one the rank accumulates `passes` batches of mb
@@ -137,9 +154,18 @@ def _data_parallel(shape: ModelShape, tp: int, cp: int, pp: int, dp: int, gpus_p
                             yield Layout(
                                 dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp, ep=ep,
                                 zero_stage=zero_stage, sequence_parallel=tp > 1, pp_schedule=schedule,
-                                pp_microbatches=cuts, activation_checkpointing=ac,
-                                precision=precision,
+                                pp_microbatches=cuts, pp_virtual_stages=v if v > 1 else 2, activation_checkpointing=ac,
+                                precision=precision, **kernels,
                             ), run  # fmt: skip
+
+
+def runs_microbatches(schedule: str, pp: int, m: int) -> bool:
+    """Whether torch.distributed.pipelining runs `m` micro-batches over `pp` stages: 1F1B needs m >= pp;
+    interleaved 1F1B takes any m that splits into rounds of about pp (m % max(1, m // pp) == 0: Llama 3's
+    relaxed rule, torch's flexible interleaving)."""
+    if schedule == "interleaved_1f1b":
+        return m % max(1, m // pp) == 0
+    return m >= pp
 
 
 def default_memory() -> Memory:
@@ -151,11 +177,16 @@ def default_memory() -> Memory:
 
 def search(shape: ModelShape, hardware: Hardware, world: int, seq_len: int, global_batch: int,
            precision: str = "bf16", optimizer: str = "adamw", memory: Memory | None = None,
-           keep: Callable[[Layout, RunShape], bool] | None = None) -> Plan:  # fmt: skip
+           keep: Callable[[Layout, RunShape], bool] | None = None,
+           virtual_stages: tuple[int, ...] = RUNTIME_VIRTUAL_STAGES, kernels: Kernels | None = None) -> Plan:  # fmt: skip
     """The layouts of `world` ranks on `hardware` that fit its memory, fastest first (see the module's
     docstring); `keep` narrows the layouts tried (e.g. to what a CPU backend runs, or `trainer plan --keep`'s
-    pins, the micro-batch among them: hence the RunShape). A one-line ValueError
-    when none fits, naming the smallest peak seen."""
+    pins, the micro-batch among them: hence the RunShape); `virtual_stages` the
+    interleaved schedule's stages per rank tried (more than the runtime builds: a what-if, said in `why`);
+    `kernels` the Layout's kernel fields every layout takes (fused_kernels: torch.compile, the runtime's
+    `compile`; flash_attention). A
+    one-line ValueError when none fits, naming what bit: memory (the smallest peak seen), or the
+    constraints that left no layout to try."""
     if not 1 <= world <= MAX_WORLD:
         raise ValueError(f"a world of {world:,} GPUs is not planned; allowed: 1 to {MAX_WORLD:,} GPUs")
     memory = memory or default_memory()
@@ -164,7 +195,9 @@ def search(shape: ModelShape, hardware: Hardware, world: int, seq_len: int, glob
     tried = too_big = 0
     smallest = None
     # listing them is cheap (microseconds each); weighing one with the memory and step-time models is not
-    every = list(layouts(shape, world, hardware.gpus_per_node, seq_len, global_batch, precision, optimizer))
+    rejected: Counter[str] = Counter()
+    every = list(layouts(shape, world, hardware.gpus_per_node, seq_len, global_batch, precision, optimizer,
+                         virtual_stages, rejected, kernels))  # fmt: skip
     if len(every) > MAX_LAYOUTS:
         raise ValueError(
             f"{len(every):,} layouts of {world:,} GPUs to weigh (global batch {global_batch:,}, {shape.n_layers} "
@@ -182,9 +215,14 @@ def search(shape: ModelShape, hardware: Hardware, world: int, seq_len: int, glob
         fits.append(Candidate(layout, run, peak, step_time(shape, layout, run, hardware)))
     if not fits:
         if not tried:
+            bit = "; ".join(f"{why} ({n}x)" for why, n in rejected.most_common(3))
+            if every:  # the constraints given (keep) left none of what the rest allowed
+                bit = f"{bit}; the {len(every)} layouts left are all outside the constraints given".lstrip(
+                    "; "
+                )
             raise ValueError(
-                f"no layout of {world} GPUs splits a global batch of {global_batch} sequences of {seq_len}; "
-                f"allowed: a global batch divisible by the data-parallel degree"
+                f"no layout of {world} GPUs to try for a global batch of {global_batch} sequences of {seq_len}: "
+                f"{bit}; allowed: a global batch with more divisors, more sequences per rank, or fewer constraints"
             )
         raise ValueError(
             f"no layout of {world} GPUs fits in {hardware.device.memory_bytes / GB:.0f} GB per GPU (the smallest "
@@ -253,7 +291,17 @@ def _best_per_layout(ranked: list[Candidate]) -> list[Candidate]:
     seen, out = set(), []
     for c in ranked:
         L = c.layout
-        key = (L.dp_replicate, L.dp_shard, L.tp, L.pp, L.cp, L.ep, L.zero_stage, L.pp_schedule)
+        key = (
+            L.dp_replicate,
+            L.dp_shard,
+            L.tp,
+            L.pp,
+            L.cp,
+            L.ep,
+            L.zero_stage,
+            L.pp_schedule,
+            L.stages_per_rank,
+        )
         if key not in seen:
             seen.add(key)
             out.append(c)
@@ -271,7 +319,8 @@ def layout_text(layout: Layout) -> str:
     if L.ep > 1:
         parts.append(f"ep={L.ep}")
     if L.pp > 1:
-        parts.append(f"pp={L.pp} {L.pp_schedule}/{L.pp_microbatches}")
+        v = f" v{L.stages_per_rank}" if L.stages_per_rank > 1 else ""
+        parts.append(f"pp={L.pp} {L.pp_schedule}{v}/{L.pp_microbatches}")
     if L.dp_shard > 1:
         name = "zero1" if L.zero_stage == 1 else f"fsdp z{L.zero_stage}"
         parts.append(f"{name}={L.dp_shard}")
@@ -304,8 +353,14 @@ def why(shape: ModelShape, best: Candidate, hardware: Hardware, world: int) -> s
             f"pp={L.pp} {across} (stages pass activations only; {L.pp_schedule} over {L.pp_microbatches} "
             f"micro-batches: bubble {best.time.exposed_s.get('pp bubble', 0) / best.time.step_s:.0%})"
         )
+    if L.pp > 1 and L.stages_per_rank > 1 and L.stages_per_rank not in RUNTIME_VIRTUAL_STAGES:
+        reasons.append(
+            f"{L.stages_per_rank} stages per rank is a what-if: the runtime's interleaved schedule builds "
+            f"{RUNTIME_VIRTUAL_STAGES[0]}"
+        )
     if L.cp > 1:
-        reasons.append(f"cp={L.cp} splits the {best.run.seq_len}-token sequence")
+        across = " across nodes" if crosses_nodes(L.tp, L.cp, gpn) else ""
+        reasons.append(f"cp={L.cp}{across} splits the {best.run.seq_len}-token sequence")
     if L.ep > 1:
         reasons.append(f"ep={L.ep} spreads the {shape.n_experts} experts")
     if L.dp_shard > 1:

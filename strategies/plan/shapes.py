@@ -48,12 +48,21 @@ class Layout:
     sequence_parallel: bool = False
     pp_schedule: str = "1f1b"
     pp_microbatches: int = 1
+    pp_virtual_stages: int = 2  # stages each rank holds under interleaved_1f1b (v); the others hold one
     activation_checkpointing: str = "none"
     loss_chunk_tokens: int | None = (
         None  # the loss fused with the output projection, this many tokens a chunk
     )
     precision: str = "bf16"
     cpu_offload: bool = False
+    # elementwise work fused (torch.compile, Megatron-LM's fused kernels), else eager
+    fused_kernels: bool = False
+    flash_attention: bool = True  # else attention materializes its scores (matmuls, softmax over HBM)
+
+    @property
+    def stages_per_rank(self) -> int:
+        """v: the pipeline stages one rank holds (interleaved: pp_virtual_stages, else 1)."""
+        return self.pp_virtual_stages if self.pp_schedule == "interleaved_1f1b" else 1
 
     @property
     def world(self) -> int:

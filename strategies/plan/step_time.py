@@ -34,11 +34,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from strategies.plan.compute import pass_seconds
 from strategies.plan.hardware import Hardware
 from strategies.plan.shapes import Layout, ModelShape, RunShape
 
 WORLD_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # strategies/parallel_dims.py: pp outermost
-STAGES_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2}  # v of the interleaved schedule
 DDP_BUCKET_BYTES = 25e6  # DistributedDataParallel's bucket_cap_mb default: the bucket that waits
 
 
@@ -146,29 +146,39 @@ def _intensity_size(m: float, k: float, n: float) -> float:
     return 3.0 / (1.0 / m + 1.0 / k + 1.0 / n)
 
 
-def matmuls(shape: ModelShape, layout: Layout, tokens: float, seq_len: int) -> list[tuple[float, float]]:
-    """(FLOPs, intensity size) of the matmuls of one rank's pass over `tokens` tokens of sequences of
-    `seq_len`, forward and backward, as `flops_per_token` counts them (6 per weight and token, 12 L H hd T
-    for attention's scores): tp splits each weight's heads or hidden width, cp each sequence's queries."""
+def weight_matmuls(
+    shape: ModelShape, layout: Layout, tokens: float
+) -> list[tuple[float, float, float, float]]:
+    """(FLOPs, m, k, n) of the weight matmuls of one rank's pass over `tokens` tokens, forward and backward
+    (6 per weight and token), each a (tokens x dim) by (dim x width) product: each block's (tp splits each
+    weight's heads or hidden width), every block together, the output layer last."""
     tp, d, T = layout.tp, shape.dim, tokens
     q, kv = shape.n_heads * shape.head_dim / tp, shape.n_kv_heads * shape.head_dim / tp
     if shape.n_experts:  # the router, each routed expert on its share of the tokens, the shared experts
         f, routed = shape.expert_ffn_dim / tp, T * shape.top_k / shape.n_experts
-        ffn = [(d * shape.n_experts, _intensity_size(T, d, shape.n_experts))]
-        ffn.append((3 * d * f * shape.top_k, _intensity_size(routed, d, f)))
+        ffn = [(d * shape.n_experts, T, shape.n_experts)]
+        ffn.append((3 * d * f * shape.top_k, routed, f))
         if shape.n_shared_experts:
-            ffn.append((3 * d * f * shape.n_shared_experts, _intensity_size(T, d, f)))
+            ffn.append((3 * d * f * shape.n_shared_experts, T, f))
     else:
         f = shape.ffn_dim / tp
-        ffn = [(3 * d * f, _intensity_size(T, d, f))]
-    block = [(2 * d * q, _intensity_size(T, d, q)), (2 * d * kv, _intensity_size(T, d, kv)), *ffn]
-    found = [(6 * w * T * shape.n_layers, n) for w, n in block]
-    queries = seq_len / layout.cp
-    scores = 12 * shape.n_layers * q * seq_len * T
-    found.append((scores, _intensity_size(queries, shape.head_dim, seq_len)))
+        ffn = [(3 * d * f, T, f)]
+    block = [(2 * d * q, T, q), (2 * d * kv, T, kv), *ffn]
+    found = [(6 * w * T * shape.n_layers, m, d, n) for w, m, n in block]
     vocab = shape.vocab_size / tp
-    found.append((6 * d * vocab * T, _intensity_size(T, d, vocab)))
+    found.append((6 * d * vocab * T, T, d, vocab))
     return found
+
+
+def matmuls(shape: ModelShape, layout: Layout, tokens: float, seq_len: int) -> list[tuple[float, float]]:
+    """(FLOPs, intensity size) of the matmuls of one rank's pass over `tokens` tokens of sequences of
+    `seq_len`, forward and backward, as `flops_per_token` counts them: the weights' (`weight_matmuls`) and
+    attention's scores (12 L H hd T; cp splits each sequence's queries)."""
+    q = shape.n_heads * shape.head_dim / layout.tp
+    scores = 12 * shape.n_layers * q * seq_len * tokens
+    queries = seq_len / layout.cp
+    weights = [(f, _intensity_size(m, k, n)) for f, m, k, n in weight_matmuls(shape, layout, tokens)]
+    return [*weights, (scores, _intensity_size(queries, shape.head_dim, seq_len))]
 
 
 def matmul_rate(shape: ModelShape, layout: Layout, tokens: float, seq_len: int, hw: Hardware) -> float:
@@ -224,13 +234,18 @@ def step_time(shape: ModelShape, layout: Layout, run: RunShape, hardware: Hardwa
     fpt = flops_per_token(shape, run.seq_len)
     work = fpt + recompute_flops_per_token(shape, run.seq_len, L.activation_checkpointing)
     on_host = min(L.world, gpn)  # ranks that share one host
-    rate = matmul_rate(shape, L, seqs * run.seq_len / cp, run.seq_len, hw)
-    rate *= hw.device.fp32_ratio if L.precision == "fp32" and hw.rates is None else 1.0
-    alone = tokens_replica * work / (tp * pp * cp) / rate  # this rank's compute with the host to itself
+    if hw.rates is None and hw.device.hbm_GBps:  # a GPU of the table: the physical model (compute.py)
+        pass_tokens = seqs * run.seq_len / cp
+        one = pass_seconds(weight_matmuls(shape, L, pass_tokens), shape, L, pass_tokens, run.seq_len, hw)
+        alone = one * micro / pp / (hw.device.fp32_ratio if L.precision == "fp32" else 1.0)
+    else:  # measured rates, or a CPU process: the FLOPs at the measured (or flat) rate of their sizes
+        rate = matmul_rate(shape, L, seqs * run.seq_len / cp, run.seq_len, hw)
+        rate *= hw.device.fp32_ratio if L.precision == "fp32" and hw.rates is None else 1.0
+        alone = tokens_replica * work / (tp * pp * cp) / rate  # this rank's compute with the host to itself
     # a pipeline's bubble is (p-1)/(v m) of a stage's work; while the other stages fill and drain a rank
     # computes with fewer neighbours: that share of its work runs at the rate of a rank alone (exact for
     # two stages, where one rank idles exactly while the other works alone)
-    bubble = (pp - 1) / (STAGES_PER_RANK[L.pp_schedule] * L.pp_microbatches) if pp > 1 else 0.0
+    bubble = (pp - 1) / (L.stages_per_rank * L.pp_microbatches) if pp > 1 else 0.0
     bubble = min(bubble, 1.0)
     compute = alone * bubble + alone * (1 - bubble) / hw.sharing(on_host)
     overlap = hw.overlap(on_host)
@@ -336,7 +351,7 @@ def step_time(shape: ModelShape, layout: Layout, run: RunShape, hardware: Hardwa
     exposed.update(_host_waits(hosts, hw, compute))
     # pipeline: the bubble idles a stage for (p-1)/(v m) of its work; activations cross each boundary
     if pp > 1:
-        v = STAGES_PER_RANK[L.pp_schedule]
+        v = L.stages_per_rank
         busy = alone + sum(exposed.get(k, 0.0) for k in ("tp", "tp host", "cp", "ep"))
         exposed["pp bubble"] = busy * (pp - 1) / (v * L.pp_microbatches)
         inter = crosses_nodes(_stride(L, "pp"), pp, gpn)
