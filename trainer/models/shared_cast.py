@@ -39,7 +39,9 @@ class _SharedCast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        total = grads[0].to(ctx.dtype)
-        for g in grads[1:]:  # an unused alias's gradient comes as zeros (materialised)
+        # summed as autograd sums the gradients of a tensor read several times: the last reader's first (its
+        # backward runs first), so the result is bit for bit the per-linear casts'
+        total = grads[-1].to(ctx.dtype)
+        for g in reversed(grads[:-1]):  # an unused alias's gradient comes as zeros (materialised)
             total = total + g.to(ctx.dtype)
         return total, None, None
