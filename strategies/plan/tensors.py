@@ -109,14 +109,18 @@ def block_saved_bytes(shape: ModelShape, layout: Layout, layer: int, tokens: int
     Attention: the rotated q, k, the v, the kernel's output (also wo's input: the kernel lays it out so that
     the transpose back is a view) and log-sum-exp. SwiGLU: w1 and w3 outputs, silu's output and the product.
     Under tp every part inside the attention and the MLP is split; with sequence parallelism the norms run on
-    sequence shards, but the projections keep the gathered sequence they read. Context parallel: each
+    sequence shards, and the projections keep the shard of the gathered sequence they read
+    (trainer/models/sequence_gather.py), but not where autocast casts it after the gather (they keep
+    its cast of the whole sequence) nor in a checkpointed block's recompute. Context parallel: each
     attention keeps the K/V all-gathered over the cp ranks (strategies/techniques/cp/attention.py), cp
     times its own."""
     a, s, t, d = compute_bytes(layout), stream_bytes(layout), layout.tp, shape.dim
     sp = t if layout.sequence_parallel else 1
+    gathered = sp if a == s and layout.activation_checkpointing == "none" else 1  # kept as the shard
     dq, dkv = shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
     moe = is_moe_layer(shape, layer)
-    norm_outputs = a * d + (s if moe else a) * d  # the attention's q/k/v; the MLP's w1/w3 (MoE: the router)
+    # the attention's q/k/v read the attention norm's output; the MLP's w1/w3 (MoE: the router) the ffn norm's
+    norm_outputs = a * d / gathered + (s * d if moe else a * d / gathered)
     per_token = 2 * (FP32 + s) * d / sp + norm_outputs
     per_token += ((2 * dq + 2 * dkv) * a + shape.n_heads * FP32) / t  # q, k, v, out; lse
     if layout.cp > 1:  # context parallel: the kernel keeps the gathered K/V of the whole sequence instead
