@@ -32,6 +32,8 @@ from strategies.plan.tensors import (
     compute_bytes,
     is_moe_layer,
     root_unit,
+    runs_fsdp,
+    stream_bytes,
 )
 from strategies.techniques.pp.stages import split_blocks, stage_ids
 
@@ -199,12 +201,13 @@ def _kept(shape: ModelShape, layout: Layout, layer: int, tokens: int) -> int:
 
 
 def _ends_saved(shape: ModelShape, layout: Layout, tokens: int, first: bool, last: bool) -> int:
-    """The embedding's and the final norm's saved tensors: token ids, and the norm's input, normalised value
-    and output (the output projection's input; the chunked loss keeps none of it but its own gradients)."""
+    """The embedding's and the final norm's saved tensors: token ids, and the norm's fp32 input, normalised
+    value (block_saved_bytes' norms) and output (the output projection's input; the chunked loss keeps none
+    of it but its own gradients)."""
     sp = layout.tp if layout.sequence_parallel else 1
     saved = tokens * 8 if first else 0
     if last:
-        saved += tokens * shape.dim * 2 * FP32 // sp
+        saved += tokens * shape.dim * (FP32 + stream_bytes(layout)) // sp
         if layout.loss_chunk_tokens is None:
             saved += tokens * shape.dim * compute_bytes(layout)
     return saved
@@ -247,10 +250,7 @@ class _Sharding:
         self.dense = layout.dp_shard * layout.cp
         # experts: dp_shard x cp x tp ranks hold the layer; ep of them split the experts, FSDP the rest
         self.expert = max(1, layout.dp_shard * layout.cp * layout.tp // layout.ep)
-        # ParallelStrategy runs FSDP whenever a mesh dimension beyond dp_replicate is used; plain replicas
-        # (dp_shard 1 and nothing else) and ZeRO-1 are DDP
-        others = layout.tp * layout.pp * layout.cp * layout.ep
-        self.fsdp = layout.zero_stage >= 2 and (layout.dp_shard > 1 or others > 1)
+        self.fsdp = runs_fsdp(layout)
         # DDP's gradient buckets (the gradients are views of them) live across steps; one process has none
         self.buckets = not self.fsdp and layout.world > 1
 

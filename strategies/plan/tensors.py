@@ -76,8 +76,8 @@ def root_unit(shape: ModelShape, layout: Layout, first: bool, last: bool) -> Uni
     return Unit("root", tuple(params), cast=v * d if last else 0)
 
 
-# Bytes an activation element takes: the residual stream and the norms stay fp32 under bf16 autocast
-# (the embedding is not autocast, and fp32 + bf16 adds to fp32; RMSNorm computes in fp32).
+# Bytes of an fp32 element: the norms' statistics, and the residual stream outside FSDP (under bf16 autocast
+# the embedding is not autocast, and fp32 + bf16 adds to fp32).
 FP32 = 4
 
 
@@ -86,24 +86,42 @@ def compute_bytes(layout: Layout) -> int:
     return 2 if layout.precision == "bf16" else FP32
 
 
+def runs_fsdp(layout: Layout) -> bool:
+    """ParallelStrategy runs FSDP (ZeRO 2/3) whenever a mesh dimension beyond dp_replicate is used; plain
+    replicas (dp_shard 1 and nothing else) and ZeRO-1 are DDP."""
+    others = layout.tp * layout.pp * layout.cp * layout.ep
+    return layout.zero_stage >= 2 and (layout.dp_shard > 1 or others > 1)
+
+
+def stream_bytes(layout: Layout) -> int:
+    """Bytes of a residual-stream element between and inside the blocks: bf16 under FSDP's bf16 mixed
+    precision (it gathers bf16 parameters and casts each block's inputs; no autocast runs:
+    strategies/parallel.py), fp32 otherwise."""
+    return 2 if layout.precision == "bf16" and runs_fsdp(layout) else FP32
+
+
 def block_saved_bytes(shape: ModelShape, layout: Layout, layer: int, tokens: int) -> int:
     """What block `layer`'s forward over `tokens` tokens (this rank's, before tp) keeps for its backward
-    without activation checkpointing. Per norm: its input and its normalised value (fp32), each consuming
-    linear's input (fp32: the norm's output once; bf16 autocast: one cast per linear). Attention: the
-    rotated q, k, the v, the kernel's output (also wo's input: the kernel lays it out so that the
-    transpose back is a view) and log-sum-exp. SwiGLU: w1 and w3 outputs, silu's output and the product. Under tp every part inside
-    the attention and the MLP is split; with sequence parallelism the norms run on sequence shards, but
-    the projections still read the gathered sequence. Context parallel: each attention keeps the K/V
-    all-gathered over the cp ranks (strategies/techniques/cp/attention.py), cp times its own."""
-    a, t, d = compute_bytes(layout), layout.tp, shape.dim
+    without activation checkpointing (measured with saved_tensors_hooks on the CPU, one storage counted once).
+    Per RMSNorm: its input in fp32 (the fp32 stream itself, or under FSDP's bf16 its fp32 upcast) and its
+    normalised value (in the stream's dtype); its output once, in the compute dtype, which every linear
+    reading it shares (trainer/models/shared_cast.py; a MoE's router reads the norm's output as it is).
+    Attention: the rotated q, k, the v, the kernel's output (also wo's input: the kernel lays it out so that
+    the transpose back is a view) and log-sum-exp. SwiGLU: w1 and w3 outputs, silu's output and the product.
+    Under tp every part inside the attention and the MLP is split; with sequence parallelism the norms run on
+    sequence shards, and the projections keep the shard of the gathered sequence they read
+    (trainer/models/sequence_gather.py), but not where autocast casts it after the gather (they keep
+    its cast of the whole sequence) nor in a checkpointed block's recompute. Context parallel: each
+    attention keeps the K/V all-gathered over the cp ranks (strategies/techniques/cp/attention.py), cp
+    times its own."""
+    a, s, t, d = compute_bytes(layout), stream_bytes(layout), layout.tp, shape.dim
     sp = t if layout.sequence_parallel else 1
+    gathered = sp if a == s and layout.activation_checkpointing == "none" else 1  # kept as the shard
     dq, dkv = shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
     moe = is_moe_layer(shape, layer)
-    consumers = 3 + (0 if moe else 2)  # wq, wk, wv read the attention norm; w1, w3 the ffn norm
-    norm_outputs = consumers * d * a if a != FP32 else 2 * d * FP32
-    if moe and a != FP32:
-        norm_outputs += d * FP32  # the router reads the fp32 norm output itself
-    per_token = 2 * 2 * d * FP32 / sp + norm_outputs
+    # the attention's q/k/v read the attention norm's output; the MLP's w1/w3 (MoE: the router) the ffn norm's
+    norm_outputs = a * d / gathered + (s * d if moe else a * d / gathered)
+    per_token = 2 * (FP32 + s) * d / sp + norm_outputs
     per_token += ((2 * dq + 2 * dkv) * a + shape.n_heads * FP32) / t  # q, k, v, out; lse
     if layout.cp > 1:  # context parallel: the kernel keeps the gathered K/V of the whole sequence instead
         per_token += (2 * dkv * a * layout.cp) / t  # (this rank's stacked K/V too: the gather's input)
@@ -128,11 +146,11 @@ def _moe_saved_per_token(shape: ModelShape, layout: Layout) -> float:
 
 
 def block_checkpointed_bytes(shape: ModelShape, layout: Layout, layer: int, tokens: int) -> int:
-    """What a checkpointed block keeps until its backward. "full": its input (the fp32 residual stream,
+    """What a checkpointed block keeps until its backward. "full": its input (the residual stream,
     sequence-split under sp). "selective" (strategies/techniques/activation_checkpointing.py): also the outputs of
     every matmul and of the attention kernel, in the compute dtype; the rest is recomputed."""
     sp = layout.tp if layout.sequence_parallel else 1
-    kept = tokens * shape.dim * FP32 / sp
+    kept = tokens * shape.dim * stream_bytes(layout) / sp
     if layout.activation_checkpointing == "full":
         return int(kept)
     a, t, d = compute_bytes(layout), layout.tp, shape.dim

@@ -34,6 +34,11 @@ WORLD_2 = {
         Layout(pp=2, pp_microbatches=4, **FP32),
     ),
     "cp=2": ({"strategy": "parallel3d", "kwargs": {"cp": 2}}, Layout(cp=2, **FP32)),
+    # FSDP's bf16 mixed precision: a bf16 residual stream, one bf16 copy of each norm output
+    "tp=2 with sp, bf16-mixed": (
+        {"strategy": "parallel3d", "kwargs": {"tp": 2}, "precision": "bf16-mixed"},
+        Layout(tp=2, sequence_parallel=True, precision="bf16"),
+    ),
 }  # ep=2 (MoE) is not here: the model predicts it 10-17% below its measured peak (buffers of the
 # token all-to-all that its rules do not count yet)
 WORLD_4 = {

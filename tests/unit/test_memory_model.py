@@ -102,17 +102,19 @@ def test_bad_input_is_refused_in_one_line():
 
 @pytest.mark.parametrize("ac", ["none", "selective", "full"])
 def test_sequence_parallel_divides_by_tp_exactly_what_runs_on_sequence_shards(ac):
-    # tp=4 over one micro-batch of 2 x 128 tokens, one stage: with sequence parallelism the norms run on a
-    # quarter of the sequence. Sharded per block: both norms' fp32 input and normalised value (4 x dim per
-    # token) without checkpointing, the fp32 block input (1 x dim) when checkpointed; at the last stage the
-    # final norm's input and normalised value (2 x dim). Everything else (q/k/v, SwiGLU, the loss) is the same.
+    # tp=4 over one micro-batch of 2 x 128 tokens, one stage, FSDP's bf16 (a bf16 residual stream): with
+    # sequence parallelism the norms run on a quarter of the sequence. Sharded per block: both norms' fp32
+    # input and bf16 normalised value (2 x 6 bytes per feature a token) and the bf16 outputs the projections
+    # keep as the shard of the gathered sequence (2 x 2 bytes) without checkpointing, the bf16 block input
+    # (2 bytes) when checkpointed; at the last stage the final norm's input and normalised value (6 bytes).
+    # Everything else (q/k/v, SwiGLU, the loss) is the same.
     tp, tokens = 4, RUN.micro_batch * RUN.seq_len
     shape = ModelShape(vocab_size=1024, dim=256, n_layers=6, n_heads=8, n_kv_heads=4, ffn_dim=768)
     off, on = (
         Layout(tp=tp, sequence_parallel=sp, activation_checkpointing=ac, precision="bf16")
         for sp in (False, True)
     )
-    sharded_per_block = {"none": 4, "selective": 1, "full": 1}[ac] * shape.dim * 4  # bytes a token
+    sharded_per_block = {"none": 2 * (4 + 2) + 2 * 2, "selective": 2, "full": 2}[ac] * shape.dim  # a token
     saved = block_saved_bytes if ac == "none" else block_checkpointed_bytes
     assert (
         saved(shape, off, 0, tokens) - saved(shape, on, 0, tokens)
@@ -120,6 +122,6 @@ def test_sequence_parallel_divides_by_tp_exactly_what_runs_on_sequence_shards(ac
     )
     if ac == "full":  # nothing but the block's input is kept: all of it is sharded
         assert saved(shape, off, 0, tokens) == tp * saved(shape, on, 0, tokens)
-    sharded = tokens * (shape.n_layers * sharded_per_block + 2 * shape.dim * 4)
+    sharded = tokens * (shape.n_layers * sharded_per_block + (4 + 2) * shape.dim)
     whole = per_rank_memory(shape, off, RUN).activations
     assert whole - per_rank_memory(shape, on, RUN).activations == sharded * (tp - 1) / tp

@@ -21,6 +21,7 @@ from trainer.models.moe import (
     summed_extra_loss,
 )
 from trainer.models.moe_config import MoEConfig
+from trainer.models.shared_cast import shared_cast
 
 
 @dataclass
@@ -223,10 +224,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         cos, sin = cos[:T], sin[:T]
+        xq, xk, xv = shared_cast(x, 3)  # one autocast copy for the three to keep, not one each
         # Head counts are read from the weights (-1) so a tensor-parallel shard with fewer heads runs unchanged.
-        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_heads, T, head_dim)
-        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_kv_heads, T, head_dim)
-        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_kv_heads, T, head_dim)
+        q = self.wq(xq).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_heads, T, head_dim)
+        k = self.wk(xk).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_kv_heads, T, head_dim)
+        v = self.wv(xv).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, n_kv_heads, T, head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         y = self.attention_fn(q, k, v)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, dim)
@@ -242,7 +244,8 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(config.dim, config.ffn_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        x1, x3 = shared_cast(x, 2)  # one autocast copy kept for w1 and w3
+        return self.w2(F.silu(self.w1(x1)) * self.w3(x3))
 
 
 class TransformerBlock(nn.Module):

@@ -21,13 +21,13 @@ from torch import nn
 from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
-    PrepareModuleInput,
     PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
 )
 
 from trainer.models.moe import MoE
+from trainer.models.sequence_gather import GatherKeepingShard
 
 if TYPE_CHECKING:
     from trainer.models.llama import Llama
@@ -69,14 +69,11 @@ def _block_plan(prefix: str, block: nn.Module, between: Placement, sequence_para
     if sequence_parallel:
         plan[prefix + "attention_norm"] = SequenceParallel()
         plan[prefix + "ffn_norm"] = SequenceParallel()
-        # gather the sequence before the column-parallel projections (cos/sin pass untouched)
-        plan[prefix + "attention"] = PrepareModuleInput(
-            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
-        )
+        # gather the sequence before the column-parallel projections (cos/sin pass untouched); they keep
+        # this rank's shard for their backward, not the gathered sequence
+        plan[prefix + "attention"] = GatherKeepingShard()
         if not moe:
-            plan[prefix + "feed_forward"] = PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-            )
+            plan[prefix + "feed_forward"] = GatherKeepingShard()
     return plan
 
 
