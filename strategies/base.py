@@ -350,10 +350,11 @@ class Strategy:
         """Per-step bookkeeping of a strategy (privacy accountant), after the optimizer and scheduler
         stepped: here the MoE layers' auxiliary-loss-free bias update, from the loads of the step's
         forwards summed over the ranks that routed other tokens (data, context and tensor parallel)."""
-        update_expert_biases(
-            self._expert_modules,
-            lambda loads: self.reduce(self.reduce(loads, "sum", group="loss"), "sum", group="tp"),
-        )
+        if self._expert_modules:  # (a model without MoE layers: nothing to do each step)
+            update_expert_biases(
+                self._expert_modules,
+                lambda loads: self.reduce(self.reduce(loads, "sum", group="loss"), "sum", group="tp"),
+            )
 
     def step_metrics(self) -> dict[str, float]:
         """Metrics of the strategy's own, logged with each logged step (DP-SGD: epsilon spent)."""
