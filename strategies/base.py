@@ -27,7 +27,7 @@ from strategies.techniques.activation_checkpointing import check_mode, checkpoin
 from strategies.techniques.compile_blocks import compile_units
 from strategies.techniques.ep.experts import expert_modules, update_expert_biases
 from trainer.core.dtensors import local_part
-from trainer.core.precision import Precision
+from trainer.core.precision import NO_CONTEXT, Precision
 from trainer.core.timing import PhaseClock
 from trainer.core.tree import apply_to_tensors
 from trainer.data.distributed import shard_loader
@@ -250,7 +250,7 @@ class Strategy:
 
     def accumulation_context(self, is_last_micro_batch: bool) -> contextlib.AbstractContextManager:
         """Wraps each micro-batch; data-parallel strategies skip gradient sync until the last one."""
-        return contextlib.nullcontext()
+        return NO_CONTEXT
 
     def accumulates_locally(self) -> bool:
         """Whether the backwards of a step's micro-batches before the last run no collectives (gradients
