@@ -27,7 +27,7 @@ from strategies.techniques.activation_checkpointing import check_mode, checkpoin
 from strategies.techniques.compile_blocks import compile_units
 from strategies.techniques.ep.experts import expert_modules, update_expert_biases
 from trainer.core.dtensors import local_part
-from trainer.core.precision import Precision
+from trainer.core.precision import NO_CONTEXT, Precision
 from trainer.core.timing import PhaseClock
 from trainer.core.tree import apply_to_tensors
 from trainer.data.distributed import shard_loader
@@ -263,7 +263,7 @@ class Strategy:
 
     def accumulation_context(self, is_last_micro_batch: bool) -> contextlib.AbstractContextManager:
         """Wraps each micro-batch; data-parallel strategies skip gradient sync until the last one."""
-        return contextlib.nullcontext()
+        return NO_CONTEXT
 
     def accumulates_locally(self) -> bool:
         """Whether the backwards of a step's micro-batches before the last run no collectives (gradients
@@ -363,10 +363,11 @@ class Strategy:
         """Per-step bookkeeping of a strategy (privacy accountant), after the optimizer and scheduler
         stepped: here the MoE layers' auxiliary-loss-free bias update, from the loads of the step's
         forwards summed over the ranks that routed other tokens (data, context and tensor parallel)."""
-        update_expert_biases(
-            self._expert_modules,
-            lambda loads: self.reduce(self.reduce(loads, "sum", group="loss"), "sum", group="tp"),
-        )
+        if self._expert_modules:  # (a model without MoE layers: nothing to do each step)
+            update_expert_biases(
+                self._expert_modules,
+                lambda loads: self.reduce(self.reduce(loads, "sum", group="loss"), "sum", group="tp"),
+            )
 
     def step_metrics(self) -> dict[str, float]:
         """Metrics of the strategy's own, logged with each logged step (DP-SGD: epsilon spent)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from trainer.core.dtensors import local_part
+from trainer.core.dtensors import local_parts
 
 
 def _grads(module: nn.Module) -> list[torch.Tensor]:
@@ -17,4 +17,4 @@ def scale_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
     scales each shard, replica and pending partial sum of a DTensor alike, so the op needs none of DTensor's
     sharding propagation (uncached on each new mesh: most of a small model's first step) nor one op per mesh."""
     if tensors:  # (a foreach op refuses an empty list: a step without gradients)
-        torch._foreach_mul_([local_part(t) for t in tensors], factor)
+        torch._foreach_mul_(local_parts(tensors), factor)

@@ -33,3 +33,13 @@ def test_a_later_fold_never_moves_the_first_step_on():
         losses.record(torch.tensor(math.inf), step)
     assert losses.first_not_finite() == 3
     assert losses.last is not None and math.isinf(float(losses.last))
+
+
+def test_one_element_losses_of_several_shapes_fold_alike():
+    """A manual step's loss may be [1] or [1, 1] as well as 0-d: the fold takes them together."""
+    losses = LossWatch(SingleDeviceStrategy())
+    shapes = [(), (1,), (1, 1)]
+    for step in range(FOLD_EVERY + 2):
+        value = math.nan if step == FOLD_EVERY - 2 else 1.0
+        losses.record(torch.full(shapes[step % 3], value), step)
+    assert losses.first_not_finite() == FOLD_EVERY - 2

@@ -21,6 +21,15 @@ def local_part(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if is_dtensor(t) else t
 
 
+def local_parts(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`local_part` of each of `tensors`: the list itself when no DTensor can exist (one look-up per list, not
+    one per tensor: this runs every step)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is None:
+        return tensors
+    return [t.to_local() if isinstance(t, module.DTensor) else t for t in tensors]
+
+
 def full_value(t: torch.Tensor) -> torch.Tensor:
     """A DTensor gathered into one plain tensor on every rank; any other tensor as it is."""
     return t.full_tensor() if is_dtensor(t) else t

@@ -12,6 +12,8 @@ from trainer.core.tree import apply_to_tensors
 
 PRECISIONS = ("32", "bf16-mixed", "16-mixed", "bf16-true")
 _ALIASES = {"32-true": "32", "fp32": "32", "16": "16-mixed", "bf16": "bf16-mixed"}
+# a context that does nothing; stateless and reentrant, so one serves every step (not one made per call)
+NO_CONTEXT = contextlib.nullcontext()
 
 
 class Precision:
@@ -45,7 +47,7 @@ class Precision:
         if self.autocast_forward:
             dtype = torch.bfloat16 if self.name == "bf16-mixed" else torch.float16
             return torch.autocast(self.device_type, dtype=dtype)
-        return contextlib.nullcontext()
+        return NO_CONTEXT
 
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """`loss.backward(*args, **kwargs)`, of the loss scaled by fp16's scaler."""

@@ -25,9 +25,11 @@ class PhaseClock:
         self.totals: dict[str, float] = dict.fromkeys(PHASES, 0.0)
         self.synchronize: Callable[[], None] | None = None  # called at phase boundaries while requested
         self._sync_requests: dict[int, Callable[[], None]] = {}
+        self._idle: dict[str, _Phase] = {}  # a span object per phase, kept between uses (several a step)
 
     def phase(self, name: str) -> _Phase:
-        return _Phase(self, name)
+        span = self._idle.pop(name, None)  # None while that phase's span is open (a nested one): a new one
+        return _Phase(self, name) if span is None else span
 
     def request_sync(self, watcher: object, synchronize: Callable[[], None]) -> None:
         """Synchronize the device (e.g. `torch.cuda.synchronize`) at phase boundaries until released, so
@@ -69,3 +71,4 @@ class _Phase:
         if self.label is not None:
             self.label.__exit__(*exc)
             self.label = None
+        clock._idle[self.name] = self

@@ -67,7 +67,10 @@ class LossWatch:
         """The recorded losses' first non-finite step, merged into the one found so far, on the device."""
         if not self._losses:
             return
-        losses = torch.stack([loss.reshape(()) for loss in self._losses]).float()
+        try:  # one op for losses of one shape (the loop's are 0-d), not a reshape per loss
+            losses = torch.stack(self._losses).reshape(-1).float()
+        except RuntimeError:  # one-element losses of several shapes (a manual step's may be [1], [1, 1]...)
+            losses = torch.stack([loss.reshape(()) for loss in self._losses]).float()
         steps = torch.tensor(self._steps, dtype=torch.float32).to(losses.device, non_blocking=True)
         found = torch.where(torch.isfinite(losses), math.inf, steps).min()
         self._first = found if self._first is None else torch.minimum(self._first, found)
