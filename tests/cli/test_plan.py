@@ -66,6 +66,15 @@ def test_llama_70b_on_64_nodes_keeps_tp_in_the_node_and_shards_the_rest(capsys):
     assert "tokens/s (" in versus and "pp bubble" in versus and "the winner's " in versus, versus
 
 
+def test_a_gpu_recipe_is_planned_on_a_host_without_its_gpus(capsys):
+    """recipes/llama_1b.yaml says accelerator cuda, devices 1: its global batch (batch_size x 1 device) is read
+    from the recipe, not from this host's GPUs (it stopped with "no CUDA device is available")."""
+    out, overrides = plan(capsys, "llama_1b.yaml", "--gpus", "8")
+    recipe = load_recipe(REPO / "recipes" / "llama_1b.yaml")
+    batch = recipe["data"]["batch_size"] * recipe["trainer"]["accumulate_grad_batches"]
+    assert f"data.global_batch_size={batch}" in overrides
+
+
 def test_bad_plan_arguments_are_one_line_errors(capsys):
     assert main(["plan", str(TINY), "--gpus", "8", "--device", "h900"]) == 2
     assert "device 'h900' is unknown; allowed: h100, h200, b200, a100" in capsys.readouterr().err

@@ -47,10 +47,15 @@ def plan_inputs(config: dict[str, Any], world: int | None = None) -> PlanInputs:
         if world is None:
             from trainer import flags
 
+            given = trainer["devices"]
             try:
-                devices = flags.resolve_devices(
-                    trainer["devices"], flags.resolve_accelerator(trainer["accelerator"])
-                )
+                if isinstance(given, (list, tuple)) or (
+                    isinstance(given, int) and not isinstance(given, bool) and given >= 1
+                ):
+                    # the recipe's own count: a plan reads it on any host, also one without those GPUs
+                    devices = len(given) if isinstance(given, (list, tuple)) else given
+                else:  # "auto" or -1: what this host has
+                    devices = flags.resolve_devices(given, flags.resolve_accelerator(trainer["accelerator"]))
             except ValueError as err:
                 raise ConfigError(f"trainer: {err}") from err
             world = devices * trainer["num_nodes"]
