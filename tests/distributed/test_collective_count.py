@@ -71,7 +71,7 @@ def expected(strategy: str, step: int, skipped: bool) -> Counter:
         if step % LOG_EVERY == 0:
             want["trainer/loop/step_log.py:log_train"] += 1  # the logged loss, averaged over the ranks
     if step in TIME_AGREED_AFTER:
-        want["trainer/loop/fit_loop.py:_slowest"] += 1  # max_time: the ranks' slowest clock
+        want["trainer/loop/stopping.py:_slowest"] += 1  # max_time: the ranks' slowest clock
     return want
 
 

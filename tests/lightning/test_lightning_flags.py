@@ -32,7 +32,11 @@ def test_check_val_every_n_epoch_validates_every_nth_epoch(tmp_path):
 )
 def test_max_time_stops_the_fit_when_the_time_is_up(tmp_path, monkeypatch, max_time):
     clock = FakeClock()
-    fake_time(monkeypatch, "trainer.loop.fit_loop", clock, "time")
+    for module in (
+        "trainer.loop.fit_loop",
+        "trainer.loop.stopping",
+    ):  # the start, and the polls between steps
+        fake_time(monkeypatch, module, clock, "time")
 
     class Slow(Regression):
         def training_step(self, batch, batch_idx):

@@ -1,6 +1,6 @@
 """Every collective a fit calls from Python, in order, with the micro-batch and optimizer step it falls in:
 `python collective_count_script.py --strategy ddp|fsdp --devices 2 --accumulate 3 --model llama ...`
-(self-spawning). The fit's clock (trainer.loop.fit_loop's `time.time`) is fake: rank r's moves 1 + r seconds
+(self-spawning). The fit's clock (`time.time` of trainer.loop.fit_loop and .stopping) is fake: rank r's moves 1 + r seconds
 per micro-batch, so `--max-time-s` stops the fit at a step known in advance, decided by rank 1's clock.
 With `--skip-at STEP` rank 1's training_step returns None at the first micro-batch of that step (the
 module's code says `return None`).
@@ -23,6 +23,7 @@ import torch.distributed._functional_collectives as funcol
 from dist_common import TIMEOUT_S, parser, train
 
 import trainer.loop.fit_loop
+import trainer.loop.stopping
 from callbacks import Callback
 from strategies import DDPStrategy, FSDPStrategy
 from strategies.base import Strategy
@@ -89,7 +90,7 @@ def wrap_collectives() -> None:
     trainer.loop.fit_loop.FitLoop._goes_on = marked_goes_on
     fake = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) if not k.startswith("_")})
     fake.time = lambda: clock.now
-    trainer.loop.fit_loop.time = fake
+    trainer.loop.fit_loop.time = trainer.loop.stopping.time = fake  # the start, and the polls between steps
 
 
 class SkipsOnce(CausalLM):
