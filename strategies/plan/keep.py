@@ -15,8 +15,11 @@ from strategies.plan.shapes import ACTIVATION_CHECKPOINTING, PIPELINE_SCHEDULES,
 
 MESH = ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep")  # each a divisor of the world (ep reuses ranks)
 # Layout fields the search never varies, so a pin on them could only empty it: the recipe decides precision
-# and the fused loss, sequence parallel follows tp, the search does not offload
-NOT_SEARCHED = ("sequence_parallel", "precision", "loss_chunk_tokens", "cpu_offload")
+# and the fused loss, sequence parallel follows tp, the search does not offload, and the kernels (fused,
+# flash attention) are what the runtime has, given to the search whole
+NOT_SEARCHED = (
+    "sequence_parallel", "precision", "loss_chunk_tokens", "cpu_offload", "fused_kernels", "flash_attention",
+)  # fmt: skip
 CHOICES: dict[str, tuple[Any, ...]] = {
     "activation_checkpointing": ACTIVATION_CHECKPOINTING,
     "pp_schedule": PIPELINE_SCHEDULES,

@@ -128,6 +128,10 @@ def test_keep_narrows_the_search_to_exactly_the_layouts_that_obey_it():
         ("tp=2,tp=4", "--keep tp=4: tp is pinned twice; allowed: one value a key"),
         ("tp", "--keep 'tp': 'tp' is not key=value; allowed: e.g. tp=8,pp=16"),
         ("precision=fp32", "--keep precision=fp32: unknown key 'precision'; allowed: dp_replicate,"),
+        (
+            "fused_kernels=true",
+            "--keep fused_kernels=true: unknown key 'fused_kernels'; allowed: dp_replicate,",
+        ),
         # valid values the search never weighs for this model: named with those it does
         (
             "ep=2",
