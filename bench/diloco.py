@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -25,7 +26,9 @@ def run_arm(root: Path, steps: int, every: int, k: int) -> dict[int, float]:
         f"trainer.max_steps={steps}", f"trainer.val_check_interval={every}", f"trainer.default_root_dir={root}",
         "trainer.enable_progress_bar=false", f"fault_tolerance.sync_every={k}",
     ]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    # two processes on this machine: one thread each (torchrun sets no OMP_NUM_THREADS for one process per
+    # group, and two processes of two threads on two cores spin against each other: 3-10 s a step)
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if done.returncode != 0:
         raise SystemExit(f"diloco bench: `{' '.join(cmd)}` failed: {done.stderr.strip().splitlines()[-1:]}")
     rows = [
