@@ -19,12 +19,15 @@ from pathlib import Path
 RECIPE = Path(__file__).parents[1] / "recipes" / "llama_tiny.yaml"
 
 
-def run_arm(root: Path, steps: int, every: int, k: int) -> dict[int, float]:
+def run_arm(
+    root: Path, steps: int, every: int, k: int, outer: tuple[float, float] = (0.7, 0.9)
+) -> dict[int, float]:
     """One `trainer replicas` run; replica 0's validation loss by step."""
     cmd = [
         sys.executable, "-m", "trainer.cli", "replicas", "--groups", "2", "--max-restarts", "0", str(RECIPE),
         f"trainer.max_steps={steps}", f"trainer.val_check_interval={every}", f"trainer.default_root_dir={root}",
         "trainer.enable_progress_bar=false", f"fault_tolerance.sync_every={k}",
+        f"fault_tolerance.outer_lr={outer[0]}", f"fault_tolerance.outer_momentum={outer[1]}",
     ]  # fmt: skip
     # two processes on this machine: one thread each (torchrun sets no OMP_NUM_THREADS for one process per
     # group, and two processes of two threads on two cores spin against each other: 3-10 s a step)
@@ -42,6 +45,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=320)
     p.add_argument("--every", type=int, default=40)
     p.add_argument("--k", type=int, default=8)
+    p.add_argument("--outer-lr", type=float, default=0.7)
+    p.add_argument("--outer-momentum", type=float, default=0.9)
     args = p.parse_args()
     if args.every % args.k or args.steps % args.every:
         raise SystemExit(
@@ -49,8 +54,11 @@ def main() -> None:
         )
     with tempfile.TemporaryDirectory() as tmp:
         per_step = run_arm(Path(tmp) / "per_step", args.steps, args.every, 1)
-        diloco = run_arm(Path(tmp) / "diloco", args.steps, args.every, args.k)
+        diloco = run_arm(
+            Path(tmp) / "diloco", args.steps, args.every, args.k, (args.outer_lr, args.outer_momentum)
+        )
     print(f"tiny Llama, 2 replica groups, {args.steps} steps: validation loss")
+    print(f"outer SGD: lr {args.outer_lr:g}, Nesterov momentum {args.outer_momentum:g}")
     print(f"{'step':>6} {'per-step sync':>14} {f'DiLoCo k={args.k}':>14} {'ratio':>7}")
     for step in sorted(per_step):
         print(f"{step:>6} {per_step[step]:>14.4f} {diloco.get(step, float('nan')):>14.4f} "
