@@ -179,9 +179,8 @@ class FitLoop(StopConditions):
             trainer._dispatch.train_epoch_end(lambda: step_log.log_epoch_metrics(trainer))
         finally:
             self.ending_epoch = None
-        if (
-            not self.epoch_scheduler_stepped
-        ):  # ReduceLROnPlateau (the validation's metric), or a loader without len
+        # ReduceLROnPlateau (it reads the validation's metric), or a loader without len: at the epoch's end
+        if not self.epoch_scheduler_stepped:
             self.step_scheduler("epoch", s.epoch)
         self.epoch_scheduler_stepped = False
 
