@@ -88,3 +88,10 @@ def test_the_break_even_line_says_when_live_recovery_cannot_pay(capsys, stall, s
     # a 590 s stall per failure every 2.8 h: 94.1% at no per-step cost (restart: 93.7%); 3000 s: 70%
     out, _ = projection(capsys, "--ft-stall-s", stall)
     assert said in out, out
+
+
+def test_an_input_of_the_projection_asks_for_it(capsys):
+    """`--ft-step-ratio 1.02` without `--goodput` printed no projection: a flag nothing read."""
+    assert main(["plan", RECIPE, "--gpus", "64", "--ft-step-ratio", "1.02"]) == 0
+    out = capsys.readouterr().out
+    assert "goodput (effective training time" in out and "every step costs 1.02x" in out

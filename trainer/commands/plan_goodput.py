@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from strategies.plan.goodput import Costs
@@ -47,24 +47,35 @@ def _count(text: str) -> int:
     return int(text)
 
 
+class _ProjectionInput(argparse.Action):
+    """One of the projection's inputs: given, it asks for the projection (a flag nothing reads would be
+    silent)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:  # fmt: skip
+        setattr(namespace, self.dest, values)
+        namespace.goodput = True
+
+
 def add_arguments(cmd: argparse.ArgumentParser) -> None:
-    """The --goodput flag and the model's inputs, each with its default and where it comes from."""
+    """The --goodput flag and the model's inputs (each implies --goodput), with its default and where it
+    comes from."""
     cmd.add_argument("--goodput", action="store_true",
                      help="print the effective training time under failures: restart-from-checkpoint, live "
                           "recovery and live recovery with hot spares, at --gpus, 16,384 and 100,000 GPUs")  # fmt: skip
-    cmd.add_argument("--restart-min", type=_number(0), default=RESTART_MIN,
+    cmd.add_argument("--restart-min", action=_ProjectionInput, type=_number(0), default=RESTART_MIN,
                      help=f"minutes to relaunch the job after a failure, the checkpoint's read apart (default {RESTART_MIN:g})")  # fmt: skip
-    cmd.add_argument("--replace-min", type=_number(0), default=None,
+    cmd.add_argument("--replace-min", action=_ProjectionInput, type=_number(0), default=None,
                      help="minutes a lost replica group waits for a replacement node (default: --restart-min)")  # fmt: skip
-    cmd.add_argument("--ft-stall-s", type=_number(0), default=MEASURED_STALL_S,
+    cmd.add_argument("--ft-stall-s", action=_ProjectionInput, type=_number(0), default=MEASURED_STALL_S,
                      help=f"seconds the surviving groups stall at a loss (default {MEASURED_STALL_S:g}, measured)")  # fmt: skip
-    cmd.add_argument("--ft-rejoin-s", type=_number(0), default=MEASURED_REJOIN_S,
+    cmd.add_argument("--ft-rejoin-s", action=_ProjectionInput, type=_number(0), default=MEASURED_REJOIN_S,
                      help=f"seconds a relaunched group takes to rejoin (default {MEASURED_REJOIN_S:g}, measured)")  # fmt: skip
-    cmd.add_argument("--ft-step-ratio", type=_number(1), default=MEASURED_STEP_RATIO,
+    cmd.add_argument("--ft-step-ratio", action=_ProjectionInput, type=_number(1), default=MEASURED_STEP_RATIO,
                      help=f"a live-recovery step over a plain one (default {MEASURED_STEP_RATIO:g}, measured)")  # fmt: skip
-    cmd.add_argument("--group-gpus", type=_count, default=None,
+    cmd.add_argument("--group-gpus", action=_ProjectionInput, type=_count, default=None,
                      help="GPUs of a replica group (default: the smallest replica of the plan that fits)")  # fmt: skip
-    cmd.add_argument("--job-wide", type=_number(0, 1), default=0.0,
+    cmd.add_argument("--job-wide", action=_ProjectionInput, type=_number(0, 1), default=0.0,
                      help="the share of failures that take every replica group (default 0)")  # fmt: skip
 
 
