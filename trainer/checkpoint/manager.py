@@ -441,7 +441,7 @@ class CheckpointManager:
         """Everything a resumed fit continues from: model, optimizer, loop, RNG, schedule, data, callbacks."""
         trainer = self._trainer
         _refuse_weights_only(path, "fit")
-        trainer.training_state.restore_param_groups(ckpt.load_torch_file(path / ckpt.STATE_FILE))
+        trainer.training_state.restore_param_groups(lambda: ckpt.load_torch_file(path / ckpt.STATE_FILE))
         state = trainer.strategy.load_checkpoint(path, trainer.module, trainer.training_state.optimizers())
         trainer.training_state.restore(state, CHECKPOINT_PARTS)
         trainer.training_state.loaded(state)

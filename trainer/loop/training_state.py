@@ -3,7 +3,7 @@ a checkpoint, a resume, a rollback and a replica's recovery each capture or rest
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -62,15 +62,18 @@ class TrainingState:
         if fit is not None and fit.progress is not None:
             fit.progress.reset(self._trainer.global_step)
 
-    def restore_param_groups(self, state: dict[str, Any]) -> None:
+    def restore_param_groups(self, read_state: Callable[[], dict[str, Any]]) -> None:
         """Before a resume loads the optimizer's state: the callbacks that add param groups during a fit
         (BaseFinetuning's `restore_param_groups`) re-add them from their saved state, so that the saved state
-        fits the optimizer, as Lightning restores callbacks first."""
-        saved = state.get("callbacks", {})
-        for cb in self._trainer.callbacks:
-            restore = getattr(cb, "restore_param_groups", None)
-            if restore is not None and cb.state_key in saved:
-                restore(self._trainer, saved[cb.state_key])
+        fits the optimizer, as Lightning restores callbacks first. `read_state` reads the checkpoint's state
+        only when such a callback is there (the strategy reads it again for everything else)."""
+        owners = [cb for cb in self._trainer.callbacks if hasattr(cb, "restore_param_groups")]
+        if not owners:
+            return
+        saved = read_state().get("callbacks", {})
+        for cb in owners:
+            if cb.state_key in saved:
+                cb.restore_param_groups(self._trainer, saved[cb.state_key])
 
     def rewind_loop(self, saved: dict[str, Any]) -> None:
         """A rollback's loop counters: the step and the productive time of the checkpoint, one restart more;
