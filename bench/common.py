@@ -66,9 +66,13 @@ class Interleaved(Callback):
         self.startup_s: float | None = None
         self.last_step_end = 0.0
 
+    def on_fit_start(self, trainer, module) -> None:
+        trainer.clock.watch(self)  # for the first step's batch fetch (the clock runs while read)
+
     def on_train_batch_start(self, trainer, module, batch, batch_idx: int) -> None:
         if self.startup_s is None:
-            fetch = trainer.clock.totals["data"]  # the first step's batch, read since the strategy was built
+            trainer.clock.unwatch(self)
+            fetch = trainer.clock.totals["data"]  # the first step's batch (the only span watched)
             self.startup_s = time.perf_counter() - self.called_at - fetch
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:

@@ -46,7 +46,11 @@ class StragglerDetector(Callback):
         self._start: dict[str, float] | None = None
 
     def on_fit_start(self, trainer: Trainer, module: TrainModule) -> None:
+        trainer.clock.watch(self)
         self._maybe_start_window(trainer)
+
+    def teardown(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
+        trainer.clock.unwatch(self)
 
     def on_train_batch_end(
         self, trainer: Trainer, module: TrainModule, outputs: dict[str, Any], batch: Any, batch_idx: int
