@@ -33,7 +33,7 @@ class LossWatch:
         """The loss the model as of `step` (0-based: the updates before it) gave."""
         self.last = loss
         self._steps.append(step)
-        self._losses.append(loss.detach())
+        self._losses.append(loss.detach() if loss.requires_grad else loss)  # (the loop's is detached)
         if len(self._steps) >= FOLD_EVERY:
             self._fold()
 

@@ -72,18 +72,21 @@ class StopConditions:
         """Between steps, where a checkpoint may be written: a Ctrl-C or SIGTERM, max_time or the strategy's
         stop reason (a spent privacy budget), agreed by every rank (each calls it as often), set `should_stop`,
         saving the last step first when a resume could go on from it."""
+        if self._stopping():  # decided: nothing more to poll (every rank knows it at the same step)
+            return
         trainer = self.trainer
         s = trainer.state
-        if not self._stopping() and (number := self.signals.agreed(trainer.strategy.world_size)):
+        if number := self.signals.agreed(trainer.strategy.world_size):
             self._stop_for_signal(number)
-        if self.time_limit is not None and not self._stopping():
-            # every rank must stop at the same step: their clocks agree at steps they all know (time_limit.py)
-            if self.time_limit.reached(s.global_step, time.time() - self.started, self._slowest):
-                self.stop_now()
-                rank_zero_info(
-                    f"stopping at step {s.global_step}: max_time of {trainer.max_time:.0f} s reached"
-                )
-        reason = None if self._stopping() else trainer.strategy.stop_reason()
+            return
+        # every rank must stop at the same step: their clocks agree at steps they all know (time_limit.py)
+        if self.time_limit is not None and self.time_limit.reached(
+            s.global_step, time.time() - self.started, self._slowest
+        ):
+            self.stop_now()
+            rank_zero_info(f"stopping at step {s.global_step}: max_time of {trainer.max_time:.0f} s reached")
+            return
+        reason = trainer.strategy.stop_reason()
         if reason is not None:
             if s.global_step > self.start_step:  # this fit trained: keep where it stopped
                 trainer.save_and_stop(reason, resumable=False)
