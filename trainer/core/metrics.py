@@ -2,7 +2,8 @@
 
 Each name is aggregated twice: over the optimizer step (`on_step`: its micro-batches) and over the
 epoch (`on_epoch`: the training epoch, or a whole validation/test run), by `reduce_fx` ("mean",
-weighted by `batch_size`; "sum", "max", "min"). With both on, Lightning's names: `name_step` and
+weighted by `batch_size`, which an epoch mean infers from the loop's batch when not given, as Lightning;
+"sum", "max", "min"). With both on, Lightning's names: `name_step` and
 `name_epoch`. `sync_dist` reduces over the data-parallel ranks with the same function (a weighted mean
 as sums of values and weights). `logger=False` keeps a value out of the loggers but not out of
 `trainer.callback_metrics`; `prog_bar` shows it in the progress bar.
@@ -21,6 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from trainer.core.batch_size import infer_batch_size
+from trainer.core.logging import rank_zero_info
 
 REDUCE_FX = ("mean", "sum", "max", "min")
 _TORCH_FX = {torch.mean: "mean", torch.sum: "sum", torch.max: "max", torch.min: "min"}
@@ -71,6 +75,9 @@ def check_reduce_fx(name: str, reduce_fx: object) -> str:
     return fx
 
 
+_AMBIGUOUS_SAID: set[str] = set()
+
+
 @dataclass
 class _Options:
     reduce_fx: str
@@ -110,6 +117,29 @@ class MetricBuffer:
         self._epoch: dict[str, _Accumulator] = {}
         self._metrics: dict[str, Any] = {}  # torchmetrics Metrics logged since the last reset, by name
         self._metric_steps: dict[str, torch.Tensor] = {}  # their batch values (forward's) of this step
+        self.batch: Any = None  # the batch the loop is on: an epoch mean's weight when log has no batch_size
+        self._batch_size: int | None = None  # inferred from `batch` at the first log that needs it
+
+    def set_batch(self, batch: Any) -> None:
+        """The batch the loop starts (None: between batches, where a value weighs 1), as Lightning's."""
+        self.batch, self._batch_size = batch, None
+
+    def _weight(self, name: str, batch_size: int | None, on_epoch: bool, fx: str) -> int:
+        """Lightning's weight of a logged value: `batch_size`, else for an epoch mean the size inferred
+        from the current batch (once per batch), else 1."""
+        if batch_size is not None:
+            return batch_size
+        if self.batch is None or not on_epoch or fx != "mean":
+            return 1
+        if self._batch_size is None:
+            self._batch_size, ambiguous = infer_batch_size(self.batch, name)
+            if ambiguous and name not in _AMBIGUOUS_SAID:  # once per name and process, as Lightning's
+                _AMBIGUOUS_SAID.add(name)
+                rank_zero_info(
+                    f"warning: log({name!r}): the batch holds tensors of several first dimensions; its epoch "
+                    f"mean weighs each batch by the first tensor's, {self._batch_size}; pass batch_size= to choose"
+                )
+        return self._batch_size
 
     @property
     def prog_bar_names(self) -> set[str]:
@@ -160,9 +190,10 @@ class MetricBuffer:
             raise ValueError(f"log({name!r}) batch_size={batch_size!r} is invalid; allowed: an int >= 1")
         options = _Options(check_reduce_fx(name, reduce_fx), sync_dist, prog_bar, logger, on_step, on_epoch)
         self.options[name] = options
+        weight = self._weight(name, batch_size, on_epoch, options.reduce_fx)
         for on, store in ((on_step, self._step), (on_epoch, self._epoch)):
             if on:
-                store.setdefault(name, _Accumulator(options.reduce_fx)).add(value, batch_size or 1)
+                store.setdefault(name, _Accumulator(options.reduce_fx)).add(value, weight)
 
     def has_step_values(self) -> bool:
         """Whether anything was logged per step since the last `reset_step`."""

@@ -78,9 +78,11 @@ def evaluate(
                         batch = strategy.batch_to_device(batch)
                         if record is not None:
                             record.batch(idx)
+                        buffer.set_batch(batch)  # an epoch mean logged without batch_size weighs its size
                         dispatch.all(f"on_{stage}_batch_start", batch, idx)
                         output = strategy.eval_step(module, method, batch, idx)
                         dispatch.all(f"on_{stage}_batch_end", output, batch, idx)
+                        buffer.set_batch(None)
                         if log_step is not None:
                             log_step(buffer.compute_step(trainer._reduce_logged), buffer.not_for_loggers())
                         buffer.reset_step()

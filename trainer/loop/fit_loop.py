@@ -202,6 +202,9 @@ class FitLoop(StopConditions):
                 return True
             first_idx = s.batches_in_epoch
             trainer._step_hooks = True
+            trainer._fit_metrics.set_batch(
+                window[0]
+            )  # an epoch mean logged without batch_size weighs its size
             try:
                 outputs = self._optimizer_step(window, meter, started)
                 if len(window) == remaining:  # the epoch's last batch: Lightning steps its scheduler now
@@ -213,6 +216,7 @@ class FitLoop(StopConditions):
                 trainer._dispatch.step("on_train_batch_end", (outputs, window[0], first_idx))
             finally:
                 trainer._step_hooks = False
+                trainer._fit_metrics.set_batch(None)
             self._end_step()
         return False
 
