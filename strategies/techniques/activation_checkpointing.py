@@ -15,12 +15,19 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 MODES = (None, "full", "selective")
-# "selective" keeps the outputs of these (the expensive ops) and recomputes the rest
+# "selective" keeps the outputs of these (the expensive ops) and recomputes the rest: the matmuls, and
+# attention under every kernel `scaled_dot_product_attention` may pick (CPU's; CUDA's flash, memory-efficient
+# and cuDNN ones; MPS's and other backends'), so that no device reruns attention in the backward
 _SAVE_OPS = {
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
     torch.ops.aten.bmm.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_attention_math_for_mps.default,
+    torch.ops.aten._scaled_dot_product_fused_attention_overrideable.default,
 }
 
 

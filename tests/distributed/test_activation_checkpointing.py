@@ -105,3 +105,21 @@ def test_checkpointing_a_model_without_blocks_is_refused(tmp_path):
     )
     with pytest.raises(ValueError, match="Flat declares none: add the hook"):
         trainer.fit(Flat(), [(torch.randn(2, 4),)])
+
+
+def test_selective_checkpointing_keeps_attention_under_every_kernel_torch_may_pick():
+    """Each forward kernel of `scaled_dot_product_attention` (flash, memory-efficient and cuDNN on CUDA, not
+    only the CPU's) is saved, not rerun in the backward; a kernel a later torch adds fails here."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from strategies.techniques.activation_checkpointing import _policy
+
+    kernels = [
+        getattr(torch.ops.aten, name).default
+        for name in dir(torch.ops.aten)
+        if name.startswith("_scaled_dot_product") and not name.endswith("_backward")
+    ]
+    assert len(kernels) >= 4, kernels
+    for op in kernels:
+        assert _policy(None, op) == CheckpointPolicy.MUST_SAVE, op
+    assert _policy(None, torch.ops.aten.silu.default) == CheckpointPolicy.PREFER_RECOMPUTE
