@@ -22,7 +22,13 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
-from strategies.plan.shapes import Layout, ModelShape, RunShape
+from strategies.plan.shapes import (
+    ACTIVATION_CHECKPOINTING,
+    WHAT_IF_CHECKPOINTING,
+    Layout,
+    ModelShape,
+    RunShape,
+)
 from strategies.plan.tensors import (
     FP32,
     Unit,
@@ -106,9 +112,14 @@ def _check(shape: ModelShape, layout: Layout, run: RunShape) -> None:
     problems = []
     if layout.pp_schedule not in SCHEDULE_NAMES:
         problems.append(f"pp_schedule={layout.pp_schedule!r}; allowed: {', '.join(SCHEDULE_NAMES)}")
-    if layout.activation_checkpointing not in ("none", "selective", "full"):
+    modes = ACTIVATION_CHECKPOINTING + WHAT_IF_CHECKPOINTING
+    if layout.activation_checkpointing not in modes:
         problems.append(
-            f"activation_checkpointing={layout.activation_checkpointing!r}; allowed: none, selective, full"
+            f"activation_checkpointing={layout.activation_checkpointing!r}; allowed: {', '.join(modes)}"
+        )
+    elif layout.activation_checkpointing in WHAT_IF_CHECKPOINTING and shape.n_experts:
+        problems.append(
+            f"activation_checkpointing={layout.activation_checkpointing!r} with experts; allowed: a dense model"
         )
     if layout.precision not in ("bf16", "fp32"):
         problems.append(f"precision={layout.precision!r}; allowed: bf16, fp32")

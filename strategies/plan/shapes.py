@@ -5,7 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# what strategies/techniques/activation_checkpointing.py builds
 ACTIVATION_CHECKPOINTING = ("none", "selective", "full")
+# checkpointing the planner weighs for a published run but the runtime does not build (never searched):
+# TorchTitan's selective "op" policy, which saves the attention kernel's outputs and every matmul's but every
+# second one's (torchtitan's _apply_ac_to_transformer_block: "except every second mm")
+WHAT_IF_CHECKPOINTING = ("selective_op",)
 PRECISIONS = ("bf16", "fp32")  # bf16: bf16-mixed (fp32 master weights, bf16 compute); fp32: all fp32
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 

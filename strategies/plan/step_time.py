@@ -105,12 +105,20 @@ def flops_per_token(shape: ModelShape, seq_len: int) -> float:
 
 def recompute_flops_per_token(shape: ModelShape, seq_len: int, mode: str) -> float:
     """What activation checkpointing adds: full recomputes each block's forward (a third of its 6N + 12LHhdT),
-    selective only attention's score products (a third of 12 L H hd T)."""
+    selective only attention's score products (a third of 12 L H hd T), TorchTitan's op policy (dense
+    blocks) the forward of wk, wo and w3."""
     attention = 12 * shape.n_layers * shape.n_heads * shape.head_dim * seq_len
     if mode == "full":
         return (flops_per_token(shape, seq_len) - 6 * shape.dim * shape.vocab_size) / 3
     if mode == "selective":
         return attention / 3
+    if mode == "selective_op":
+        return (
+            2
+            * shape.n_layers
+            * shape.dim
+            * (shape.head_dim * (shape.n_kv_heads + shape.n_heads) + shape.ffn_dim)
+        )
     return 0.0
 
 
