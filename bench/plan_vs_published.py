@@ -103,7 +103,7 @@ def evaluate(p: Published, index: int, with_best: bool) -> Row:
     kernels = [p.fused] if p.fused is not None else [False, True]
     ac = {"activation_checkpointing": p.activation_checkpointing} if p.activation_checkpointing else {}
     mine = [
-        (replace(layout, fused_kernels=fused, flash_attention=p.flash, **ac), run)
+        (replace(layout, fused_kernels=fused, flash_attention=p.flash, fsdp_unit=p.fsdp_unit, **ac), run)
         for layout, run in layouts(
             p.shape, p.gpus, GPUS_PER_NODE, p.seq_len, p.global_batch, virtual_stages=WHAT_IF_STAGES
         )
@@ -197,6 +197,8 @@ def main() -> None:
                     else ""
                 )
             )
+            if ratio < 0.95 and p.why_not_best:
+                print(f"  not within 5% of the best: {p.why_not_best}")
         print(f"  ({time.perf_counter() - start:.1f}s)")
     print()
     print(summary([r for r in rows if not r.held], "tuning"))

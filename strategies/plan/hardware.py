@@ -129,6 +129,9 @@ def power_limited_share(limit_w: float, rated_w: float) -> float:
 
 DEVICES: dict[str, Device] = {
     "h100": Device("H100 SXM 80GB", 989.0, 80e9, hbm_GBps=3350.0),
+    "h200": Device("H200 SXM 141GB", 989.0, 141e9, hbm_GBps=4800.0),
+    "b200": Device("B200 180GB", 2250.0, 180e9, hbm_GBps=8000.0),
+    "a100": Device("A100 SXM 80GB", 312.0, 80e9, hbm_GBps=2039.0, attention_efficiency=0.5),
     # the H100 of Meta's Grand Teton hosts that TorchTitan benchmarked on (github.com/pytorch/torchtitan,
     # benchmarks/llama3_h100_202412_torchtitan.md, "Hardware"): SXM, 96 GB of HBM2e at 2.4 TB/s, run at its
     # default 500 W power limit; its MFU is over the SXM's 989 TFLOP/s (that page's footnote 2: "the actual
@@ -142,9 +145,6 @@ DEVICES: dict[str, Device] = {
         hbm_GBps=2400.0,
         clock_share=power_limited_share(500.0, 700.0),
     ),
-    "h200": Device("H200 SXM 141GB", 989.0, 141e9, hbm_GBps=4800.0),
-    "b200": Device("B200 180GB", 2250.0, 180e9, hbm_GBps=8000.0),
-    "a100": Device("A100 SXM 80GB", 312.0, 80e9, hbm_GBps=2039.0, attention_efficiency=0.5),
 }
 
 # Sources: NVLink 3/4/5 at 600/900/1800 GB/s per GPU both directions together (NVIDIA's A100/H100/B200

@@ -151,3 +151,21 @@ def test_torchtitans_op_policy_is_weighed_for_dense_blocks_only():
     moe = ModelShape(64, 32, 2, 4, 2, 64, n_experts=4, top_k=2, expert_ffn_dim=16)
     with pytest.raises(ValueError, match=r"'selective_op' with experts; allowed: a dense model"):
         per_rank_memory(moe, Layout(activation_checkpointing="selective_op"), RUN)
+
+
+def test_narayanans_zero3_529b_rows_fit_an_a100_only_gathering_one_linear_at_a_time():
+    # Narayanan et al. 2021, Table 2: the 529.6B GPT (h 20480, 105 blocks) under DeepSpeed's ZeRO-3 on 1120
+    # A100 80GB, micro-batch 2, full recompute. A block is 12 h^2 = 5.03B weights: two gathered and their
+    # fp32 gradients twice (the project's FSDP) are 60 GB on their own; DeepSpeed gathers a module at a
+    # time, the largest a feed-forward matrix (the paper's 4h MLP: 4 h^2 = 1.68B; 8h/3 h = 1.12B in the
+    # SwiGLU of the same weights this shape is; 7 GB more with the former: it fits all the same)
+    shape = ModelShape(51200, 20480, 105, 128, 128, 20480 * 8 // 3, tie_embeddings=True)
+    block = Layout(dp_shard=1120, activation_checkpointing="full", flash_attention=False)
+    linear = dataclasses.replace(block, fsdp_unit="linear")
+    run = RunShape(2, 2048)
+    usable = DEVICES["a100"].memory_bytes * USABLE_MEMORY
+    per_block, per_linear = per_rank_memory(shape, block, run), per_rank_memory(shape, linear, run)
+    assert per_linear.peak < usable < per_block.peak
+    largest, whole = shape.ffn_dim * shape.dim, block_unit(shape, block, 0).numel
+    # the backward's working set: two of them gathered (bf16) and their gradients twice (fp32)
+    assert per_block.peak - per_linear.peak == 2 * (whole - largest) * (2 + 4)
