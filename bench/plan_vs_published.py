@@ -181,9 +181,10 @@ def main() -> None:
             print(f"  published MFU {r.published:.1%}; the planner enumerates no such layout")
             continue
         fit = "fits" if r.fits else "OUT OF MEMORY"
+        measured = "" if p.memory_gib is None else f"; published {p.memory_gib * 2**30 / 1e9:.0f} GB reserved"
         print(
             f"  published MFU {r.published:.1%}  planner {r.time.mfu:.1%} ({r.error:+.0%})  {fit} "
-            f"({r.peak_gb:.0f} GB)  as {layout_text(r.layout)}"
+            f"({r.peak_gb:.0f} GB{measured})  as {layout_text(r.layout)}"
         )
         print(f"    {r.time.line()}")
         if r.best is not None:

@@ -94,6 +94,7 @@ class Published:
     # elementwise kernels fused (Megatron's fused ops, torch.compile); None: not said, the planner picks
     fused: bool | None = None
     flash: bool = True  # flash attention (Megatron-LM 2021 predates it: materialized scores)
+    memory_gib: float | None = None  # the peak memory per GPU the source measured (GiB)
     # the physical reason the published layout may trail the planner's best (printed when it is not within 5%)
     why_not_best: str = ""
 
@@ -216,11 +217,12 @@ def _torchtitan() -> list[Published]:
     # every matmul's output but every second one's, and the flash attention kernel's): "selective_op". On
     # the page's H100s (96 GB HBM2e at 2.4 TB/s, 500 W: the "h100-hbm2e-500w" device); MFU over the SXM's
     # 989 TFLOP/s as the page's footnote 2 computes it
+    # (GPUs, global batch, TPS/GPU, mode, Memory(GiB): the page's peak, torch's reserved bytes)
     rows = [
-        (8, 16, 5762, "eager"),
-        (8, 16, 6667, "compile"),
-        (128, 256, 5605, "eager"),
-        (128, 256, 6514, "compile"),
+        (8, 16, 5762, "eager", 82.4),
+        (8, 16, 6667, "compile", 77.0),
+        (128, 256, 5605, "eager", 67.0),
+        (128, 256, 6514, "compile", 62.0),
     ]
     return [
         Published(
@@ -241,8 +243,9 @@ def _torchtitan() -> list[Published]:
             tokens_per_gpu_s=tps,
             fused=mode == "compile",
             why_not_best=TORCHTITAN_PRESET,
+            memory_gib=gib,
         )  # fmt: skip
-        for n, batch, tps, mode in rows
+        for n, batch, tps, mode, gib in rows
     ]
 
 
