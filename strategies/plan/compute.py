@@ -117,5 +117,7 @@ def recomputed_forward(layout: Layout, entries: int) -> list[float]:
     if layout.activation_checkpointing == "full":
         return [1.0] * (entries - 1) + [0.0]
     if layout.activation_checkpointing == "selective_op":
+        if entries != 4:
+            raise ValueError("activation_checkpointing='selective_op' with experts; allowed: a dense model")
         return [1 / 2, 1 / 2, 1 / 3, 0.0]
     return [0.0] * entries

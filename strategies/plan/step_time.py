@@ -121,12 +121,8 @@ def recompute_flops_per_token(shape: ModelShape, seq_len: int, mode: str) -> flo
     if mode == "selective":
         return attention / 3
     if mode == "selective_op":
-        return (
-            2
-            * shape.n_layers
-            * shape.dim
-            * (shape.head_dim * (shape.n_kv_heads + shape.n_heads) + shape.ffn_dim)
-        )
+        widths = shape.head_dim * (shape.n_kv_heads + shape.n_heads) + shape.ffn_dim  # wk, wo, w3
+        return 2 * shape.n_layers * shape.dim * widths
     return 0.0
 
 
