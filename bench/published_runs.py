@@ -37,8 +37,9 @@ TORCHTITAN_2024 = (
 
 # why a published layout trails the planner's best, by what the run was for or could not use
 MEGATRON_FULL_RECOMPUTE = (
-    "Megatron-LM in 2021 had full recompute only (selective recompute and sequence parallelism came with "
-    "Korthikanti et al. 2022): the planner's best keeps more activations and recomputes less"
+    "Megatron-LM in 2021 had full recompute only and no sharded data parallel (selective recompute and "
+    "sequence parallelism came with Korthikanti et al. 2022, its distributed optimizer later): the planner's "
+    "best shards the training state to cut tp and pp, and recomputes less"
 )
 ZERO3_FOIL = (
     "ZeRO-3 without model parallelism is the paper's point of comparison (their Section 5.2), not its "
