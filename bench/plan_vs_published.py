@@ -24,7 +24,7 @@ from bench.published_runs import POINTS, Published, held_out  # noqa: E402
 from strategies.plan.hardware import build_hardware  # noqa: E402
 from strategies.plan.memory import per_rank_memory  # noqa: E402
 from strategies.plan.search import USABLE_MEMORY, layout_text, layouts, search  # noqa: E402
-from strategies.plan.shapes import Layout, RunShape  # noqa: E402
+from strategies.plan.shapes import WHAT_IF_CHECKPOINTING, Layout, RunShape  # noqa: E402
 from strategies.plan.step_time import StepTime, flops_per_token, step_time  # noqa: E402
 
 GPUS_PER_NODE = 8  # every published run: 8-GPU nodes (DGX A100, Grand Teton)
@@ -50,8 +50,16 @@ def published_mfu(p: Published) -> float:
     return p.tflops * 1e12 / peak
 
 
+def runtime_checkpointing(p: Published) -> str | None:
+    """The runtime's checkpointing mode the search enumerates for the published one: a what-if policy
+    (TorchTitan's "selective_op") is enumerated as "selective", then weighed as itself."""
+    ac = p.activation_checkpointing
+    return "selective" if ac in WHAT_IF_CHECKPOINTING else ac
+
+
 def is_published(p: Published, layout: Layout, run: RunShape) -> bool:
-    """Whether `layout` is the published one in everything the source publishes."""
+    """Whether `layout` is the published one in everything the source publishes (its checkpointing as the
+    search enumerates it: `runtime_checkpointing`)."""
     L = layout
     if (
         (L.tp, L.pp, L.cp) != (p.tp, p.pp, p.cp)
@@ -62,7 +70,8 @@ def is_published(p: Published, layout: Layout, run: RunShape) -> bool:
         return False
     if p.zero_stage is not None and L.zero_stage != p.zero_stage:
         return False
-    if p.activation_checkpointing is not None and L.activation_checkpointing != p.activation_checkpointing:
+    ac = runtime_checkpointing(p)
+    if ac is not None and L.activation_checkpointing != ac:
         return False
     passes = run.micro_batch // L.pp_microbatches
     return p.micro_batch is None or passes == p.micro_batch
@@ -89,11 +98,12 @@ class Row:
 
 def evaluate(p: Published, index: int, with_best: bool) -> Row:
     """The planner on point `p`."""
-    hw = build_hardware(p.device, GPUS_PER_NODE, p.link, gpu_memory=p.gpu_memory)
+    hw = build_hardware(p.device, GPUS_PER_NODE, p.link)
     limit = hw.device.memory_bytes * USABLE_MEMORY
     kernels = [p.fused] if p.fused is not None else [False, True]
+    ac = {"activation_checkpointing": p.activation_checkpointing} if p.activation_checkpointing else {}
     mine = [
-        (replace(layout, fused_kernels=fused, flash_attention=p.flash), run)
+        (replace(layout, fused_kernels=fused, flash_attention=p.flash, fsdp_unit=p.fsdp_unit, **ac), run)
         for layout, run in layouts(
             p.shape, p.gpus, GPUS_PER_NODE, p.seq_len, p.global_batch, virtual_stages=WHAT_IF_STAGES
         )
@@ -120,7 +130,7 @@ def evaluate(p: Published, index: int, with_best: bool) -> Row:
             best_layout, best = plan.best.layout, plan.best.time
             if pick is not None:
                 rank = 1 + sum(c.time.tokens_per_s > pick[0].tokens_per_s for c in plan.ranked)
-            ac = p.activation_checkpointing
+            ac = runtime_checkpointing(p)
             if ac is not None and plan.best.layout.activation_checkpointing != ac:
                 pinned = search(
                     p.shape, hw, p.gpus, p.seq_len, p.global_batch, virtual_stages=WHAT_IF_STAGES,
@@ -171,9 +181,10 @@ def main() -> None:
             print(f"  published MFU {r.published:.1%}; the planner enumerates no such layout")
             continue
         fit = "fits" if r.fits else "OUT OF MEMORY"
+        measured = "" if p.memory_gib is None else f"; published {p.memory_gib * 2**30 / 1e9:.0f} GB reserved"
         print(
             f"  published MFU {r.published:.1%}  planner {r.time.mfu:.1%} ({r.error:+.0%})  {fit} "
-            f"({r.peak_gb:.0f} GB)  as {layout_text(r.layout)}"
+            f"({r.peak_gb:.0f} GB{measured})  as {layout_text(r.layout)}"
         )
         print(f"    {r.time.line()}")
         if r.best is not None:
@@ -187,6 +198,8 @@ def main() -> None:
                     else ""
                 )
             )
+            if ratio < 0.95 and p.why_not_best:
+                print(f"  not within 5% of the best: {p.why_not_best}")
         print(f"  ({time.perf_counter() - start:.1f}s)")
     print()
     print(summary([r for r in rows if not r.held], "tuning"))

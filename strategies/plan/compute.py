@@ -11,7 +11,7 @@ No constant is fitted to a paper or a model: the rates come from datasheets and 
 
 from __future__ import annotations
 
-from strategies.plan.hardware import GB, SUSTAINED_SHARE, Hardware
+from strategies.plan.hardware import GB, Hardware
 from strategies.plan.shapes import Layout, ModelShape
 
 # flash attention's FLOPs as run, over the 12 L H hd T the MFU counts: the causal mask skips half the score
@@ -44,7 +44,8 @@ def elementwise_bytes(shape: ModelShape, layout: Layout, tokens: float) -> float
     ) / tp
     norms = 2 * 10 * shape.dim / (tp if layout.sequence_parallel else 1)
     block = norms + 16 * ffn + 8 * (q + kv)
-    rerun = 4 / 3 if layout.activation_checkpointing == "full" else 1.0  # the recomputed forward
+    # the recomputed forward: every checkpointing mode reruns the block's elementwise ops
+    rerun = 4 / 3 if layout.activation_checkpointing != "none" else 1.0
     loss = 8 * shape.vocab_size / tp
     passes = 1.0 if layout.fused_kernels else EAGER_PASSES
     return passes * tokens * (shape.n_layers * block * rerun + loss)
@@ -56,10 +57,10 @@ def attention_s(shape: ModelShape, layout: Layout, tokens: float, seq_len: int, 
     counted = 12 * shape.n_layers * shape.n_heads * shape.head_dim / layout.tp * seq_len * tokens
     if not layout.flash_attention:
         return unfused_attention_s(shape, layout, counted, tokens, seq_len, hw)
-    rerun = (3.5 + 1) / 3.5 if layout.activation_checkpointing != "none" else 1.0
+    # the backward recomputes the forward's kernel unless its output was kept (TorchTitan's op policy keeps it)
+    rerun = (3.5 + 1) / 3.5 if layout.activation_checkpointing in ("selective", "full") else 1.0
     block = seq_len / layout.cp  # ring attention's blocks: a cp shard's queries against one shard of keys
-    peak = hw.device.bf16_tflops * 1e12 * SUSTAINED_SHARE
-    rate = peak * hw.device.attention_efficiency * block / (block + ATTENTION_HALF_BLOCK)
+    rate = hw.device.sustained_flops * hw.device.attention_efficiency * block / (block + ATTENTION_HALF_BLOCK)
     return counted * CAUSAL_SHARE * FLASH_BACKWARD * rerun / rate
 
 
@@ -96,12 +97,27 @@ def pass_seconds(
 ) -> float:
     """Seconds of one rank's forward-backward pass over `tokens` tokens (every block, before a pipeline
     divides them): its weight matmuls ((FLOPs, m, k, n), each at the rate its intensity and its work give:
-    `Device.gemm_rate`; again for the forward a full recompute reruns, the output layer excepted), attention,
-    and the memory-bound ops."""
-    rerun = 4 / 3 if layout.activation_checkpointing == "full" else 1.0
+    `Device.gemm_rate`; again for the share of its forward a recompute reruns: `recomputed_forward`),
+    attention, and the memory-bound ops."""
     times = [
         f / hw.device.gemm_rate(_intensity(m, k, n), (m * k * n) ** (1 / 3)) for f, m, k, n in weight_matmuls
     ]
-    matmul = sum(times[:-1]) * rerun + times[-1]
+    rerun = recomputed_forward(layout, len(times))
+    matmul = sum(t * (1 + share / 3) for t, share in zip(times, rerun, strict=True))  # a forward: 2 of 6
     memory = elementwise_bytes(shape, layout, tokens) / (hw.device.hbm_GBps * GB * HBM_ACHIEVED)
     return matmul + attention_s(shape, layout, tokens, seq_len, hw) + memory
+
+
+def recomputed_forward(layout: Layout, entries: int) -> list[float]:
+    """The share of the forward of each of `step_time.weight_matmuls`' `entries` (a dense block's: wq and
+    wo, wk and wv, the feed-forward's three; the output layer last) that the backward runs again, by FLOPs:
+    a full recompute every block's; TorchTitan's op policy every second matmul's (wk, wo, w3, in
+    `tensors.block_matmul_widths`' order: half of the first two entries, a third of the feed-forward);
+    the project's selective none (it keeps every matmul's output)."""
+    if layout.activation_checkpointing == "full":
+        return [1.0] * (entries - 1) + [0.0]
+    if layout.activation_checkpointing == "selective_op":
+        if entries != 4:
+            raise ValueError("activation_checkpointing='selective_op' with experts; allowed: a dense model")
+        return [1 / 2, 1 / 2, 1 / 3, 0.0]
+    return [0.0] * entries

@@ -38,7 +38,8 @@ GEMM_HALF_RIDGES = 2.0
 # board's power limit (A100 400 W, H100 700 W) and clock down, the backward's transposed operands and the
 # launch gaps between kernels cost more. One number for every device and model, the only one fitted: on the
 # tuning points of bench/plan_vs_published.py (median error 20% at 1.0, 6% at 0.85, 4% at 0.8), with the
-# held-out third as its check (5% at 0.8).
+# held-out third as its check (5% at 0.8). Re-scanned with TorchTitan's 500 W device and the published
+# checkpointing and ZeRO-3 units: 4.7% at 0.76, 4.0% at 0.78, 3.7% at 0.8, 5.4% at 0.82 (held out: 4.0%).
 SUSTAINED_SHARE = 0.8
 
 
@@ -57,12 +58,22 @@ class Device:
     hbm_GBps: float | None = None
     gemm_max: float = GEMM_MAX
     attention_efficiency: float = 0.35
+    # the tensor-core clock its board's power limit sustains, as a share of the clock `bf16_tflops` is rated
+    # at (`power_limited_share`); 1 for a device run at the power its datasheet rates it at
+    clock_share: float = 1.0
+
+    @property
+    def sustained_flops(self) -> float:
+        """FLOP/s a training step's tensor cores sustain at best: the peak at the clock its power limit
+        allows, times the share of a kernel benchmark's rate a training step sustains (SUSTAINED_SHARE)."""
+        return self.bf16_tflops * 1e12 * self.clock_share * SUSTAINED_SHARE
 
     @property
     def ridge(self) -> float:
         """The n of the n x n x n bf16 product whose intensity (n/3 FLOP per byte) meets the roofline's ridge
-        (peak over HBM bandwidth): smaller products are memory-bound."""
-        return 3 * self.bf16_tflops * 1e12 / (self.hbm_GBps * GB) if self.hbm_GBps else 0.0
+        (peak at its clock over HBM bandwidth): smaller products are memory-bound."""
+        peak = self.bf16_tflops * 1e12 * self.clock_share
+        return 3 * peak / (self.hbm_GBps * GB) if self.hbm_GBps else 0.0
 
     def gemm_rate(self, n: float, fill: float | None = None) -> float:
         """FLOP/s of a bf16 GEMM as arithmetic-intense as an n x n x n one: the roofline (peak, or HBM
@@ -70,10 +81,9 @@ class Device:
         gemm_max * f^2 / (f^2 + (2 ridge)^2), f the cube root of the work that fills the GPU (`fill`: a
         batched GEMM's whole batch; n for one product): small products leave SMs idle (waves and tiles not
         filled) and their loads unhidden; large ones saturate at gemm_max."""
-        peak = self.bf16_tflops * 1e12
         if not self.hbm_GBps:
-            return peak * self.achievable
-        peak *= SUSTAINED_SHARE
+            return self.bf16_tflops * 1e12 * self.achievable
+        peak = self.sustained_flops
         half = GEMM_HALF_RIDGES * self.ridge
         f = n if fill is None else fill
         roof = min(peak, self.hbm_GBps * GB * n / 3)
@@ -109,11 +119,33 @@ def bus_factor(op: str, n: int) -> float:
 # Flash attention's share of the peak, forward and backward together: FlashAttention-2 (Dao 2023) reaches
 # 50-73% of A100's peak in the forward and less in the backward (~50% of the two); on H100 it reaches ~35%
 # (Shah et al. 2024, FlashAttention-3, their FA2 baseline: ~350 of 989 TFLOP/s), which PyTorch's SDPA runs.
+def power_limited_share(limit_w: float, rated_w: float) -> float:
+    """The tensor-core clock a board held to `limit_w` sustains, as a share of the clock it reaches at the
+    `rated_w` its datasheet rates its peak at: dense matmuls run a GPU at its power limit, and dynamic power
+    goes as f V^2 with the voltage rising with the clock, so about as f^3: the clock as the cube root of the
+    power. Checked on the datasheets of one die: the H100 NVL (the SXM part's 132 SMs, 350-400 W) is rated
+    at 835 TFLOP/s bf16 dense (1,671 with sparsity), the rule from the SXM's 989 at 700 W gives 821 at 400 W."""
+    return (limit_w / rated_w) ** (1 / 3)
+
+
 DEVICES: dict[str, Device] = {
     "h100": Device("H100 SXM 80GB", 989.0, 80e9, hbm_GBps=3350.0),
     "h200": Device("H200 SXM 141GB", 989.0, 141e9, hbm_GBps=4800.0),
     "b200": Device("B200 180GB", 2250.0, 180e9, hbm_GBps=8000.0),
     "a100": Device("A100 SXM 80GB", 312.0, 80e9, hbm_GBps=2039.0, attention_efficiency=0.5),
+    # the H100 of Meta's Grand Teton hosts that TorchTitan benchmarked on (github.com/pytorch/torchtitan,
+    # benchmarks/llama3_h100_202412_torchtitan.md, "Hardware"): SXM, 96 GB of HBM2e at 2.4 TB/s, run at its
+    # default 500 W power limit; its MFU is over the SXM's 989 TFLOP/s (that page's footnote 2: "the actual
+    # peak ... is between SXM and NVL"), its clock the 500 W one (power_limited_share: 0.894, 884 TFLOP/s).
+    # Its memory: 6 HBM2e stacks of 16 GiB, of which an HBM2e H100 at 2.41 TB/s shows 94 GiB (Ujeniya et al.
+    # 2026, "A Comparative Study of power-capping NVIDIA H100 and H200", arXiv 2604.11391, their testbed)
+    "h100-hbm2e-500w": Device(
+        "H100 SXM 96GB HBM2e at 500 W",
+        989.0,
+        94 * 2**30,
+        hbm_GBps=2400.0,
+        clock_share=power_limited_share(500.0, 700.0),
+    ),
 }
 
 # Sources: NVLink 3/4/5 at 600/900/1800 GB/s per GPU both directions together (NVIDIA's A100/H100/B200
@@ -134,7 +166,13 @@ LINKS: dict[str, Link] = {
     "ib-hdr": Link("InfiniBand HDR 200G, one NIC per GPU", 25.0, 22.5, 5.0),
     "roce": Link("RoCE 400GbE, one NIC per GPU", 50.0, 40.0, 7.0),
 }
-NVLINK_OF = {"h100": "nvlink4", "h200": "nvlink4", "b200": "nvlink5", "a100": "nvlink3"}
+NVLINK_OF = {
+    "h100": "nvlink4",
+    "h100-hbm2e-500w": "nvlink4",
+    "h200": "nvlink4",
+    "b200": "nvlink5",
+    "a100": "nvlink3",
+}
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 # the doctor's sharding overheads: the rates file's keys are "<kind>_<field>" (tp_block_s, fsdp_step_s, ...)
 SHARDED_KINDS = ("tp", "fsdp")

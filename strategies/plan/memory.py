@@ -22,7 +22,14 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
-from strategies.plan.shapes import Layout, ModelShape, RunShape
+from strategies.plan.shapes import (
+    ACTIVATION_CHECKPOINTING,
+    FSDP_UNITS,
+    WHAT_IF_CHECKPOINTING,
+    Layout,
+    ModelShape,
+    RunShape,
+)
 from strategies.plan.tensors import (
     FP32,
     Unit,
@@ -106,14 +113,21 @@ def _check(shape: ModelShape, layout: Layout, run: RunShape) -> None:
     problems = []
     if layout.pp_schedule not in SCHEDULE_NAMES:
         problems.append(f"pp_schedule={layout.pp_schedule!r}; allowed: {', '.join(SCHEDULE_NAMES)}")
-    if layout.activation_checkpointing not in ("none", "selective", "full"):
+    modes = ACTIVATION_CHECKPOINTING + WHAT_IF_CHECKPOINTING
+    if layout.activation_checkpointing not in modes:
         problems.append(
-            f"activation_checkpointing={layout.activation_checkpointing!r}; allowed: none, selective, full"
+            f"activation_checkpointing={layout.activation_checkpointing!r}; allowed: {', '.join(modes)}"
+        )
+    elif layout.activation_checkpointing in WHAT_IF_CHECKPOINTING and shape.n_experts:
+        problems.append(
+            f"activation_checkpointing={layout.activation_checkpointing!r} with experts; allowed: a dense model"
         )
     if layout.precision not in ("bf16", "fp32"):
         problems.append(f"precision={layout.precision!r}; allowed: bf16, fp32")
     if run.optimizer not in OPTIMIZER_STATES:
         problems.append(f"optimizer={run.optimizer!r}; allowed: {', '.join(OPTIMIZER_STATES)}")
+    if layout.fsdp_unit not in FSDP_UNITS:
+        problems.append(f"fsdp_unit={layout.fsdp_unit!r}; allowed: {', '.join(FSDP_UNITS)}")
     if layout.zero_stage not in (1, 2, 3):
         problems.append(f"zero_stage={layout.zero_stage!r}; allowed: 1, 2 or 3")
     if shape.n_experts and shape.n_experts % layout.ep:
@@ -243,7 +257,8 @@ def _in_flight(layout: Layout, pp_rank: int, stages_here: int) -> int:
 
 class _Sharding:
     """How a layout's data parallelism splits a unit: FSDP (ZeRO 2/3) over the dense mesh (dp_shard x cp,
-    experts over the expert mesh), ZeRO-1 (DDP with the optimizer state sliced), DDP."""
+    experts over the expert mesh), ZeRO-1 (DDP with the optimizer state sliced), DDP. ZeRO-3 gathers a
+    block's parameters all at once, or one tensor at a time (`fsdp_unit` "linear", DeepSpeed's way)."""
 
     def __init__(self, layout: Layout, dim: int) -> None:
         self.layout, self.layout_dim = layout, dim
@@ -253,6 +268,12 @@ class _Sharding:
         self.fsdp = runs_fsdp(layout)
         # DDP's gradient buckets (the gradients are views of them) live across steps; one process has none
         self.buckets = not self.fsdp and layout.world > 1
+
+    def piece(self, unit: Unit) -> int:
+        """Elements of `unit` ZeRO-3 gathers at once: all of them, or (per linear) its largest tensor."""
+        if self.layout.fsdp_unit == "linear":
+            return max(n for _, n in unit.params + unit.experts)
+        return unit.numel + unit.expert_numel
 
     def stored(self, unit: Unit) -> int:
         """Parameter elements stored across steps: FSDP pads every dim-0 shard to ceil(rows / ranks)."""
@@ -280,21 +301,21 @@ class _Sharding:
         if self.layout.zero_stage == 2:
             gathered += sum(u.numel + u.expert_numel for u in blocks)
         elif blocks:
-            gathered += blocks[-1].numel + blocks[-1].expert_numel
+            gathered += self.piece(blocks[-1])
         return gathered * a
 
     def backward_working_set(self, blocks: list[Unit], roots: list[Unit], last: bool) -> int:
         """What a block's backward adds to the saved activations: the output projection's gradient made
         before it (fp32; FSDP: unsharded until the root's reduce-scatter ends the backward) and, under
         FSDP, the root gathered, this block and the next one (prefetched) gathered, this block's
-        unsharded gradients and the reduce-scatter's copy of them."""
+        unsharded gradients and the reduce-scatter's copy of them (per linear: of its largest tensor)."""
         if not blocks:
             return 0
         v_d = sum(n for rows, n in roots[-1].params if rows != self.layout_dim) if last else 0
         if not self.fsdp:
             return (v_d + blocks[-1].numel + blocks[-1].expert_numel) * FP32
         a = compute_bytes(self.layout)
-        unit = max(u.numel + u.expert_numel for u in blocks)
+        unit = max(self.piece(u) for u in blocks)
         root = sum(u.numel + u.expert_numel for u in roots)
         gathered = root + (
             2 * unit if self.layout.zero_stage == 3 else sum(u.numel + u.expert_numel for u in blocks)

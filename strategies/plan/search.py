@@ -323,7 +323,7 @@ def layout_text(layout: Layout) -> str:
         parts.append(f"pp={L.pp} {L.pp_schedule}{v}/{L.pp_microbatches}")
     if L.dp_shard > 1:
         name = "zero1" if L.zero_stage == 1 else f"fsdp z{L.zero_stage}"
-        parts.append(f"{name}={L.dp_shard}")
+        parts.append(f"{name}={L.dp_shard}" + (" per linear" if L.fsdp_unit == "linear" else ""))
     if L.dp_replicate > 1:
         parts.append(
             f"{'ddp' if L.dp_shard == 1 and L.world == L.dp_replicate else 'replicas'}={L.dp_replicate}"

@@ -5,7 +5,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# what strategies/techniques/activation_checkpointing.py builds
 ACTIVATION_CHECKPOINTING = ("none", "selective", "full")
+# checkpointing the planner weighs for a published run but the runtime does not build (never searched):
+# TorchTitan's selective "op" policy, which saves the attention kernel's outputs and every matmul's but every
+# second one's (torchtitan's _apply_ac_to_transformer_block: "except every second mm")
+WHAT_IF_CHECKPOINTING = ("selective_op",)
+# what sharded data parallel gathers and frees together: the project's FSDP2 a whole block
+# (strategies/techniques/fsdp/apply.py); DeepSpeed's ZeRO-3 each module that holds weights, one linear at a
+# time (a what-if, never searched: Narayanan et al. 2021's ZeRO-3 rows)
+FSDP_UNITS = ("block", "linear")
 PRECISIONS = ("bf16", "fp32")  # bf16: bf16-mixed (fp32 master weights, bf16 compute); fp32: all fp32
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
@@ -45,6 +54,7 @@ class Layout:
     cp: int = 1
     ep: int = 1  # carved out of dp_shard x cp, as the strategies do
     zero_stage: int = 3  # of the dp_shard dimension: 1, 2 or 3 (dp_shard 1: plain DDP over dp_replicate)
+    fsdp_unit: str = "block"  # FSDP_UNITS: what ZeRO 2/3 gathers at once
     sequence_parallel: bool = False
     pp_schedule: str = "1f1b"
     pp_microbatches: int = 1

@@ -89,6 +89,14 @@ def dense_params(shape: ModelShape) -> int:
     return shape.n_layers * (attention_params(shape) + ffn) + embeddings + norms
 
 
+def linears_per_block(shape: ModelShape) -> int:
+    """Weight tensors of a block (wq, wk, wv, wo and the feed-forward's: a dense SwiGLU's three, a MoE's
+    router, shared experts' three and routed experts' three stacked ones); the norms aside."""
+    if not shape.n_experts:
+        return 7
+    return 4 + 1 + 3 + (3 if shape.n_shared_experts else 0)
+
+
 def flops_per_token(shape: ModelShape, seq_len: int) -> float:
     """Training FLOPs per token, PaLM's 6N + 12 L H hd T as `Llama.flops_per_token`: N the matmul weights a
     token passes through (top_k routed and the shared experts of a MoE block; the output projection even
@@ -105,12 +113,16 @@ def flops_per_token(shape: ModelShape, seq_len: int) -> float:
 
 def recompute_flops_per_token(shape: ModelShape, seq_len: int, mode: str) -> float:
     """What activation checkpointing adds: full recomputes each block's forward (a third of its 6N + 12LHhdT),
-    selective only attention's score products (a third of 12 L H hd T)."""
+    selective only attention's score products (a third of 12 L H hd T), TorchTitan's op policy (dense
+    blocks) the forward of wk, wo and w3."""
     attention = 12 * shape.n_layers * shape.n_heads * shape.head_dim * seq_len
     if mode == "full":
         return (flops_per_token(shape, seq_len) - 6 * shape.dim * shape.vocab_size) / 3
     if mode == "selective":
         return attention / 3
+    if mode == "selective_op":
+        widths = shape.head_dim * (shape.n_kv_heads + shape.n_heads) + shape.ffn_dim  # wk, wo, w3
+        return 2 * shape.n_layers * shape.dim * widths
     return 0.0
 
 
@@ -316,8 +328,12 @@ def step_time(shape: ModelShape, layout: Layout, run: RunShape, hardware: Hardwa
             # it resharded), the backward gathers it again (stage 3) and, in the step's last micro-batch,
             # reduce-scatters its gradients; block i+1's transfer hides behind block i's compute
             unit = params / max(blocks, 1)
-            gather = _seconds(hw, "all_gather", "dense", unit * param_bytes, shard, inter)
-            reduce = _seconds(hw, "reduce_scatter", "dense", unit * grad_bytes, shard, inter)
+            # per linear (DeepSpeed's ZeRO-3): the same bytes in a collective per weight tensor
+            pieces = linears_per_block(shape) if L.fsdp_unit == "linear" else 1
+            gather = pieces * _seconds(hw, "all_gather", "dense", unit * param_bytes / pieces, shard, inter)
+            reduce = pieces * _seconds(
+                hw, "reduce_scatter", "dense", unit * grad_bytes / pieces, shard, inter
+            )
             if L.dp_replicate > 1:  # HSDP: the shards' gradients all-reduced over the replicas
                 inter_r = crosses_nodes(_stride(L, "dp_replicate"), L.dp_replicate, gpn)
                 reduce += _seconds(

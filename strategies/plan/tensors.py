@@ -145,17 +145,28 @@ def _moe_saved_per_token(shape: ModelShape, layout: Layout) -> float:
     return (2 * e * FP32 + routed + shared) / layout.tp
 
 
+def block_matmul_widths(shape: ModelShape) -> list[int]:
+    """The output width of each weight matmul of a dense block, in the order its forward runs them: wq, wk,
+    wv, wo, then SwiGLU's w1, w3 and w2 (trainer/models/llama.py; TorchTitan's Llama the same)."""
+    dq, dkv, f = shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim, shape.ffn_dim
+    return [dq, dkv, dkv, shape.dim, f, f, shape.dim]
+
+
 def block_checkpointed_bytes(shape: ModelShape, layout: Layout, layer: int, tokens: int) -> int:
     """What a checkpointed block keeps until its backward. "full": its input (the residual stream,
     sequence-split under sp). "selective" (strategies/techniques/activation_checkpointing.py): also the outputs of
-    every matmul and of the attention kernel, in the compute dtype; the rest is recomputed."""
+    every matmul and of the attention kernel, in the compute dtype; the rest is recomputed. "selective_op"
+    (TorchTitan's, a dense block only): the same but every second matmul's output (wk, wo, w3: recomputed)."""
     sp = layout.tp if layout.sequence_parallel else 1
     kept = tokens * shape.dim * stream_bytes(layout) / sp
     if layout.activation_checkpointing == "full":
         return int(kept)
     a, t, d = compute_bytes(layout), layout.tp, shape.dim
+    attention = (shape.n_heads * shape.head_dim * a + shape.n_heads * FP32) / t  # the kernel's output, lse
+    if layout.activation_checkpointing == "selective_op":
+        return int(kept + tokens * (sum(block_matmul_widths(shape)[::2]) * a / t + attention))
     dq, dkv = shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
-    matmuls = (dq + 2 * dkv + d) * a / t + (dq * a + shape.n_heads * FP32) / t  # q k v wo; attention
+    matmuls = (dq + 2 * dkv + d) * a / t + attention  # q k v wo; attention
     if is_moe_layer(shape, layer):
         fe, k = shape.expert_ffn_dim, shape.top_k
         matmuls += (shape.n_experts * FP32 + k * (2 * fe + d) * a + shape.n_shared_experts * 3 * fe * a) / t

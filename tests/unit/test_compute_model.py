@@ -5,13 +5,14 @@ search says which constraint left nothing to try."""
 
 import pytest
 
-from strategies.plan.compute import EAGER_PASSES, elementwise_bytes
-from strategies.plan.hardware import DEVICES, GB, build_hardware
+from strategies.plan.compute import EAGER_PASSES, attention_s, elementwise_bytes, recomputed_forward
+from strategies.plan.hardware import DEVICES, GB, build_hardware, power_limited_share
 from strategies.plan.search import layouts, runs_microbatches, search
 from strategies.plan.shapes import Layout, ModelShape, RunShape
-from strategies.plan.step_time import step_time
+from strategies.plan.step_time import recompute_flops_per_token, step_time, weight_matmuls
 
 GPT_1_7B = ModelShape(51200, 2304, 24, 24, 24, 6144, tie_embeddings=True)
+LLAMA3_8B = ModelShape(128256, 4096, 32, 32, 8, 14336)
 SMALL = ModelShape(vocab_size=1024, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1536)
 
 
@@ -111,3 +112,37 @@ def test_megatrons_published_gpt_1_7b_layout_ranks_near_the_best_with_its_checkp
     ]
     assert published and published[0].time.tokens_per_s >= 0.95 * plan.best.time.tokens_per_s
     assert 0.3 < published[0].time.mfu < 0.4, "the published 44% of peak with recompute is ~34% MFU"
+
+
+def test_the_500w_hbm2e_h100_runs_at_its_power_limited_clock_and_its_mfu_is_over_the_sxm_peak():
+    # TorchTitan's H100s (96 GB HBM2e at 2.4 TB/s, 500 W): compute-bound matmuls at the SXM part's rate times
+    # the clock 500 W sustains, memory-bound ones at the HBM2e bandwidth; MFU over the SXM's 989 TFLOP/s
+    slow, sxm = DEVICES["h100-hbm2e-500w"], DEVICES["h100"]
+    assert slow.clock_share == pytest.approx(power_limited_share(500, 700)) and 0.85 < slow.clock_share < 0.95
+    assert power_limited_share(400, 700) * 989 == pytest.approx(835, rel=0.02), "the H100 NVL's datasheet"
+    huge = 1e7  # past every ridge: the efficiency curve saturates on both
+    assert slow.gemm_rate(huge) / sxm.gemm_rate(huge) == pytest.approx(slow.clock_share, rel=1e-3)
+    assert slow.ridge == pytest.approx(3 * 989e12 * slow.clock_share / (2400 * GB)) and slow.ridge > sxm.ridge
+    assert slow.gemm_rate(64) < slow.hbm_GBps * GB * 64 / 3 < sxm.hbm_GBps * GB * 64 / 3
+    assert build_hardware("h100-hbm2e-500w").peak_flops_per_s == 989e12
+    run, layout = RunShape(2, 8192), Layout(dp_shard=8, activation_checkpointing="selective_op")
+    fast = step_time(LLAMA3_8B, layout, run, build_hardware("h100"))
+    limited = step_time(LLAMA3_8B, layout, run, build_hardware("h100-hbm2e-500w"))
+    assert fast.mfu * slow.clock_share > limited.mfu, "the matmuls slow with the clock, the norms with HBM2e"
+
+
+def test_torchtitans_op_policy_reruns_the_forward_of_every_second_matmul():
+    # wk, wo and w3 of each block forward again, by FLOPs what step_time's count adds for it; nothing of the
+    # output layer; the attention kernel's output is kept (not rerun), the project's selective reruns it
+    hw, tokens = build_hardware("h100"), 16384.0
+    plain, op = Layout(dp_shard=8), Layout(dp_shard=8, activation_checkpointing="selective_op")
+    found = weight_matmuls(LLAMA3_8B, op, tokens)
+    extra = sum(
+        f * share / 3 for (f, *_), share in zip(found, recomputed_forward(op, len(found)), strict=True)
+    )
+    assert extra == pytest.approx(tokens * recompute_flops_per_token(LLAMA3_8B, 8192, "selective_op"))
+    assert attention_s(LLAMA3_8B, op, tokens, 8192, hw) == attention_s(LLAMA3_8B, plain, tokens, 8192, hw)
+    selective = Layout(dp_shard=8, activation_checkpointing="selective")
+    assert attention_s(LLAMA3_8B, selective, tokens, 8192, hw) > attention_s(
+        LLAMA3_8B, plain, tokens, 8192, hw
+    )

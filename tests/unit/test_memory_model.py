@@ -10,8 +10,10 @@ import pytest
 import torch
 from memory_model_script import MODELS, measure
 
+from strategies.plan.hardware import DEVICES
 from strategies.plan.memory import per_rank_memory, per_stage_memory
 from strategies.plan.model_shape import shape_of
+from strategies.plan.search import USABLE_MEMORY
 from strategies.plan.shapes import Layout, ModelShape, RunShape
 from strategies.plan.tensors import block_checkpointed_bytes, block_saved_bytes, block_unit, root_unit
 from trainer.models.llama import Llama, LlamaConfig
@@ -125,3 +127,45 @@ def test_sequence_parallel_divides_by_tp_exactly_what_runs_on_sequence_shards(ac
     sharded = tokens * (shape.n_layers * sharded_per_block + (4 + 2) * shape.dim)
     whole = per_rank_memory(shape, off, RUN).activations
     assert whole - per_rank_memory(shape, on, RUN).activations == sharded * (tp - 1) / tp
+
+
+def test_torchtitans_8b_layout_fits_its_h100s_only_with_its_own_selective_policy():
+    # TorchTitan's llama3_h100_202412 Table 1: Llama 3.1 8B, FSDP over 8 GPUs, local batch 2 x 8192, its
+    # selective "op" checkpointing (every second matmul's output recomputed: wk, wo, w3), 82.4 GiB measured
+    # (the allocator's peak reserve) of its 96 GB HBM2e H100s. The project's selective keeps every matmul's
+    # output: 16 KiB more a token and block than TorchTitan's, which does not fit
+    shape, run = ModelShape(128256, 4096, 32, 32, 8, 14336), RunShape(2, 8192)
+    op = Layout(dp_shard=8, activation_checkpointing="selective_op")
+    selective = dataclasses.replace(op, activation_checkpointing="selective")
+    tokens = run.micro_batch * run.seq_len
+    recomputed = (shape.n_kv_heads * shape.head_dim + shape.dim + shape.ffn_dim) * 2  # wk, wo, w3 in bf16
+    assert block_checkpointed_bytes(shape, selective, 0, tokens) - block_checkpointed_bytes(
+        shape, op, 0, tokens
+    ) == pytest.approx(tokens * recomputed, abs=1)
+    usable = DEVICES["h100-hbm2e-500w"].memory_bytes * USABLE_MEMORY
+    assert per_rank_memory(shape, op, run).peak < usable < per_rank_memory(shape, selective, run).peak
+    assert per_rank_memory(shape, op, run).peak < 82.4 * 2**30, "below the reserve TorchTitan measured"
+
+
+def test_torchtitans_op_policy_is_weighed_for_dense_blocks_only():
+    moe = ModelShape(64, 32, 2, 4, 2, 64, n_experts=4, top_k=2, expert_ffn_dim=16)
+    with pytest.raises(ValueError, match=r"'selective_op' with experts; allowed: a dense model"):
+        per_rank_memory(moe, Layout(activation_checkpointing="selective_op"), RUN)
+
+
+def test_narayanans_zero3_529b_rows_fit_an_a100_only_gathering_one_linear_at_a_time():
+    # Narayanan et al. 2021, Table 2: the 529.6B GPT (h 20480, 105 blocks) under DeepSpeed's ZeRO-3 on 1120
+    # A100 80GB, micro-batch 2, full recompute. A block is 12 h^2 = 5.03B weights: two gathered and their
+    # fp32 gradients twice (the project's FSDP) are 60 GB on their own; DeepSpeed gathers a module at a
+    # time, the largest a feed-forward matrix (the paper's 4h MLP: 4 h^2 = 1.68B; 8h/3 h = 1.12B in the
+    # SwiGLU of the same weights this shape is; 7 GB more with the former: it fits all the same)
+    shape = ModelShape(51200, 20480, 105, 128, 128, 20480 * 8 // 3, tie_embeddings=True)
+    block = Layout(dp_shard=1120, activation_checkpointing="full", flash_attention=False)
+    linear = dataclasses.replace(block, fsdp_unit="linear")
+    run = RunShape(2, 2048)
+    usable = DEVICES["a100"].memory_bytes * USABLE_MEMORY
+    per_block, per_linear = per_rank_memory(shape, block, run), per_rank_memory(shape, linear, run)
+    assert per_linear.peak < usable < per_block.peak
+    largest, whole = shape.ffn_dim * shape.dim, block_unit(shape, block, 0).numel
+    # the backward's working set: two of them gathered (bf16) and their gradients twice (fp32)
+    assert per_block.peak - per_linear.peak == 2 * (whole - largest) * (2 + 4)

@@ -4,6 +4,7 @@ model's own FLOP count, the link a group spans, the rates file, the search's mem
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -396,3 +397,15 @@ def test_sequence_parallel_sends_a_tp_th_of_the_activations_between_stages():
         t = step_time(SMALL, Layout(tp=tp, pp=2, pp_microbatches=2, sequence_parallel=sp), run, hardware())
         # a send of s bytes costs a 2-rank all-gather of 2s: (2-1)/2 x 2s at 100 GB/s; twice per micro-batch
         assert t.comm_s["pp p2p"] == pytest.approx(2 * 2 * sent / (100.0 * GB)), sp
+
+
+def test_zero3_per_linear_moves_a_blocks_bytes_in_one_collective_per_weight():
+    # DeepSpeed's ZeRO-3 (fsdp_unit "linear") gathers each of a block's 7 weights on its own: the same bytes
+    # as one gather of the block, each of the 7 collectives paying the ring's latency
+    link = Link("made-up", 10.0, 10.0, latency_us=5.0)
+    hw = Hardware(Device("x", 1e9, 1e12, achievable=1.0), link, link, 8)
+    layout, run = Layout(dp_shard=16), RunShape(1, 64)
+    block = step_time(SMALL, layout, run, hw).comm_s["fsdp"]
+    linear = step_time(SMALL, replace(layout, fsdp_unit="linear"), run, hw).comm_s["fsdp"]
+    collectives = SMALL.n_layers * 3  # per block: gathered forward and backward, reduce-scattered
+    assert linear - block == pytest.approx(collectives * (7 - 1) * 15 * 5e-6)
