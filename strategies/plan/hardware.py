@@ -112,13 +112,6 @@ def bus_factor(op: str, n: int) -> float:
     return (2 if op == "all_reduce" else 1) * (n - 1) / n
 
 
-# Sources: NVIDIA's datasheets (H100: "H100 Tensor Core GPU" datasheet, SXM column, 989 TFLOP/s bf16
-# dense (1979 with sparsity), 3.35 TB/s HBM3; H200: "H200 Tensor Core GPU" datasheet, same compute, 141 GB
-# HBM3e at 4.8 TB/s; B200: "HGX B200" datasheet, 2.25 PFLOP/s bf16 dense per GPU, 180 GB HBM3e at 8 TB/s; A100:
-# "A100 Tensor Core GPU" datasheet, 312 TFLOP/s bf16 dense, 80 GB HBM2e at 2.039 TB/s).
-# Flash attention's share of the peak, forward and backward together: FlashAttention-2 (Dao 2023) reaches
-# 50-73% of A100's peak in the forward and less in the backward (~50% of the two); on H100 it reaches ~35%
-# (Shah et al. 2024, FlashAttention-3, their FA2 baseline: ~350 of 989 TFLOP/s), which PyTorch's SDPA runs.
 def power_limited_share(limit_w: float, rated_w: float) -> float:
     """The tensor-core clock a board held to `limit_w` sustains, as a share of the clock it reaches at the
     `rated_w` its datasheet rates its peak at: dense matmuls run a GPU at its power limit, and dynamic power
@@ -128,6 +121,13 @@ def power_limited_share(limit_w: float, rated_w: float) -> float:
     return (limit_w / rated_w) ** (1 / 3)
 
 
+# Sources: NVIDIA's datasheets (H100: "H100 Tensor Core GPU" datasheet, SXM column, 989 TFLOP/s bf16
+# dense (1979 with sparsity), 3.35 TB/s HBM3; H200: "H200 Tensor Core GPU" datasheet, same compute, 141 GB
+# HBM3e at 4.8 TB/s; B200: "HGX B200" datasheet, 2.25 PFLOP/s bf16 dense per GPU, 180 GB HBM3e at 8 TB/s; A100:
+# "A100 Tensor Core GPU" datasheet, 312 TFLOP/s bf16 dense, 80 GB HBM2e at 2.039 TB/s).
+# Flash attention's share of the peak, forward and backward together: FlashAttention-2 (Dao 2023) reaches
+# 50-73% of A100's peak in the forward and less in the backward (~50% of the two); on H100 it reaches ~35%
+# (Shah et al. 2024, FlashAttention-3, their FA2 baseline: ~350 of 989 TFLOP/s), which PyTorch's SDPA runs.
 DEVICES: dict[str, Device] = {
     "h100": Device("H100 SXM 80GB", 989.0, 80e9, hbm_GBps=3350.0),
     "h200": Device("H200 SXM 141GB", 989.0, 141e9, hbm_GBps=4800.0),
