@@ -138,7 +138,14 @@ def recorded_bar(monkeypatch):
 
 
 def test_a_refresh_rate_moves_the_bar_where_lightnings_moves(monkeypatch, recorded_bar):
-    """10 batches, refresh_rate=3: both bars show 3, 6, 9 and the last, 10."""
+    """10 batches, refresh_rate=3: both bars show 3, 6, 9 and the last, 10 (ours with no minimum interval
+    between redraws: Lightning's redraws at every move)."""
+
+    class Eager(recorded_bar):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **{**kwargs, "mininterval": 0})
+
+    monkeypatch.setattr(our_progress, "tqdm", Eager)
     lit_moves = []
     real_update = lit_tqdm_progress._update_n
 
@@ -157,6 +164,16 @@ def test_a_refresh_rate_moves_the_bar_where_lightnings_moves(monkeypatch, record
     our_trainer.fit(ours, loader(n=80))
     assert recorded_bar.moves == lit_moves == [3, 6, 9, 10]
     assert our_trainer.progress_bar_callback is our_trainer.callbacks[0]
+
+
+def test_the_bar_moves_no_sooner_than_it_could_redraw(recorded_bar, tmp_path):
+    """Off a terminal tqdm redraws at most every 10 s: the bar is moved at the first step, then not before
+    that (a call into tqdm every step costs a small step ~1%), and at the last, which it shows."""
+    _, ours = nets()
+    Trainer(max_steps=10, logger=False, enable_checkpointing=False, default_root_dir=tmp_path).fit(
+        ours, loader(n=80)
+    )
+    assert recorded_bar.moves == [1, 10]
 
 
 def test_refresh_rate_zero_shows_no_bar_and_the_others_set_the_bars_options(recorded_bar, tmp_path):
