@@ -41,6 +41,7 @@ class ProgressBar:
         self._due = 0.0  # perf_counter() from which the bar may move again
         self._shown: dict[str, float] = {}
         self._kept: dict[str, float] = {}
+        self._stale = False  # `_shown` changed since the text was made
 
     def update(self, steps: int = 1) -> None:
         self._pending += steps
@@ -61,16 +62,20 @@ class ProgressBar:
         self._bar.refresh()
 
     def show(self, metrics: dict[str, float]) -> None:
-        """The step's metrics after the bar (then the kept ones), drawn at its next refresh: the text tqdm's
-        `set_postfix` would make, without its per-call work (an OrderedDict, type checks)."""
-        self._shown = metrics
-        self._bar.postfix = ", ".join(f"{k}={fmt(v)}" for k, v in {**metrics, **self._kept}.items())
+        """The step's metrics after the bar (then the kept ones), drawn when the bar next moves: their text
+        is made then (`_postfix`), once per redraw rather than once per logged step."""
+        self._shown, self._stale = metrics, True
+
+    def _postfix(self) -> None:
+        """The text tqdm's `set_postfix` would make, without its per-call work (an OrderedDict, type checks)."""
+        self._bar.postfix = ", ".join(f"{k}={fmt(v)}" for k, v in {**self._shown, **self._kept}.items())
+        self._stale = False
 
     def keep(self, metrics: dict[str, float]) -> None:
         """Values that stay after the step's metrics until replaced (a validation's `prog_bar=True` ones,
         as Lightning's bar keeps them), drawn now."""
         self._kept.update(metrics)
-        self.show(self._shown)
+        self._postfix()
         self._bar.refresh()
 
     def write(self, line: str) -> None:
@@ -82,6 +87,8 @@ class ProgressBar:
         self._bar.close()
 
     def _flush(self) -> None:
+        if self._stale:
+            self._postfix()
         if self._pending:
             self._bar.update(self._pending)
             self._pending = 0
