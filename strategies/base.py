@@ -192,10 +192,11 @@ class Strategy:
     def to_device(self, batch: Any) -> Any:
         """Every tensor of the batch on this process's device, in the precision's input dtype (again: a
         no-op)."""
-        device = self.root_device
+        device = self._device
         if device.type != "cpu":  # loaders yield CPU tensors: nothing to move for a CPU run
             batch = apply_to_tensors(batch, lambda t: t.to(device, non_blocking=True))
-        return self.precision.convert_input(batch)
+        precision = self.precision
+        return precision.convert_input(batch) if precision.converts_input else batch
 
     # ---- one optimizer step ----------------------------------------------------------------------
     def process_dataloader(self, loader: Iterable, seed: int, train: bool = True) -> Iterable:

@@ -25,6 +25,7 @@ class Precision:
         if name not in PRECISIONS:
             raise ValueError(f"precision={precision!r} is unknown; allowed: {', '.join(PRECISIONS)}")
         self.name = name
+        self.converts_input = name == "bf16-true"  # (read every step: `convert_input` is a no-op otherwise)
         self.device_type = device_type
         self.scaler = torch.amp.GradScaler(device_type) if name == "16-mixed" else None
         self.autocast_forward = name in (

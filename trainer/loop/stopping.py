@@ -62,11 +62,11 @@ class StopConditions:
     def _goes_on(self) -> bool:
         """Before each step (and each epoch): the outside stop reasons polled, then whether the fit goes on."""
         self.poll_stops()
-        trainer = self.trainer
-        if trainer.should_stop and not self.done:
+        trainer, done = self.trainer, self.done
+        if trainer.should_stop and not done:
             why = f"min_epochs={trainer.min_epochs}, min_steps={trainer.min_steps} not met"
             trainer.say_once("min_steps", f"should_stop was set but {why}: training goes on, as in Lightning")
-        return not self.done
+        return not done
 
     def poll_stops(self) -> None:
         """Between steps, where a checkpoint may be written: a Ctrl-C or SIGTERM, max_time or the strategy's
