@@ -1,7 +1,8 @@
 """The cross-group gradient average overlapped with the backward (trainer/fault_tolerance/overlap.py), against
 a stand-in for torchft's manager whose all-reduce of a bucket halves it when waited for (a peer of zeros):
-buckets launch in order while the backward runs, unused parameters keep no gradient, and a second backward
-in one step leaves the gradients to the after-backward path."""
+buckets (DDP's) launch in order while the backward runs (the window's last backward, with accumulation),
+unused parameters keep no gradient, and a backward more than armed for leaves the gradients to the
+after-backward path."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import torch
 pytest.importorskip("torchft")
 
 from trainer.fault_tolerance.costs import PARTS, StepCosts  # noqa: E402
-from trainer.fault_tolerance.overlap import OverlappedAverage  # noqa: E402
+from trainer.fault_tolerance.overlap import BUCKET_BYTES, FIRST_BUCKET_BYTES, OverlappedAverage  # noqa: E402
+
+ONE_EACH = {"bucket_bytes": 1, "first_bucket_bytes": 1}  # every parameter in a bucket of its own
 
 
 class _Work:
@@ -56,10 +59,10 @@ def _backward(model: torch.nn.Module) -> None:
 
 def test_buckets_launch_in_order_during_the_backward_and_hold_the_averages():
     model, manager = _model(), _Manager()
-    # at most 24 floats per bucket: one tensor each here, in reverse parameter order
-    overlap = OverlappedAverage(model, manager, bucket_bytes=24 * 4)
+    # one tensor each, in reverse parameter order
+    overlap = OverlappedAverage(model, manager, **ONE_EACH)
     assert [b.params for b in overlap.buckets[:2]] == [[model.net[2].bias], [model.net[2].weight]]
-    assert len(overlap.buckets) == 5
+    assert len(overlap.buckets) == 6
     reference = _model()
     _backward(reference)
 
@@ -68,7 +71,7 @@ def test_buckets_launch_in_order_during_the_backward_and_hold_the_averages():
     launched_in_backward = len(manager.launched)
     assert overlap.finish(use=True)
     # the Sequential's buckets launched as their gradients arrived; the unused layer's only at the end
-    assert launched_in_backward == 4
+    assert launched_in_backward == 4  # the unused layer's two buckets wait for `finish`
     assert [t.data_ptr() for t in manager.launched] == [b.flat.data_ptr() for b in overlap.buckets]
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         assert (p.grad is None) == (q.grad is None)
@@ -86,7 +89,7 @@ def test_buckets_launch_in_order_during_the_backward_and_hold_the_averages():
 
 def test_a_second_backward_or_a_token_weighted_step_leaves_the_gradients_alone():
     model, manager = _model(), _Manager()
-    overlap = OverlappedAverage(model, manager, bucket_bytes=24 * 4)
+    overlap = OverlappedAverage(model, manager, **ONE_EACH)
     overlap.arm()
     _backward(model)
     _backward(model)  # accumulates into gradients the first backward's hooks already copied
@@ -109,7 +112,7 @@ def test_a_step_counts_its_copies_and_all_reduce_in_the_replica_groups_costs():
     their all-reduces go to the group's running totals (the quorum and the vote are the group's own)."""
     model, manager, costs = _model(), _Manager(), StepCosts()
     assert costs.seconds == dict.fromkeys(PARTS, 0.0)
-    overlap = OverlappedAverage(model, manager, bucket_bytes=24 * 4, costs=costs)
+    overlap = OverlappedAverage(model, manager, **ONE_EACH, costs=costs)
     overlap.arm()
     _backward(model)
     after_backward = dict(costs.seconds)
@@ -125,7 +128,7 @@ def test_a_step_counts_its_copies_and_all_reduce_in_the_replica_groups_costs():
     ("kwargs", "overlaps"),
     [
         ({}, True),
-        ({"accumulate_grad_batches": 2}, False),  # an earlier micro-batch's backward must not launch it
+        ({"accumulate_grad_batches": 2}, True),  # launched in the window's last backward
         ({"precision": "16-mixed"}, False),  # each group unscales by its own scale after the backward
     ],
 )
@@ -137,3 +140,63 @@ def test_the_backward_launches_the_average_only_where_its_gradients_are_final(kw
     trainer = Trainer(fault_tolerance=FaultTolerance("127.0.0.1:29510", 0), **kwargs)
     trainer.module = _model()
     assert _overlap_is_valid(trainer) is overlaps
+
+
+def test_buckets_are_the_ones_ddp_rebuilds_a_small_first_one_then_25_mb():
+    """The buckets DDP's reducer uses after its first step (gradients in the order the backward produces them,
+    a 1 MB first bucket, then 25 MB ones): the last layer goes out alone while the backward runs on, not
+    in a 25 MB bucket that waits for most of the backward."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024), torch.nn.Linear(1024, 8)
+    )
+    overlap = OverlappedAverage(model, _Manager())
+    ready_order = list(reversed(list(model.parameters())))
+    ddp, _ = dist._compute_bucket_assignment_by_size(ready_order, [FIRST_BUCKET_BYTES, BUCKET_BYTES])
+    by_index = [[ready_order[i] for i in bucket] for bucket in ddp]
+    assert [b.params for b in overlap.buckets] == by_index
+    assert overlap.buckets[0].params == [model[3].bias, model[3].weight, model[2].bias, model[2].weight]
+    overlap.remove()
+
+
+def test_with_accumulation_the_windows_last_backward_launches_the_buckets():
+    """Armed for 2 backwards: the first launches nothing (its gradients are not final), the second launches
+    the buckets as it goes, and the averages are of the accumulated gradients. A window cut short (one
+    backward: the epoch's last) launches them in `finish` with what was accumulated; a third backward marks
+    the step stale."""
+    model, manager = _model(), _Manager()
+    overlap = OverlappedAverage(model, manager, **ONE_EACH)
+    reference = _model()
+    _backward(reference)
+    _backward(reference)
+
+    overlap.arm(2)
+    _backward(model)
+    assert manager.launched == []
+    _backward(model)
+    assert len(manager.launched) == 4
+    assert overlap.finish(use=True)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None)
+        if q.grad is not None:
+            assert torch.equal(p.grad, q.grad * 0.5)
+
+    model.zero_grad(set_to_none=True)
+    reference.zero_grad(set_to_none=True)
+    _backward(reference)
+    overlap.arm(2)
+    _backward(model)
+    assert len(manager.launched) == 6
+    assert overlap.finish(use=True)
+    assert len(manager.launched) == 12
+    for p, q in zip(model.net.parameters(), reference.net.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad * 0.5)
+
+    model.zero_grad(set_to_none=True)
+    overlap.arm(2)
+    for _ in range(3):
+        _backward(model)
+    assert not overlap.finish(use=True)
+    overlap.remove()

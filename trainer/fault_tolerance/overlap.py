@@ -1,6 +1,7 @@
 """The cross-group gradient average overlapped with the backward, as DDP overlaps its own: the gradients in
-~25 MB buckets in reverse parameter order, each bucket's `manager.allreduce` launched as soon as its last
-gradient is accumulated, all of them waited for before the commit."""
+buckets in reverse parameter order, sized as DDP sizes them (a ~1 MB first bucket, then ~25 MB ones), each
+bucket's `manager.allreduce` launched as soon as its last gradient of the step is accumulated (with gradient
+accumulation: in the window's last backward), all of them waited for before the commit."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ from torch import nn
 from trainer.fault_tolerance.costs import StepCosts
 
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb
+# DDP's first bucket (dist._DEFAULT_FIRST_BUCKET_BYTES): the last layers' gradients, ready first, go out while
+# the rest of the backward runs; a first bucket of the full size would wait for most of the backward
+FIRST_BUCKET_BYTES = 1024 * 1024
 
 
 class _Bucket:
@@ -27,10 +31,12 @@ class _Bucket:
             for piece, p in zip(self.flat.split([p.numel() for p in params]), params, strict=True)
         ]
         self.ready: set[int] = set()  # indexes into params whose gradient is in `flat`
+        self.seen = [0] * len(params)  # backwards this step that accumulated each parameter's gradient
         self.work: Any = None  # the launched all-reduce
 
     def reset(self) -> None:
         self.ready.clear()
+        self.seen = [0] * len(self.params)
         self.work = None
 
 
@@ -38,8 +44,9 @@ class OverlappedAverage:
     """Post-accumulate-grad hooks on `module`'s parameters that all-reduce each bucket over the replica groups
     while the rest of the backward runs. Buckets launch strictly in order (bucket 0 first), so every group
     makes the same sequence of collectives whatever the order its hooks fire in; a parameter without a
-    gradient this step holds its bucket (and those after it) back to `finish`. Only while `arm`ed: one
-    backward per step (a second hook call for a parameter marks the step stale, see `finish`)."""
+    gradient in the step's last backward holds its bucket (and those after it) back to `finish`. Only while
+    `arm`ed for a number of backwards: a parameter's gradient is final (copied) at its hook's call in the
+    last of them; one more call marks the step stale (see `finish`)."""
 
     def __init__(
         self,
@@ -47,38 +54,29 @@ class OverlappedAverage:
         manager: Any,
         bucket_bytes: int = BUCKET_BYTES,
         costs: StepCosts | None = None,
+        first_bucket_bytes: int = FIRST_BUCKET_BYTES,
     ) -> None:
         self.manager, self.costs = manager, costs or StepCosts()  # the replica group's, to share its totals
         params = [p for p in module.parameters() if p.requires_grad]
-        self.buckets: list[_Bucket] = []
-        current: list[nn.Parameter] = []
-        size = 0
-        for p in reversed(params):  # the backward produces the last layers' gradients first
-            if current and (
-                size + p.numel() * p.element_size() > bucket_bytes
-                or (p.dtype, p.device) != (current[0].dtype, current[0].device)
-            ):
-                self.buckets.append(_Bucket(current))
-                current, size = [], 0
-            current.append(p)
-            size += p.numel() * p.element_size()
-        if current:
-            self.buckets.append(_Bucket(current))
+        self.buckets = [_Bucket(group) for group in _bucketed(params, first_bucket_bytes, bucket_bytes)]
         self.where = {
             id(p): (b, i) for b, bucket in enumerate(self.buckets) for i, p in enumerate(bucket.params)
         }
         self.handles = [p.register_post_accumulate_grad_hook(self._ready) for p in params]
         self.armed = False
+        self.backwards = 1  # the step's backwards (its micro-batches): a gradient is final in the last one
         self.stale = (
             False  # a parameter's gradient changed after its bucket was copied: redo after the backward
         )
         self.next = 0  # the next bucket to launch
 
-    def arm(self) -> None:
-        """The next backward is the step's only one: launch its buckets as their gradients are ready."""
+    def arm(self, backwards: int = 1) -> None:
+        """The step takes `backwards` backwards (one per micro-batch): launch its buckets as their gradients
+        are final, in the last one. A step of fewer (an epoch's short last window) launches them in
+        `finish`."""
         for bucket in self.buckets:
             bucket.reset()
-        self.armed, self.stale, self.next = True, False, 0
+        self.armed, self.stale, self.next, self.backwards = True, False, 0, backwards
 
     def finish(self, use: bool) -> bool:
         """After the backward: launch what did not launch (a parameter without a gradient this step counts as
@@ -118,9 +116,12 @@ class OverlappedAverage:
             return
         b, i = self.where[id(p)]
         bucket = self.buckets[b]
+        bucket.seen[i] += 1
         if i in bucket.ready or bucket.work is not None:
-            self.stale = True  # a second backward this step: what was copied is out of date
+            self.stale = True  # one backward more than armed for: what was copied is out of date
             return
+        if bucket.seen[i] < self.backwards:
+            return  # an earlier micro-batch's: the gradient is not final yet
         start = perf_counter()
         bucket.views[i].copy_(p.grad)
         self.costs.add("copies", start)
@@ -142,3 +143,24 @@ class OverlappedAverage:
         start = self.costs.add("copies", start)
         bucket.work = self.manager.allreduce(bucket.flat)
         self.costs.add("allreduce", start)
+
+
+def _bucketed(params: list[nn.Parameter], first_bytes: int, bytes_: int) -> list[list[nn.Parameter]]:
+    """`params` in buckets as DDP makes them (its rebuilt buckets, in the order the backward produces the
+    gradients, taken here as the reverse of the parameters' order): one dtype and device per bucket, a bucket
+    closed once it holds `first_bytes` (the first) or `bytes_` (the others)."""
+    buckets: list[list[nn.Parameter]] = []
+    current: list[nn.Parameter] = []
+    size = 0
+    for p in reversed(params):  # the backward produces the last layers' gradients first
+        if current and (p.dtype, p.device) != (current[0].dtype, current[0].device):
+            buckets.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += p.numel() * p.element_size()
+        if size >= (bytes_ if buckets else first_bytes):
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets

@@ -140,8 +140,8 @@ class ReplicaGroup:
             ) from None  # torchft's error, several lines long, is in the line already (its first line)
         self.participants = self.manager.num_participants()
         self.costs.add("quorum", start)
-        if self.overlap is not None:
-            self.overlap.arm()
+        if self.overlap is not None:  # the window's micro-batches: a gradient is final in the last backward
+            self.overlap.arm(self.trainer.accumulate_grad_batches)
         if self.outer is not None:
             self.outer.begin()
         return self.recovered
@@ -285,13 +285,12 @@ def _overlap_is_valid(trainer: Trainer) -> bool:
     """Whether the backward may launch the cross-group average (the same answer in every group: they run the
     same configuration). Only where a parameter's accumulated gradient is already the group's final one:
     one process (under DDP the group's own reducer must average first; under FSDP the gradients exist only
-    after the reduce-scatter), one micro-batch per step (an earlier micro-batch's backward must not launch
-    it, and the hooks cannot tell it from the last) and no fp16 scaler (the gradients are unscaled after
-    the backward, each group by its own scale and inf check)."""
+    after the reduce-scatter) and no fp16 scaler (the gradients are unscaled after the backward, each group
+    by its own scale and inf check). With gradient accumulation the hooks count a parameter's backwards and
+    copy its gradient in the window's last."""
     strategy = trainer.strategy
     return (
         strategy.world_size == 1
-        and trainer.accumulate_grad_batches == 1
         and strategy.precision.scaler is None
         and not any(hasattr(p, "to_local") for p in trainer.module.parameters())
     )
