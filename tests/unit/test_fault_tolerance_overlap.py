@@ -1,5 +1,6 @@
 """The cross-group gradient average overlapped with the backward (trainer/fault_tolerance/overlap.py), against
-a stand-in for torchft's manager whose all-reduce of a bucket halves it when waited for (a peer of zeros):
+a stand-in for torchft's manager whose all-reduce sums a bucket with a peer's zeros (the hooks copy the
+gradients halved, for 2 groups):
 buckets (DDP's) launch in order while the backward runs (the window's last backward, with accumulation),
 unused parameters keep no gradient, and a backward more than armed for leaves the gradients to the
 after-backward path."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed import ReduceOp
 
 pytest.importorskip("torchft")
 
@@ -22,7 +24,6 @@ class _Work:
         self.tensor = tensor
 
     def wait(self) -> bool:
-        self.tensor.mul_(0.5)
         return True
 
 
@@ -31,7 +32,8 @@ class _Manager:
         self.launched: list[torch.Tensor] = []  # each bucket's buffer, in launch order
         self.during_backward = 0  # launches seen before the backward returned
 
-    def allreduce(self, tensor: torch.Tensor) -> _Work:
+    def allreduce(self, tensor: torch.Tensor, reduce_op: ReduceOp) -> _Work:
+        assert reduce_op == ReduceOp.SUM  # the buckets hold each group's share of the average
         self.launched.append(tensor)
         return _Work(tensor)
 
@@ -66,7 +68,7 @@ def test_buckets_launch_in_order_during_the_backward_and_hold_the_averages():
     reference = _model()
     _backward(reference)
 
-    overlap.arm()
+    overlap.arm(2)
     _backward(model)
     launched_in_backward = len(manager.launched)
     assert overlap.finish(use=True)
@@ -90,7 +92,7 @@ def test_buckets_launch_in_order_during_the_backward_and_hold_the_averages():
 def test_a_second_backward_or_a_token_weighted_step_leaves_the_gradients_alone():
     model, manager = _model(), _Manager()
     overlap = OverlappedAverage(model, manager, **ONE_EACH)
-    overlap.arm()
+    overlap.arm(2)
     _backward(model)
     _backward(model)  # accumulates into gradients the first backward's hooks already copied
     grads = [p.grad.clone() for p in model.net[0].parameters()]
@@ -99,7 +101,7 @@ def test_a_second_backward_or_a_token_weighted_step_leaves_the_gradients_alone()
     assert len(manager.launched) == len(overlap.buckets)  # every bucket still reduced once, in every group
 
     model.zero_grad(set_to_none=True)
-    overlap.arm()
+    overlap.arm(2)
     _backward(model)
     grads = [p.grad.clone() for p in model.net[0].parameters()]
     assert not overlap.finish(use=False)
@@ -113,7 +115,7 @@ def test_a_step_counts_its_copies_and_all_reduce_in_the_replica_groups_costs():
     model, manager, costs = _model(), _Manager(), StepCosts()
     assert costs.seconds == dict.fromkeys(PARTS, 0.0)
     overlap = OverlappedAverage(model, manager, **ONE_EACH, costs=costs)
-    overlap.arm()
+    overlap.arm(2)
     _backward(model)
     after_backward = dict(costs.seconds)
     assert after_backward["copies"] > 0 and after_backward["allreduce"] > 0  # launched during the backward
@@ -129,7 +131,8 @@ def test_a_step_counts_its_copies_and_all_reduce_in_the_replica_groups_costs():
     [
         ({}, True),
         ({"accumulate_grad_batches": 2}, True),  # launched in the window's last backward
-        ({"precision": "16-mixed"}, False),  # each group unscales by its own scale after the backward
+        ({"precision": "16-mixed"}, True),  # copied unscaled
+        ({"sharded": True}, False),  # FSDP: the gradients exist only after the group's reduce-scatter
     ],
 )
 def test_the_backward_launches_the_average_only_where_its_gradients_are_final(kwargs, overlaps):
@@ -137,8 +140,11 @@ def test_the_backward_launches_the_average_only_where_its_gradients_are_final(kw
     from trainer.fault_tolerance import FaultTolerance
     from trainer.fault_tolerance.replica_group import _overlap_is_valid
 
+    sharded = kwargs.pop("sharded", False)
     trainer = Trainer(fault_tolerance=FaultTolerance("127.0.0.1:29510", 0), **kwargs)
     trainer.module = _model()
+    if sharded:  # a DTensor's mark
+        trainer.module.net[0].weight.to_local = lambda: trainer.module.net[0].weight
     assert _overlap_is_valid(trainer) is overlaps
 
 
@@ -172,7 +178,7 @@ def test_with_accumulation_the_windows_last_backward_launches_the_buckets():
     _backward(reference)
     _backward(reference)
 
-    overlap.arm(2)
+    overlap.arm(2, 2)
     _backward(model)
     assert manager.launched == []
     _backward(model)
@@ -186,7 +192,7 @@ def test_with_accumulation_the_windows_last_backward_launches_the_buckets():
     model.zero_grad(set_to_none=True)
     reference.zero_grad(set_to_none=True)
     _backward(reference)
-    overlap.arm(2)
+    overlap.arm(2, 2)
     _backward(model)
     assert len(manager.launched) == 6
     assert overlap.finish(use=True)
@@ -195,8 +201,34 @@ def test_with_accumulation_the_windows_last_backward_launches_the_buckets():
         assert torch.equal(p.grad, q.grad * 0.5)
 
     model.zero_grad(set_to_none=True)
-    overlap.arm(2)
+    overlap.arm(2, 2)
     for _ in range(3):
         _backward(model)
     assert not overlap.finish(use=True)
+    overlap.remove()
+
+
+def test_fp16_gradients_are_copied_unscaled_and_a_short_windows_with_what_undoes_the_normalization():
+    """With fp16's scaler the hooks copy a gradient x 1/scale (what the scaler's unscale_ gives); a gradient
+    the hooks did not copy (an earlier micro-batch's only) is copied in `finish` x `undo`."""
+    model, manager = _model(), _Manager()
+    overlap = OverlappedAverage(model, manager, **ONE_EACH)
+    reference = _model()
+    _backward(reference)
+
+    overlap.arm(2, 1, inv_scale=0.25)
+    _backward(model)
+    assert overlap.finish(use=True)
+    for p, q in zip(model.net.parameters(), reference.net.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad * 0.25 * 0.5)
+
+    model.zero_grad(set_to_none=True)
+    overlap.arm(2, 2)
+    _backward(model)  # the window's only backward: no gradient is final in the hooks
+    assert manager.launched[6:] == []
+    for p in model.net.parameters():
+        p.grad.div_(4.0)  # the loop's normalization after the backward (a token count of 4)
+    assert overlap.finish(use=True, undo=4.0)
+    for p, q in zip(model.net.parameters(), reference.net.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad * 0.5)
     overlap.remove()

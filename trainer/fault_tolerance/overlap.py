@@ -1,7 +1,9 @@
 """The cross-group gradient average overlapped with the backward, as DDP overlaps its own: the gradients in
 buckets in reverse parameter order, sized as DDP sizes them (a ~1 MB first bucket, then ~25 MB ones), each
 bucket's `manager.allreduce` launched as soon as its last gradient of the step is accumulated (with gradient
-accumulation: in the window's last backward), all of them waited for before the commit."""
+accumulation: in the window's last backward), all of them waited for before the commit. A gradient is
+divided by the number of groups as it is copied into its bucket and the buckets are summed: one pass over
+the gradients, where torchft's average adds a division after the reduce."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed import ReduceOp
 
 from trainer.fault_tolerance.costs import StepCosts
 
@@ -65,28 +68,36 @@ class OverlappedAverage:
         self.handles = [p.register_post_accumulate_grad_hook(self._ready) for p in params]
         self.armed = False
         self.backwards = 1  # the step's backwards (its micro-batches): a gradient is final in the last one
+        self.factor = 1.0  # a gradient's factor as the hooks copy it: 1 / groups (x 1 / fp16's loss scale)
+        self.groups = 1  # the step's participating groups
+        self.undo = 1.0  # see `finish`
         self.stale = (
             False  # a parameter's gradient changed after its bucket was copied: redo after the backward
         )
         self.next = 0  # the next bucket to launch
 
-    def arm(self, backwards: int = 1) -> None:
-        """The step takes `backwards` backwards (one per micro-batch): launch its buckets as their gradients
-        are final, in the last one. A step of fewer (an epoch's short last window) launches them in
-        `finish`."""
+    def arm(self, groups: int, backwards: int = 1, inv_scale: float = 1.0) -> None:
+        """The step's average is over `groups` groups and it takes `backwards` backwards (one per
+        micro-batch): launch its buckets as their gradients are final, in the last one. A step of fewer (an
+        epoch's short last window) launches them in `finish`. `inv_scale` (fp16's 1 / loss scale): the
+        gradients are copied unscaled, as the scaler's `unscale_` would (a power of two: the same bits), so
+        groups whose scales differ average true gradients."""
         for bucket in self.buckets:
             bucket.reset()
         self.armed, self.stale, self.next, self.backwards = True, False, 0, backwards
+        self.groups, self.factor = groups, inv_scale / groups
 
-    def finish(self, use: bool) -> bool:
+    def finish(self, use: bool, undo: float = 1.0) -> bool:
         """After the backward: launch what did not launch (a parameter without a gradient this step counts as
-        zeros and keeps no gradient) and wait for every bucket; with `use`, the averages become `.grad` (views
-        of the buckets, which the next step's backward refills).
-        False when they were not written: not `use`, or a second backward changed a gradient after it was
-        copied (every group sees the same, and the caller averages again after the backward)."""
+        zeros and keeps no gradient; one whose gradient the hooks did not copy is copied x `undo`, what
+        undoes the loop's normalization since the backward: its token count) and wait for every bucket;
+        with `use`, the averages become `.grad` (views of the buckets, which the next step's backward
+        refills).
+        False when they were not written: not `use`, or a backward more than armed for changed a gradient
+        after it was copied (every group sees the same, and the caller averages again after the backward)."""
         if not self.armed:
             return False
-        self.armed = False
+        self.armed, self.undo = False, undo
         for bucket in self.buckets[self.next :]:
             self._launch(bucket)
         self.next = len(self.buckets)
@@ -123,7 +134,7 @@ class OverlappedAverage:
         if bucket.seen[i] < self.backwards:
             return  # an earlier micro-batch's: the gradient is not final yet
         start = perf_counter()
-        bucket.views[i].copy_(p.grad)
+        torch.mul(p.grad, self.factor, out=bucket.views[i])
         self.costs.add("copies", start)
         bucket.ready.add(i)
         while self.next < len(self.buckets) and len(self.buckets[self.next].ready) == len(
@@ -135,13 +146,13 @@ class OverlappedAverage:
     def _launch(self, bucket: _Bucket) -> None:
         start = perf_counter()
         for i, p in enumerate(bucket.params):
-            if i not in bucket.ready:  # no gradient this step (unused, or its hook has not run): a zero
+            if i not in bucket.ready:  # no gradient in the step's last backward (or its hook has not run)
                 if p.grad is None:
                     bucket.views[i].zero_()
-                else:
-                    bucket.views[i].copy_(p.grad)
+                else:  # one from an earlier micro-batch (a short window: every one), normalized since
+                    torch.mul(p.grad, self.undo / self.groups, out=bucket.views[i])
         start = self.costs.add("copies", start)
-        bucket.work = self.manager.allreduce(bucket.flat)
+        bucket.work = self.manager.allreduce(bucket.flat, reduce_op=ReduceOp.SUM)
         self.costs.add("allreduce", start)
 
 

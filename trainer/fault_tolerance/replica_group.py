@@ -141,7 +141,9 @@ class ReplicaGroup:
         self.participants = self.manager.num_participants()
         self.costs.add("quorum", start)
         if self.overlap is not None:  # the window's micro-batches: a gradient is final in the last backward
-            self.overlap.arm(self.trainer.accumulate_grad_batches)
+            scaler = self.trainer.strategy.precision.scaler
+            inv_scale = 1.0 / scaler.get_scale() if scaler is not None else 1.0
+            self.overlap.arm(max(self.participants, 1), self.trainer.accumulate_grad_batches, inv_scale)
         if self.outer is not None:
             self.outer.begin()
         return self.recovered
@@ -158,18 +160,24 @@ class ReplicaGroup:
             return
         if num_tokens is not None:  # the group's tokens (the strategy's normalisation counted them too)
             mine = self.trainer.strategy.reduce(num_tokens.float(), "sum", group="loss").double()
-        if self.overlap is not None and self.overlap.finish(use=True):
+        # a gradient the hooks did not copy (from an earlier micro-batch only) was divided by the group's
+        # tokens since: undone for the buckets, which hold token sums (one process: the group's tokens)
+        undo = float(mine) if num_tokens is not None else 1.0
+        if self.overlap is not None and self.overlap.finish(use=True, undo=undo):
             if num_tokens is not None:  # the buckets held token sums: their mean over the mean token count
                 mean = self._mean_over_groups(mine)
                 start = perf_counter()
                 torch._foreach_mul_(_grads(module), 1.0 / mean if mean > 0 else 0.0)  # 0: no tokens anywhere
                 self.costs.add("copies", start)
-            return
-        grads = _grads(module)
-        if num_tokens is not None:  # .grad is this group's token mean: weigh it by the group's tokens
-            mean = self._mean_over_groups(mine)
-            torch._foreach_mul_(grads, float(mine) / mean if mean > 0 else 0.0)  # 0: no tokens anywhere
-        self._average(grads)
+        else:
+            grads = _grads(module)
+            if num_tokens is not None:  # .grad is this group's token mean: weigh it by the group's tokens
+                mean = self._mean_over_groups(mine)
+                torch._foreach_mul_(grads, float(mine) / mean if mean > 0 else 0.0)  # 0: no tokens anywhere
+            self._average(grads)
+        scaler = self.trainer.strategy.precision.scaler
+        if scaler is not None:
+            _check_the_average(scaler, self.trainer.optimizer, _grads(module))
 
     def _average(self, tensors: list[torch.Tensor]) -> None:
         """Replace `tensors` by their mean over the participating groups: one all-reduce per dtype of a flat
@@ -285,15 +293,22 @@ def _overlap_is_valid(trainer: Trainer) -> bool:
     """Whether the backward may launch the cross-group average (the same answer in every group: they run the
     same configuration). Only where a parameter's accumulated gradient is already the group's final one:
     one process (under DDP the group's own reducer must average first; under FSDP the gradients exist only
-    after the reduce-scatter) and no fp16 scaler (the gradients are unscaled after the backward, each group
-    by its own scale and inf check). With gradient accumulation the hooks count a parameter's backwards and
-    copy its gradient in the window's last."""
+    after the reduce-scatter). With gradient accumulation the hooks count a parameter's backwards and copy
+    its gradient in the window's last; with fp16's scaler they copy it unscaled."""
     strategy = trainer.strategy
-    return (
-        strategy.world_size == 1
-        and strategy.precision.scaler is None
-        and not any(hasattr(p, "to_local") for p in trainer.module.parameters())
-    )
+    return strategy.world_size == 1 and not any(hasattr(p, "to_local") for p in trainer.module.parameters())
+
+
+def _check_the_average(scaler: torch.amp.GradScaler, optimizer: Any, grads: list[torch.Tensor]) -> None:
+    """fp16: the scaler checked this group's own gradients for inf/nan when it unscaled them; a peer's inf
+    is in the average now. Every group takes the check of the average (an inf anywhere: every group skips
+    the step and lowers its scale), not its own (a group whose own were finite would apply the inf)."""
+    found = torch.stack([torch.isfinite(g).all() for g in grads]).all().logical_not() if grads else None
+    if found is None or not found:
+        return
+    # torch has no public way to add to the inf check `unscale_` recorded for the optimizer's `step`
+    for found_inf in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+        found_inf.fill_(1.0)
 
 
 def _grads(module: nn.Module) -> list[torch.Tensor]:
