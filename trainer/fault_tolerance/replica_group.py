@@ -303,8 +303,9 @@ def _check_the_average(scaler: torch.amp.GradScaler, optimizer: Any, grads: list
     """fp16: the scaler checked this group's own gradients for inf/nan when it unscaled them; a peer's inf
     is in the average now. Every group takes the check of the average (an inf anywhere: every group skips
     the step and lowers its scale), not its own (a group whose own were finite would apply the inf)."""
-    found = torch.stack([torch.isfinite(g).all() for g in grads]).all().logical_not() if grads else None
-    if found is None or not found:
+    # a sum is inf/nan where an element is (or past 3e38, no gradient a step keeps): one read of each
+    # gradient, where isfinite's compare-abs-compare took ~15x as long
+    if not grads or torch.stack([g.sum() for g in grads]).isfinite().all():
         return
     # torch has no public way to add to the inf check `unscale_` recorded for the optimizer's `step`
     for found_inf in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
