@@ -232,3 +232,61 @@ def test_fp16_gradients_are_copied_unscaled_and_a_short_windows_with_what_undoes
     for p, q in zip(model.net.parameters(), reference.net.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad * 0.5)
     overlap.remove()
+
+
+def test_the_direct_sum_does_what_torchfts_allreduce_does_around_the_collective():
+    """`DirectSum` (the buckets' collective straight on torchft's process group): nothing launched after a
+    recorded failure, zeros sent by a group that does not participate, a failure at launch or at the wait
+    recorded for the commit (the step is discarded), never raised."""
+    from trainer.fault_tolerance.replica_group import DirectSum
+
+    class Manager:
+        def __init__(self, participating: bool = True, errored: Exception | None = None) -> None:
+            self.participating, self.error, self.reported = participating, errored, []
+
+        def errored(self):
+            return self.error
+
+        def is_participating(self) -> bool:
+            return self.participating
+
+        def report_error(self, err: Exception) -> None:
+            self.reported.append(err)
+
+    class Work:
+        def __init__(self, fails: bool) -> None:
+            self.fails = fails
+
+        def wait(self) -> bool:
+            if self.fails:
+                raise RuntimeError("the peer closed the connection")
+            return True
+
+    class PG:
+        def __init__(self, launch_fails: bool = False, wait_fails: bool = False) -> None:
+            self.launch_fails, self.wait_fails, self.calls = launch_fails, wait_fails, []
+
+        def allreduce(self, tensors, options):
+            self.calls.append((tensors[0].clone(), options.reduceOp))
+            if self.launch_fails:
+                raise RuntimeError("no connection")
+            return Work(self.wait_fails)
+
+    manager, pg = Manager(), PG()
+    assert DirectSum(manager, pg).allreduce(torch.ones(3), ReduceOp.SUM).wait()
+    assert torch.equal(pg.calls[0][0], torch.ones(3)) and pg.calls[0][1] == ReduceOp.SUM
+    assert manager.reported == []
+
+    manager, pg = Manager(participating=False), PG()
+    tensor = torch.ones(3)
+    assert DirectSum(manager, pg).allreduce(tensor, ReduceOp.SUM).wait()
+    assert torch.equal(tensor, torch.zeros(3)) and torch.equal(pg.calls[0][0], torch.zeros(3))
+
+    manager, pg = Manager(errored=RuntimeError("earlier")), PG()
+    assert not DirectSum(manager, pg).allreduce(torch.ones(3), ReduceOp.SUM).wait()
+    assert pg.calls == [] and manager.reported == []
+
+    for pg in (PG(launch_fails=True), PG(wait_fails=True)):
+        manager = Manager()
+        assert not DirectSum(manager, pg).allreduce(torch.ones(3), ReduceOp.SUM).wait()
+        assert len(manager.reported) == 1

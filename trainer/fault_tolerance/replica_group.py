@@ -105,7 +105,11 @@ class ReplicaGroup:
             self.manager.register_state_dict_fn("outer", self.outer.load_state_dict, self.outer.state_dict)
         self.costs = StepCosts()
         per_step = self.outer is None and _overlap_is_valid(trainer)
-        self.overlap = OverlappedAverage(trainer.module, self.manager, costs=self.costs) if per_step else None
+        self.overlap = (
+            OverlappedAverage(trainer.module, DirectSum(self.manager, self.pg), costs=self.costs)
+            if per_step
+            else None
+        )
 
     def start_step(self) -> bool:
         """Join this step's quorum; True when this group was behind and now holds a peer's training state
@@ -283,6 +287,49 @@ class OwnVote:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.client, name)
+
+
+class DirectSum:
+    """The buckets' sum over the groups straight on torchft's process group, as `manager.allreduce` runs it
+    (a group that has failed sends nothing; one not participating sends zeros; an error is recorded for
+    `commit`, never raised) without what it adds per call on top: a future chain, a timer on torchft's
+    event-loop thread (the process group has its own timeout), a division after the reduce."""
+
+    def __init__(self, manager: Any, pg: Any) -> None:
+        self.manager, self.pg = manager, pg
+
+    def allreduce(self, tensor: torch.Tensor, reduce_op: dist.ReduceOp) -> _RecordedWork:
+        """Launch the sum of `tensor` over the participating groups."""
+        manager = self.manager
+        if manager.errored() is not None:
+            return _RecordedWork(manager, None)  # the step is discarded: no collective after a failure
+        if not manager.is_participating():
+            tensor.zero_()
+        options = dist.AllreduceOptions()
+        options.reduceOp = reduce_op
+        try:
+            return _RecordedWork(manager, self.pg.allreduce([tensor], options))
+        except Exception as err:
+            manager.report_error(err)
+            return _RecordedWork(manager, None)
+
+
+class _RecordedWork:
+    """A launched all-reduce whose failure goes to the manager's record (the step is then discarded)."""
+
+    def __init__(self, manager: Any, work: Any) -> None:
+        self.manager, self.work = manager, work
+
+    def wait(self) -> bool:
+        """Wait for it; False (and the error recorded) when it failed or never launched."""
+        if self.work is None:
+            return False
+        try:
+            self.work.wait()
+        except Exception as err:
+            self.manager.report_error(err)
+            return False
+        return True
 
 
 class PeerStateMismatch(RuntimeError):
