@@ -5,7 +5,7 @@
    under a lighthouse, in interleaved rounds (DDP, torchft, DDP, torchft: a drifting load hits both arms),
    for each configuration of CONFIGS (plain; 2 micro-batches of half the batch; a token-weighted loss; fp16
    with its loss scaler) - the ones past `plain` at the two larger widths.
-   Prints both (wall, and the process's CPU time), their ratio (target <= 1.1 on the >= 100 ms step) and
+   Prints both (wall, and the process's CPU time), their ratio (targets: <= 1.02 on the >= 100 ms step, <= 1.1 on the ~10 ms one) and
    the fixed cost per step in ms; then where torchft's per-step work goes on group 0 (quorum, all-reduce,
    commit vote, copies: trainer/fault_tolerance/costs.py).
 2. A kill: group 1 SIGKILLs itself at step 30 and is relaunched as a fresh process once the survivor has
@@ -248,7 +248,8 @@ def main(rounds: int, drill: bool, configs: str) -> None:
     from trainer.fault_tolerance.lighthouse import start_lighthouse
 
     out = Path(tempfile.mkdtemp(prefix="bench-ft-"))
-    print(f"bench folder: {out}", flush=True)
+    # the machine's load (other processes share its cores): the wall ratios mean little when it is high
+    print(f"bench folder: {out}; load average {os.getloadavg()[0]:.2f}", flush=True)
     procs: list[subprocess.Popen] = []
     servers = []
 
@@ -292,6 +293,7 @@ def main(rounds: int, drill: bool, configs: str) -> None:
                 proc.wait()
         for server in servers:
             server.shutdown()
+    print(f"load average at the end: {os.getloadavg()[0]:.2f}")
     if rounds:
         for config in configs.split(","):
             report_steps(out, rounds, config)
