@@ -6,8 +6,8 @@
    for each configuration of CONFIGS (plain; 2 micro-batches of half the batch; a token-weighted loss; fp16
    with its loss scaler) - the ones past `plain` at the two larger widths.
    Prints both (wall, and the process's CPU time), their ratio (targets: <= 1.02 on the >= 100 ms step,
-   <= 1.1 on the ~10 ms one) and the fixed cost per step in ms; then where torchft's per-step work goes on group 0 (quorum, all-reduce,
-   commit vote, copies: trainer/fault_tolerance/costs.py).
+   <= 1.1 on the ~10 ms one) and the fixed cost per step in ms; then where torchft's per-step work goes
+   on group 0 (quorum, all-reduce, commit vote, copies: trainer/fault_tolerance/costs.py).
 2. A kill: group 1 SIGKILLs itself at step 30 and is relaunched as a fresh process once the survivor has
    committed a step alone (so the survivor sees the outage). Prints the survivor's
    stall (its longest step around the kill: the lighthouse's heartbeat timeout, HEARTBEAT_TIMEOUT_MS),
