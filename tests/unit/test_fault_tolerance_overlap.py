@@ -290,3 +290,38 @@ def test_the_direct_sum_does_what_torchfts_allreduce_does_around_the_collective(
         manager = Manager()
         assert not DirectSum(manager, pg).allreduce(torch.ones(3), ReduceOp.SUM).wait()
         assert len(manager.reported) == 1
+
+
+def test_the_token_count_is_summed_after_the_last_bucket_and_before_the_waits():
+    """`finish(extra=...)`: the step's token count goes to the groups right after the last bucket (the same
+    order in every group), its round trip under the buckets' waits, not after them."""
+
+    class Work(_Work):
+        def __init__(self, tensor: torch.Tensor, events: list[str]) -> None:
+            super().__init__(tensor)
+            self.events = events
+
+        def wait(self) -> bool:
+            self.events.append(f"wait {len(self.tensor)}")
+            return True
+
+    class Manager(_Manager):
+        def __init__(self) -> None:
+            super().__init__()
+            self.events: list[str] = []
+
+        def allreduce(self, tensor: torch.Tensor, reduce_op: ReduceOp) -> Work:
+            super().allreduce(tensor, reduce_op)
+            self.events.append(f"launch {len(tensor)}")
+            return Work(tensor, self.events)
+
+    model, manager = _model(), Manager()
+    overlap = OverlappedAverage(model, manager, **ONE_EACH)
+    overlap.arm(2)
+    _backward(model)
+    tokens = torch.tensor([7.0], dtype=torch.float64)
+    assert overlap.finish(use=True, extra=tokens)
+    assert manager.launched[-1] is tokens and len(manager.launched) == len(overlap.buckets) + 1
+    first_wait = next(i for i, e in enumerate(manager.events) if e.startswith("wait"))
+    assert manager.events[first_wait - 1] == "launch 1" and manager.events[-1] == "wait 1"
+    overlap.remove()

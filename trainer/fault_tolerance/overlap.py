@@ -87,12 +87,13 @@ class OverlappedAverage:
         self.armed, self.stale, self.next, self.backwards = True, False, 0, backwards
         self.groups, self.factor = groups, inv_scale / groups
 
-    def finish(self, use: bool, undo: float = 1.0) -> bool:
+    def finish(self, use: bool, undo: float = 1.0, extra: torch.Tensor | None = None) -> bool:
         """After the backward: launch what did not launch (a parameter without a gradient this step counts as
         zeros and keeps no gradient; one whose gradient the hooks did not copy is copied x `undo`, what
         undoes the loop's normalization since the backward: its token count) and wait for every bucket;
         with `use`, the averages become `.grad` (views of the buckets, which the next step's backward
-        refills).
+        refills). `extra` (the step's token count) is summed over the groups in place, launched after the
+        last bucket and before the waits: its round trip overlaps theirs.
         False when they were not written: not `use`, or a backward more than armed for changed a gradient
         after it was copied (every group sees the same, and the caller averages again after the backward)."""
         if not self.armed:
@@ -102,8 +103,11 @@ class OverlappedAverage:
             self._launch(bucket)
         self.next = len(self.buckets)
         start = perf_counter()
+        summed = self.manager.allreduce(extra, reduce_op=ReduceOp.SUM) if extra is not None else None
         for bucket in self.buckets:
             bucket.work.wait()  # a failure is recorded by torchft (the step is then discarded), never raised
+        if summed is not None:
+            summed.wait()
         start = self.costs.add("allreduce", start)
         if not use or self.stale:
             return False

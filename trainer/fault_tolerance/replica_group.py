@@ -167,9 +167,10 @@ class ReplicaGroup:
         # a gradient the hooks did not copy (from an earlier micro-batch only) was divided by the group's
         # tokens since: undone for the buckets, which hold token sums (one process: the group's tokens)
         undo = float(mine) if num_tokens is not None else 1.0
-        if self.overlap is not None and self.overlap.finish(use=True, undo=undo):
+        total = mine.clone() if num_tokens is not None else None  # summed over the groups with the buckets
+        if self.overlap is not None and self.overlap.finish(use=True, undo=undo, extra=total):
             if num_tokens is not None:  # the buckets held token sums: their mean over the mean token count
-                mean = self._mean_over_groups(mine)
+                mean = float(total) / max(self.participants, 1)
                 start = perf_counter()
                 torch._foreach_mul_(_grads(module), 1.0 / mean if mean > 0 else 0.0)  # 0: no tokens anywhere
                 self.costs.add("copies", start)
