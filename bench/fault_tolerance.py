@@ -2,10 +2,12 @@
 
 1. Step time with and without torchft on the same MLP sizes (the tiny one: the fixed cost; the largest: a
    step of >= 100 ms here): plain DDP of 2 gloo processes under torchrun vs 2 replica groups of 1 process
-   under a lighthouse, in interleaved rounds (DDP, torchft, DDP, torchft: a drifting load hits both arms).
-   Prints both (wall, and the process's CPU time), their ratio (target <= 1.1 on the >= 100 ms step) and
-   the fixed cost per step in ms; then where torchft's per-step work goes on group 0 (quorum, all-reduce,
-   commit vote, copies: trainer/fault_tolerance/costs.py).
+   under a lighthouse, in interleaved rounds (DDP, torchft, DDP, torchft: a drifting load hits both arms),
+   for each configuration of CONFIGS (plain; 2 micro-batches of half the batch; a token-weighted loss; fp16
+   with its loss scaler) - the ones past `plain` at the two larger widths.
+   Prints both (wall, and the process's CPU time), their ratio (targets: <= 1.02 on the >= 100 ms step,
+   <= 1.1 on the ~10 ms one) and the fixed cost per step in ms; then where torchft's per-step work goes
+   on group 0 (quorum, all-reduce, commit vote, copies: trainer/fault_tolerance/costs.py).
 2. A kill: group 1 SIGKILLs itself at step 30 and is relaunched as a fresh process once the survivor has
    committed a step alone (so the survivor sees the outage). Prints the survivor's
    stall (its longest step around the kill: the lighthouse's heartbeat timeout, HEARTBEAT_TIMEOUT_MS),
@@ -14,8 +16,8 @@
 3. The projection: effective training time at Llama 3's failure rate (466 interruptions in 54 days) for
    restart-from-checkpoint vs live recovery, from the measured costs and the stated assumptions.
 
-`python bench/fault_tolerance.py [--rounds 2]` (about 4 minutes here; `--no-drill`: part 1 alone, `--rounds 0`:
-part 2 alone). Numbers on a shared machine are noisy;
+`python bench/fault_tolerance.py [--rounds 2] [--configs plain,accumulate]` (about 4 minutes here with `plain`
+alone; `--no-drill`: part 1 alone, `--rounds 0`: part 2 alone). Numbers on a shared machine are noisy;
 every wait has a deadline (DEADLINE_S) and a failed one ends the bench with one line naming it.
 """
 
@@ -44,6 +46,14 @@ from trainer.fault_tolerance.costs import PARTS  # noqa: E402
 
 WIDTHS = (16, 256, 1024)  # 1.1K, 0.5M, 8.4M parameters
 BATCHES = {16: 64, 256: 64, 1024: 192}  # the largest arm's batch makes plain DDP's step >= 100 ms here
+# each configuration: the Trainer's arguments, whether the loss reports its tokens (all of the batch's
+# samples count), micro-batches per step (each of batch / micro-batches samples: the same step's work)
+CONFIGS = {
+    "plain": ({}, False, 1),
+    "accumulate": ({"accumulate_grad_batches": 2}, False, 2),
+    "tokens": ({}, True, 1),
+    "fp16": ({"precision": "16-mixed"}, False, 1),
+}
 STEPS, SKIP = 40, 10
 KILL_AT, AFTER_REJOIN, DRILL_STEPS = (
     30,
@@ -56,24 +66,26 @@ LLAMA3_MTBF_S = 54 * 86400 / 466  # 16K GPUs: one interruption every 2.8 h
 
 
 class MLP(TrainModule):
-    def __init__(self, width: int) -> None:
+    def __init__(self, width: int, tokens: bool = False) -> None:
         super().__init__()
         self.net = torch.nn.Sequential(
             torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width)
         )
+        self.tokens = tokens
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        return torch.nn.functional.mse_loss(self.net(x), y)
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        return {"loss": loss, "num_tokens": torch.tensor(len(x))} if self.tokens else loss
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=1e-3)
 
 
-def loader(width: int, steps: int, groups: int) -> DataLoader:
+def loader(width: int, steps: int, groups: int, micro_batches: int = 1) -> DataLoader:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(steps * BATCHES[width] * groups, width, generator=g)
-    return DataLoader(TensorDataset(x, torch.tanh(x)), batch_size=BATCHES[width])
+    return DataLoader(TensorDataset(x, torch.tanh(x)), batch_size=BATCHES[width] // micro_batches)
 
 
 class Clock(Callback):
@@ -128,7 +140,10 @@ class Drill(Callback):
             trainer.should_stop = True
 
 
-def fit(width: int, out: Path, ft: FaultTolerance | None, callbacks: list, steps: int) -> None:
+def fit(
+    width: int, out: Path, ft: FaultTolerance | None, callbacks: list, steps: int, config: str = "plain"
+) -> None:
+    kwargs, tokens, micro_batches = CONFIGS[config]
     trainer = Trainer(
         strategy="ddp" if ft is None else "auto",
         max_steps=steps,
@@ -139,8 +154,10 @@ def fit(width: int, out: Path, ft: FaultTolerance | None, callbacks: list, steps
         callbacks=callbacks,
         default_root_dir=str(out),
         fault_tolerance=ft,
+        **kwargs,
     )
-    trainer.fit(MLP(width), loader(width, min(steps, STEPS), 2))  # the drill's epochs repeat the data
+    # the drill's epochs repeat the data
+    trainer.fit(MLP(width, tokens), loader(width, min(steps, STEPS), 2, micro_batches))
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -152,16 +169,19 @@ def rank_main(args: argparse.Namespace) -> None:
     ft = [FaultTolerance(lh, args.replica, timeout_s=30) if lh else None for lh in lighthouses]
     if args.arm in ("ddp", "ft"):
         times = {}
-        for i, width in enumerate(WIDTHS):
+        for i, (config, width) in enumerate(fits(args.configs)):
             clock = Clock()
-            fit(width, out / f"{args.arm}-{args.round}-{width}", ft[i % len(ft)], [clock], STEPS)
+            folder = out / f"{args.arm}-{args.round}-{config}-{width}"
+            fit(width, folder, ft[i % len(ft)], [clock], STEPS, config)
             # the fastest tenth of the steps as well: other processes' load only adds time, so it varies less
-            times[width] = {
+            times[f"{config}/{width}"] = {
                 "wall": per_step(clock.wall),
                 "cpu": per_step(clock.cpu),
                 "p10": per_step(clock.wall, 0.1),
             }
-            times[width].update({part: per_step(seconds) for part, seconds in clock.parts.items() if seconds})
+            times[f"{config}/{width}"].update(
+                {part: per_step(seconds) for part, seconds in clock.parts.items() if seconds}
+            )
         if int(os.environ.get("RANK", "0")) == 0:  # DDP: rank 0's; torchft: each group writes its own
             (out / f"{args.arm}-{args.round}-{args.replica}.json").write_text(json.dumps(times))
         return
@@ -169,6 +189,15 @@ def rank_main(args: argparse.Namespace) -> None:
     (out / f"{name}.started").write_text(json.dumps(time.time()))
     drill = Drill(out / f"{name}.jsonl", args.replica, args.arm == "rejoin")
     fit(WIDTHS[1], out / name, ft[0], [drill], DRILL_STEPS)
+
+
+def fits(configs: str) -> list[tuple[str, int]]:
+    """The (configuration, width) fits of one arm: `plain` at every width, the others at the two larger."""
+    return [
+        (config, width)
+        for config in configs.split(",")
+        for width in (WIDTHS if config == "plain" else WIDTHS[1:])
+    ]
 
 
 def spawn(args: list[str], out: Path, name: str, torchrun: int = 0) -> subprocess.Popen:
@@ -214,12 +243,13 @@ def rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def main(rounds: int, drill: bool) -> None:
+def main(rounds: int, drill: bool, configs: str) -> None:
     os.environ.setdefault("RUST_LOG", "warn")  # the lighthouses here log every quorum at INFO otherwise
     from trainer.fault_tolerance.lighthouse import start_lighthouse
 
     out = Path(tempfile.mkdtemp(prefix="bench-ft-"))
-    print(f"bench folder: {out}", flush=True)
+    # the machine's load (other processes share its cores): the wall ratios mean little when it is high
+    print(f"bench folder: {out}; load average {os.getloadavg()[0]:.2f}", flush=True)
     procs: list[subprocess.Popen] = []
     servers = []
 
@@ -233,15 +263,16 @@ def main(rounds: int, drill: bool) -> None:
 
     try:
         for r in range(rounds):  # interleaved: DDP, torchft, DDP, torchft... (load drift hits both arms)
-            ddp = spawn(["--arm", "ddp", "--round", str(r)], out, f"ddp-{r}", torchrun=2)
+            arms = ["--round", str(r), "--configs", configs]
+            ddp = spawn(["--arm", "ddp", *arms], out, f"ddp-{r}", torchrun=2)
             procs.append(ddp)
             wait_exit(f"round {r}'s DDP arm", ddp, out / f"ddp-{r}.err")
             # both groups in every step's quorum: a group that starts a fit first would otherwise train
             # alone, and the other would heal from it mid-fit (its clock then misses the steps)
-            address = lighthouses(len(WIDTHS), min_replicas=2)
+            address = lighthouses(len(fits(configs)), min_replicas=2)
             groups = [
                 spawn(
-                    ["--arm", "ft", "--round", str(r), "--replica", str(g), "--lighthouses", address],
+                    ["--arm", "ft", *arms, "--replica", str(g), "--lighthouses", address],
                     out,
                     f"ft-{r}-{g}",
                 )
@@ -262,16 +293,20 @@ def main(rounds: int, drill: bool) -> None:
                 proc.wait()
         for server in servers:
             server.shutdown()
+    print(f"load average at the end: {os.getloadavg()[0]:.2f}")
     if rounds:
-        report_steps(out, rounds)
+        for config in configs.split(","):
+            report_steps(out, rounds, config)
     if drill:
         stall, rejoin = report_drill(out, relaunched_at, killed_at)
     if rounds and drill:
+        first = configs.split(",")[0]  # the projection's per-step cost: the first configuration's
         project(
             stall,
             rejoin,
-            arm(out, rounds, "ft", WIDTHS[1], "wall") / 1e3,
-            arm(out, rounds, "ft", WIDTHS[-1], "wall") / arm(out, rounds, "ddp", WIDTHS[-1], "wall"),
+            arm(out, rounds, "ft", f"{first}/{WIDTHS[1]}", "wall") / 1e3,
+            arm(out, rounds, "ft", f"{first}/{WIDTHS[-1]}", "wall")
+            / arm(out, rounds, "ddp", f"{first}/{WIDTHS[-1]}", "wall"),
         )
 
 
@@ -315,22 +350,21 @@ def kill_drill(out: Path, address: str, procs: list[subprocess.Popen]) -> tuple[
     return relaunched_at, killed_at
 
 
-def each(out: Path, rounds: int, name: str, width: int, kind: str) -> list[float]:
-    """ms per step of arm `name` in each round (rank 0 / group 0)."""
-    return [
-        json.loads((out / f"{name}-{r}-0.json").read_text())[str(width)][kind] * 1e3 for r in range(rounds)
-    ]
+def each(out: Path, rounds: int, name: str, key: str, kind: str) -> list[float]:
+    """ms per step of arm `name` in each round (rank 0 / group 0) at `key` ("configuration/width")."""
+    return [json.loads((out / f"{name}-{r}-0.json").read_text())[key][kind] * 1e3 for r in range(rounds)]
 
 
-def arm(out: Path, rounds: int, name: str, width: int, kind: str) -> float:
+def arm(out: Path, rounds: int, name: str, key: str, kind: str) -> float:
     """The median over rounds of `each`."""
-    return statistics.median(each(out, rounds, name, width, kind))
+    return statistics.median(each(out, rounds, name, key, kind))
 
 
-def report_steps(out: Path, rounds: int) -> None:
-    """The per-step table (DDP vs torchft) and where torchft's per-step work goes."""
+def report_steps(out: Path, rounds: int, config: str) -> None:
+    """The per-step table (DDP vs torchft) of `config` and where torchft's per-step work goes."""
+    widths = [width for name, width in fits(config)]
     print(
-        f"per step, median of {rounds} interleaved rounds (each the median of steps {SKIP + 1}-{STEPS}); "
+        f"configuration {config!r}: per step, median of {rounds} interleaved rounds (each the median of steps {SKIP + 1}-{STEPS}); "
         "wall and this process's CPU time (rank 0 / group 0); p10 ratio: of the 10th-percentile steps, which "
         "another process's load disturbs less"
     )
@@ -339,13 +373,13 @@ def report_steps(out: Path, rounds: int) -> None:
         f"{'fixed ms':>9} {'DDP cpu':>8} {'ft cpu':>7} {'cpu ratio':>9} {'fixed cpu':>9} {'p10 ratio':>9}  "
         "wall ratio per round"
     )
-    for width in WIDTHS:
-        params = 8 * width * width + 5 * width
-        a, b = arm(out, rounds, "ddp", width, "wall"), arm(out, rounds, "ft", width, "wall")
-        ca, cb = arm(out, rounds, "ddp", width, "cpu"), arm(out, rounds, "ft", width, "cpu")
-        p10 = arm(out, rounds, "ft", width, "p10") / arm(out, rounds, "ddp", width, "p10")
+    for width in widths:
+        params, key = 8 * width * width + 5 * width, f"{config}/{width}"
+        a, b = arm(out, rounds, "ddp", key, "wall"), arm(out, rounds, "ft", key, "wall")
+        ca, cb = arm(out, rounds, "ddp", key, "cpu"), arm(out, rounds, "ft", key, "cpu")
+        p10 = arm(out, rounds, "ft", key, "p10") / arm(out, rounds, "ddp", key, "p10")
         per_round = zip(
-            each(out, rounds, "ddp", width, "wall"), each(out, rounds, "ft", width, "wall"), strict=True
+            each(out, rounds, "ddp", key, "wall"), each(out, rounds, "ft", key, "wall"), strict=True
         )
         print(
             f"{width:>10} {params:>8} {BATCHES[width]:>6} {a:>7.1f} {b:>11.1f} {b / a:>6.2f} {b - a:>9.1f} "
@@ -358,9 +392,10 @@ def report_steps(out: Path, rounds: int) -> None:
         "not hide, commit = the commit vote, copies = gradients into and out of the reduce buffers"
     )
     print(f"{'MLP width':>10} " + " ".join(f"{part:>9}" for part in PARTS) + f" {'sum':>7} {'fixed ms':>9}")
-    for width in WIDTHS:
-        parts = [arm(out, rounds, "ft", width, part) for part in PARTS]
-        fixed = arm(out, rounds, "ft", width, "wall") - arm(out, rounds, "ddp", width, "wall")
+    for width in widths:
+        key = f"{config}/{width}"
+        parts = [arm(out, rounds, "ft", key, part) for part in PARTS]
+        fixed = arm(out, rounds, "ft", key, "wall") - arm(out, rounds, "ddp", key, "wall")
         print(f"{width:>10} " + " ".join(f"{v:>9.2f}" for v in parts) + f" {sum(parts):>7.2f} {fixed:>9.1f}")
 
 
@@ -416,7 +451,15 @@ if __name__ == "__main__":
     p.add_argument(
         "--no-drill", action="store_true", help="the per-step rounds alone (no kill, no projection)"
     )
+    p.add_argument(
+        "--configs",
+        default=",".join(CONFIGS),
+        help=f"the configurations of the per-step rounds, comma-separated, of {', '.join(CONFIGS)}",
+    )
     p.add_argument("--lighthouses", default=None)  # one per fit: the overhead widths, then the drill
     p.add_argument("--out", default=None)
     a = p.parse_args()
-    rank_main(a) if a.arm else main(a.rounds, drill=not a.no_drill)
+    unknown = set(a.configs.split(",")) - set(CONFIGS)
+    if unknown:
+        p.error(f"--configs {a.configs}: {', '.join(sorted(unknown))} unknown; allowed: {', '.join(CONFIGS)}")
+    rank_main(a) if a.arm else main(a.rounds, drill=not a.no_drill, configs=a.configs)

@@ -33,7 +33,7 @@ def group(replica: int, lighthouse: str, root: str, accumulate: int) -> None:
     )
 
 
-@pytest.mark.parametrize("accumulate", [1, 2])  # 1: averaged by the backward's buckets; 2: after it
+@pytest.mark.parametrize("accumulate", [1, 2])  # both averaged by the backward's buckets (2: in its last)
 def test_groups_with_different_token_counts_train_as_one_process(tmp_path, accumulate):
     from trainer.fault_tolerance.lighthouse import start_lighthouse
 

@@ -1,6 +1,9 @@
 """The cross-group gradient average overlapped with the backward, as DDP overlaps its own: the gradients in
-~25 MB buckets in reverse parameter order, each bucket's `manager.allreduce` launched as soon as its last
-gradient is accumulated, all of them waited for before the commit."""
+buckets in reverse parameter order, sized as DDP sizes them (a ~1 MB first bucket, then ~25 MB ones), each
+bucket's `manager.allreduce` launched as soon as its last gradient of the step is accumulated (with gradient
+accumulation: in the window's last backward), all of them waited for before the commit. A gradient is
+divided by the number of groups as it is copied into its bucket and the buckets are summed: one pass over
+the gradients, where torchft's average adds a division after the reduce."""
 
 from __future__ import annotations
 
@@ -9,10 +12,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed import ReduceOp
 
 from trainer.fault_tolerance.costs import StepCosts
 
 BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb
+# DDP's first bucket (dist._DEFAULT_FIRST_BUCKET_BYTES): the last layers' gradients, ready first, go out while
+# the rest of the backward runs; a first bucket of the full size would wait for most of the backward
+FIRST_BUCKET_BYTES = 1024 * 1024
 
 
 class _Bucket:
@@ -27,10 +34,12 @@ class _Bucket:
             for piece, p in zip(self.flat.split([p.numel() for p in params]), params, strict=True)
         ]
         self.ready: set[int] = set()  # indexes into params whose gradient is in `flat`
+        self.seen = [0] * len(params)  # backwards this step that accumulated each parameter's gradient
         self.work: Any = None  # the launched all-reduce
 
     def reset(self) -> None:
         self.ready.clear()
+        self.seen = [0] * len(self.params)
         self.work = None
 
 
@@ -38,8 +47,9 @@ class OverlappedAverage:
     """Post-accumulate-grad hooks on `module`'s parameters that all-reduce each bucket over the replica groups
     while the rest of the backward runs. Buckets launch strictly in order (bucket 0 first), so every group
     makes the same sequence of collectives whatever the order its hooks fire in; a parameter without a
-    gradient this step holds its bucket (and those after it) back to `finish`. Only while `arm`ed: one
-    backward per step (a second hook call for a parameter marks the step stale, see `finish`)."""
+    gradient in the step's last backward holds its bucket (and those after it) back to `finish`. Only while
+    `arm`ed for a number of backwards: a parameter's gradient is final (copied) at its hook's call in the
+    last of them; one more call marks the step stale (see `finish`)."""
 
     def __init__(
         self,
@@ -47,54 +57,57 @@ class OverlappedAverage:
         manager: Any,
         bucket_bytes: int = BUCKET_BYTES,
         costs: StepCosts | None = None,
+        first_bucket_bytes: int = FIRST_BUCKET_BYTES,
     ) -> None:
         self.manager, self.costs = manager, costs or StepCosts()  # the replica group's, to share its totals
         params = [p for p in module.parameters() if p.requires_grad]
-        self.buckets: list[_Bucket] = []
-        current: list[nn.Parameter] = []
-        size = 0
-        for p in reversed(params):  # the backward produces the last layers' gradients first
-            if current and (
-                size + p.numel() * p.element_size() > bucket_bytes
-                or (p.dtype, p.device) != (current[0].dtype, current[0].device)
-            ):
-                self.buckets.append(_Bucket(current))
-                current, size = [], 0
-            current.append(p)
-            size += p.numel() * p.element_size()
-        if current:
-            self.buckets.append(_Bucket(current))
+        self.buckets = [_Bucket(group) for group in _bucketed(params, first_bucket_bytes, bucket_bytes)]
         self.where = {
             id(p): (b, i) for b, bucket in enumerate(self.buckets) for i, p in enumerate(bucket.params)
         }
         self.handles = [p.register_post_accumulate_grad_hook(self._ready) for p in params]
         self.armed = False
+        self.backwards = 1  # the step's backwards (its micro-batches): a gradient is final in the last one
+        self.factor = 1.0  # a gradient's factor as the hooks copy it: 1 / groups (x 1 / fp16's loss scale)
+        self.groups = 1  # the step's participating groups
+        self.undo = 1.0  # see `finish`
         self.stale = (
             False  # a parameter's gradient changed after its bucket was copied: redo after the backward
         )
         self.next = 0  # the next bucket to launch
 
-    def arm(self) -> None:
-        """The next backward is the step's only one: launch its buckets as their gradients are ready."""
+    def arm(self, groups: int, backwards: int = 1, inv_scale: float = 1.0) -> None:
+        """The step's average is over `groups` groups and it takes `backwards` backwards (one per
+        micro-batch): launch its buckets as their gradients are final, in the last one. A step of fewer (an
+        epoch's short last window) launches them in `finish`. `inv_scale` (fp16's 1 / loss scale): the
+        gradients are copied unscaled, as the scaler's `unscale_` would (a power of two: the same bits), so
+        groups whose scales differ average true gradients."""
         for bucket in self.buckets:
             bucket.reset()
-        self.armed, self.stale, self.next = True, False, 0
+        self.armed, self.stale, self.next, self.backwards = True, False, 0, backwards
+        self.groups, self.factor = groups, inv_scale / groups
 
-    def finish(self, use: bool) -> bool:
+    def finish(self, use: bool, undo: float = 1.0, extra: torch.Tensor | None = None) -> bool:
         """After the backward: launch what did not launch (a parameter without a gradient this step counts as
-        zeros and keeps no gradient) and wait for every bucket; with `use`, the averages become `.grad` (views
-        of the buckets, which the next step's backward refills).
-        False when they were not written: not `use`, or a second backward changed a gradient after it was
-        copied (every group sees the same, and the caller averages again after the backward)."""
+        zeros and keeps no gradient; one whose gradient the hooks did not copy is copied x `undo`, what
+        undoes the loop's normalization since the backward: its token count) and wait for every bucket;
+        with `use`, the averages become `.grad` (views of the buckets, which the next step's backward
+        refills). `extra` (the step's token count) is summed over the groups in place, launched after the
+        last bucket and before the waits: its round trip overlaps theirs.
+        False when they were not written: not `use`, or a backward more than armed for changed a gradient
+        after it was copied (every group sees the same, and the caller averages again after the backward)."""
         if not self.armed:
             return False
-        self.armed = False
+        self.armed, self.undo = False, undo
         for bucket in self.buckets[self.next :]:
             self._launch(bucket)
         self.next = len(self.buckets)
         start = perf_counter()
+        summed = self.manager.allreduce(extra, reduce_op=ReduceOp.SUM) if extra is not None else None
         for bucket in self.buckets:
             bucket.work.wait()  # a failure is recorded by torchft (the step is then discarded), never raised
+        if summed is not None:
+            summed.wait()
         start = self.costs.add("allreduce", start)
         if not use or self.stale:
             return False
@@ -118,11 +131,14 @@ class OverlappedAverage:
             return
         b, i = self.where[id(p)]
         bucket = self.buckets[b]
+        bucket.seen[i] += 1
         if i in bucket.ready or bucket.work is not None:
-            self.stale = True  # a second backward this step: what was copied is out of date
+            self.stale = True  # one backward more than armed for: what was copied is out of date
             return
+        if bucket.seen[i] < self.backwards:
+            return  # an earlier micro-batch's: the gradient is not final yet
         start = perf_counter()
-        bucket.views[i].copy_(p.grad)
+        torch.mul(p.grad, self.factor, out=bucket.views[i])
         self.costs.add("copies", start)
         bucket.ready.add(i)
         while self.next < len(self.buckets) and len(self.buckets[self.next].ready) == len(
@@ -134,11 +150,32 @@ class OverlappedAverage:
     def _launch(self, bucket: _Bucket) -> None:
         start = perf_counter()
         for i, p in enumerate(bucket.params):
-            if i not in bucket.ready:  # no gradient this step (unused, or its hook has not run): a zero
+            if i not in bucket.ready:  # no gradient in the step's last backward (or its hook has not run)
                 if p.grad is None:
                     bucket.views[i].zero_()
-                else:
-                    bucket.views[i].copy_(p.grad)
+                else:  # one from an earlier micro-batch (a short window: every one), normalized since
+                    torch.mul(p.grad, self.undo / self.groups, out=bucket.views[i])
         start = self.costs.add("copies", start)
-        bucket.work = self.manager.allreduce(bucket.flat)
+        bucket.work = self.manager.allreduce(bucket.flat, reduce_op=ReduceOp.SUM)
         self.costs.add("allreduce", start)
+
+
+def _bucketed(params: list[nn.Parameter], first_bytes: int, bytes_: int) -> list[list[nn.Parameter]]:
+    """`params` in buckets as DDP makes them (its rebuilt buckets, in the order the backward produces the
+    gradients, taken here as the reverse of the parameters' order): one dtype and device per bucket, a bucket
+    closed once it holds `first_bytes` (the first) or `bytes_` (the others)."""
+    buckets: list[list[nn.Parameter]] = []
+    current: list[nn.Parameter] = []
+    size = 0
+    for p in reversed(params):  # the backward produces the last layers' gradients first
+        if current and (p.dtype, p.device) != (current[0].dtype, current[0].device):
+            buckets.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += p.numel() * p.element_size()
+        if size >= (bytes_ if buckets else first_bytes):
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets

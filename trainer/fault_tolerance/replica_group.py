@@ -105,7 +105,11 @@ class ReplicaGroup:
             self.manager.register_state_dict_fn("outer", self.outer.load_state_dict, self.outer.state_dict)
         self.costs = StepCosts()
         per_step = self.outer is None and _overlap_is_valid(trainer)
-        self.overlap = OverlappedAverage(trainer.module, self.manager, costs=self.costs) if per_step else None
+        self.overlap = (
+            OverlappedAverage(trainer.module, DirectSum(self.manager, self.pg), costs=self.costs)
+            if per_step
+            else None
+        )
 
     def start_step(self) -> bool:
         """Join this step's quorum; True when this group was behind and now holds a peer's training state
@@ -140,8 +144,10 @@ class ReplicaGroup:
             ) from None  # torchft's error, several lines long, is in the line already (its first line)
         self.participants = self.manager.num_participants()
         self.costs.add("quorum", start)
-        if self.overlap is not None:
-            self.overlap.arm()
+        if self.overlap is not None:  # the window's micro-batches: a gradient is final in the last backward
+            scaler = self.trainer.strategy.precision.scaler
+            inv_scale = 1.0 / scaler.get_scale() if scaler is not None else 1.0
+            self.overlap.arm(max(self.participants, 1), self.trainer.accumulate_grad_batches, inv_scale)
         if self.outer is not None:
             self.outer.begin()
         return self.recovered
@@ -158,18 +164,25 @@ class ReplicaGroup:
             return
         if num_tokens is not None:  # the group's tokens (the strategy's normalisation counted them too)
             mine = self.trainer.strategy.reduce(num_tokens.float(), "sum", group="loss").double()
-        if self.overlap is not None and self.overlap.finish(use=True):
+        # a gradient the hooks did not copy (from an earlier micro-batch only) was divided by the group's
+        # tokens since: undone for the buckets, which hold token sums (one process: the group's tokens)
+        undo = float(mine) if num_tokens is not None else 1.0
+        total = mine.clone() if num_tokens is not None else None  # summed over the groups with the buckets
+        if self.overlap is not None and self.overlap.finish(use=True, undo=undo, extra=total):
             if num_tokens is not None:  # the buckets held token sums: their mean over the mean token count
-                mean = self._mean_over_groups(mine)
+                mean = float(total) / max(self.participants, 1)
                 start = perf_counter()
                 torch._foreach_mul_(_grads(module), 1.0 / mean if mean > 0 else 0.0)  # 0: no tokens anywhere
                 self.costs.add("copies", start)
-            return
-        grads = _grads(module)
-        if num_tokens is not None:  # .grad is this group's token mean: weigh it by the group's tokens
-            mean = self._mean_over_groups(mine)
-            torch._foreach_mul_(grads, float(mine) / mean if mean > 0 else 0.0)  # 0: no tokens anywhere
-        self._average(grads)
+        else:
+            grads = _grads(module)
+            if num_tokens is not None:  # .grad is this group's token mean: weigh it by the group's tokens
+                mean = self._mean_over_groups(mine)
+                torch._foreach_mul_(grads, float(mine) / mean if mean > 0 else 0.0)  # 0: no tokens anywhere
+            self._average(grads)
+        scaler = self.trainer.strategy.precision.scaler
+        if scaler is not None:
+            _check_the_average(scaler, self.trainer.optimizer, _grads(module))
 
     def _average(self, tensors: list[torch.Tensor]) -> None:
         """Replace `tensors` by their mean over the participating groups: one all-reduce per dtype of a flat
@@ -277,6 +290,49 @@ class OwnVote:
         return getattr(self.client, name)
 
 
+class DirectSum:
+    """The buckets' sum over the groups straight on torchft's process group, as `manager.allreduce` runs it
+    (a group that has failed sends nothing; one not participating sends zeros; an error is recorded for
+    `commit`, never raised) without what it adds per call on top: a future chain, a timer on torchft's
+    event-loop thread (the process group has its own timeout), a division after the reduce."""
+
+    def __init__(self, manager: Any, pg: Any) -> None:
+        self.manager, self.pg = manager, pg
+
+    def allreduce(self, tensor: torch.Tensor, reduce_op: dist.ReduceOp) -> _RecordedWork:
+        """Launch the sum of `tensor` over the participating groups."""
+        manager = self.manager
+        if manager.errored() is not None:
+            return _RecordedWork(manager, None)  # the step is discarded: no collective after a failure
+        if not manager.is_participating():
+            tensor.zero_()
+        options = dist.AllreduceOptions()
+        options.reduceOp = reduce_op
+        try:
+            return _RecordedWork(manager, self.pg.allreduce([tensor], options))
+        except Exception as err:
+            manager.report_error(err)
+            return _RecordedWork(manager, None)
+
+
+class _RecordedWork:
+    """A launched all-reduce whose failure goes to the manager's record (the step is then discarded)."""
+
+    def __init__(self, manager: Any, work: Any) -> None:
+        self.manager, self.work = manager, work
+
+    def wait(self) -> bool:
+        """Wait for it; False (and the error recorded) when it failed or never launched."""
+        if self.work is None:
+            return False
+        try:
+            self.work.wait()
+        except Exception as err:
+            self.manager.report_error(err)
+            return False
+        return True
+
+
 class PeerStateMismatch(RuntimeError):
     """A peer group's state does not fit this group's model (another run at the same lighthouse)."""
 
@@ -285,16 +341,23 @@ def _overlap_is_valid(trainer: Trainer) -> bool:
     """Whether the backward may launch the cross-group average (the same answer in every group: they run the
     same configuration). Only where a parameter's accumulated gradient is already the group's final one:
     one process (under DDP the group's own reducer must average first; under FSDP the gradients exist only
-    after the reduce-scatter), one micro-batch per step (an earlier micro-batch's backward must not launch
-    it, and the hooks cannot tell it from the last) and no fp16 scaler (the gradients are unscaled after
-    the backward, each group by its own scale and inf check)."""
+    after the reduce-scatter). With gradient accumulation the hooks count a parameter's backwards and copy
+    its gradient in the window's last; with fp16's scaler they copy it unscaled."""
     strategy = trainer.strategy
-    return (
-        strategy.world_size == 1
-        and trainer.accumulate_grad_batches == 1
-        and strategy.precision.scaler is None
-        and not any(hasattr(p, "to_local") for p in trainer.module.parameters())
-    )
+    return strategy.world_size == 1 and not any(hasattr(p, "to_local") for p in trainer.module.parameters())
+
+
+def _check_the_average(scaler: torch.amp.GradScaler, optimizer: Any, grads: list[torch.Tensor]) -> None:
+    """fp16: the scaler checked this group's own gradients for inf/nan when it unscaled them; a peer's inf
+    is in the average now. Every group takes the check of the average (an inf anywhere: every group skips
+    the step and lowers its scale), not its own (a group whose own were finite would apply the inf)."""
+    # a sum is inf/nan where an element is (or past 3e38, no gradient a step keeps): one read of each
+    # gradient, where isfinite's compare-abs-compare took ~15x as long
+    if not grads or torch.stack([g.sum() for g in grads]).isfinite().all():
+        return
+    # torch has no public way to add to the inf check `unscale_` recorded for the optimizer's `step`
+    for found_inf in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+        found_inf.fill_(1.0)
 
 
 def _grads(module: nn.Module) -> list[torch.Tensor]:
