@@ -3,8 +3,8 @@ of one process under `trainer replicas`, the same steps and tokens in both arms;
 curve of each (validation right after a meeting: `--every` is a multiple of k) and the final ratio (target:
 DiLoCo within 2% of per-step sync at k=8), and the cross-group all-reduces each arm made.
 
-`python bench/diloco.py [--steps 320] [--every 40] [--k 8]` (two runs of the recipe on 2 processes: about
-10 minutes on this 2-core machine when nothing else runs)."""
+`python bench/diloco.py [--steps 320] [--every 40] [--k 8] [--sweep 0.7:0.9,1:0,...]` (one run of the recipe on
+2 processes per arm: about 5 minutes each on this 2-core machine when nothing else runs)."""
 
 from __future__ import annotations
 
@@ -40,6 +40,19 @@ def run_arm(
     return {row["step"]: row["val/loss"] for row in rows if "val/loss" in row}
 
 
+def outer_pairs(text: str) -> list[tuple[float, float]]:
+    """`--sweep "0.7:0.9,1:0"`: the (outer lr, outer momentum) pairs to run."""
+    try:
+        pairs = [tuple(float(x) for x in item.split(":")) for item in text.split(",")]
+    except ValueError:
+        pairs = []
+    if not pairs or any(len(pair) != 2 for pair in pairs):
+        raise SystemExit(
+            f"--sweep {text!r}; allowed: LR:MOMENTUM pairs separated by commas, e.g. 0.7:0.9,1:0"
+        )
+    return [(lr, momentum) for lr, momentum in pairs]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--steps", type=int, default=320)
@@ -47,28 +60,41 @@ def main() -> None:
     p.add_argument("--k", type=int, default=8)
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--outer-momentum", type=float, default=0.9)
+    p.add_argument("--sweep", help="LR:MOMENTUM pairs (comma-separated): one DiLoCo arm each, in place of "
+                   "--outer-lr/--outer-momentum; per-step sync runs once")  # fmt: skip
     args = p.parse_args()
     if args.every % args.k or args.steps % args.every:
         raise SystemExit(
             f"--every {args.every} must be a multiple of --k {args.k} and divide --steps {args.steps}"
         )
+    pairs = outer_pairs(args.sweep) if args.sweep else [(args.outer_lr, args.outer_momentum)]
     with tempfile.TemporaryDirectory() as tmp:
         per_step = run_arm(Path(tmp) / "per_step", args.steps, args.every, 1)
-        diloco = run_arm(
-            Path(tmp) / "diloco", args.steps, args.every, args.k, (args.outer_lr, args.outer_momentum)
-        )
-    print(f"tiny Llama, 2 replica groups, {args.steps} steps: validation loss")
-    print(f"outer SGD: lr {args.outer_lr:g}, Nesterov momentum {args.outer_momentum:g}")
-    print(f"{'step':>6} {'per-step sync':>14} {f'DiLoCo k={args.k}':>14} {'ratio':>7}")
-    for step in sorted(per_step):
-        print(f"{step:>6} {per_step[step]:>14.4f} {diloco.get(step, float('nan')):>14.4f} "
-              f"{diloco.get(step, float('nan')) / per_step[step]:>7.4f}")  # fmt: skip
-    last = max(per_step)
-    ratio = diloco[last] / per_step[last]
+        arms = [
+            run_arm(Path(tmp) / f"diloco_{i}", args.steps, args.every, args.k, pair)
+            for i, pair in enumerate(pairs)
+        ]
     print(
-        f"final: DiLoCo/per-step = {ratio:.4f} (target <= 1.02: {'PASS' if ratio <= 1.02 else 'FAIL'}); "
-        f"cross-group all-reduces: per-step {args.steps}, DiLoCo {args.steps // args.k}"
+        f"tiny Llama, 2 replica groups, {args.steps} steps: validation loss (ratio: DiLoCo / per-step sync)"
     )
+    names = [f"k={args.k} {lr:g}/{momentum:g}" for lr, momentum in pairs]
+    print(f"{'step':>6} {'per-step sync':>14}" + "".join(f" {name:>16} {'ratio':>7}" for name in names))
+    for step in sorted(per_step):
+        losses = [arm.get(step, float("nan")) for arm in arms]
+        print(
+            f"{step:>6} {per_step[step]:>14.4f}"
+            + "".join(f" {loss:>16.4f} {loss / per_step[step]:>7.4f}" for loss in losses)
+        )
+    last = max(per_step)
+    print(
+        f"final (outer SGD lr/Nesterov momentum; target DiLoCo/per-step <= 1.02), per-step sync {per_step[last]:.4f}:"
+    )
+    for (lr, momentum), arm in zip(pairs, arms, strict=True):
+        ratio = arm[last] / per_step[last]
+        print(
+            f"  outer lr {lr:g}, momentum {momentum:g}: {arm[last]:.4f} = {ratio:.4f}x {'PASS' if ratio <= 1.02 else 'FAIL'}"
+        )
+    print(f"cross-group all-reduces: per-step {args.steps}, DiLoCo {args.steps // args.k}")
 
 
 if __name__ == "__main__":
