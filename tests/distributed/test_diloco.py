@@ -1,6 +1,7 @@
 """DiLoCo across replica groups (`FaultTolerance(sync_every=k)`) on torchft across real processes: two groups
 train apart and meet every k steps; one is SIGKILLed inside a window and relaunched, rejoining at a meeting
-with its peer's weights and outer momentum. Checked against a plain-PyTorch replay of DiLoCo."""
+with its peer's weights and outer momentum; both are relaunched from checkpoints inside a window and go on
+with it. Checked against a plain-PyTorch replay of DiLoCo."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ import pytest
 import torch
 from ft_script import BATCH, LR, N, params_hash
 from helpers import SEED, Regression, regression_data
-from test_fault_tolerance import alone, groups_ending_well, lighthouse, start_group, steps  # noqa: F401
+from test_fault_tolerance import (  # noqa: F401
+    alone,
+    groups_ending_well,
+    lighthouse,
+    running_lighthouse,
+    start_group,
+    steps,
+)
 
 from trainer.fault_tolerance import FaultTolerance
 
@@ -86,6 +94,33 @@ def test_diloco_groups_meet_every_k_steps_survive_a_kill_and_match_a_replay(tmp_
     want = torch.cat([p.detach().reshape(-1) for p in reference.parameters()])
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     assert params_hash(reference) != params_hash(Regression())  # it trained
+
+
+def test_groups_relaunched_from_checkpoints_inside_a_window_continue_it(tmp_path, alone):  # noqa: F811
+    """Both groups stop after step 6 (inside the second window of 4, after one meeting), each saving a
+    checkpoint; both are relaunched from them and train to step 12. The window's start weights and the outer
+    momentum come back from the checkpoints: the run is the uninterrupted one's (the replay's). A lighthouse
+    of min_replicas=2 makes every quorum wait for both groups."""
+    diloco = ["--sync-every", str(K), "--after-rejoin", "1000"]
+    with running_lighthouse(tmp_path, "--min-replicas", "2") as address:
+        for leg in (["--max-steps", "6", "--save-at", "6"], ["--max-steps", "12"]):
+            with groups_ending_well(tmp_path) as groups:
+                for replica in range(2):
+                    resume = ["--resume", str(tmp_path / f"replica{replica}" / "checkpoint")]
+                    groups.append(
+                        start_group(
+                            tmp_path, address, replica, "", *diloco, *leg, *(resume if "12" in leg else [])
+                        )
+                    )
+    rows = steps(tmp_path, 0)
+    assert [row["step"] for row in rows] == list(range(12))
+    assert {row["replicas"] for row in rows} == {2}
+    assert [row["step"] for row in rows if row["synced"]] == [3, 7, 11]
+    final = json.loads((tmp_path / "replica0.json").read_text())
+    assert final["hash"] == json.loads((tmp_path / "replica1.json").read_text())["hash"]
+    got = torch.cat([torch.tensor(p).reshape(-1) for p in final["params"]])
+    want = torch.cat([p.detach().reshape(-1) for p in replay(rows).parameters()])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize(

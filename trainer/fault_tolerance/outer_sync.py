@@ -4,7 +4,11 @@ their own) and an outer SGD with Nesterov momentum moves the start weights by it
 all-reduce of the parameters per window instead of one of the gradients per step: groups on slow links.
 
 The window's start weights are kept beside the model (one copy of this rank's parameters) and are what the
-outer optimizer steps, as plain tensors: sharded (DTensor) parameters need no special case."""
+outer optimizer steps, as plain tensors: sharded (DTensor) parameters need no special case. They and the
+outer momentum are part of the training state (`state_dict`): a peer sends them to a rejoining group, and a
+checkpoint holds them, so a relaunch from checkpoints continues the window it stopped in (a group of
+sharded parameters: a checkpoint holds none, as it holds one rank's state; its relaunch starts a new
+window from the checkpoint's weights)."""
 
 from __future__ import annotations
 
@@ -26,6 +30,10 @@ class OuterSync:
             self.start = [local_part(p).detach().clone() for p in self.params]
         self.outer = torch.optim.SGD(self.start, lr=lr, momentum=momentum, nesterov=momentum > 0)
         self.began = False  # this process has a window: until then it joins the quorum at its first step
+        self.loaded = (
+            False  # the start weights were loaded (a checkpoint's, a peer's): the next window keeps them
+        )
+        self.sharded = any(hasattr(p, "to_local") for p in self.params)
 
     def starts_window(self, step: int) -> bool:
         """Whether the step `step` (0-based) opens a window (or is this process's first step)."""
@@ -36,10 +44,12 @@ class OuterSync:
         return (step + 1) % self.sync_every == 0
 
     def begin(self) -> None:
-        """Remember the weights the window starts from (after the quorum: a recovered group's are its peer's)."""
-        with torch.no_grad():
-            torch._foreach_copy_(self.start, [local_part(p).detach() for p in self.params])
-        self.began = True
+        """Remember the weights the window starts from (after the quorum: a recovered group's are its peer's),
+        unless start weights were loaded: then the window is the saved one (a relaunch inside a window)."""
+        if not self.loaded:
+            with torch.no_grad():
+                torch._foreach_copy_(self.start, [local_part(p).detach() for p in self.params])
+        self.began, self.loaded = True, False
 
     def sync(self, average: Any, should_commit: Any) -> bool:
         """Average the pseudo-gradients with `average` (in place, over the groups), then, when
@@ -60,8 +70,12 @@ class OuterSync:
         return committed
 
     def state_dict(self) -> dict[str, Any]:
-        """What a rejoining group needs beyond the training state: the outer optimizer's momentum."""
-        return {"outer": self.outer.state_dict()}
+        """The window's start weights (copies: a meeting changes them in place) and the outer momentum."""
+        return {"start": [t.clone() for t in self.start], "outer": self.outer.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state_dict`'s: the next `begin` keeps these start weights."""
+        with torch.no_grad():
+            torch._foreach_copy_(self.start, state["start"])
         self.outer.load_state_dict(state["outer"])
+        self.loaded = True

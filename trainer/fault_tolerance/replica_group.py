@@ -101,8 +101,6 @@ class ReplicaGroup:
             if config.sync_every > 1
             else None
         )
-        if self.outer is not None:  # a rejoining group takes the outer momentum too
-            self.manager.register_state_dict_fn("outer", self.outer.load_state_dict, self.outer.state_dict)
         self.costs = StepCosts()
         per_step = self.outer is None and _overlap_is_valid(trainer)
         self.overlap = OverlappedAverage(trainer.module, self.manager, costs=self.costs) if per_step else None
