@@ -123,7 +123,7 @@ class Drill(Callback):
 def train(args: argparse.Namespace) -> None:
     """One attempt of this group: a fit until the drill stops it (or it is killed)."""
     torch.manual_seed(args.seed)
-    module = Regression(lr=LR, optimizer="sgd")
+    module = Regression(lr=LR, optimizer=args.optimizer)
     trainer = Trainer(
         strategy="fsdp" if args.fsdp else "auto",
         max_steps=args.max_steps,
@@ -141,6 +141,7 @@ def train(args: argparse.Namespace) -> None:
             timeout_s=20,
             quorum_timeout_s=args.quorum_timeout,
             sync_every=args.sync_every,
+            sync_optimizer_state=args.sync_optimizer_state,
         ),
     )
     trainer.fit(module, regression_loader(batch_size=BATCH, n=N), ckpt_path=args.resume)
@@ -223,6 +224,8 @@ def main() -> None:
     p.add_argument("--max-steps", type=int, default=100000)  # a bound; the drill stops the groups itself
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sync-every", type=int, default=1)  # > 1: DiLoCo
+    p.add_argument("--optimizer", default="sgd")  # Regression's: sgd or adamw
+    p.add_argument("--sync-optimizer-state", action="store_true")  # FaultTolerance.sync_optimizer_state
     p.add_argument("--save-at", type=int, default=None)  # a checkpoint (ROOT/checkpoint) after this step
     p.add_argument("--resume", default=None)  # the fit's ckpt_path
     p.add_argument("--root", required=True)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainer.fault_tolerance.outer_sync import OuterSync
+from trainer.fault_tolerance.outer_sync import OuterSync, inner_state
 
 K, INNER_LR = 8, 0.05
 CURVATURES = (1.0, 3.0)  # group 0 (this process) and group 1 (its pseudo-gradient computed in closed form)
@@ -61,3 +61,34 @@ def test_a_discarded_meeting_returns_the_model_to_the_windows_start():
         w.sub_(0.5)
     assert not outer.sync(lambda pseudo: None, lambda: False)
     assert w.item() == 2.0 and not outer.outer.state
+
+
+def test_the_inner_state_takes_the_groups_mean_on_a_commit_only():
+    """`sync_optimizer_state`: the inner optimizer's state tensors go through the meeting's all-reduce (here:
+    the mean with a peer whose momentum is 3) and take the mean when it commits; a discarded meeting (whose
+    all-reduce may have left garbage) leaves them as they were."""
+    w = nn.Parameter(torch.tensor([2.0]))
+    outer = OuterSync(nn.ParameterList([w]), K, 1.0, 0.0)
+    momentum = torch.tensor([1.0])
+
+    def average(tensors: list[torch.Tensor]) -> None:  # [pseudo-gradient, momentum]: the peer's are 0 and 3
+        tensors[0].div_(2)
+        tensors[1].add_(3.0).div_(2)
+
+    for commit, want in ((False, 1.0), (True, 2.0)):
+        outer.begin()
+        with torch.no_grad():
+            w.sub_(0.5)
+        assert outer.sync(average, lambda commit=commit: commit, [momentum]) is commit
+        assert momentum.item() == want
+    assert w.item() == 2.0 - 0.25  # the discarded window undone, then half of this group's step
+
+
+def test_the_inner_state_averaged_is_every_state_tensor_shaped_like_its_parameter():
+    model = nn.Linear(3, 2)
+    adam = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    adam.step()
+    want = [adam.state[p][key] for p in model.parameters() for key in ("exp_avg", "exp_avg_sq")]
+    got = inner_state(adam)
+    assert len(got) == len(want) and all(a is b for a, b in zip(got, want, strict=True))  # no step counts

@@ -56,6 +56,7 @@ class FaultTolerance:
     sync_every: int = 1
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    sync_optimizer_state: bool = False
 
     def __post_init__(self) -> None:
         _host_port("lighthouse", self.lighthouse)
@@ -67,6 +68,10 @@ class FaultTolerance:
             )
         _int("min_replicas", self.min_replicas, 1)
         _int("sync_every", self.sync_every, 1)
+        if not isinstance(self.sync_optimizer_state, bool):
+            raise ValueError(
+                f"FaultTolerance sync_optimizer_state={self.sync_optimizer_state!r}; allowed: True or False"
+            )
         for name, top in (("outer_lr", math.inf), ("outer_momentum", 1.0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < top:

@@ -51,20 +51,28 @@ class OuterSync:
                 torch._foreach_copy_(self.start, [local_part(p).detach() for p in self.params])
         self.began, self.loaded = True, False
 
-    def sync(self, average: Any, should_commit: Any) -> bool:
+    def sync(self, average: Any, should_commit: Any, inner: list[torch.Tensor] | None = None) -> bool:
         """Average the pseudo-gradients with `average` (in place, over the groups), then, when
         `should_commit()` agrees, step the start weights with the outer optimizer; the model takes them
-        either way (a discarded window is undone)."""
+        either way (a discarded window is undone). `inner` (the inner optimizer's state tensors, when the
+        groups average them too) is averaged in the same all-reduce and takes the mean on a commit only."""
         local = [local_part(p).detach() for p in self.params]
+        inner = inner or []
         with torch.no_grad():
-            pseudo = torch._foreach_sub(self.start, local)
-        average(pseudo)
+            pseudo = list(torch._foreach_sub(self.start, local))
+            mean = [
+                t.clone() for t in inner
+            ]  # a failed all-reduce may leave garbage: the state keeps its own
+        average(pseudo + mean)
         committed = bool(should_commit())
         if committed:
             for start, grad in zip(self.start, pseudo, strict=True):
                 start.grad = grad
             self.outer.step()
             self.outer.zero_grad(set_to_none=True)
+            if inner:
+                with torch.no_grad():
+                    torch._foreach_copy_(inner, mean)
         with torch.no_grad():
             torch._foreach_copy_(local, self.start)
         return committed
@@ -79,3 +87,16 @@ class OuterSync:
             torch._foreach_copy_(self.start, state["start"])
         self.outer.load_state_dict(state["outer"])
         self.loaded = True
+
+
+def inner_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """This rank's part of every floating-point state tensor of `optimizer` shaped like its parameter
+    (SGD's momentum, Adam's two moments; not Adam's step count): what the groups average at a meeting
+    with `FaultTolerance(sync_optimizer_state=True)`."""
+    out = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for value in optimizer.state.get(p, {}).values():
+                if torch.is_tensor(value) and value.is_floating_point() and value.shape == p.shape:
+                    out.append(local_part(value))
+    return out
