@@ -186,3 +186,11 @@ def test_the_inner_adamw_state_is_each_groups_own_or_averaged_at_meetings(tmp_pa
 def test_bad_diloco_settings_are_named_in_one_line(field, value, allowed):
     with pytest.raises(ValueError, match=rf"FaultTolerance {field}={value!r}; allowed: {allowed}"):
         FaultTolerance(lighthouse="127.0.0.1:1", replica_id=0, **{field: value})
+
+
+def test_averaging_the_optimizer_state_needs_diloco():
+    with pytest.raises(
+        ValueError, match=r"sync_optimizer_state=True with sync_every=1; allowed: sync_every > 1"
+    ):
+        FaultTolerance(lighthouse="127.0.0.1:1", replica_id=0, sync_optimizer_state=True)
+    assert FaultTolerance(lighthouse="127.0.0.1:1", replica_id=0, sync_every=2, sync_optimizer_state=True)

@@ -76,6 +76,11 @@ class FaultTolerance:
             raise ValueError(
                 f"FaultTolerance sync_optimizer_state={self.sync_optimizer_state!r}; allowed: True or False"
             )
+        if self.sync_optimizer_state and self.sync_every == 1:
+            raise ValueError(
+                "FaultTolerance sync_optimizer_state=True with sync_every=1; allowed: sync_every > 1 (DiLoCo, "
+                "whose meetings average the optimizer state; per-step sync has no local state to average)"
+            )
         for name, top in (("outer_lr", math.inf), ("outer_momentum", 1.0)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < top:
