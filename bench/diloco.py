@@ -3,8 +3,10 @@ of one process under `trainer replicas`, the same steps and tokens in both arms;
 curve of each (validation right after a meeting: `--every` is a multiple of k) and the final ratio (target:
 DiLoCo within 2% of per-step sync at k=8), and the cross-group all-reduces each arm made.
 
-`python bench/diloco.py [--steps 320] [--every 40] [--k 8]` (two runs of the recipe on 2 processes: about
-10 minutes on this 2-core machine when nothing else runs)."""
+`python bench/diloco.py [--steps 320] [--every 40] [--k 8] [--sweep 0.7:0.9,1:0,1:0:state] [--set trainer.seed=1]`
+(one run of the recipe on 2 processes per arm: 5-10 minutes each on this 2-core machine). `--sweep` runs one
+DiLoCo arm per outer (lr, momentum) pair, `:state` adding `sync_optimizer_state` (the inner AdamW moments
+averaged at each meeting); `--set` overrides the recipe in every arm."""
 
 from __future__ import annotations
 
@@ -19,15 +21,12 @@ from pathlib import Path
 RECIPE = Path(__file__).parents[1] / "recipes" / "llama_tiny.yaml"
 
 
-def run_arm(
-    root: Path, steps: int, every: int, k: int, outer: tuple[float, float] = (0.7, 0.9)
-) -> dict[int, float]:
-    """One `trainer replicas` run; replica 0's validation loss by step."""
+def run_arm(root: Path, steps: int, every: int, k: int, overrides: list[str]) -> dict[int, float]:
+    """One `trainer replicas` run of the recipe with `overrides`; replica 0's validation loss by step."""
     cmd = [
         sys.executable, "-m", "trainer.cli", "replicas", "--groups", "2", "--max-restarts", "0", str(RECIPE),
         f"trainer.max_steps={steps}", f"trainer.val_check_interval={every}", f"trainer.default_root_dir={root}",
-        "trainer.enable_progress_bar=false", f"fault_tolerance.sync_every={k}",
-        f"fault_tolerance.outer_lr={outer[0]}", f"fault_tolerance.outer_momentum={outer[1]}",
+        "trainer.enable_progress_bar=false", f"fault_tolerance.sync_every={k}", *overrides,
     ]  # fmt: skip
     # two processes on this machine: one thread each (torchrun sets no OMP_NUM_THREADS for one process per
     # group, and two processes of two threads on two cores spin against each other: 3-10 s a step)
@@ -40,35 +39,63 @@ def run_arm(
     return {row["step"]: row["val/loss"] for row in rows if "val/loss" in row}
 
 
+def diloco_arms(text: str) -> dict[str, list[str]]:
+    """`--sweep "0.7:0.9,1:0,1:0:state"`: each DiLoCo arm's name and its fault_tolerance overrides."""
+    arms = {}
+    for item in text.split(","):
+        parts = item.split(":")
+        try:
+            lr, momentum = float(parts[0]), float(parts[1])
+        except (ValueError, IndexError):
+            parts = []
+        if len(parts) not in (2, 3) or parts[2:] not in ([], ["state"]):
+            raise SystemExit(
+                f"--sweep {text!r}; allowed: LR:MOMENTUM or LR:MOMENTUM:state items separated by commas, "
+                "e.g. 0.7:0.9,1:0,1:0:state"
+            )
+        arms[item] = [f"fault_tolerance.outer_lr={lr}", f"fault_tolerance.outer_momentum={momentum}"] + (
+            ["fault_tolerance.sync_optimizer_state=true"] if parts[2:] else []
+        )
+    return arms
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--steps", type=int, default=320)
     p.add_argument("--every", type=int, default=40)
     p.add_argument("--k", type=int, default=8)
-    p.add_argument("--outer-lr", type=float, default=0.7)
-    p.add_argument("--outer-momentum", type=float, default=0.9)
+    p.add_argument(
+        "--sweep", default="0.7:0.9", help="the DiLoCo arms: LR:MOMENTUM[:state] (comma-separated)"
+    )
+    p.add_argument("--set", action="append", default=[], help="KEY=VALUE: a recipe override of every arm")
     args = p.parse_args()
     if args.every % args.k or args.steps % args.every:
         raise SystemExit(
             f"--every {args.every} must be a multiple of --k {args.k} and divide --steps {args.steps}"
         )
+    arms = diloco_arms(args.sweep)
     with tempfile.TemporaryDirectory() as tmp:
-        per_step = run_arm(Path(tmp) / "per_step", args.steps, args.every, 1)
-        diloco = run_arm(
-            Path(tmp) / "diloco", args.steps, args.every, args.k, (args.outer_lr, args.outer_momentum)
-        )
-    print(f"tiny Llama, 2 replica groups, {args.steps} steps: validation loss")
-    print(f"outer SGD: lr {args.outer_lr:g}, Nesterov momentum {args.outer_momentum:g}")
-    print(f"{'step':>6} {'per-step sync':>14} {f'DiLoCo k={args.k}':>14} {'ratio':>7}")
+        per_step = run_arm(Path(tmp) / "per_step", args.steps, args.every, 1, args.set)
+        losses = {
+            name: run_arm(Path(tmp) / f"diloco_{i}", args.steps, args.every, args.k, [*args.set, *overrides])
+            for i, (name, overrides) in enumerate(arms.items())
+        }
+    print(f"tiny Llama, 2 replica groups, {args.steps} steps{''.join(f', {o}' for o in args.set)}: validation "
+          f"loss, per-step sync and DiLoCo k={args.k} (outer lr:Nesterov momentum[:state]), / per-step sync")  # fmt: skip
+    print(f"{'step':>6} {'per-step':>9}" + "".join(f" {name:>12} {'ratio':>6}" for name in arms))
     for step in sorted(per_step):
-        print(f"{step:>6} {per_step[step]:>14.4f} {diloco.get(step, float('nan')):>14.4f} "
-              f"{diloco.get(step, float('nan')) / per_step[step]:>7.4f}")  # fmt: skip
+        row = [loss.get(step, float("nan")) for loss in losses.values()]
+        print(
+            f"{step:>6} {per_step[step]:>9.4f}"
+            + "".join(f" {v:>12.4f} {v / per_step[step]:>6.3f}" for v in row)
+        )
     last = max(per_step)
-    ratio = diloco[last] / per_step[last]
-    print(
-        f"final: DiLoCo/per-step = {ratio:.4f} (target <= 1.02: {'PASS' if ratio <= 1.02 else 'FAIL'}); "
-        f"cross-group all-reduces: per-step {args.steps}, DiLoCo {args.steps // args.k}"
-    )
+    print(f"final, per-step sync {per_step[last]:.4f} (target: DiLoCo <= 1.02x):")
+    for name, loss in losses.items():
+        ratio = loss[last] / per_step[last]
+        print(f"  {name}: {loss[last]:.4f} = {ratio:.4f}x {'PASS' if ratio <= 1.02 else 'FAIL'}")
+    print(f"cross-group all-reduces: per-step {args.steps}, DiLoCo {args.steps // args.k} "
+          "(with :state, each of 3x the parameters' bytes)")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """DiLoCo across replica groups (`FaultTolerance(sync_every=k)`) on torchft across real processes: two groups
 train apart and meet every k steps; one is SIGKILLed inside a window and relaunched, rejoining at a meeting
-with its peer's weights and outer momentum. Checked against a plain-PyTorch replay of DiLoCo."""
+with its peer's weights and outer momentum; both are relaunched from checkpoints inside a window and go on
+with it. Checked against a plain-PyTorch replay of DiLoCo."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ import pytest
 import torch
 from ft_script import BATCH, LR, N, params_hash
 from helpers import SEED, Regression, regression_data
-from test_fault_tolerance import alone, groups_ending_well, lighthouse, start_group, steps  # noqa: F401
+from test_fault_tolerance import (  # noqa: F401
+    alone,
+    groups_ending_well,
+    lighthouse,
+    running_lighthouse,
+    start_group,
+    steps,
+)
 
 from trainer.fault_tolerance import FaultTolerance
 
@@ -88,14 +96,101 @@ def test_diloco_groups_meet_every_k_steps_survive_a_kill_and_match_a_replay(tmp_
     assert params_hash(reference) != params_hash(Regression())  # it trained
 
 
+def test_groups_relaunched_from_checkpoints_inside_a_window_continue_it(tmp_path, alone):  # noqa: F811
+    """Both groups stop after step 6 (inside the second window of 4, after one meeting), each saving a
+    checkpoint; both are relaunched from them and train to step 12. The window's start weights and the outer
+    momentum come back from the checkpoints: the run is the uninterrupted one's (the replay's). A lighthouse
+    of min_replicas=2 makes every quorum wait for both groups."""
+    diloco = ["--sync-every", str(K), "--after-rejoin", "1000"]
+    with running_lighthouse(tmp_path, "--min-replicas", "2") as address:
+        for leg in (["--max-steps", "6", "--save-at", "6"], ["--max-steps", "12"]):
+            with groups_ending_well(tmp_path) as groups:
+                for replica in range(2):
+                    resume = ["--resume", str(tmp_path / f"replica{replica}" / "checkpoint")]
+                    groups.append(
+                        start_group(
+                            tmp_path, address, replica, "", *diloco, *leg, *(resume if "12" in leg else [])
+                        )
+                    )
+    rows = steps(tmp_path, 0)
+    assert [row["step"] for row in rows] == list(range(12))
+    assert {row["replicas"] for row in rows} == {2}
+    assert [row["step"] for row in rows if row["synced"]] == [3, 7, 11]
+    final = json.loads((tmp_path / "replica0.json").read_text())
+    assert final["hash"] == json.loads((tmp_path / "replica1.json").read_text())["hash"]
+    got = torch.cat([torch.tensor(p).reshape(-1) for p in final["params"]])
+    want = torch.cat([p.detach().reshape(-1) for p in replay(rows).parameters()])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("averaged", [False, True])
+def test_the_inner_adamw_state_is_each_groups_own_or_averaged_at_meetings(tmp_path, alone, averaged):  # noqa: F811
+    """Inner AdamW: each group's optimizer state lives on across meetings (never reset); with
+    `sync_optimizer_state` its moments take the groups' mean at each meeting. Checked against a replay
+    with one persistent AdamW per group; both groups take part in every step (a lighthouse of min 2)."""
+    extra = [
+        "--sync-every",
+        str(K),
+        "--after-rejoin",
+        "1000",
+        "--max-steps",
+        str(3 * K),
+        "--optimizer",
+        "adamw",
+    ]
+    extra += ["--sync-optimizer-state"] if averaged else []
+    with running_lighthouse(tmp_path, "--min-replicas", "2") as address:
+        with groups_ending_well(tmp_path) as groups:
+            groups += [start_group(tmp_path, address, replica, "", *extra) for replica in range(2)]
+    rows = steps(tmp_path, 0)
+    assert [row["step"] for row in rows if row["synced"]] == [K - 1, 2 * K - 1, 3 * K - 1]
+    torch.manual_seed(SEED)
+    models = [Regression(lr=LR) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    inner = [torch.optim.AdamW(m.parameters(), lr=LR) for m in models]
+    start = [p.detach().clone() for p in models[0].parameters()]
+    outer = torch.optim.SGD(start, lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
+    x, y = regression_data(N).tensors
+    for window in (rows[i : i + K] for i in range(0, len(rows), K)):
+        for r, (model, adamw) in enumerate(zip(models, inner, strict=True)):
+            for p, s in zip(model.parameters(), start, strict=True):
+                p.data.copy_(s)
+            for row in window:
+                index = torch.arange(N)[r::2][row["position"] * BATCH : (row["position"] + 1) * BATCH]
+                model.zero_grad()
+                torch.nn.functional.mse_loss(model(x[index]), y[index]).backward()
+                adamw.step()
+        for s, *ps in zip(start, *(m.parameters() for m in models), strict=True):
+            s.grad = ((s - ps[0]) + (s - ps[1])).detach() / 2
+        outer.step()
+        if averaged:
+            for pair in zip(*(m.parameters() for m in models), strict=True):
+                for key in ("exp_avg", "exp_avg_sq"):
+                    mean = (inner[0].state[pair[0]][key] + inner[1].state[pair[1]][key]) / 2
+                    for adamw, p in zip(inner, pair, strict=True):
+                        adamw.state[p][key].copy_(mean)
+    final = json.loads((tmp_path / "replica0.json").read_text())
+    got = torch.cat([torch.tensor(p).reshape(-1) for p in final["params"]])
+    torch.testing.assert_close(got, torch.cat([s.reshape(-1) for s in start]), rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     ("field", "value", "allowed"),
     [
         ("sync_every", 0, "an int >= 1"),
         ("outer_lr", -1.0, "a number >= 0"),
         ("outer_momentum", 1.0, "a number >= 0 and < 1"),
+        ("sync_optimizer_state", "yes", "True or False"),
     ],
 )
 def test_bad_diloco_settings_are_named_in_one_line(field, value, allowed):
     with pytest.raises(ValueError, match=rf"FaultTolerance {field}={value!r}; allowed: {allowed}"):
         FaultTolerance(lighthouse="127.0.0.1:1", replica_id=0, **{field: value})
+
+
+def test_averaging_the_optimizer_state_needs_diloco():
+    with pytest.raises(
+        ValueError, match=r"sync_optimizer_state=True with sync_every=1; allowed: sync_every > 1"
+    ):
+        FaultTolerance(lighthouse="127.0.0.1:1", replica_id=0, sync_optimizer_state=True)
+    assert FaultTolerance(lighthouse="127.0.0.1:1", replica_id=0, sync_every=2, sync_optimizer_state=True)

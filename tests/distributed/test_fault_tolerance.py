@@ -48,12 +48,18 @@ def alone():
 
 
 @pytest.fixture(scope="module")
-def lighthouse(tmp_path_factory) -> str:
+def lighthouse(tmp_path_factory) -> Iterator[str]:
     """`trainer lighthouse` on 127.0.0.1 at a port the system picks, with its default heartbeat timeout
-    (HEARTBEAT_TIMEOUT_MS: a dead group is noticed after 0.5 s without a heartbeat), for this module's tests;
-    its address, read from the first line it prints."""
-    root = tmp_path_factory.mktemp("lighthouse")
-    cmd = [sys.executable, "-m", "trainer.cli", "lighthouse", "--bind", "127.0.0.1:0"]
+    (HEARTBEAT_TIMEOUT_MS: a dead group is noticed after 0.5 s without a heartbeat), for this module's tests."""
+    with running_lighthouse(tmp_path_factory.mktemp("lighthouse")) as address:
+        yield address
+
+
+@contextlib.contextmanager
+def running_lighthouse(root: Path, *options: str) -> Iterator[str]:
+    """`trainer lighthouse --bind 127.0.0.1:0 OPTIONS` while the block runs; its address, read from the
+    first line it prints."""
+    cmd = [sys.executable, "-m", "trainer.cli", "lighthouse", "--bind", "127.0.0.1:0", *options]
     proc = start_process(cmd, stdout=subprocess.PIPE, stderr=open(root / "stderr", "w"), text=True, env=ENV)
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 120)

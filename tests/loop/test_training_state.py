@@ -86,3 +86,14 @@ def test_done_is_a_pure_test_and_the_stop_reasons_are_polled_apart(tmp_path):
     assert saves == [] and not trainer.should_stop
     loop.poll_stops()  # between steps: the reason stops the fit, after a checkpoint of the last step
     assert loop.done and trainer.should_stop and saves == [2]
+
+
+def test_a_checkpoint_of_before_diloco_windows_were_saved_still_loads(tmp_path):
+    """A state without the later part `outer_sync` loads (none was saved then); a missing part of old is an error."""
+    trainer = fit(Regression(optimizer="sgd"), regression_loader(), tmp_path, steps=2)
+    state = trainer.training_state.capture(CHECKPOINT_PARTS)
+    assert state["outer_sync"] == {}  # no DiLoCo
+    old = {name: part for name, part in state.items() if name != "outer_sync"}
+    trainer.training_state.restore(old, [n for n in CHECKPOINT_PARTS if n != "data"])
+    with pytest.raises(KeyError, match="loop"):
+        trainer.training_state.restore({k: v for k, v in old.items() if k != "loop"}, ["loop"])

@@ -5,7 +5,8 @@ committed, the participants, the data position, a hash of the parameters; ROOT/s
 with `--fsdp`, where the group is a torchrun job of FSDP ranks). `--kills` schedules this group's
 own SIGKILLs, one per attempt (`--restarts K` relaunches it up to K times, see `relaunch`): each at a step offset from the
 attempt's first step, at the start of the step, during the gradient all-reduce, or after the commit
-(`--skip-at`: that group skips its update at a step offset instead, alive). Both
+(`--skip-at`: that group skips its update at a step offset instead, alive; `--save-at` saves a checkpoint
+after a step, `--resume` starts the fit from one). Both
 groups stop `--after-rejoin` steps after the group rejoined for the last time: the survivor knows it by
 the other group's drops out of the quorum (the test starts the other group only after the survivor's first
 step, so that the survivor sees every one of the `--kills`)."""
@@ -115,12 +116,14 @@ class Drill(Callback):
             die()
         if self.rejoined_at is not None and trainer.global_step >= self.rejoined_at + self.args.after_rejoin:
             trainer.should_stop = True
+        if trainer.global_step == self.args.save_at:
+            trainer.save_checkpoint(Path(self.args.root) / "checkpoint")
 
 
 def train(args: argparse.Namespace) -> None:
     """One attempt of this group: a fit until the drill stops it (or it is killed)."""
     torch.manual_seed(args.seed)
-    module = Regression(lr=LR, optimizer="sgd")
+    module = Regression(lr=LR, optimizer=args.optimizer)
     trainer = Trainer(
         strategy="fsdp" if args.fsdp else "auto",
         max_steps=args.max_steps,
@@ -138,9 +141,10 @@ def train(args: argparse.Namespace) -> None:
             timeout_s=20,
             quorum_timeout_s=args.quorum_timeout,
             sync_every=args.sync_every,
+            sync_optimizer_state=args.sync_optimizer_state,
         ),
     )
-    trainer.fit(module, regression_loader(batch_size=BATCH, n=N))
+    trainer.fit(module, regression_loader(batch_size=BATCH, n=N), ckpt_path=args.resume)
     if trainer.is_global_zero and not args.fsdp:
         result = {"params": [p.detach().tolist() for p in module.parameters()], "hash": params_hash(module)}
         Path(args.out).write_text(json.dumps(result))
@@ -220,6 +224,10 @@ def main() -> None:
     p.add_argument("--max-steps", type=int, default=100000)  # a bound; the drill stops the groups itself
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sync-every", type=int, default=1)  # > 1: DiLoCo
+    p.add_argument("--optimizer", default="sgd")  # Regression's: sgd or adamw
+    p.add_argument("--sync-optimizer-state", action="store_true")  # FaultTolerance.sync_optimizer_state
+    p.add_argument("--save-at", type=int, default=None)  # a checkpoint (ROOT/checkpoint) after this step
+    p.add_argument("--resume", default=None)  # the fit's ckpt_path
     p.add_argument("--root", required=True)
     p.add_argument("--out", required=True)
     args = p.parse_args()

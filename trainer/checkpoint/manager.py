@@ -36,7 +36,9 @@ if TYPE_CHECKING:
 
 # The parts of the Trainer's `training_state` a checkpoint holds beside model and optimizer (which the
 # strategy writes, sharded as they are), in the order a resume loads them
-CHECKPOINT_PARTS = ("loop", "rng", "scheduler", "precision", "data", "strategy", "callbacks", "module")
+CHECKPOINT_PARTS = (
+    "loop", "rng", "scheduler", "precision", "data", "strategy", "callbacks", "module", "outer_sync",
+)  # fmt: skip
 # What a rollback puts back beside model and optimizer: the data stream goes on, the loop counters are rewound
 ROLLBACK_PARTS = ("rng", "scheduler", "precision")
 

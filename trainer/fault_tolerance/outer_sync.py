@@ -4,7 +4,11 @@ their own) and an outer SGD with Nesterov momentum moves the start weights by it
 all-reduce of the parameters per window instead of one of the gradients per step: groups on slow links.
 
 The window's start weights are kept beside the model (one copy of this rank's parameters) and are what the
-outer optimizer steps, as plain tensors: sharded (DTensor) parameters need no special case."""
+outer optimizer steps, as plain tensors: sharded (DTensor) parameters need no special case. They and the
+outer momentum are part of the training state (`state_dict`): a peer sends them to a rejoining group, and a
+checkpoint holds them, so a relaunch from checkpoints continues the window it stopped in (a group of
+sharded parameters: a checkpoint holds none, as it holds one rank's state; its relaunch starts a new
+window from the checkpoint's weights)."""
 
 from __future__ import annotations
 
@@ -26,6 +30,10 @@ class OuterSync:
             self.start = [local_part(p).detach().clone() for p in self.params]
         self.outer = torch.optim.SGD(self.start, lr=lr, momentum=momentum, nesterov=momentum > 0)
         self.began = False  # this process has a window: until then it joins the quorum at its first step
+        self.loaded = (
+            False  # the start weights were loaded (a checkpoint's, a peer's): the next window keeps them
+        )
+        self.sharded = any(hasattr(p, "to_local") for p in self.params)
 
     def starts_window(self, step: int) -> bool:
         """Whether the step `step` (0-based) opens a window (or is this process's first step)."""
@@ -36,32 +44,59 @@ class OuterSync:
         return (step + 1) % self.sync_every == 0
 
     def begin(self) -> None:
-        """Remember the weights the window starts from (after the quorum: a recovered group's are its peer's)."""
-        with torch.no_grad():
-            torch._foreach_copy_(self.start, [local_part(p).detach() for p in self.params])
-        self.began = True
+        """Remember the weights the window starts from (after the quorum: a recovered group's are its peer's),
+        unless start weights were loaded: then the window is the saved one (a relaunch inside a window)."""
+        if not self.loaded:
+            with torch.no_grad():
+                torch._foreach_copy_(self.start, [local_part(p).detach() for p in self.params])
+        self.began, self.loaded = True, False
 
-    def sync(self, average: Any, should_commit: Any) -> bool:
+    def sync(self, average: Any, should_commit: Any, inner: list[torch.Tensor] | None = None) -> bool:
         """Average the pseudo-gradients with `average` (in place, over the groups), then, when
         `should_commit()` agrees, step the start weights with the outer optimizer; the model takes them
-        either way (a discarded window is undone)."""
+        either way (a discarded window is undone). `inner` (the inner optimizer's state tensors, when the
+        groups average them too) is averaged in the same all-reduce and takes the mean on a commit only."""
         local = [local_part(p).detach() for p in self.params]
+        inner = inner or []
         with torch.no_grad():
-            pseudo = torch._foreach_sub(self.start, local)
-        average(pseudo)
+            pseudo = list(torch._foreach_sub(self.start, local))
+            mean = [
+                t.clone() for t in inner
+            ]  # a failed all-reduce may leave garbage: the state keeps its own
+        average(pseudo + mean)
         committed = bool(should_commit())
         if committed:
             for start, grad in zip(self.start, pseudo, strict=True):
                 start.grad = grad
             self.outer.step()
             self.outer.zero_grad(set_to_none=True)
+            if inner:
+                with torch.no_grad():
+                    torch._foreach_copy_(inner, mean)
         with torch.no_grad():
             torch._foreach_copy_(local, self.start)
         return committed
 
     def state_dict(self) -> dict[str, Any]:
-        """What a rejoining group needs beyond the training state: the outer optimizer's momentum."""
-        return {"outer": self.outer.state_dict()}
+        """The window's start weights (copies: a meeting changes them in place) and the outer momentum."""
+        return {"start": [t.clone() for t in self.start], "outer": self.outer.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state_dict`'s: the next `begin` keeps these start weights."""
+        with torch.no_grad():
+            torch._foreach_copy_(self.start, state["start"])
         self.outer.load_state_dict(state["outer"])
+        self.loaded = True
+
+
+def inner_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """This rank's part of every floating-point state tensor of `optimizer` shaped like its parameter
+    (SGD's momentum, Adam's two moments; not Adam's step count): what the groups average at a meeting
+    with `FaultTolerance(sync_optimizer_state=True)`."""
+    out = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for value in optimizer.state.get(p, {}).values():
+                if torch.is_tensor(value) and value.is_floating_point() and value.shape == p.shape:
+                    out.append(local_part(value))
+    return out

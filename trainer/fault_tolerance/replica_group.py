@@ -18,7 +18,7 @@ from torch import nn
 from trainer.core.dtensors import local_part
 from trainer.fault_tolerance.config import HEARTBEAT_INTERVAL_MS, NoQuorumError
 from trainer.fault_tolerance.costs import StepCosts
-from trainer.fault_tolerance.outer_sync import OuterSync
+from trainer.fault_tolerance.outer_sync import OuterSync, inner_state
 from trainer.fault_tolerance.overlap import OverlappedAverage
 from trainer.fault_tolerance.state import load_replica_state, replica_state
 
@@ -101,8 +101,6 @@ class ReplicaGroup:
             if config.sync_every > 1
             else None
         )
-        if self.outer is not None:  # a rejoining group takes the outer momentum too
-            self.manager.register_state_dict_fn("outer", self.outer.load_state_dict, self.outer.state_dict)
         self.costs = StepCosts()
         per_step = self.outer is None and _overlap_is_valid(trainer)
         self.overlap = (
@@ -237,7 +235,8 @@ class ReplicaGroup:
         or the window undone when torchft discards it)."""
         self.synced = None
         if self.outer is not None and self.outer.ends_window(self.trainer.global_step):
-            self.synced = self.outer.sync(self._average, self.manager.should_commit)
+            inner = inner_state(self.trainer.optimizer) if self.config.sync_optimizer_state else None
+            self.synced = self.outer.sync(self._average, self.manager.should_commit, inner)
             self.trainer.metrics.add("train/outer_sync", float(self.synced), on_step=True, on_epoch=False)
 
     def _discard_reason(self) -> str:

@@ -1,6 +1,6 @@
 """The training state a rejoining replica group receives from a healthy peer: what a checkpoint carries
 (model, optimizer, LR schedule, gradient scaler, loop counters, RNG, data position, strategy and module
-state), taken from memory on each rank and sent rank to rank (rank r of the peer group to rank r)."""
+state, DiLoCo's window), taken from memory on each rank and sent rank to rank (rank r of the peer group to rank r)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ if TYPE_CHECKING:
 # The parts of the Trainer's `training_state` a peer sends, in the order they load (the optimizer before the
 # schedule, which recomputes its groups' LR). Callbacks keep their own: it describes this group's run folder
 # (its checkpoints, its timers), not the model.
-REPLICA_PARTS = ("model", "optimizer", "scheduler", "precision", "loop", "rng", "data", "strategy", "module")
+REPLICA_PARTS = (
+    "model", "optimizer", "scheduler", "precision", "loop", "rng", "data", "strategy", "module", "outer_sync",
+)  # fmt: skip
 
 
 def replica_state(trainer: Trainer) -> dict[str, Any]:

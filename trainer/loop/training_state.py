@@ -17,6 +17,10 @@ if TYPE_CHECKING:
     from trainer.trainer import Trainer
 
 
+# parts a checkpoint of an earlier version lacks (it saved none of them): loading it leaves them as they are
+LATER_PARTS = ("outer_sync",)
+
+
 class TrainingState:
     """Every part of a Trainer's training state by name; the only code that reads the loop's internals for
     a save or writes them back on a load."""
@@ -40,6 +44,7 @@ class TrainingState:
             "callbacks": CallbackStates(trainer.callbacks),
             "strategy": trainer.strategy,
             "module": ModuleExtras(trainer.module),
+            "outer_sync": OuterWindow(fit.replicas if fit is not None else None, local),
         }
 
     def optimizers(self) -> torch.optim.Optimizer | list[torch.optim.Optimizer] | None:
@@ -57,6 +62,8 @@ class TrainingState:
         """Load the named parts of `state`, in the order named; the progress bar follows the step counter."""
         parts = self.parts(local=True)
         for name in names:
+            if name in LATER_PARTS and name not in state:
+                continue  # a checkpoint written before the part existed: it saved none
             parts[name].load_state_dict(state[name])
         fit = self._trainer._fit_loop
         if fit is not None and fit.progress is not None:
@@ -178,6 +185,26 @@ class ModuleExtras:
 
     def load_state_dict(self, extras: dict[str, Any]) -> None:
         self.module.on_load_checkpoint(extras)
+
+
+class OuterWindow:
+    """DiLoCo's window of a fault-tolerant fit (fault_tolerance/outer_sync.py: its start weights and outer
+    momentum); empty without one. A checkpoint (not `local`) holds it only for unsharded parameters, the same
+    on every rank of the group; a peer's recovery sends each rank's own."""
+
+    def __init__(self, replicas: Any, local: bool) -> None:
+        self.outer = getattr(replicas, "outer", None)
+        self.local = local
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.outer is None or (self.outer.sharded and not self.local):
+            return {}
+        return self.outer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A saved window continues; none saved (no DiLoCo then, or sharded parameters): a new one begins."""
+        if self.outer is not None and state:
+            self.outer.load_state_dict(state)
 
 
 class NoData:
