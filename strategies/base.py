@@ -192,7 +192,7 @@ class Strategy:
     def to_device(self, batch: Any) -> Any:
         """Every tensor of the batch on this process's device, in the precision's input dtype (again: a
         no-op)."""
-        device = self._device
+        device = self.root_device
         if device.type != "cpu":  # loaders yield CPU tensors: nothing to move for a CPU run
             batch = apply_to_tensors(batch, lambda t: t.to(device, non_blocking=True))
         precision = self.precision
