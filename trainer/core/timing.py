@@ -3,8 +3,9 @@
 The loop and the strategy wrap each phase in `clock.phase(name)`. While something reads the clock (a
 callback that called `watch`, such as straggler detection, which diffs two snapshots), that adds the
 phase's wall-clock seconds to the running `totals`; while a torch profiler is recording, it labels the
-span `trainer.<name>` in its trace. Otherwise a span does nothing: a step pays for no clock nobody reads. On CUDA, host time
-is launch time; a watcher that needs device time calls `request_sync` for the steps it measures.
+span `trainer.<name>` in its trace. Otherwise a span does nothing: a step pays for no clock nobody reads.
+On CUDA, host time is launch time; a watcher that needs device time calls `request_sync` for the steps it
+measures.
 """
 
 from __future__ import annotations
