@@ -120,7 +120,9 @@ def test_a_script_that_starts_its_own_file_has_it_forked_with_a_pipe_and_its_own
 WORKER = """
 import json, os, sys
 seen = {"torch": "torch" in sys.modules, "leader": os.getsid(0) == os.getpid(), "rank": os.environ["RANK"]}
-print(json.dumps(seen))  # not flushed: only torchrun's -u gets it out before os._exit
+# one write (print writes the line and its newline apart: the two ranks' lines interleaved, flaky), not
+# flushed: only torchrun's -u gets it out before os._exit
+sys.stdout.write(json.dumps(seen) + "\\n")
 print("rank", os.environ["RANK"], "on stderr", file=sys.stderr)
 os._exit(0)
 """
