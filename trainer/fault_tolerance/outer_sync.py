@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainer.core.dtensors import local_part
+from trainer.core.dtensors import is_dtensor, local_part
 
 
 class OuterSync:
@@ -30,10 +30,9 @@ class OuterSync:
             self.start = [local_part(p).detach().clone() for p in self.params]
         self.outer = torch.optim.SGD(self.start, lr=lr, momentum=momentum, nesterov=momentum > 0)
         self.began = False  # this process has a window: until then it joins the quorum at its first step
-        self.loaded = (
-            False  # the start weights were loaded (a checkpoint's, a peer's): the next window keeps them
-        )
-        self.sharded = any(hasattr(p, "to_local") for p in self.params)
+        # the start weights were loaded (a checkpoint's, a peer's): the next window keeps them
+        self.loaded = False
+        self.sharded = any(is_dtensor(p) for p in self.params)
 
     def starts_window(self, step: int) -> bool:
         """Whether the step `step` (0-based) opens a window (or is this process's first step)."""
@@ -60,9 +59,8 @@ class OuterSync:
         inner = inner or []
         with torch.no_grad():
             pseudo = list(torch._foreach_sub(self.start, local))
-            mean = [
-                t.clone() for t in inner
-            ]  # a failed all-reduce may leave garbage: the state keeps its own
+            # averaged in copies: a failed all-reduce may leave garbage, and the state keeps its own then
+            mean = [t.clone() for t in inner]
         average(pseudo + mean)
         committed = bool(should_commit())
         if committed:
