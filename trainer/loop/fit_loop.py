@@ -201,6 +201,7 @@ class FitLoop(StopConditions):
             if not window:
                 return True
             first_idx = s.batches_in_epoch
+            trainer._dispatch.begin_step()
             trainer._step_hooks = True
             trainer._fit_metrics.set_batch(
                 window[0]
@@ -326,6 +327,8 @@ class FitLoop(StopConditions):
         (`step_logged`), else kept for callback_metrics and logged_metrics; then cleared."""
         trainer = self.trainer
         buffer = trainer._fit_metrics
+        if not buffer.has_step_values():  # (most steps of a module that logs nothing per step)
+            return
         if self.step_logged:
             extra = buffer.compute_step(trainer._reduce_logged)
             if extra:

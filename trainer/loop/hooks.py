@@ -50,24 +50,9 @@ class HookDispatcher:
         for cb in monitors:
             cb.on_train_epoch_end(trainer, trainer.module)
 
-    def step(self, hook: str, args: tuple = ()) -> None:
-        """A hook that runs every step, in `all`'s order; the callbacks and module that leave it as the base
-        class's no-op are skipped."""
-        trainer = self.trainer
-        module = trainer.module
-        # still the module and callbacks the owners were found for? (compared without building a key: this
-        # runs several times a step)
-        same = module is self._owners_module and trainer.callbacks == self._owners_callbacks
-        owners = self._owners.get(hook) if same else None
-        callbacks, module_too = owners or self._find_owners(hook)
-        for cb in callbacks:
-            getattr(cb, hook)(trainer, module, *args)
-        if module_too:
-            getattr(module, hook)(*args)
-
-    def _find_owners(self, hook: str) -> tuple[list[Callback], bool]:
-        """The callbacks that implement `hook`, and whether the module does; remembered until the module or
-        the list of callbacks changes."""
+    def begin_step(self) -> None:
+        """Before a step's first hook: the owners found so far still hold unless the module or the list of
+        callbacks changed (checked once a step, not at each of its hooks)."""
         trainer = self.trainer
         if trainer.module is not self._owners_module or trainer.callbacks != self._owners_callbacks:
             self._owners_module, self._owners_callbacks, self._owners = (
@@ -75,11 +60,32 @@ class HookDispatcher:
                 list(trainer.callbacks),
                 {},
             )
-        owners = self._owners[hook] = (
-            [cb for cb in trainer.callbacks if _implements(cb, hook, Callback)],
-            _implements(trainer.module, hook, TrainModule),
-        )
-        return owners
+
+    def step(self, hook: str, args: tuple = ()) -> None:
+        """A hook that runs every step, in `all`'s order; the callbacks and module that leave it as the base
+        class's no-op are skipped (who implements it is found once per module and callbacks: `begin_step`)."""
+        owners = self._owners.get(hook)
+        if owners is None:
+            self.begin_step()
+            owners = self._owners[hook] = self._find_owners(hook)
+        if owners is NOBODY:  # (most per-step hooks of most runs)
+            return
+        callbacks, module_too = owners
+        trainer = self.trainer
+        for cb in callbacks:
+            getattr(cb, hook)(trainer, trainer.module, *args)
+        if module_too:
+            getattr(trainer.module, hook)(*args)
+
+    def _find_owners(self, hook: str) -> tuple[list[Callback], bool]:
+        """The callbacks that implement `hook`, and whether the module does (`NOBODY`: none of them)."""
+        trainer = self.trainer
+        callbacks = [cb for cb in trainer.callbacks if _implements(cb, hook, Callback)]
+        module_too = _implements(trainer.module, hook, TrainModule)
+        return (callbacks, module_too) if callbacks or module_too else NOBODY
+
+
+NOBODY: tuple[list[Callback], bool] = ([], False)
 
 
 def _implements(obj: Any, hook: str, base: type) -> bool:

@@ -272,7 +272,6 @@ class Throughput:
 def batch_size(batch: Any) -> tuple[int, int | None]:
     """(samples, tokens) of a batch: tokens are counted when it carries `input_ids` (a dict key, or a 2-D
     integer tensor as the batch or its first element)."""
-    ids = None
     if isinstance(batch, dict):
         ids = batch.get("input_ids")
         first = (
@@ -280,7 +279,10 @@ def batch_size(batch: Any) -> tuple[int, int | None]:
         )
     else:
         first = batch[0] if isinstance(batch, (list, tuple)) and batch else batch
-        if isinstance(first, torch.Tensor) and first.dim() == 2 and not first.is_floating_point():
-            ids = first
-    samples = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() > 0 else 1
+        ids = (
+            first
+            if isinstance(first, torch.Tensor) and first.ndim == 2 and not first.is_floating_point()
+            else None
+        )
+    samples = len(first) if isinstance(first, torch.Tensor) and first.ndim else 1
     return samples, (ids.numel() if isinstance(ids, torch.Tensor) else None)

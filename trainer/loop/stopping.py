@@ -35,11 +35,12 @@ class StopConditions:
         """Whether the fit stops before the next step: max_steps, max_epochs, a stop that must be obeyed
         (`stop_now`), or should_stop once min_steps and min_epochs are met, as Lightning's `done` (pure: the
         stop reasons that come from outside, with the checkpoint they save, are `poll_stops`')."""
-        trainer, s = self.trainer, self.trainer.state
+        trainer = self.trainer
+        s, flags = trainer.state, trainer.flags  # (the flags read once: this runs before every step)
         return (
             self.must_stop
-            or (trainer.max_steps is not None and s.global_step >= trainer.max_steps)
-            or (trainer.max_epochs is not None and s.epoch >= trainer.max_epochs)
+            or (flags.max_steps is not None and s.global_step >= flags.max_steps)
+            or (flags.max_epochs is not None and s.epoch >= flags.max_epochs)
             or (trainer.should_stop and self.can_stop_early)
         )
 
@@ -72,11 +73,11 @@ class StopConditions:
         """Between steps, where a checkpoint may be written: a Ctrl-C or SIGTERM, max_time or the strategy's
         stop reason (a spent privacy budget), agreed by every rank (each calls it as often), set `should_stop`,
         saving the last step first when a resume could go on from it."""
-        if self._stopping():  # decided: nothing more to poll (every rank knows it at the same step)
-            return
         trainer = self.trainer
-        s = trainer.state
-        if number := self.signals.agreed(trainer.strategy.world_size):
+        if self.must_stop or (trainer.should_stop and self.can_stop_early):
+            return  # decided: nothing more to poll (every rank knows it at the same step)
+        s, strategy = trainer.state, trainer.strategy
+        if number := self.signals.agreed(strategy.world_size):
             self._stop_for_signal(number)
             return
         # every rank must stop at the same step: their clocks agree at steps they all know (time_limit.py)
@@ -86,17 +87,13 @@ class StopConditions:
             self.stop_now()
             rank_zero_info(f"stopping at step {s.global_step}: max_time of {trainer.max_time:.0f} s reached")
             return
-        reason = trainer.strategy.stop_reason()
+        reason = strategy.stop_reason()
         if reason is not None:
             if s.global_step > self.start_step:  # this fit trained: keep where it stopped
                 trainer.save_and_stop(reason, resumable=False)
             else:
                 self.stop_now()
                 rank_zero_info(f"stopping at step {s.global_step} before training: {reason}")
-
-    def _stopping(self) -> bool:
-        """A stop is decided (should_stop counts once min_steps/min_epochs allow it): nothing more to poll."""
-        return self.must_stop or (self.trainer.should_stop and self.can_stop_early)
 
     def _stop_for_signal(self, number: int) -> None:
         """Every rank had a signal's word: a checkpoint of the last step when this fit trained one, then stop."""
