@@ -70,8 +70,9 @@ class Reads(Dataset):
 
 class Quorum(Callback):
     """Records each quorum requested and the first wait for it, on the group's torchft manager (its quorum
-    thread's executor and `wait_quorum`); `heal_at[step]` makes that step's quorum hand this group the
-    training state it returns (as torchft's quorum thread stages a peer's state for a group that is behind)."""
+    thread's executor and `wait_quorum`); `heal_at[step](manager)` makes that step's quorum hand this group
+    the training state it returns (as torchft's quorum thread stages a peer's state for a group that is
+    behind), or none (a recovery that failed)."""
 
     def __init__(self, events: list, heal_at: dict | None = None) -> None:
         self.events, self.heal_at = events, heal_at or {}
@@ -97,9 +98,11 @@ class Quorum(Callback):
 
         def healing(*args, **kwargs):
             quorum(*args, **kwargs)
-            state = heal_at.pop(trainer.global_step, None)
-            if state is not None:
-                manager._pending_state_dict = {"user": {"trainer": state()}, "torchft": manager.state_dict()}
+            stage = heal_at.pop(trainer.global_step, None)
+            if stage is not None:
+                state = stage(manager)  # None: the recovery failed (`stage` recorded the error)
+                user = {"user": {"trainer": state}, "torchft": manager.state_dict()}
+                manager._pending_state_dict = user if state is not None else None
                 manager._healing = True
 
         executor.submit, manager.wait_quorum, manager._async_quorum = submit, waited, healing
@@ -179,10 +182,28 @@ def test_a_group_healed_at_the_join_runs_the_step_again_from_the_peers_position(
     def take(trainer):
         saved["state"] = copy.deepcopy(trainer._fit_loop.replicas.sent())
 
-    heal = Quorum(events, heal_at={4: lambda: saved["state"]})
+    heal = Quorum(events, heal_at={4: lambda manager: saved["state"]})
     healed = fit(tmp_path / "healed", lighthouse, events, 6, [heal], after_forward={2: take})
     forwards = [e[1] for e in events if e[0] == "forward"]
     assert forwards == [0, 1, 2, 3, 4, 2, 3, 4, 5], forwards
     assert [e[1] for e in events if e[0] == "backward"] == [0, 1, 2, 3, 2, 3, 4, 5]
     for p, q in zip(healed.state_dict().values(), reference.state_dict().values(), strict=True):
         assert torch.equal(p, q)
+
+
+def test_a_recovery_that_failed_discards_the_step_and_does_not_run_it_again(tmp_path, lighthouse):
+    """torchft records a failed recovery (the peer's state never arrived) and stages nothing: the group's
+    state is its own, the step goes on from its forward and is discarded, as with the synchronous quorum."""
+    events: list = []
+    skipped: list = []
+
+    class Skipped(Callback):
+        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+            skipped.append(outputs["skipped"])
+
+    def failed(manager):
+        manager.report_error(RuntimeError("the peer's state did not arrive"))
+
+    fit(tmp_path, lighthouse, events, 4, [Quorum(events, heal_at={2: failed}), Skipped()])
+    assert [e[1] for e in events if e[0] == "forward"] == [0, 1, 2, 3]
+    assert skipped == [False, False, True, False]

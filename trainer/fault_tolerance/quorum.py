@@ -37,10 +37,12 @@ def request_quorum(manager: Any) -> None:
 
 def join_quorum(manager: Any) -> bool:
     """The second half of `start_quorum`: wait for the quorum; a group that was behind loads the peer's state
-    it received (the registered load function runs here, on the calling thread). True when it did."""
+    it received (the registered load function runs here, on the calling thread). True when it did; False
+    too when its recovery failed (torchft recorded the error: the step is discarded, the state unchanged)."""
     manager.wait_quorum()  # raises the quorum's error (no quorum within the timeout)
     if not manager._healing:
         return False
+    received = manager._pending_state_dict is not None
     manager._apply_pending_state_dict()
     manager._healing = False  # healed before the step's first collective: a full participant
-    return True
+    return received
