@@ -129,12 +129,24 @@ def collapsed(events: list) -> list:
 def test_the_quorum_is_requested_before_the_data_is_read_and_joined_after_the_forward(
     tmp_path, lighthouse, accumulate
 ):
+    """A group that may be behind its peers joins at once: at its first step, and after a step it did not
+    apply (here a callback skips step 1); else the quorum forms while the step reads and runs its forward."""
     events: list = []
-    fit(tmp_path, lighthouse, events, 3, [Quorum(events)], accumulate_grad_batches=accumulate)
+
+    class SkipStepOne(Callback):
+        def on_before_optimizer_step(self, trainer, module, optimizer):
+            if trainer.global_step == 1:
+                trainer.skip_optimizer_step("a test's skip")
+
+    callbacks = [Quorum(events), SkipStepOne()]
+    fit(tmp_path, lighthouse, events, 4, callbacks, accumulate_grad_batches=accumulate)
     steps = []
-    for i in range(3):
+    for i in range(4):
         first = i * accumulate
-        one = [("request",), ("read",), ("forward", first), ("join",), ("backward", first)]
+        if i in (0, 2):  # the first step; the one after the skipped step
+            one = [("request",), ("join",), ("read",), ("forward", first), ("backward", first)]
+        else:
+            one = [("request",), ("read",), ("forward", first), ("join",), ("backward", first)]
         for j in range(1, accumulate):  # the window's later micro-batches: the quorum is joined already
             one += [("forward", first + j), ("backward", first + j)]
         steps += one

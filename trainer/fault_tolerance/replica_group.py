@@ -98,6 +98,7 @@ class ReplicaGroup:
         self._participants = 0
         self._forming = False  # this step's quorum was requested and is not joined yet
         self._void = False  # the quorum healed this group: the step's work so far is void (see `join`)
+        self._joined_at: tuple[int, int] | None = None  # the loop's step and `_applied` at the last join
         self.synced: bool | None = (
             None  # DiLoCo: whether the last step's meeting committed (None: no meeting)
         )
@@ -116,7 +117,9 @@ class ReplicaGroup:
 
     def start_step(self) -> None:
         """Request this step's quorum; it forms on torchft's quorum thread while the step reads its data and
-        runs its forward, and is waited for at `join`."""
+        runs its forward, and is waited for at `join`. A group that may be behind its peers (at its process's
+        first quorum, or after a step it did not apply) waits here (`Healed`: see `join`), so that a
+        recovery comes before the step's hooks and forward."""
         if self.outer is not None and not self.outer.starts_window(self.trainer.global_step):
             return  # DiLoCo: inside a window the group trains alone
         # torchft's step is what its quorum compares to pick the groups to heal and the one to heal from:
@@ -125,10 +128,7 @@ class ReplicaGroup:
         # only) is then behind them and heals now; after a resume the group with the newest checkpoint is
         # the source, not the one torchft ranks first among fresh processes at step 0. Under DiLoCo the
         # groups meet on the loop's step (a local skip inside a window is the group's own)
-        loop = self.trainer.state
-        applied = (
-            loop.global_step if self.outer is not None else max(loop.global_step - loop.skipped_steps, 0)
-        )
+        step, applied = self.trainer.state.global_step, self._applied()
         if self.manager.current_step() != applied:
             self.manager.load_state_dict(
                 {"step": applied, "batches_committed": self.manager.batches_committed()}
@@ -136,6 +136,13 @@ class ReplicaGroup:
         self.sent.freeze()  # what a peer that recovers from this group gets: the state as of now
         request_quorum(self.manager)
         self._forming = True
+        if self._joined_at is None or step - self._joined_at[0] != applied - self._joined_at[1]:
+            self.join()
+
+    def _applied(self) -> int:
+        """The updates this group applied: the loop's steps less its skipped ones (DiLoCo: the loop's steps)."""
+        loop = self.trainer.state
+        return loop.global_step if self.outer is not None else max(loop.global_step - loop.skipped_steps, 0)
 
     def join(self) -> None:
         """Wait for this step's quorum (once a step; later calls return at once). Raises `Healed` when this
@@ -156,6 +163,7 @@ class ReplicaGroup:
                 ) from None  # torchft's error, several lines long, is in the line already (its first line)
             self._participants = self.manager.num_participants()
             self.costs.add("quorum", start)
+            self._joined_at = (self.trainer.state.global_step, self._applied())
             # the window's micro-batches: a gradient is final in the last backward
             if self.overlap is not None:
                 scaler = self.trainer.strategy.precision.scaler

@@ -192,10 +192,10 @@ class FitLoop(StopConditions):
         timer = self.val_timer  # a time-based validation may fall in this epoch:
         timed = timer is not None and val_loader is not None and timer.checks_epoch(s.epoch)
         while self._goes_on():
-            # fault tolerance: the step's quorum forms while the step reads its data and runs its forward
-            if self.replicas is not None:
-                self.replicas.start_step()
             try:
+                # fault tolerance: the step's quorum forms while the step reads its data and runs its forward
+                if self.replicas is not None:
+                    self.replicas.start_step()
                 ran = self._train_step(iterator, epoch_len, val_every, timed, meter)
             except Healed:
                 # the quorum gave this group a peer's state: the step again, from the peer's data position
