@@ -66,10 +66,27 @@ class Drill(Callback):
         self.log = None  # ROOT/steps-rank{r}.jsonl, opened at the first step (the rank is known then)
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
-        if self.log is None:
-            self.log = open(Path(self.args.root) / f"steps-rank{trainer.global_rank}.jsonl", "a")
-        replicas = trainer._fit_loop.replicas
-        step, n = trainer.global_step, replicas.participants
+        # the step's quorum is not read here: it forms during the forward and is joined before the backward
+        # (a group that recovers then runs the step again, this hook included, from the peer's position)
+        self.position = batch_idx
+        time.sleep(self.args.step_sleep)  # a heavier step: fewer solo steps while the other group restarts
+        if self.first_step is None or self.kill is None or not self.kills_me(trainer):
+            return
+        if trainer.global_step - self.first_step == int(self.kill[0]):
+            where = self.kill[1]
+            if where == "start":
+                die()
+            if where == "allreduce":  # die in place of this group's part of the gradient all-reduce: the
+                # survivor is in (or enters) its all-reduce with a dead peer
+                trainer._fit_loop.replicas.pg.allreduce = lambda *a, **kw: die()
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        if self.skip_at is not None and self.first_step is not None:
+            if trainer.global_step - self.first_step == self.skip_at:
+                trainer.skip_optimizer_step("the drill skips this step in this group only")
+
+    def record_participants(self, step: int, n: int) -> None:
+        """The first step this attempt ran; whether the other group is back for the last time."""
         if self.first_step is None:
             self.first_step = step
             if self.final:  # the killed group's last attempt: it rejoins now
@@ -78,29 +95,20 @@ class Drill(Callback):
         if self.seen and self.seen[-1] < n and drops == self.kills and self.rejoined_at is None:
             self.rejoined_at = step  # the survivor: the killed group is back for the last time
         self.seen.append(n)
-        self.position = batch_idx
-        time.sleep(self.args.step_sleep)  # a heavier step: fewer solo steps while the other group restarts
-        if self.kill is not None and step - self.first_step == int(self.kill[0]) and self.kills_me(trainer):
-            where = self.kill[1]
-            if where == "start":
-                die()
-            if where == "allreduce":  # die in place of this group's part of the gradient all-reduce: the
-                # survivor is in (or enters) its all-reduce with a dead peer
-                replicas.pg.allreduce = lambda *a, **kw: die()
-
-    def on_before_optimizer_step(self, trainer, module, optimizer):
-        if self.skip_at is not None and trainer.global_step - self.first_step == self.skip_at:
-            trainer.skip_optimizer_step("the drill skips this step in this group only")
 
     def kills_me(self, trainer) -> bool:
         """Only rank --kill-rank of the group dies (under torchrun its agent then restarts the whole group)."""
         return trainer.global_rank == self.args.kill_rank
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if self.log is None:
+            self.log = open(Path(self.args.root) / f"steps-rank{trainer.global_rank}.jsonl", "a")
+        n = trainer._fit_loop.replicas.participants
+        self.record_participants(trainer.global_step - 1, n)
         row = {
             "step": trainer.global_step - 1,
             "committed": not outputs["skipped"],
-            "replicas": trainer._fit_loop.replicas.participants,
+            "replicas": n,
             "position": self.position,
             "params": params_hash(module),
             "attempt": self.args.attempt,

@@ -1,5 +1,6 @@
-"""One replica group's side of per-step fault tolerance: a torchft `Manager` and the three calls the loop
-makes each step (quorum before the data is read, gradients averaged over the groups, commit or discard)."""
+"""One replica group's side of per-step fault tolerance: a torchft `Manager` and the calls the loop makes
+each step (the quorum requested before the data is read and joined before the first backward, gradients
+averaged over the groups, commit or discard)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from trainer.fault_tolerance.config import HEARTBEAT_INTERVAL_MS, NoQuorumError
 from trainer.fault_tolerance.costs import StepCosts
 from trainer.fault_tolerance.outer_sync import OuterSync, inner_state
 from trainer.fault_tolerance.overlap import OverlappedAverage
-from trainer.fault_tolerance.state import load_replica_state, replica_state
+from trainer.fault_tolerance.quorum import Healed, join_quorum, request_quorum
+from trainer.fault_tolerance.state import SentState, load_replica_state
 
 if TYPE_CHECKING:
     from trainer.trainer import Trainer
@@ -41,8 +43,9 @@ def require_torchft() -> Any:
 
 class ReplicaGroup:
     """This group's membership in the fault-tolerant job. Every rank of the group makes the same calls:
-    `start_step` (before the step's data is read), `average_gradients` (after the group's own gradient
-    sync), `commit` (before the optimizer step); `shutdown` at the end of the fit."""
+    `start_step` (before the step's data is read), `join` (before the step's first backward, or wherever
+    the quorum is first needed), `average_gradients` (after the group's own gradient sync), `commit`
+    (before the optimizer step); `shutdown` at the end of the fit."""
 
     def __init__(self, trainer: Trainer) -> None:
         require_torchft()
@@ -70,8 +73,8 @@ class ReplicaGroup:
                 load_state_dict=None,
                 state_dict=None,
                 min_replica_size=config.min_replicas,
-                # the quorum (and a recovery) completes before the step reads its data, so a recovered
-                # group reads from the peer's data position
+                # synchronous semantics (a recovering group is a full participant of the step, which it
+                # runs again from the peer's data position), the wait split from the request (quorum.py)
                 use_async_quorum=False,
                 timeout=timeout,
                 quorum_timeout=timedelta(seconds=config.quorum_timeout_s),
@@ -90,9 +93,12 @@ class ReplicaGroup:
             )
         if strategy.world_size == 1:
             self.manager._client = OwnVote(self.manager._client)
-        self.manager.register_state_dict_fn("trainer", self._load, lambda: replica_state(trainer))
-        self.recovered = False  # this step's quorum replaced the training state with a peer's
-        self.participants = 0
+        self.sent = SentState(trainer)
+        self.manager.register_state_dict_fn("trainer", self._load, self.sent)
+        self._participants = 0
+        self._forming = False  # this step's quorum was requested and is not joined yet
+        self._void = False  # the quorum healed this group: the step's work so far is void (see `join`)
+        self._joined_at: tuple[int, int] | None = None  # the loop's step and `_applied` at the last join
         self.synced: bool | None = (
             None  # DiLoCo: whether the last step's meeting committed (None: no meeting)
         )
@@ -109,46 +115,75 @@ class ReplicaGroup:
             else None
         )
 
-    def start_step(self) -> bool:
-        """Join this step's quorum; True when this group was behind and now holds a peer's training state
-        (the loop then re-opens its data iterator at the new position). A one-line error when fewer than
-        `min_replicas` groups are alive for longer than `quorum_timeout_s`."""
-        self.recovered = False
+    def start_step(self) -> None:
+        """Request this step's quorum; it forms on torchft's quorum thread while the step reads its data and
+        runs its forward, and is waited for at `join`. A group that may be behind its peers (at its process's
+        first quorum, or after a step it did not apply) waits here (`Healed`: see `join`), so that a
+        recovery comes before the step's hooks and forward."""
         if self.outer is not None and not self.outer.starts_window(self.trainer.global_step):
-            return False  # DiLoCo: inside a window the group trains alone
+            return  # DiLoCo: inside a window the group trains alone
         # torchft's step is what its quorum compares to pick the groups to heal and the one to heal from:
         # the updates this group applied (the loop's steps less its skipped ones). A group that discarded or
         # skipped a step its peers committed (a callback's skip, a collective that failed in this group
         # only) is then behind them and heals now; after a resume the group with the newest checkpoint is
         # the source, not the one torchft ranks first among fresh processes at step 0. Under DiLoCo the
         # groups meet on the loop's step (a local skip inside a window is the group's own)
-        loop = self.trainer.state
-        applied = (
-            loop.global_step if self.outer is not None else max(loop.global_step - loop.skipped_steps, 0)
-        )
+        step, applied = self.trainer.state.global_step, self._applied()
         if self.manager.current_step() != applied:
             self.manager.load_state_dict(
                 {"step": applied, "batches_committed": self.manager.batches_committed()}
             )
-        start = perf_counter()
-        try:
-            self.manager.start_quorum()
-        except PeerStateMismatch:
-            raise
-        except Exception as err:  # torchft raises the lighthouse client's error, several lines long
-            raise NoQuorumError(
-                f"fault tolerance: no quorum of min_replicas={self.config.min_replicas} replica group(s) within "
-                f"quorum_timeout_s={self.config.quorum_timeout_s:g} at lighthouse {self.config.lighthouse} ({_first_line(err)})"
-            ) from None  # torchft's error, several lines long, is in the line already (its first line)
-        self.participants = self.manager.num_participants()
-        self.costs.add("quorum", start)
-        if self.overlap is not None:  # the window's micro-batches: a gradient is final in the last backward
-            scaler = self.trainer.strategy.precision.scaler
-            inv_scale = 1.0 / scaler.get_scale() if scaler is not None else 1.0
-            self.overlap.arm(max(self.participants, 1), self.trainer.accumulate_grad_batches, inv_scale)
-        if self.outer is not None:
-            self.outer.begin()
-        return self.recovered
+        self.sent.freeze()  # what a peer that recovers from this group gets: the state as of now
+        request_quorum(self.manager)
+        self._forming = True
+        if self._joined_at is None or step - self._joined_at[0] != applied - self._joined_at[1]:
+            self.join()
+
+    def _applied(self) -> int:
+        """The updates this group applied: the loop's steps less its skipped ones (DiLoCo: the loop's steps)."""
+        loop = self.trainer.state
+        return loop.global_step if self.outer is not None else max(loop.global_step - loop.skipped_steps, 0)
+
+    def join(self) -> None:
+        """Wait for this step's quorum (once a step; later calls return at once). Raises `Healed` when this
+        group was behind and now holds a peer's training state: the loop then reads the step again from
+        the new data position (and every later call raises it, until `start_again`). A one-line error when
+        fewer than `min_replicas` groups are alive for longer than `quorum_timeout_s`."""
+        if self._forming:
+            self._forming = False
+            start = perf_counter()
+            try:
+                self._void = join_quorum(self.manager)
+            except PeerStateMismatch:
+                raise
+            except Exception as err:  # torchft raises the lighthouse client's error, several lines long
+                raise NoQuorumError(
+                    f"fault tolerance: no quorum of min_replicas={self.config.min_replicas} replica group(s) within "
+                    f"quorum_timeout_s={self.config.quorum_timeout_s:g} at lighthouse {self.config.lighthouse} ({_first_line(err)})"
+                ) from None  # torchft's error, several lines long, is in the line already (its first line)
+            self._participants = self.manager.num_participants()
+            self.costs.add("quorum", start)
+            self._joined_at = (self.trainer.state.global_step, self._applied())
+            # the window's micro-batches: a gradient is final in the last backward
+            if self.overlap is not None:
+                scaler = self.trainer.strategy.precision.scaler
+                inv_scale = 1.0 / scaler.get_scale() if scaler is not None else 1.0
+                self.overlap.arm(max(self._participants, 1), self.trainer.accumulate_grad_batches, inv_scale)
+            if self.outer is not None:
+                self.outer.begin()
+        if self._void:
+            raise Healed(f"replica group {self.config.replica_id} recovered from a peer")
+
+    def start_again(self) -> None:
+        """After `Healed`: the loop runs the step again (from the peer's data position), its quorum joined."""
+        self._void = False
+
+    @property
+    def participants(self) -> int:
+        """The groups taking part in this step (read inside a step before the first backward, it joins the
+        step's quorum there)."""
+        self.join()
+        return self._participants
 
     def average_gradients(self, module: nn.Module, num_tokens: torch.Tensor | None = None) -> None:
         """Average the step's gradients over the participating groups: the buckets the backward launched
@@ -168,7 +203,7 @@ class ReplicaGroup:
         total = mine.clone() if num_tokens is not None else None  # summed over the groups with the buckets
         if self.overlap is not None and self.overlap.finish(use=True, undo=undo, extra=total):
             if num_tokens is not None:  # the buckets held token sums: their mean over the mean token count
-                mean = float(total) / max(self.participants, 1)
+                mean = float(total) / max(self._participants, 1)
                 start = perf_counter()
                 torch._foreach_mul_(_grads(module), 1.0 / mean if mean > 0 else 0.0)  # 0: no tokens anywhere
                 self.costs.add("copies", start)
@@ -266,7 +301,6 @@ class ReplicaGroup:
                 f"group sent ({_first_line(err)}); allowed: every group runs the same model, optimizer and "
                 "layout, and one lighthouse serves one run"
             ) from err
-        self.recovered = True
         log.info(
             f"fault tolerance: replica group {self.config.replica_id} recovered from a peer at step "
             f"{self.trainer.global_step}"

@@ -17,6 +17,7 @@ from trainer.checkpoint.layout import read_meta
 from trainer.core.fused_optim import prefer_fused
 from trainer.core.logging import rank_zero_info
 from trainer.core.schedules import LRSchedule, build_scheduler
+from trainer.fault_tolerance.quorum import Healed
 from trainer.loop import eval_loop, step_log
 from trainer.loop.epochs import EpochBatches
 from trainer.loop.finiteness import LossWatch
@@ -89,7 +90,7 @@ class FitLoop(StopConditions):
         trainer, module, val_loader = self.trainer, self.module, self.val_loader
         dispatch = trainer._dispatch
         began = time.time()
-        trainer.strategy.before_backward = lambda loss: dispatch.step("on_before_backward", (loss,))
+        trainer.strategy.before_backward = self._before_backward
         self.setup_optimizer()
         trainer.checkpoint_manager.claim(ckpt_path)
         resume_from = trainer.checkpoint_manager.resume(ckpt_path)
@@ -191,35 +192,54 @@ class FitLoop(StopConditions):
         timer = self.val_timer  # a time-based validation may fall in this epoch:
         timed = timer is not None and val_loader is not None and timer.checks_epoch(s.epoch)
         while self._goes_on():
-            # fault tolerance: this step's quorum; a group that took a peer's state reads on from its position
-            if self.replicas is not None and self.replicas.start_step():
-                iterator = self.train_batches.begin(s.epoch, s.batches_in_epoch)
-            remaining = None if epoch_len is None else epoch_len - s.batches_in_epoch
-            started = time.perf_counter()
-            with trainer.clock.phase("data"):
-                window = _take(iterator, trainer.accumulate_grad_batches, remaining)
-            if not window:
-                return True
-            first_idx = s.batches_in_epoch
-            trainer._dispatch.begin_step()
-            trainer._step_hooks = True
-            trainer._fit_metrics.set_batch(
-                window[0]
-            )  # an epoch mean logged without batch_size weighs its size
             try:
-                outputs = self._optimizer_step(window, meter, started)
-                if len(window) == remaining:  # the epoch's last batch: Lightning steps its scheduler now
-                    self._step_epoch_scheduler_early(s.epoch + 1)
-                if (val_loader is not None and val_every and self._stepped() % val_every == 0) or (
-                    timed and timer.due(s.global_step)
-                ):
-                    self._validate()
-                trainer._dispatch.step("on_train_batch_end", (outputs, window[0], first_idx))
-            finally:
-                trainer._step_hooks = False
-                trainer._fit_metrics.set_batch(None)
+                # fault tolerance: the step's quorum forms while the step reads its data and runs its forward
+                if self.replicas is not None:
+                    self.replicas.start_step()
+                ran = self._train_step(iterator, epoch_len, val_every, timed, meter)
+            except Healed:
+                # the quorum gave this group a peer's state: the step again, from the peer's data position
+                self.replicas.start_again()
+                trainer._fit_metrics.reset_step()  # what the void forward logged
+                iterator = self.train_batches.begin(s.epoch, s.batches_in_epoch)
+                ran = self._train_step(iterator, epoch_len, val_every, timed, meter)
+            if not ran:
+                return True
             self._end_step()
         return False
+
+    def _train_step(
+        self, iterator: Any, epoch_len: int | None, val_every: int | None, timed: bool, meter: Throughput
+    ) -> bool:
+        """The epoch's next optimizer step, its validation and on_train_batch_end; False when the epoch's
+        data ran out."""
+        trainer, s, val_loader = self.trainer, self.trainer.state, self.val_loader
+        remaining = None if epoch_len is None else epoch_len - s.batches_in_epoch
+        started = time.perf_counter()
+        with trainer.clock.phase("data"):
+            window = _take(iterator, trainer.accumulate_grad_batches, remaining)
+        if not window:
+            if self.replicas is not None:  # a recovery moves the data position: the epoch may go on there
+                self.replicas.join()
+            return False
+        first_idx = s.batches_in_epoch
+        trainer._dispatch.begin_step()
+        trainer._step_hooks = True
+        # an epoch mean logged without batch_size weighs its size
+        trainer._fit_metrics.set_batch(window[0])
+        try:
+            outputs = self._optimizer_step(window, meter, started)
+            if len(window) == remaining:  # the epoch's last batch: Lightning steps its scheduler now
+                self._step_epoch_scheduler_early(s.epoch + 1)
+            if (val_loader is not None and val_every and self._stepped() % val_every == 0) or (
+                timed and self.val_timer.due(s.global_step)
+            ):
+                self._validate()
+            trainer._dispatch.step("on_train_batch_end", (outputs, window[0], first_idx))
+        finally:
+            trainer._step_hooks = False
+            trainer._fit_metrics.set_batch(None)
+        return True
 
     # ---- one optimizer step ----------------------------------------------------------------------
     def _optimizer_step(self, window: list[Any], meter: Throughput, started: float) -> dict[str, Any]:
@@ -244,6 +264,8 @@ class FitLoop(StopConditions):
             s.samples_seen += samples
             s.tokens_seen += tokens or 0
         out = strategy.train_step(module, window, s.batches_in_epoch)  # forward+backward of the window
+        if self.replicas is not None:  # joined at the first backward; else (a pipeline schedule's) now
+            self.replicas.join()
         if out is None:  # a training_step returned None (on some rank): no update, as in Lightning
             return self._skip_returned_none(window)
         loss, num_tokens = out.loss, out.num_tokens
@@ -289,6 +311,13 @@ class FitLoop(StopConditions):
         trainer._fit_metrics.reset_step()
         self.step_logged = log_now
         return {"loss": loss, "skipped": skipped}
+
+    def _before_backward(self, loss: torch.Tensor) -> None:
+        """Before each backward of a step: fault tolerance's quorum joined (at the first, after the forward
+        it overlapped), then the on_before_backward hooks."""
+        if self.replicas is not None:
+            self.replicas.join()
+        self.trainer._dispatch.step("on_before_backward", (loss,))
 
     def _stepped(self) -> int:
         """The count `val_check_interval` (an int) is in: optimizer steps (manual optimization: batches)."""
