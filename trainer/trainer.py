@@ -237,8 +237,8 @@ class Trainer(LightningViews, FlagViews):
     @property
     def logs_this_step(self) -> bool:
         """Whether the optimizer step in progress writes a row (every `log_every_n_steps`, and the last)."""
-        step = self.state.global_step + 1
-        return step % self.log_every_n_steps == 0 or step == self.max_steps
+        step, flags = self.state.global_step + 1, self.flags
+        return step % flags.log_every_n_steps == 0 or step == flags.max_steps
 
     @property
     def in_training_step(self) -> bool:

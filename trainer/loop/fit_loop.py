@@ -274,10 +274,10 @@ class FitLoop(StopConditions):
         if self.replicas is not None:  # ...and over the live replica groups, before anything reads them
             self.replicas.average_gradients(module, num_tokens)
         dispatch.step("on_after_backward")
-        log_now = trainer.logs_this_step
-        if trainer.gradient_clip_val is not None:
+        log_now, flags = trainer.logs_this_step, trainer.flags
+        if flags.gradient_clip_val is not None:
             self.step_norm = strategy.clip_gradients(
-                module, trainer.gradient_clip_val, trainer.gradient_clip_algorithm
+                module, flags.gradient_clip_val, flags.gradient_clip_algorithm
             )
         elif log_now:
             self.step_grad_norm()
