@@ -1,0 +1,164 @@
+"""The cross-group gradient average overlapped with the backward for a replica group of several DDP processes:
+DDP's comm hook all-reduces each bucket over the group, and as soon as that is done the same bucket buffer is
+summed over the replica groups (rank r with rank r of every group, on torchft's process group). DDP waits for
+both before its backward returns, so `.grad` (the buckets' views) holds the average over every process of
+every group, with no copy of the gradients after the backward."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from time import perf_counter
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+
+from trainer.core.dtensors import local_part
+from trainer.fault_tolerance.costs import StepCosts
+
+
+class OverlappedGroupAverage:
+    """DDP's comm hook on `ddp` that chains each bucket's sum over the replica groups onto the group's own
+    all-reduce, while `arm`ed (between the quorum and `finish`; outside, the hook is DDP's plain all-reduce).
+    One pass over a bucket before the group's all-reduce scales it by 1 / (group size x groups) (x fp16's
+    1 / loss scale: groups whose scales differ average true gradients), so the two sums give the mean.
+
+    The group's all-reduces complete on gloo's threads in any order; the sums over the groups launch strictly
+    in bucket order, so every group makes the same sequence of collectives. Under `no_sync` (gradient
+    accumulation) DDP calls the hook only in the window's last backward; a second synced backward in the step
+    marks it stale and the caller averages after the backward instead (see `finish`)."""
+
+    def __init__(self, ddp: DistributedDataParallel, direct: Any, costs: StepCosts | None = None) -> None:
+        self.direct, self.costs = direct, costs or StepCosts()
+        self.group = ddp.process_group
+        self.group_size = self.group.size()
+        self.params = [p for p in ddp.module.parameters() if p.requires_grad]
+        self.lock = threading.Lock()  # the gloo threads that complete the group's all-reduces
+        self.armed = False
+        self.factor = 1.0  # a bucket's factor before the group's all-reduce
+        # fp16's loss scale, put back after the sum over the groups (DDP's `.grad` is expected scaled)
+        self.scale = 1.0
+        self._reset()
+        ddp.register_comm_hook(None, self._hook)
+
+    def _reset(self) -> None:
+        self.seen: set[int] = set()  # bucket indexes the hook ran for this step
+        self.last: int | None = None  # the index of the backward's last bucket
+        self.reduced: dict[int, tuple[torch.Tensor, torch.futures.Future, BaseException | None]] = {}
+        self.next = 0  # the next bucket to sum over the groups
+        self.works: list[Any] = []
+        self.stale = False
+
+    def arm(self, groups: int, backwards: int = 1, inv_scale: float = 1.0) -> None:
+        """The step's average is over `groups` groups; `backwards` (its micro-batches) is DDP's own business
+        (`no_sync`). `inv_scale`: fp16's 1 / loss scale."""
+        self._reset()
+        self.armed = True
+        self.factor, self.scale = inv_scale / (groups * self.group_size), 1.0 / inv_scale
+
+    def finish(self, use: bool, undo: float = 1.0, extra: torch.Tensor | None = None) -> bool:
+        """After the backward (DDP has waited for every bucket): `extra` (the step's token count) summed over
+        the groups in place; with `use`, `.grad` x `undo` (the loop's token normalization since the backward:
+        the buckets hold the token sums' mean). False when the gradients are not the average: not `use`, no
+        bucket went out, or a second synced backward (the caller then averages after the backward)."""
+        if not self.armed:
+            return False
+        self.armed = False
+        start = perf_counter()
+        summed = self.direct.allreduce(extra, ReduceOp.SUM) if extra is not None else None
+        for work in self.works:
+            work.wait()  # done already (DDP waited for the futures); a failure is recorded for `commit`
+        if summed is not None:
+            summed.wait()
+        start = self.costs.add("allreduce", start)
+        complete = self.last is not None and self.next == self.last + 1 and not self.stale
+        if not (use and complete):
+            return False
+        if undo != 1.0:
+            torch._foreach_mul_([local_part(p.grad) for p in self.params if p.grad is not None], undo)
+            self.costs.add("copies", start)
+        return True
+
+    @property
+    def launched(self) -> int:
+        """The sums over the groups this step's backward launched (one per bucket)."""
+        return self.next
+
+    def remove(self) -> None:
+        """DDP keeps its comm hook: disarmed, it is DDP's plain all-reduce."""
+        self.armed = False
+
+    def _hook(self, state, bucket):  # noqa: ANN001, ANN202  DDP rejects the string annotations of `__future__`
+        """DDP's comm hook: the bucket's mean over the group, then (armed) its sum over the groups."""
+        if not self.armed:
+            return default_hooks.allreduce_hook(self.group, bucket)
+        index = bucket.index()
+        if index in self.seen:  # a second synced backward: this one stays the group's mean
+            self.stale = True
+            return default_hooks.allreduce_hook(self.group, bucket)
+        self.seen.add(index)
+        if bucket.is_last():
+            self.last = index
+        buffer, out = bucket.buffer(), torch.futures.Future()
+        buffer.mul_(self.factor)
+        work = dist.all_reduce(buffer, group=self.group, async_op=True)
+        work.get_future().add_done_callback(functools.partial(self._group_done, buffer, out, index))
+        return out
+
+    def _group_done(
+        self, buffer: torch.Tensor, out: torch.futures.Future, index: int, fut: torch.futures.Future
+    ) -> None:
+        error = None
+        try:
+            fut.wait()
+        except Exception as err:  # the group's own collective: DDP raises it from the backward
+            error = err
+        with self.lock:  # launched in bucket order, whichever group all-reduce finishes first
+            self.reduced[index] = (buffer, out, error)
+            while self.next in self.reduced:
+                self._launch(*self.reduced.pop(self.next))
+                self.next += 1
+
+    def _launch(self, buffer: torch.Tensor, out: torch.futures.Future, error: BaseException | None) -> None:
+        if error is not None:
+            out.set_exception(error)
+            return
+        work = self.direct.allreduce(buffer, ReduceOp.SUM)
+        self.works.append(work)
+        if work.work is None:  # not launched (the step is already discarded): the group's mean stays
+            self._summed(buffer, out, None)
+        else:
+            work.work.get_future().add_done_callback(functools.partial(self._summed, buffer, out))
+
+    def _summed(
+        self, buffer: torch.Tensor, out: torch.futures.Future, fut: torch.futures.Future | None
+    ) -> None:
+        # the future's own result: gloo runs this callback before its work counts as finished, so the work's
+        # `wait` would wait for this callback
+        try:
+            if fut is not None:
+                fut.wait()
+        except Exception as err:  # recorded for `commit` (the step is discarded), never raised
+            self.direct.manager.report_error(err)
+        if self.scale != 1.0:
+            buffer.mul_(self.scale)  # a power of two: the scaled gradient DDP's `.grad` is expected to hold
+        out.set_result(buffer)
+
+
+def ddp_to_chain(trainer: Any) -> DistributedDataParallel | None:
+    """The strategy's DDP wrapper when its comm hook may be the chained one: DDP over the whole replica
+    group, no DTensor parameter, no pipeline, and no comm hook registered already (DDP's reducer takes one;
+    gradient compression and a gradient-noise watch register theirs when the model is wrapped)."""
+    strategy = trainer.strategy
+    model = getattr(strategy, "model", None)
+    if not isinstance(model, DistributedDataParallel) or getattr(strategy, "pipeline", None) is not None:
+        return None
+    if model.process_group.size() != strategy.world_size or model._comm_hooks:
+        return None
+    if any(hasattr(p, "to_local") for p in trainer.module.parameters()):
+        return None
+    return model
