@@ -17,15 +17,18 @@ from torch.distributed import ReduceOp
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from strategies.techniques.ddp.chain import ChainableHook
 from trainer.core.dtensors import local_part
 from trainer.fault_tolerance.costs import StepCosts
 
 
 class OverlappedGroupAverage:
     """DDP's comm hook on `ddp` that chains each bucket's sum over the replica groups onto the group's own
-    all-reduce, while `arm`ed (between the quorum and `finish`; outside, the hook is DDP's plain all-reduce).
-    One pass over a bucket before the group's all-reduce scales it by 1 / (group size x groups) (x fp16's
-    1 / loss scale: groups whose scales differ average true gradients), so the two sums give the mean.
+    reduction, while `arm`ed (between the quorum and `finish`; outside, the group's reduction alone). The
+    group's reduction is the hook the strategy registered (gradient compression, a gradient-noise watch: a
+    `ChainableHook`, which this wraps), then a pass scaling its mean by 1 / groups; with none, DDP's
+    all-reduce, with that factor folded into its division by the group size (one pass). fp16: x 1 / loss
+    scale before the sum and x scale after it, so groups whose scales differ average true gradients.
 
     The group's all-reduces complete on gloo's threads in any order; the sums over the groups launch strictly
     in bucket order, so every group makes the same sequence of collectives. Under `no_sync` (gradient
@@ -39,11 +42,15 @@ class OverlappedGroupAverage:
         self.params = [p for p in ddp.module.parameters() if p.requires_grad]
         self.lock = threading.Lock()  # the gloo threads that complete the group's all-reduces
         self.armed = False
-        self.factor = 1.0  # a bucket's factor before the group's all-reduce
+        self.factor = 1.0  # the group's mean's factor before the sum over the groups
         # fp16's loss scale, put back after the sum over the groups (DDP's `.grad` is expected scaled)
         self.scale = 1.0
         self._reset()
-        ddp.register_comm_hook(None, self._hook)
+        self.chain = next((h for h, _ in ddp._comm_hooks if isinstance(h, ChainableHook)), None)
+        if self.chain is not None:
+            self.chain.around = self._around
+        else:  # DDP's built-in all-reduce: no hook of the strategy's (`ddp_to_chain` checked)
+            ddp.register_comm_hook(None, lambda state, bucket: self._around(None, state, bucket))
 
     def _reset(self) -> None:
         self.seen: set[int] = set()  # bucket indexes the hook ran for this step
@@ -58,7 +65,7 @@ class OverlappedGroupAverage:
         (`no_sync`). `inv_scale`: fp16's 1 / loss scale."""
         self._reset()
         self.armed = True
-        self.factor, self.scale = inv_scale / (groups * self.group_size), 1.0 / inv_scale
+        self.factor, self.scale = inv_scale / groups, 1.0 / inv_scale
 
     def finish(self, use: bool, undo: float = 1.0, extra: torch.Tensor | None = None) -> bool:
         """After the backward (DDP has waited for every bucket): `extra` (the step's token count) summed over
@@ -89,34 +96,44 @@ class OverlappedGroupAverage:
         return self.next
 
     def remove(self) -> None:
-        """DDP keeps its comm hook: disarmed, it is DDP's plain all-reduce."""
+        """The strategy's hook alone again (DDP keeps a hook registered here: disarmed, its all-reduce)."""
+        if self.chain is not None:
+            self.chain.around = None
         self.armed = False
 
-    def _hook(self, state, bucket):  # noqa: ANN001, ANN202  DDP rejects the string annotations of `__future__`
-        """DDP's comm hook: the bucket's mean over the group, then (armed) its sum over the groups."""
-        if not self.armed:
-            return default_hooks.allreduce_hook(self.group, bucket)
+    def _around(self, hook: Any, state: Any, bucket: dist.GradBucket) -> torch.futures.Future:
+        """The bucket's future: its mean over the group (`hook`'s; None: DDP's all-reduce), then, armed, the
+        sum over the groups of that mean x 1 / groups."""
         index = bucket.index()
-        if index in self.seen:  # a second synced backward: this one stays the group's mean
+        if self.armed and index in self.seen:  # a second synced backward: this one stays the group's mean
             self.stale = True
-            return default_hooks.allreduce_hook(self.group, bucket)
+        if not self.armed or self.stale:
+            return (
+                hook(state, bucket) if hook is not None else default_hooks.allreduce_hook(self.group, bucket)
+            )
         self.seen.add(index)
         if bucket.is_last():
             self.last = index
-        buffer, out = bucket.buffer(), torch.futures.Future()
-        buffer.mul_(self.factor)
-        work = dist.all_reduce(buffer, group=self.group, async_op=True)
-        work.get_future().add_done_callback(functools.partial(self._group_done, buffer, out, index))
+        out: torch.futures.Future = torch.futures.Future()
+        if hook is None:
+            bucket.buffer().mul_(self.factor / self.group_size)
+            fut = dist.all_reduce(bucket.buffer(), group=self.group, async_op=True).get_future()
+        else:
+            fut = hook(state, bucket)
+        fut.add_done_callback(functools.partial(self._group_done, out, index, hook is not None))
         return out
 
     def _group_done(
-        self, buffer: torch.Tensor, out: torch.futures.Future, index: int, fut: torch.futures.Future
+        self, out: torch.futures.Future, index: int, unscaled: bool, fut: torch.futures.Future
     ) -> None:
-        error = None
+        buffer, error = None, None
         try:
-            fut.wait()
-        except Exception as err:  # the group's own collective: DDP raises it from the backward
+            value = fut.value()  # a hook's tensor, or the all-reduce's list of one
+            buffer = value[0] if isinstance(value, list) else value
+        except Exception as err:  # the group's own reduction: DDP raises it from the backward
             error = err
+        if buffer is not None and unscaled:
+            buffer.mul_(self.factor)
         with self.lock:  # launched in bucket order, whichever group all-reduce finishes first
             self.reduced[index] = (buffer, out, error)
             while self.next in self.reduced:
@@ -150,14 +167,15 @@ class OverlappedGroupAverage:
 
 
 def ddp_to_chain(trainer: Any) -> DistributedDataParallel | None:
-    """The strategy's DDP wrapper when its comm hook may be the chained one: DDP over the whole replica
-    group, no DTensor parameter, no pipeline, and no comm hook registered already (DDP's reducer takes one;
-    gradient compression and a gradient-noise watch register theirs when the model is wrapped)."""
+    """The strategy's DDP wrapper when the sum over the groups may chain onto its comm hook: DDP over the whole
+    replica group, no DTensor parameter, no pipeline, and no comm hook but the strategy's `ChainableHook`
+    (DDP's reducer takes one hook, registered for good)."""
     strategy = trainer.strategy
     model = getattr(strategy, "model", None)
     if not isinstance(model, DistributedDataParallel) or getattr(strategy, "pipeline", None) is not None:
         return None
-    if model.process_group.size() != strategy.world_size or model._comm_hooks:
+    foreign = [h for h, _ in model._comm_hooks if not isinstance(h, ChainableHook)]
+    if model.process_group.size() != strategy.world_size or foreign:
         return None
     if any(hasattr(p, "to_local") for p in trainer.module.parameters()):
         return None
