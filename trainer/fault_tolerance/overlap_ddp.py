@@ -27,7 +27,8 @@ class OverlappedGroupAverage:
     reduction, while `arm`ed (between the quorum and `finish`; outside, the group's reduction alone). The
     group's reduction is the hook the strategy registered (gradient compression, a gradient-noise watch: a
     `ChainableHook`, which this wraps), then a pass scaling its mean by 1 / groups; with none, DDP's
-    all-reduce, with that factor folded into its division by the group size (one pass). fp16: x 1 / loss
+    all-reduce (as a `ChainableHook` registered here), that factor folded into its division by the group
+    size (one pass). fp16: x 1 / loss
     scale before the sum and x scale after it, so groups whose scales differ average true gradients.
 
     The group's all-reduces complete on gloo's threads in any order; the sums over the groups launch strictly
@@ -47,17 +48,18 @@ class OverlappedGroupAverage:
         self.scale = 1.0
         self._reset()
         self.chain = next((h for h, _ in ddp._comm_hooks if isinstance(h, ChainableHook)), None)
-        if self.chain is not None:
-            self.chain.around = self._around
-        else:  # DDP's built-in all-reduce: no hook of the strategy's (`ddp_to_chain` checked)
-            ddp.register_comm_hook(None, lambda state, bucket: self._around(None, state, bucket))
+        if (
+            self.chain is None
+        ):  # DDP's built-in all-reduce so far (`ddp_to_chain` checked): the same, chainable
+            self.chain = ChainableHook(default_hooks.allreduce_hook)
+            ddp.register_comm_hook(self.group, self.chain)
+        self.chain.around = self._around
 
     def _reset(self) -> None:
         self.seen: set[int] = set()  # bucket indexes the hook ran for this step
         self.last: int | None = None  # the index of the backward's last bucket
         self.reduced: dict[int, tuple[torch.Tensor, torch.futures.Future, BaseException | None]] = {}
         self.next = 0  # the next bucket to sum over the groups
-        self.works: list[Any] = []
         self.stale = False
 
     def arm(self, groups: int, backwards: int = 1, inv_scale: float = 1.0) -> None:
@@ -77,8 +79,6 @@ class OverlappedGroupAverage:
         self.armed = False
         start = perf_counter()
         summed = self.direct.allreduce(extra, ReduceOp.SUM) if extra is not None else None
-        for work in self.works:
-            work.wait()  # done already (DDP waited for the futures); a failure is recorded for `commit`
         if summed is not None:
             summed.wait()
         start = self.costs.add("allreduce", start)
@@ -96,31 +96,29 @@ class OverlappedGroupAverage:
         return self.next
 
     def remove(self) -> None:
-        """The strategy's hook alone again (DDP keeps a hook registered here: disarmed, its all-reduce)."""
-        if self.chain is not None:
-            self.chain.around = None
+        """The strategy's hook alone again (or DDP's all-reduce, as a Python hook)."""
+        self.chain.around = None
         self.armed = False
 
     def _around(self, hook: Any, state: Any, bucket: dist.GradBucket) -> torch.futures.Future:
-        """The bucket's future: its mean over the group (`hook`'s; None: DDP's all-reduce), then, armed, the
-        sum over the groups of that mean x 1 / groups."""
+        """The bucket's future: its mean over the group (`hook`'s), then, armed, the sum over the groups of
+        that mean x 1 / groups."""
         index = bucket.index()
         if self.armed and index in self.seen:  # a second synced backward: this one stays the group's mean
             self.stale = True
         if not self.armed or self.stale:
-            return (
-                hook(state, bucket) if hook is not None else default_hooks.allreduce_hook(self.group, bucket)
-            )
+            return hook(state, bucket)
         self.seen.add(index)
         if bucket.is_last():
             self.last = index
         out: torch.futures.Future = torch.futures.Future()
-        if hook is None:
+        plain = hook is default_hooks.allreduce_hook  # its division and the factor in one pass
+        if plain:
             bucket.buffer().mul_(self.factor / self.group_size)
             fut = dist.all_reduce(bucket.buffer(), group=self.group, async_op=True).get_future()
         else:
             fut = hook(state, bucket)
-        fut.add_done_callback(functools.partial(self._group_done, out, index, hook is not None))
+        fut.add_done_callback(functools.partial(self._group_done, out, index, not plain))
         return out
 
     def _group_done(
@@ -137,15 +135,17 @@ class OverlappedGroupAverage:
         with self.lock:  # launched in bucket order, whichever group all-reduce finishes first
             self.reduced[index] = (buffer, out, error)
             while self.next in self.reduced:
-                self._launch(*self.reduced.pop(self.next))
+                bucket = self.reduced.pop(self.next)
+                # counted before its sum can complete: DDP's backward returns once the last one has, and
+                # `finish` then reads the count
                 self.next += 1
+                self._launch(*bucket)
 
     def _launch(self, buffer: torch.Tensor, out: torch.futures.Future, error: BaseException | None) -> None:
         if error is not None:
             out.set_exception(error)
             return
         work = self.direct.allreduce(buffer, ReduceOp.SUM)
-        self.works.append(work)
         if work.work is None:  # not launched (the step is already discarded): the group's mean stays
             self._summed(buffer, out, None)
         else:

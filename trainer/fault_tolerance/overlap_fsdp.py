@@ -74,10 +74,7 @@ class OverlappedShardAverage:
         return len(self.reduced)
 
     def remove(self) -> None:
-        """Take the hooks off the units."""
-        for unit in self.units:
-            for group in unit._get_fsdp_state()._fsdp_param_groups:
-                group._all_reduce_hook = None  # torch 2.13 sets no hook to None through its setter
+        """Disarm the hooks (FSDP2 has no call to take one off; unarmed, they do nothing)."""
         self.armed = False
 
     def _reduced(self, unit: nn.Module, shard: torch.Tensor) -> None:
