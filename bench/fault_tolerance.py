@@ -17,7 +17,9 @@
    restart-from-checkpoint vs live recovery, from the measured costs and the stated assumptions.
 
 `python bench/fault_tolerance.py [--rounds 2] [--configs plain,accumulate]` (about 4 minutes here with `plain`
-alone; `--no-drill`: part 1 alone, `--rounds 0`: part 2 alone). Numbers on a shared machine are noisy;
+alone; `--no-drill`: part 1 alone, `--rounds 0`: part 2 alone). `--group-size 2`: part 1 with replica groups of
+2 DDP processes (each a torchrun job) against DDP of 4; `--flat`: torchft's arm averages over the groups after
+the backward (one flat copy per dtype) instead of from it (overlap.py, overlap_ddp.py): the path before. Numbers on a shared machine are noisy;
 every wait has a deadline (DEADLINE_S) and a failed one ends the bench with one line naming it.
 """
 
@@ -141,11 +143,17 @@ class Drill(Callback):
 
 
 def fit(
-    width: int, out: Path, ft: FaultTolerance | None, callbacks: list, steps: int, config: str = "plain"
+    width: int,
+    out: Path,
+    ft: FaultTolerance | None,
+    callbacks: list,
+    steps: int,
+    config: str = "plain",
+    group_size: int = 1,
 ) -> None:
     kwargs, tokens, micro_batches = CONFIGS[config]
     trainer = Trainer(
-        strategy="ddp" if ft is None else "auto",
+        strategy="ddp" if ft is None or group_size > 1 else "auto",
         max_steps=steps,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -157,7 +165,7 @@ def fit(
         **kwargs,
     )
     # the drill's epochs repeat the data
-    trainer.fit(MLP(width, tokens), loader(width, min(steps, STEPS), 2, micro_batches))
+    trainer.fit(MLP(width, tokens), loader(width, min(steps, STEPS), 2 * group_size, micro_batches))
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -167,12 +175,17 @@ def rank_main(args: argparse.Namespace) -> None:
     # one lighthouse per fit: one serves one run (the next fit's groups must not meet this one's)
     lighthouses = (args.lighthouses or "").split(",")
     ft = [FaultTolerance(lh, args.replica, timeout_s=30) if lh else None for lh in lighthouses]
+    if args.flat:  # the average after the backward, as before it was launched from it
+        import trainer.fault_tolerance.replica_group as replica_group
+
+        replica_group._overlap_is_valid = lambda trainer: False
+        replica_group.overlap_in_group = lambda *args: None
     if args.arm in ("ddp", "ft"):
         times = {}
         for i, (config, width) in enumerate(fits(args.configs)):
             clock = Clock()
             folder = out / f"{args.arm}-{args.round}-{config}-{width}"
-            fit(width, folder, ft[i % len(ft)], [clock], STEPS, config)
+            fit(width, folder, ft[i % len(ft)], [clock], STEPS, config, args.group_size)
             # the fastest tenth of the steps as well: other processes' load only adds time, so it varies less
             times[f"{config}/{width}"] = {
                 "wall": per_step(clock.wall),
@@ -243,7 +256,7 @@ def rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def main(rounds: int, drill: bool, configs: str) -> None:
+def main(rounds: int, drill: bool, configs: str, group_size: int = 1, flat: bool = False) -> None:
     os.environ.setdefault("RUST_LOG", "warn")  # the lighthouses here log every quorum at INFO otherwise
     from trainer.fault_tolerance.lighthouse import start_lighthouse
 
@@ -263,8 +276,9 @@ def main(rounds: int, drill: bool, configs: str) -> None:
 
     try:
         for r in range(rounds):  # interleaved: DDP, torchft, DDP, torchft... (load drift hits both arms)
-            arms = ["--round", str(r), "--configs", configs]
-            ddp = spawn(["--arm", "ddp", *arms], out, f"ddp-{r}", torchrun=2)
+            arms = ["--round", str(r), "--configs", configs, "--group-size", str(group_size)]
+            arms += ["--flat"] if flat else []
+            ddp = spawn(["--arm", "ddp", *arms], out, f"ddp-{r}", torchrun=2 * group_size)
             procs.append(ddp)
             wait_exit(f"round {r}'s DDP arm", ddp, out / f"ddp-{r}.err")
             # both groups in every step's quorum: a group that starts a fit first would otherwise train
@@ -275,6 +289,7 @@ def main(rounds: int, drill: bool, configs: str) -> None:
                     ["--arm", "ft", *arms, "--replica", str(g), "--lighthouses", address],
                     out,
                     f"ft-{r}-{g}",
+                    torchrun=group_size if group_size > 1 else 0,
                 )
                 for g in (0, 1)
             ]
@@ -456,10 +471,16 @@ if __name__ == "__main__":
         default=",".join(CONFIGS),
         help=f"the configurations of the per-step rounds, comma-separated, of {', '.join(CONFIGS)}",
     )
+    p.add_argument(
+        "--group-size", type=int, default=1, help="processes per replica group (DDP inside it), part 1 only"
+    )
+    p.add_argument("--flat", action="store_true", help="torchft averages after the backward (the old path)")
     p.add_argument("--lighthouses", default=None)  # one per fit: the overhead widths, then the drill
     p.add_argument("--out", default=None)
     a = p.parse_args()
     unknown = set(a.configs.split(",")) - set(CONFIGS)
     if unknown:
         p.error(f"--configs {a.configs}: {', '.join(sorted(unknown))} unknown; allowed: {', '.join(CONFIGS)}")
-    rank_main(a) if a.arm else main(a.rounds, drill=not a.no_drill, configs=a.configs)
+    if a.group_size > 1 and not a.no_drill and not a.arm:
+        p.error("--group-size: the drill runs groups of one process; allowed with --no-drill")
+    rank_main(a) if a.arm else main(a.rounds, not a.no_drill, a.configs, a.group_size, a.flat)

@@ -21,6 +21,7 @@ from trainer.fault_tolerance.config import HEARTBEAT_INTERVAL_MS, NoQuorumError
 from trainer.fault_tolerance.costs import StepCosts
 from trainer.fault_tolerance.outer_sync import OuterSync, inner_state
 from trainer.fault_tolerance.overlap import OverlappedAverage
+from trainer.fault_tolerance.overlap_group import overlap_in_group
 from trainer.fault_tolerance.quorum import Healed, join_quorum, request_quorum
 from trainer.fault_tolerance.state import SentState, load_replica_state
 
@@ -108,11 +109,13 @@ class ReplicaGroup:
             else None
         )
         self.costs = StepCosts()
-        per_step = self.outer is None and _overlap_is_valid(trainer)
-        self.overlap = (
-            OverlappedAverage(trainer.module, DirectSum(self.manager, self.pg), costs=self.costs)
-            if per_step
-            else None
+        direct = DirectSum(self.manager, self.pg)
+        self.overlap = (  # DiLoCo: none (the groups meet between windows)
+            None
+            if self.outer is not None
+            else OverlappedAverage(trainer.module, direct, costs=self.costs)
+            if _overlap_is_valid(trainer)
+            else overlap_in_group(trainer, direct, self.costs)
         )
 
     def start_step(self) -> None:
@@ -371,11 +374,11 @@ class PeerStateMismatch(RuntimeError):
 
 
 def _overlap_is_valid(trainer: Trainer) -> bool:
-    """Whether the backward may launch the cross-group average (the same answer in every group: they run the
-    same configuration). Only where a parameter's accumulated gradient is already the group's final one:
-    one process (under DDP the group's own reducer must average first; under FSDP the gradients exist only
-    after the reduce-scatter). With gradient accumulation the hooks count a parameter's backwards and copy
-    its gradient in the window's last; with fp16's scaler they copy it unscaled."""
+    """Whether the backward may launch the cross-group average from each parameter's gradient hook (the same
+    answer in every group: they run the same configuration). Only where a parameter's accumulated gradient is
+    already the group's final one: one process (groups of several chain the sum onto the group's own
+    reduction instead: overlap_group.py). With gradient accumulation the hooks count a parameter's backwards
+    and copy its gradient in the window's last; with fp16's scaler they copy it unscaled."""
     strategy = trainer.strategy
     return strategy.world_size == 1 and not any(hasattr(p, "to_local") for p in trainer.module.parameters())
 

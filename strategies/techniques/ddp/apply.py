@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from strategies.techniques.ddp.chain import ChainableHook
+
 COMPRESSION = (None, "fp16", "bf16", "powersgd")
 
 
@@ -91,7 +93,7 @@ def _register_hook(
     watch: Callable[[torch.Tensor], None] | None,
 ) -> None:
     """The one comm hook DDP allows: the compression's (None: DDP's built-in all-reduce, or, when
-    watched, the same all-reduce as a Python hook), run after `watch` reads the bucket."""
+    watched, the same all-reduce as a Python hook), run after `watch` reads the bucket; a `ChainableHook`."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
     state: Any = group
@@ -107,8 +109,8 @@ def _register_hook(
             start_powerSGD_iter=start_iter,
         )
         hook = powerSGD_hook.powerSGD_hook
-    if hook is not None:
-        model.register_comm_hook(state, hook if watch is None else _watched(hook, watch))
+    if hook is not None:  # chainable: fault tolerance sums each bucket over the replica groups after it
+        model.register_comm_hook(state, ChainableHook(hook if watch is None else _watched(hook, watch)))
 
 
 def _watched(hook: Any, watch: Callable[[torch.Tensor], None]) -> Any:

@@ -1,0 +1,182 @@
+"""The cross-group gradient average overlapped with the backward for a replica group of several DDP processes:
+DDP's comm hook all-reduces each bucket over the group, and as soon as that is done the same bucket buffer is
+summed over the replica groups (rank r with rank r of every group, on torchft's process group). DDP waits for
+both before its backward returns, so `.grad` (the buckets' views) holds the average over every process of
+every group, with no copy of the gradients after the backward."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from time import perf_counter
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+
+from strategies.techniques.ddp.chain import ChainableHook
+from trainer.core.dtensors import local_part
+from trainer.fault_tolerance.costs import StepCosts
+
+
+class OverlappedGroupAverage:
+    """DDP's comm hook on `ddp` that chains each bucket's sum over the replica groups onto the group's own
+    reduction, while `arm`ed (between the quorum and `finish`; outside, the group's reduction alone). The
+    group's reduction is the hook the strategy registered (gradient compression, a gradient-noise watch: a
+    `ChainableHook`, which this wraps), then a pass scaling its mean by 1 / groups; with none, DDP's
+    all-reduce (as a `ChainableHook` registered here), that factor folded into its division by the group
+    size (one pass). fp16: x 1 / loss
+    scale before the sum and x scale after it, so groups whose scales differ average true gradients.
+
+    The group's all-reduces complete on gloo's threads in any order; the sums over the groups launch strictly
+    in bucket order, so every group makes the same sequence of collectives. Under `no_sync` (gradient
+    accumulation) DDP calls the hook only in the window's last backward; a second synced backward in the step
+    marks it stale and the caller averages after the backward instead (see `finish`)."""
+
+    def __init__(self, ddp: DistributedDataParallel, direct: Any, costs: StepCosts | None = None) -> None:
+        self.direct, self.costs = direct, costs or StepCosts()
+        self.group = ddp.process_group
+        self.group_size = self.group.size()
+        self.params = [p for p in ddp.module.parameters() if p.requires_grad]
+        self.lock = threading.Lock()  # the gloo threads that complete the group's all-reduces
+        self.armed = False
+        self.factor = 1.0  # the group's mean's factor before the sum over the groups
+        # fp16's loss scale, put back after the sum over the groups (DDP's `.grad` is expected scaled)
+        self.scale = 1.0
+        self._reset()
+        self.chain = next((h for h, _ in ddp._comm_hooks if isinstance(h, ChainableHook)), None)
+        if (
+            self.chain is None
+        ):  # DDP's built-in all-reduce so far (`ddp_to_chain` checked): the same, chainable
+            self.chain = ChainableHook(default_hooks.allreduce_hook)
+            ddp.register_comm_hook(self.group, self.chain)
+        self.chain.around = self._around
+
+    def _reset(self) -> None:
+        self.seen: set[int] = set()  # bucket indexes the hook ran for this step
+        self.last: int | None = None  # the index of the backward's last bucket
+        self.reduced: dict[int, tuple[torch.Tensor, torch.futures.Future, BaseException | None]] = {}
+        self.next = 0  # the next bucket to sum over the groups
+        self.stale = False
+
+    def arm(self, groups: int, backwards: int = 1, inv_scale: float = 1.0) -> None:
+        """The step's average is over `groups` groups; `backwards` (its micro-batches) is DDP's own business
+        (`no_sync`). `inv_scale`: fp16's 1 / loss scale."""
+        self._reset()
+        self.armed = True
+        self.factor, self.scale = inv_scale / groups, 1.0 / inv_scale
+
+    def finish(self, use: bool, undo: float = 1.0, extra: torch.Tensor | None = None) -> bool:
+        """After the backward (DDP has waited for every bucket): `extra` (the step's token count) summed over
+        the groups in place; with `use`, `.grad` x `undo` (the loop's token normalization since the backward:
+        the buckets hold the token sums' mean). False when the gradients are not the average: not `use`, no
+        bucket went out, or a second synced backward (the caller then averages after the backward)."""
+        if not self.armed:
+            return False
+        self.armed = False
+        start = perf_counter()
+        summed = self.direct.allreduce(extra, ReduceOp.SUM) if extra is not None else None
+        if summed is not None:
+            summed.wait()
+        start = self.costs.add("allreduce", start)
+        complete = self.last is not None and self.next == self.last + 1 and not self.stale
+        if not (use and complete):
+            return False
+        if undo != 1.0:
+            torch._foreach_mul_([local_part(p.grad) for p in self.params if p.grad is not None], undo)
+            self.costs.add("copies", start)
+        return True
+
+    @property
+    def launched(self) -> int:
+        """The sums over the groups this step's backward launched (one per bucket)."""
+        return self.next
+
+    def remove(self) -> None:
+        """The strategy's hook alone again (or DDP's all-reduce, as a Python hook)."""
+        self.chain.around = None
+        self.armed = False
+
+    def _around(self, hook: Any, state: Any, bucket: dist.GradBucket) -> torch.futures.Future:
+        """The bucket's future: its mean over the group (`hook`'s), then, armed, the sum over the groups of
+        that mean x 1 / groups."""
+        index = bucket.index()
+        if self.armed and index in self.seen:  # a second synced backward: this one stays the group's mean
+            self.stale = True
+        if not self.armed or self.stale:
+            return hook(state, bucket)
+        self.seen.add(index)
+        if bucket.is_last():
+            self.last = index
+        out: torch.futures.Future = torch.futures.Future()
+        plain = hook is default_hooks.allreduce_hook  # its division and the factor in one pass
+        if plain:
+            bucket.buffer().mul_(self.factor / self.group_size)
+            fut = dist.all_reduce(bucket.buffer(), group=self.group, async_op=True).get_future()
+        else:
+            fut = hook(state, bucket)
+        fut.add_done_callback(functools.partial(self._group_done, out, index, not plain))
+        return out
+
+    def _group_done(
+        self, out: torch.futures.Future, index: int, unscaled: bool, fut: torch.futures.Future
+    ) -> None:
+        buffer, error = None, None
+        try:
+            value = fut.value()  # a hook's tensor, or the all-reduce's list of one
+            buffer = value[0] if isinstance(value, list) else value
+        except Exception as err:  # the group's own reduction: DDP raises it from the backward
+            error = err
+        if buffer is not None and unscaled:
+            buffer.mul_(self.factor)
+        with self.lock:  # launched in bucket order, whichever group all-reduce finishes first
+            self.reduced[index] = (buffer, out, error)
+            while self.next in self.reduced:
+                bucket = self.reduced.pop(self.next)
+                # counted before its sum can complete: DDP's backward returns once the last one has, and
+                # `finish` then reads the count
+                self.next += 1
+                self._launch(*bucket)
+
+    def _launch(self, buffer: torch.Tensor, out: torch.futures.Future, error: BaseException | None) -> None:
+        if error is not None:
+            out.set_exception(error)
+            return
+        work = self.direct.allreduce(buffer, ReduceOp.SUM)
+        if work.work is None:  # not launched (the step is already discarded): the group's mean stays
+            self._summed(buffer, out, None)
+        else:
+            work.work.get_future().add_done_callback(functools.partial(self._summed, buffer, out))
+
+    def _summed(
+        self, buffer: torch.Tensor, out: torch.futures.Future, fut: torch.futures.Future | None
+    ) -> None:
+        # the future's own result: gloo runs this callback before its work counts as finished, so the work's
+        # `wait` would wait for this callback
+        try:
+            if fut is not None:
+                fut.wait()
+        except Exception as err:  # recorded for `commit` (the step is discarded), never raised
+            self.direct.manager.report_error(err)
+        if self.scale != 1.0:
+            buffer.mul_(self.scale)  # a power of two: the scaled gradient DDP's `.grad` is expected to hold
+        out.set_result(buffer)
+
+
+def ddp_to_chain(trainer: Any) -> DistributedDataParallel | None:
+    """The strategy's DDP wrapper when the sum over the groups may chain onto its comm hook: DDP over the whole
+    replica group, no DTensor parameter, no pipeline, and no comm hook but the strategy's `ChainableHook`
+    (DDP's reducer takes one hook, registered for good)."""
+    strategy = trainer.strategy
+    model = getattr(strategy, "model", None)
+    if not isinstance(model, DistributedDataParallel) or getattr(strategy, "pipeline", None) is not None:
+        return None
+    foreign = [h for h, _ in model._comm_hooks if not isinstance(h, ChainableHook)]
+    if model.process_group.size() != strategy.world_size or foreign:
+        return None
+    if any(hasattr(p, "to_local") for p in trainer.module.parameters()):
+        return None
+    return model
