@@ -3,10 +3,13 @@
 The data-parallel replica dimension is managed by torchft. Each replica group (one process, or several
 that shard the model inside it) is one member at the lighthouse. Every optimizer step:
 
-1. quorum: the groups alive now agree on who takes part; a group that is behind (it restarted) first
-   receives a healthy peer's training state over the network (model, optimizer, LR schedule, loop
-   counters, RNG, data position) and continues at the current step with bit-identical parameters;
-2. the step's gradients (already averaged inside the group) are averaged over the participating groups;
+1. quorum: the groups alive now agree on who takes part (asked for as the step starts, it forms while the
+   step reads its data and runs its forward, and is waited for before the first backward: quorum.py); a
+   group that is behind (it restarted) first receives a healthy peer's training state over the network
+   (model, optimizer, LR schedule, loop counters, RNG, data position) and runs the step from there with
+   bit-identical parameters;
+2. the step's gradients are averaged over the participating groups from the backward, bucket by bucket
+   (overlap.py; after the group's own DDP or FSDP reduction: overlap_ddp.py, overlap_fsdp.py);
 3. commit or discard: the optimizer steps only when torchft agrees the step is good (enough groups, no
    collective failed). A discarded step changes neither parameters nor optimizer state; the data, the step
    counter and the LR schedule move on, as with `Trainer.skip_optimizer_step`.
