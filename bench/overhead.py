@@ -7,7 +7,7 @@ apart, so other work on a shared machine slows both alike. Their ratio is paired
 time over the same window of 10 steps (one logged step of each), median over windows, then over rounds.
 
 Prints both step times and the ratio (target: Trainer / hand loop <= 1.05), for this MLP and a 3-layer one
-(issue 52's "~1.2 ms" step; ~1.9 ms on this machine); the extra time per step for an 8-wide MLP
+whose hand step takes issue 52's "~1.2 ms" on this machine; the extra time per step for an 8-wide MLP
 whose compute is nearly nil, which shows the Trainer's absolute per-step cost in microseconds; then the
 Trainer's fixed cost per fit: building it, from calling `fit` to the first step (less that step's batch
 fetch) and from the last step to `fit` returning, next to the hand loop's own set-up (optimizer,
@@ -147,7 +147,7 @@ if __name__ == "__main__":
     print_ratio(
         f"MLP 256->1024->256, batch {BATCH}, 1 thread; {ROUNDS} rounds of {STEPS} steps, interleaved", wide
     )
-    print_ratio('3-layer MLP 80->320->320->80 (issue 52\'s "~1.2 ms" arm)', rounds(80, layers=3))
+    print_ratio('3-layer MLP 40->160->160->40 (issue 52\'s "~1.2 ms" arm)', rounds(40, layers=3))
     tiny = rounds(8)
     print(
         f"MLP 8->32->8 (almost no compute): Trainer costs {median_of(tiny, 'extra') * 1e6:.0f} us/step more "

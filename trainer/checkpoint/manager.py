@@ -195,6 +195,9 @@ class CheckpointManager:
         not plain values are named, for `load_from_checkpoint` to ask for)."""
         trainer = self._trainer
         path = Path(path) if path is not None else self.path_for(trainer.global_step)
+        if trainer.is_global_zero:  # the rows logged up to this checkpoint reach their files first
+            for lg in trainer.loggers:
+                lg.save()
         if self.run_id is None:  # a save outside a fit (one process): a run of its own
             self.run_id = run_folder.new_run_id()
         owner = {"run_id": self.run_id, "writer": self._writer or run_folder.this_writer()}

@@ -62,6 +62,10 @@ class Logger:
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         raise NotImplementedError
 
+    def save(self) -> None:
+        """Put what was logged so far where it stays (a file's buffer on disk), as Lightning's `save`; the
+        Trainer calls it before each checkpoint, so a run killed later keeps every row up to it."""
+
     def finalize(self, status: str = "success") -> None:
         """Flush and close (`status` as Lightning's: "success", "failed", ...)."""
 
