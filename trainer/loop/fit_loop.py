@@ -259,10 +259,7 @@ class FitLoop(StopConditions):
         # on_train_batch_start (the step's own move is then a no-op)
         window[0] = strategy.to_device(window[0])
         dispatch.step("on_train_batch_start", (window[0], s.batches_in_epoch))
-        for batch in window:
-            samples, tokens = meter.count(batch)
-            s.samples_seen += samples
-            s.tokens_seen += tokens or 0
+        meter.count(window, s)
         out = strategy.train_step(module, window, s.batches_in_epoch)  # forward+backward of the window
         if self.replicas is not None:  # joined at the first backward; else (a pipeline schedule's) now
             self.replicas.join()

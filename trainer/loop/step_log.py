@@ -17,6 +17,7 @@ from trainer.loggers.base import LoggerRun, plain
 from trainer.loop.progress import fmt
 
 if TYPE_CHECKING:
+    from trainer.loop.state import LoopState
     from trainer.module import TrainModule
     from trainer.trainer import Trainer
 
@@ -45,9 +46,12 @@ def log_metrics(
     trainer.logged_metrics.update(logged)
     if trainer.is_global_zero and logged:
         epoch = {"epoch": logged.get("epoch", trainer.current_epoch)}  # every row names it, as Lightning's
-        users = {k: v for k, v in logged.items() if k not in own}
+        users = None  # made when a logger takes only the module's
         for lg in trainer.loggers:
-            row = logged if lg.trainer_metrics else users
+            if lg.trainer_metrics:
+                row = logged
+            else:
+                row = users = {k: v for k, v in logged.items() if k not in own} if users is None else users
             if row.keys() - {"epoch"}:
                 lg.log_metrics({**row, **epoch}, trainer.global_step)
 
@@ -156,7 +160,7 @@ def log_train(
     metrics["train/effective_time"] = trainer.effective_training_time()["fraction"]
     if trainer.state.skipped_steps:
         metrics["train/skipped_steps"] = trainer.state.skipped_steps
-    user = buffer.compute_step(trainer._reduce_logged)
+    user = buffer.compute_step(trainer._reduce_logged) if buffer.has_step_values() else {}
     own = set(metrics) - {"epoch"}
     metrics.update(user)
     log_metrics(trainer, metrics, buffer.not_for_loggers(), own - set(user))
@@ -241,15 +245,17 @@ class Throughput:
         self.has_tokens = True
         self.since = time.perf_counter()
 
-    def count(self, batch: Any) -> tuple[int, int | None]:
-        """Count a micro-batch; returns its (samples, tokens)."""
-        samples, tokens = batch_size(batch)
-        self.samples += samples
-        if tokens is None:
-            self.has_tokens = False
-        else:
-            self.tokens += tokens
-        return samples, tokens
+    def count(self, window: list[Any], state: LoopState) -> None:
+        """Count a step's micro-batches, here (for the rates) and in the loop's checkpointed counters."""
+        for batch in window:
+            samples, tokens = batch_size(batch)
+            self.samples += samples
+            state.samples_seen += samples
+            if tokens is None:
+                self.has_tokens = False
+            else:
+                self.tokens += tokens
+                state.tokens_seen += tokens
 
     def step_done(self) -> None:
         """One more optimizer step in the current window."""
