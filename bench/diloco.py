@@ -86,7 +86,7 @@ def main() -> None:
             for i, (name, overrides) in enumerate(arms.items())
         }
     print(f"tiny Llama, 2 replica groups, {args.steps} steps{''.join(f', {o}' for o in args.set)}: validation "
-          f"loss, per-step sync and DiLoCo k={args.k} (outer lr:Nesterov momentum[:state]), / per-step sync")  # fmt: skip
+          f"loss, per-step sync and DiLoCo k={args.k} (outer lr:Nesterov momentum[:state][:warmN]), / per-step sync")  # fmt: skip
     print(f"{'step':>6} {'per-step':>9}" + "".join(f" {name:>12} {'ratio':>6}" for name in arms))
     for step in sorted(per_step):
         row = [loss.get(step, float("nan")) for loss in losses.values()]
