@@ -3,10 +3,11 @@ of one process under `trainer replicas`, the same steps and tokens in both arms;
 curve of each (validation right after a meeting: `--every` is a multiple of k) and the final ratio (target:
 DiLoCo within 2% of per-step sync at k=8), and the cross-group all-reduces each arm made.
 
-`python bench/diloco.py [--steps 320] [--every 40] [--k 8] [--sweep 0.7:0.9,1:0,1:0:state] [--set trainer.seed=1]`
+`python bench/diloco.py [--steps 320] [--every 40] [--k 8] [--sweep 0.7:0.9,1:0:warm40] [--set trainer.seed=1]`
 (one run of the recipe on 2 processes per arm: 5-10 minutes each on this 2-core machine). `--sweep` runs one
 DiLoCo arm per outer (lr, momentum) pair, `:state` adding `sync_optimizer_state` (the inner AdamW moments
-averaged at each meeting); `--set` overrides the recipe in every arm."""
+averaged at each meeting), `:warmN` `sync_warmup_steps=N` (per-step sync for the first N steps); `--set`
+overrides the recipe in every arm."""
 
 from __future__ import annotations
 
@@ -40,22 +41,26 @@ def run_arm(root: Path, steps: int, every: int, k: int, overrides: list[str]) ->
 
 
 def diloco_arms(text: str) -> dict[str, list[str]]:
-    """`--sweep "0.7:0.9,1:0,1:0:state"`: each DiLoCo arm's name and its fault_tolerance overrides."""
+    """`--sweep "0.7:0.9,1:0,1:0:state,1:0:warm40"`: each DiLoCo arm's name and its fault_tolerance
+    overrides (`state`: sync_optimizer_state; `warmN`: sync_warmup_steps=N)."""
     arms = {}
     for item in text.split(","):
-        parts = item.split(":")
+        parts, flags = item.split(":"), []
         try:
             lr, momentum = float(parts[0]), float(parts[1])
+            for flag in parts[2:]:
+                if flag == "state":
+                    flags.append("fault_tolerance.sync_optimizer_state=true")
+                elif flag.startswith("warm") and flag[4:].isdigit():
+                    flags.append(f"fault_tolerance.sync_warmup_steps={int(flag[4:])}")
+                else:
+                    raise ValueError(flag)
         except (ValueError, IndexError):
-            parts = []
-        if len(parts) not in (2, 3) or parts[2:] not in ([], ["state"]):
             raise SystemExit(
-                f"--sweep {text!r}; allowed: LR:MOMENTUM or LR:MOMENTUM:state items separated by commas, "
-                "e.g. 0.7:0.9,1:0,1:0:state"
-            )
-        arms[item] = [f"fault_tolerance.outer_lr={lr}", f"fault_tolerance.outer_momentum={momentum}"] + (
-            ["fault_tolerance.sync_optimizer_state=true"] if parts[2:] else []
-        )
+                f"--sweep {text!r}; allowed: LR:MOMENTUM[:state][:warmN] items separated by commas, "
+                "e.g. 0.7:0.9,1:0,1:0:state,1:0:warm40"
+            ) from None
+        arms[item] = [f"fault_tolerance.outer_lr={lr}", f"fault_tolerance.outer_momentum={momentum}", *flags]
     return arms
 
 
@@ -65,7 +70,7 @@ def main() -> None:
     p.add_argument("--every", type=int, default=40)
     p.add_argument("--k", type=int, default=8)
     p.add_argument(
-        "--sweep", default="0.7:0.9", help="the DiLoCo arms: LR:MOMENTUM[:state] (comma-separated)"
+        "--sweep", default="0.7:0.9", help="the DiLoCo arms: LR:MOMENTUM[:state][:warmN] (comma-separated)"
     )
     p.add_argument("--set", action="append", default=[], help="KEY=VALUE: a recipe override of every arm")
     args = p.parse_args()
@@ -81,7 +86,7 @@ def main() -> None:
             for i, (name, overrides) in enumerate(arms.items())
         }
     print(f"tiny Llama, 2 replica groups, {args.steps} steps{''.join(f', {o}' for o in args.set)}: validation "
-          f"loss, per-step sync and DiLoCo k={args.k} (outer lr:Nesterov momentum[:state]), / per-step sync")  # fmt: skip
+          f"loss, per-step sync and DiLoCo k={args.k} (outer lr:Nesterov momentum[:state][:warmN]), / per-step sync")  # fmt: skip
     print(f"{'step':>6} {'per-step':>9}" + "".join(f" {name:>12} {'ratio':>6}" for name in arms))
     for step in sorted(per_step):
         row = [loss.get(step, float("nan")) for loss in losses.values()]
@@ -94,8 +99,8 @@ def main() -> None:
     for name, loss in losses.items():
         ratio = loss[last] / per_step[last]
         print(f"  {name}: {loss[last]:.4f} = {ratio:.4f}x {'PASS' if ratio <= 1.02 else 'FAIL'}")
-    print(f"cross-group all-reduces: per-step {args.steps}, DiLoCo {args.steps // args.k} "
-          "(with :state, each of 3x the parameters' bytes)")  # fmt: skip
+    print(f"cross-group all-reduces: per-step {args.steps}, DiLoCo {args.steps // args.k} (with :state, each "
+          "of 3x the parameters' bytes; with :warmN, N - N/k more, the warm-up's per-step ones)")  # fmt: skip
 
 
 if __name__ == "__main__":

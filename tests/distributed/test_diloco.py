@@ -27,13 +27,15 @@ pytestmark = pytest.mark.slow
 pytest.importorskip("torchft")
 
 K, OUTER_LR, OUTER_MOMENTUM = 4, 0.7, 0.9  # FaultTolerance's defaults: the paper's outer Nesterov SGD
+WARMUP = 2 * K  # sync_warmup_steps: per-step sync for two windows' worth of steps
 
 
-def replay(rows: list[dict]) -> Regression:
-    """DiLoCo in one process with plain PyTorch, from the survivor's rows: per window, each participating
-    group (group r reads shard r at the recorded positions) takes its SGD steps from the window's start
-    weights; when the meeting committed, Nesterov SGD steps the start weights by the mean of the groups'
-    start-minus-own; a discarded meeting leaves them."""
+def replay(rows: list[dict], warmup: int = 0) -> Regression:
+    """DiLoCo in one process with plain PyTorch, from the survivor's rows: the first `warmup` steps are
+    per-step sync (one SGD step by the participating groups' mean gradient); then per window, each
+    participating group (group r reads shard r at the recorded positions) takes its SGD steps from the
+    window's start weights; when the meeting committed, Nesterov SGD steps the start weights by the mean of
+    the groups' start-minus-own; a discarded meeting leaves them."""
     torch.manual_seed(SEED)
     model = Regression(lr=LR, optimizer="sgd")
     start = [p.detach().clone() for p in model.parameters()]
@@ -42,6 +44,17 @@ def replay(rows: list[dict]) -> Regression:
     shards = [torch.arange(N)[r::2] for r in range(2)]  # DistributedSampler(shuffle=False) of 2
     window: list[dict] = []
     for row in rows:
+        if row["step"] < warmup:
+            for p, s in zip(model.parameters(), start, strict=True):
+                p.data = s.clone()
+            model.zero_grad()
+            for r in range(row["replicas"]):
+                index = shards[r][row["position"] * BATCH : (row["position"] + 1) * BATCH]
+                (torch.nn.functional.mse_loss(model(x[index]), y[index]) / row["replicas"]).backward()
+            with torch.no_grad():
+                for p, s in zip(model.parameters(), start, strict=True):
+                    s.sub_(LR * p.grad)
+            continue
         window.append(row)
         if row["synced"] is None:
             continue
@@ -123,6 +136,35 @@ def test_groups_relaunched_from_checkpoints_inside_a_window_continue_it(tmp_path
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("save_at", [WARMUP // 2, WARMUP, WARMUP + 2])
+def test_a_per_step_warm_up_then_windows_also_across_a_relaunch(tmp_path, alone, save_at):  # noqa: F811
+    """`sync_warmup_steps`: the groups average every step's gradients for the first WARMUP steps (bit-equal
+    parameters after each), then meet every K steps; both stop after `save_at` steps (inside the warm-up,
+    at its end, inside the first window), saving checkpoints, and are relaunched from them: the run is the
+    uninterrupted replay's (with the paper's outer 0.7 / Nesterov 0.9, a first window started from other
+    weights than the warm-up's last would show)."""
+    diloco = ["--sync-every", str(K), "--sync-warmup-steps", str(WARMUP), "--after-rejoin", "1000"]
+    end = WARMUP + 2 * K
+    with running_lighthouse(tmp_path, "--min-replicas", "2") as address:
+        for leg in (["--max-steps", str(save_at), "--save-at", str(save_at)], ["--max-steps", str(end)]):
+            with groups_ending_well(tmp_path) as groups:
+                for replica in range(2):
+                    resume = ["--resume", str(tmp_path / f"replica{replica}" / "checkpoint")]
+                    relaunched = resume if str(end) in leg else []
+                    groups.append(start_group(tmp_path, address, replica, "", *diloco, *leg, *relaunched))
+    rows, theirs = steps(tmp_path, 0), steps(tmp_path, 1)
+    assert [row["step"] for row in rows] == list(range(end))
+    assert {row["replicas"] for row in rows} == {2}
+    assert [row["step"] for row in rows if row["synced"]] == [WARMUP + K - 1, end - 1]
+    assert [row["params"] for row in rows[:WARMUP]] == [row["params"] for row in theirs[:WARMUP]]
+    assert rows[WARMUP]["params"] != theirs[WARMUP]["params"]  # the first window: each group its own
+    final = json.loads((tmp_path / "replica0.json").read_text())
+    assert final["hash"] == json.loads((tmp_path / "replica1.json").read_text())["hash"]
+    got = torch.cat([torch.tensor(p).reshape(-1) for p in final["params"]])
+    want = torch.cat([p.detach().reshape(-1) for p in replay(rows, WARMUP).parameters()])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("averaged", [False, True])
 def test_the_inner_adamw_state_is_each_groups_own_or_averaged_at_meetings(tmp_path, alone, averaged):  # noqa: F811
     """Inner AdamW: each group's optimizer state lives on across meetings (never reset); with
@@ -181,6 +223,7 @@ def test_the_inner_adamw_state_is_each_groups_own_or_averaged_at_meetings(tmp_pa
         ("outer_lr", -1.0, "a number >= 0"),
         ("outer_momentum", 1.0, "a number >= 0 and < 1"),
         ("sync_optimizer_state", "yes", "True or False"),
+        ("sync_warmup_steps", -4, "an int >= 0"),
     ],
 )
 def test_bad_diloco_settings_are_named_in_one_line(field, value, allowed):
@@ -194,3 +237,15 @@ def test_averaging_the_optimizer_state_needs_diloco():
     ):
         FaultTolerance(lighthouse="127.0.0.1:1", replica_id=0, sync_optimizer_state=True)
     assert FaultTolerance(lighthouse="127.0.0.1:1", replica_id=0, sync_every=2, sync_optimizer_state=True)
+
+
+def test_a_warm_up_is_a_multiple_of_the_window_of_diloco():
+    for sync_every, warmup in ((4, 6), (1, 4)):
+        with pytest.raises(
+            ValueError,
+            match=rf"sync_warmup_steps={warmup} with sync_every={sync_every}; allowed: 0, or a multiple of",
+        ):
+            FaultTolerance(
+                lighthouse="127.0.0.1:1", replica_id=0, sync_every=sync_every, sync_warmup_steps=warmup
+            )
+    assert FaultTolerance(lighthouse="127.0.0.1:1", replica_id=0, sync_every=4, sync_warmup_steps=8)

@@ -92,3 +92,31 @@ def test_the_inner_state_averaged_is_every_state_tensor_shaped_like_its_paramete
     want = [adam.state[p][key] for p in model.parameters() for key in ("exp_avg", "exp_avg_sq")]
     got = inner_state(adam)
     assert len(got) == len(want) and all(a is b for a, b in zip(got, want, strict=True))  # no step counts
+
+
+def test_a_warm_up_meets_every_step_then_every_k_steps():
+    """`sync_warmup_steps=W`: the groups meet (a quorum, the gradients averaged) before each of the first W
+    steps, then every k steps: a quorum at each window's first step, a meeting after its last."""
+    warmup = 2 * K
+    outer = OuterSync(nn.Linear(2, 1), K, 1.0, 0.0, warmup)
+    quorums, per_step, meetings = [], [], []
+    for step in range(warmup + 3 * K):
+        if outer.starts_window(step):
+            quorums.append(step)
+            outer.begin()
+        if outer.per_step(step):
+            per_step.append(step)
+        if outer.ends_window(step):
+            meetings.append(step)
+        assert outer.ends_warmup(step) is (step == warmup - 1)
+    assert per_step == list(range(warmup))
+    assert quorums == [*range(warmup), warmup, warmup + K, warmup + 2 * K]
+    assert meetings == [warmup + K - 1, warmup + 2 * K - 1, warmup + 3 * K - 1]
+
+
+def test_without_a_warm_up_the_windows_are_as_before():
+    outer = OuterSync(nn.Linear(2, 1), K, 1.0, 0.0)
+    outer.begin()
+    assert not any(outer.per_step(step) or outer.ends_warmup(step) for step in range(3 * K))
+    assert [s for s in range(3 * K) if outer.starts_window(s)] == [0, K, 2 * K]
+    assert [s for s in range(3 * K) if outer.ends_window(s)] == [K - 1, 2 * K - 1, 3 * K - 1]

@@ -8,7 +8,10 @@ outer optimizer steps, as plain tensors: sharded (DTensor) parameters need no sp
 outer momentum are part of the training state (`state_dict`): a peer sends them to a rejoining group, and a
 checkpoint holds them, so a relaunch from checkpoints continues the window it stopped in (a group of
 sharded parameters: a checkpoint holds none, as it holds one rank's state; its relaunch starts a new
-window from the checkpoint's weights)."""
+window from the checkpoint's weights).
+
+A warm-up (`sync_warmup_steps`, the paper's DiLoCo starting from a data-parallel pretrained model) runs its
+first steps as per-step sync (the groups average every step's gradients); the windows follow it."""
 
 from __future__ import annotations
 
@@ -23,8 +26,11 @@ from trainer.core.dtensors import is_dtensor, local_part
 class OuterSync:
     """The outer loop of DiLoCo for one rank: `begin` at a window's start, `sync` after its last step."""
 
-    def __init__(self, module: nn.Module, sync_every: int, lr: float, momentum: float) -> None:
+    def __init__(
+        self, module: nn.Module, sync_every: int, lr: float, momentum: float, warmup: int = 0
+    ) -> None:
         self.sync_every = sync_every
+        self.warmup = warmup  # steps 0 .. warmup-1 are per-step sync (a multiple of sync_every)
         self.params = [p for p in module.parameters() if p.requires_grad]
         with torch.no_grad():
             self.start = [local_part(p).detach().clone() for p in self.params]
@@ -34,13 +40,23 @@ class OuterSync:
         self.loaded = False
         self.sharded = any(is_dtensor(p) for p in self.params)
 
+    def per_step(self, step: int) -> bool:
+        """Whether the step `step` (0-based) is one of the warm-up's: the groups average its gradients."""
+        return step < self.warmup
+
     def starts_window(self, step: int) -> bool:
-        """Whether the step `step` (0-based) opens a window (or is this process's first step)."""
-        return not self.began or step % self.sync_every == 0
+        """Whether the step `step` (0-based) opens a window (or is this process's first step, or a warm-up
+        step: the groups meet before each of those)."""
+        return not self.began or self.per_step(step) or step % self.sync_every == 0
 
     def ends_window(self, step: int) -> bool:
         """Whether the step `step` (0-based, just taken) closes its window."""
-        return (step + 1) % self.sync_every == 0
+        return not self.per_step(step) and (step + 1) % self.sync_every == 0
+
+    def ends_warmup(self, step: int) -> bool:
+        """Whether the step `step` (0-based, just taken) is the warm-up's last: the first window starts
+        from the weights it leaves."""
+        return step + 1 == self.warmup
 
     def begin(self) -> None:
         """Remember the weights the window starts from (after the quorum: a recovered group's are its peer's),

@@ -104,7 +104,13 @@ class ReplicaGroup:
             None  # DiLoCo: whether the last step's meeting committed (None: no meeting)
         )
         self.outer = (
-            OuterSync(trainer.module, config.sync_every, config.outer_lr, config.outer_momentum)
+            OuterSync(
+                trainer.module,
+                config.sync_every,
+                config.outer_lr,
+                config.outer_momentum,
+                config.sync_warmup_steps,
+            )
             if config.sync_every > 1
             else None
         )
@@ -195,8 +201,8 @@ class ReplicaGroup:
         be garbage, and are never applied. `num_tokens` (this rank's, for a token-weighted loss): each group
         weighs by its share of the step's tokens, so the result is the one-process token-mean gradient of
         all groups' batches, also when they hold different token counts. Under DiLoCo: nothing (the
-        groups meet in `end_step`)."""
-        if self.outer is not None:
+        groups meet in `end_step`), except in its per-step warm-up."""
+        if self.outer is not None and not self.outer.per_step(self.trainer.global_step):
             return
         if num_tokens is not None:  # the group's tokens (the strategy's normalisation counted them too)
             mine = self.trainer.strategy.reduce(num_tokens.float(), "sum", group="loss").double()
@@ -254,8 +260,8 @@ class ReplicaGroup:
         """Whether this step's update is applied (every rank of the group gets the same answer). `vote`
         False (a callback skips the step here) makes the group vote against it, so its ranks agree."""
         self.trainer.metrics.add("train/replicas", float(self.participants), on_step=True, on_epoch=False)
-        if self.outer is not None:  # DiLoCo: a step inside a window is this group's own
-            return vote
+        if self.outer is not None and not self.outer.per_step(self.trainer.global_step):
+            return vote  # DiLoCo: a step inside a window is this group's own
         if not vote:
             self.manager.report_error(RuntimeError("a callback skipped the optimizer step"))
         start = perf_counter()
@@ -276,6 +282,9 @@ class ReplicaGroup:
             inner = inner_state(self.trainer.optimizer) if self.config.sync_optimizer_state else None
             self.synced = self.outer.sync(self._average, self.manager.should_commit, inner)
             self.trainer.metrics.add("train/outer_sync", float(self.synced), on_step=True, on_epoch=False)
+        elif self.outer is not None and self.outer.ends_warmup(self.trainer.global_step):
+            # the first window starts from these weights: a checkpoint taken now holds them as its start
+            self.outer.begin()
 
     def _discard_reason(self) -> str:
         """Why this group's step was discarded, in one line: the error it recorded (a collective that failed,
