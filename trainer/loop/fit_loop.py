@@ -116,6 +116,9 @@ class FitLoop(StopConditions):
         self._train()
         dispatch.all("on_train_end")
         dispatch.all("on_fit_end")
+        if trainer.is_global_zero:  # its rows on disk before the fit's last collective: any rank reads them after
+            for lg in trainer.loggers:
+                lg.save()
         self.losses.check_end(
             module
         )  # after ModelCheckpoint's last save, which names the last good checkpoint
