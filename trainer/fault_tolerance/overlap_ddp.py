@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import threading
-from time import perf_counter
 from typing import Any
 
 import torch
@@ -18,11 +17,11 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from strategies.techniques.ddp.chain import ChainableHook
-from trainer.core.dtensors import local_part
 from trainer.fault_tolerance.costs import StepCosts
+from trainer.fault_tolerance.group_average import GroupAverage
 
 
-class OverlappedGroupAverage:
+class OverlappedGroupAverage(GroupAverage):
     """DDP's comm hook on `ddp` that chains each bucket's sum over the replica groups onto the group's own
     reduction, while `arm`ed (between the quorum and `finish`; outside, the group's reduction alone). The
     group's reduction is the hook the strategy registered (gradient compression, a gradient-noise watch: a
@@ -37,12 +36,10 @@ class OverlappedGroupAverage:
     marks it stale and the caller averages after the backward instead (see `finish`)."""
 
     def __init__(self, ddp: DistributedDataParallel, direct: Any, costs: StepCosts | None = None) -> None:
-        self.direct, self.costs = direct, costs or StepCosts()
+        super().__init__([p for p in ddp.module.parameters() if p.requires_grad], direct, costs)
         self.group = ddp.process_group
         self.group_size = self.group.size()
-        self.params = [p for p in ddp.module.parameters() if p.requires_grad]
         self.lock = threading.Lock()  # the gloo threads that complete the group's all-reduces
-        self.armed = False
         self.factor = 1.0  # the group's mean's factor before the sum over the groups
         # fp16's loss scale, put back after the sum over the groups (DDP's `.grad` is expected scaled)
         self.scale = 1.0
@@ -69,26 +66,9 @@ class OverlappedGroupAverage:
         self.armed = True
         self.factor, self.scale = inv_scale / groups, 1.0 / inv_scale
 
-    def finish(self, use: bool, undo: float = 1.0, extra: torch.Tensor | None = None) -> bool:
-        """After the backward (DDP has waited for every bucket): `extra` (the step's token count) summed over
-        the groups in place; with `use`, `.grad` x `undo` (the loop's token normalization since the backward:
-        the buckets hold the token sums' mean). False when the gradients are not the average: not `use`, no
-        bucket went out, or a second synced backward (the caller then averages after the backward)."""
-        if not self.armed:
-            return False
-        self.armed = False
-        start = perf_counter()
-        summed = self.direct.allreduce(extra, ReduceOp.SUM) if extra is not None else None
-        if summed is not None:
-            summed.wait()
-        start = self.costs.add("allreduce", start)
-        complete = self.last is not None and self.next == self.last + 1 and not self.stale
-        if not (use and complete):
-            return False
-        if undo != 1.0:
-            torch._foreach_mul_([local_part(p.grad) for p in self.params if p.grad is not None], undo)
-            self.costs.add("copies", start)
-        return True
+    def _complete(self) -> bool:
+        """DDP waited for every bucket in the backward: each went out once, in one synced backward."""
+        return self.last is not None and self.next == self.last + 1 and not self.stale
 
     @property
     def launched(self) -> int:

@@ -8,7 +8,6 @@ that buffer, so once `finish` waited they hold the average, with no copy."""
 from __future__ import annotations
 
 import functools
-from time import perf_counter
 from typing import Any
 
 import torch
@@ -16,11 +15,11 @@ from torch import nn
 from torch.autograd import Variable
 from torch.distributed import ReduceOp
 
-from trainer.core.dtensors import local_part
 from trainer.fault_tolerance.costs import StepCosts
+from trainer.fault_tolerance.group_average import GroupAverage
 
 
-class OverlappedShardAverage:
+class OverlappedShardAverage(GroupAverage):
     """All-reduce hooks on `module`'s FSDP2 units that sum each unit's gradient shard over the replica groups,
     scaled by 1 / groups in place first, while `arm`ed; the backward's last act is to wait for them (the
     loop scales `.grad` next: fp16's unscale, the token normalization). The units' hooks run on the
@@ -32,8 +31,7 @@ class OverlappedShardAverage:
     def __init__(self, module: nn.Module, direct: Any, costs: StepCosts | None = None) -> None:
         from torch.distributed.fsdp import FSDPModule
 
-        self.direct, self.costs = direct, costs or StepCosts()
-        self.params = [p for p in module.parameters() if p.requires_grad]
+        super().__init__([p for p in module.parameters() if p.requires_grad], direct, costs)
         self.units = [m for m in module.modules() if isinstance(m, FSDPModule)]
         for unit in self.units:
             unit.set_all_reduce_hook(functools.partial(self._reduced, unit))
@@ -48,25 +46,9 @@ class OverlappedShardAverage:
         self.reduced.clear()
         self.works = []
 
-    def finish(self, use: bool, undo: float = 1.0, extra: torch.Tensor | None = None) -> bool:
-        """After the backward (which waited for the shards' sums): `extra` (the step's token count) summed over
-        the groups in place; with `use`, `.grad` x `undo` (the loop's token normalization since the backward).
-        False when the gradients are not the average: not `use`, no unit reduced, or stale."""
-        if not self.armed:
-            return False
-        self.armed = False
-        start = perf_counter()
-        summed = self.direct.allreduce(extra, ReduceOp.SUM) if extra is not None else None
-        self._wait()
-        if summed is not None:
-            summed.wait()
-        start = self.costs.add("allreduce", start)
-        if not (use and self.reduced and not self.stale):
-            return False
-        if undo != 1.0:
-            torch._foreach_mul_([local_part(p.grad) for p in self.params if p.grad is not None], undo)
-            self.costs.add("copies", start)
-        return True
+    def _complete(self) -> bool:
+        """A unit reduced, none twice or divided or cast after its hook."""
+        return bool(self.reduced) and not self.stale
 
     @property
     def launched(self) -> int:

@@ -1,0 +1,50 @@
+"""What the overlapped averages inside groups of several processes share (overlap_ddp.py, overlap_fsdp.py):
+after the backward, the step's token count summed over the groups and, when the backward's sums are the
+average, the loop's token normalization undone on `.grad`."""
+
+from __future__ import annotations
+
+from time import perf_counter
+from typing import Any
+
+import torch
+from torch.distributed import ReduceOp
+
+from trainer.core.dtensors import local_part
+from trainer.fault_tolerance.costs import StepCosts
+
+
+class GroupAverage:
+    """The shared end of a step; a subclass says when its sums are waited for (`_wait`) and complete
+    (`_complete`)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], direct: Any, costs: StepCosts | None) -> None:
+        self.params, self.direct, self.costs = params, direct, costs or StepCosts()
+        self.armed = False
+
+    def finish(self, use: bool, undo: float = 1.0, extra: torch.Tensor | None = None) -> bool:
+        """After the backward: `extra` (the step's token count) summed over the groups in place; with `use`,
+        `.grad` x `undo` (the loop's token normalization since the backward: the sums hold the token sums'
+        mean). False when the gradients are not the average (not `use`, or `_complete` says no: the caller
+        then averages after the backward)."""
+        if not self.armed:
+            return False
+        self.armed = False
+        start = perf_counter()
+        summed = self.direct.allreduce(extra, ReduceOp.SUM) if extra is not None else None
+        self._wait()
+        if summed is not None:
+            summed.wait()
+        start = self.costs.add("allreduce", start)
+        if not (use and self._complete()):
+            return False
+        if undo != 1.0:
+            torch._foreach_mul_([local_part(p.grad) for p in self.params if p.grad is not None], undo)
+            self.costs.add("copies", start)
+        return True
+
+    def _wait(self) -> None:
+        """Wait for the sums the backward launched and did not wait for itself."""
+
+    def _complete(self) -> bool:
+        raise NotImplementedError
