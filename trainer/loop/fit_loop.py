@@ -116,12 +116,12 @@ class FitLoop(StopConditions):
         self._train()
         dispatch.all("on_train_end")
         dispatch.all("on_fit_end")
-        if trainer.is_global_zero:  # its rows on disk before the fit's last collective: any rank reads them after
+        # rank zero's rows on disk before the fit's last collective: any rank may read them after fit returns
+        if trainer.is_global_zero:
             for lg in trainer.loggers:
                 lg.save()
-        self.losses.check_end(
-            module
-        )  # after ModelCheckpoint's last save, which names the last good checkpoint
+        # after ModelCheckpoint's last save, which names the last good checkpoint
+        self.losses.check_end(module)
         rank_zero_info(step_log.effective_time_line(trainer))
 
     def _train(self) -> None:
