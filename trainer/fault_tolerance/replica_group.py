@@ -22,7 +22,7 @@ from trainer.fault_tolerance.costs import StepCosts
 from trainer.fault_tolerance.outer_sync import OuterSync, inner_state
 from trainer.fault_tolerance.overlap import OverlappedAverage
 from trainer.fault_tolerance.overlap_group import overlap_in_group
-from trainer.fault_tolerance.quorum import Healed, join_quorum, request_quorum
+from trainer.fault_tolerance.quorum import Healed, commit_vote, join_quorum, participants, request_quorum
 from trainer.fault_tolerance.state import SentState, load_replica_state
 
 if TYPE_CHECKING:
@@ -97,6 +97,7 @@ class ReplicaGroup:
         self.sent = SentState(trainer)
         self.manager.register_state_dict_fn("trainer", self._load, self.sent)
         self._participants = 0
+        self._logged_participants: int | None = None  # the last "train/replicas" value logged (see `commit`)
         self._forming = False  # this step's quorum was requested and is not joined yet
         self._void = False  # the quorum healed this group: the step's work so far is void (see `join`)
         self._joined_at: tuple[int, int] | None = None  # the loop's step and `_applied` at the last join
@@ -170,7 +171,7 @@ class ReplicaGroup:
                     f"fault tolerance: no quorum of min_replicas={self.config.min_replicas} replica group(s) within "
                     f"quorum_timeout_s={self.config.quorum_timeout_s:g} at lighthouse {self.config.lighthouse} ({_first_line(err)})"
                 ) from None  # torchft's error, several lines long, is in the line already (its first line)
-            self._participants = self.manager.num_participants()
+            self._participants = participants(self.manager)
             self.costs.add("quorum", start)
             self._joined_at = (self.trainer.state.global_step, self._applied())
             # the window's micro-batches: a gradient is final in the last backward
@@ -259,13 +260,16 @@ class ReplicaGroup:
     def commit(self, vote: bool) -> bool:
         """Whether this step's update is applied (every rank of the group gets the same answer). `vote`
         False (a callback skips the step here) makes the group vote against it, so its ranks agree."""
-        self.trainer.metrics.add("train/replicas", float(self.participants), on_step=True, on_epoch=False)
+        # where a row is written, and where the count changed (callback_metrics keep the latest value between)
+        if self.trainer.logs_this_step or self.participants != self._logged_participants:
+            self._logged_participants = self.participants
+            self.trainer.metrics.add("train/replicas", float(self.participants), on_step=True, on_epoch=False)
         if self.outer is not None and not self.outer.per_step(self.trainer.global_step):
             return vote  # DiLoCo: a step inside a window is this group's own
         if not vote:
             self.manager.report_error(RuntimeError("a callback skipped the optimizer step"))
         start = perf_counter()
-        committed = self.manager.should_commit()
+        committed = commit_vote(self.manager)
         self.costs.add("commit", start)
         if not committed and vote:  # a callback's skip is the user's own
             log.warning(
@@ -280,7 +284,7 @@ class ReplicaGroup:
         self.synced = None
         if self.outer is not None and self.outer.ends_window(self.trainer.global_step):
             inner = inner_state(self.trainer.optimizer) if self.config.sync_optimizer_state else None
-            self.synced = self.outer.sync(self._average, self.manager.should_commit, inner)
+            self.synced = self.outer.sync(self._average, lambda: commit_vote(self.manager), inner)
             self.trainer.metrics.add("train/outer_sync", float(self.synced), on_step=True, on_epoch=False)
         elif self.outer is not None and self.outer.ends_warmup(self.trainer.global_step):
             # the first window starts from these weights: a checkpoint taken now holds them as its start
