@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer.core.dtensors import local_part
-from trainer.fault_tolerance.config import HEARTBEAT_INTERVAL_MS, NoQuorumError
+from trainer.fault_tolerance.config import HEARTBEAT_INTERVAL_MS, NoQuorumError, tokio_workers
 from trainer.fault_tolerance.costs import StepCosts
 from trainer.fault_tolerance.outer_sync import OuterSync, inner_state
 from trainer.fault_tolerance.overlap import OverlappedAverage
@@ -68,7 +68,7 @@ class ReplicaGroup:
             (config.bind, self._store.port) if self._store is not None else None
         )
         self.pg = _process_group(strategy.root_device, timeout)
-        with _manager_server_bound_to(config.bind):
+        with _manager_server_bound_to(config.bind), tokio_workers():
             self.manager = Manager(
                 pg=self.pg,
                 load_state_dict=None,
