@@ -195,6 +195,14 @@ class ReplicaGroup:
         self.join()
         return self._participants
 
+    @property
+    def sums_tokens(self) -> bool:
+        """Whether a token-weighted loss's gradients reach `average_gradients` as the group's token sums, the
+        strategy leaving them so: a group of one process whose buckets the backward fills (with the sums),
+        where the strategy's division by the group's tokens would be a pass over gradients the average then
+        replaces (and divides by the mean of the groups' tokens)."""
+        return isinstance(self.overlap, OverlappedAverage)
+
     def average_gradients(self, module: nn.Module, num_tokens: torch.Tensor | None = None) -> None:
         """Average the step's gradients over the participating groups: the buckets the backward launched
         (see `OverlappedAverage`), else one all-reduce per dtype of a flat copy. A failure (a peer died
@@ -208,8 +216,8 @@ class ReplicaGroup:
         if num_tokens is not None:  # the group's tokens (the strategy's normalisation counted them too)
             mine = self.trainer.strategy.reduce(num_tokens.float(), "sum", group="loss").double()
         # a gradient the hooks did not copy (from an earlier micro-batch only) was divided by the group's
-        # tokens since: undone for the buckets, which hold token sums (one process: the group's tokens)
-        undo = float(mine) if num_tokens is not None else 1.0
+        # tokens since, unless `sums_tokens`: undone for the buckets, which hold token sums
+        undo = float(mine) if num_tokens is not None and not self.sums_tokens else 1.0
         total = mine.clone() if num_tokens is not None else None  # summed over the groups with the buckets
         if self.overlap is not None and self.overlap.finish(use=True, undo=undo, extra=total):
             if num_tokens is not None:  # the buckets held token sums: their mean over the mean token count
@@ -219,9 +227,10 @@ class ReplicaGroup:
                 self.costs.add("copies", start)
         else:
             grads = _grads(module)
-            if num_tokens is not None:  # .grad is this group's token mean: weigh it by the group's tokens
+            if num_tokens is not None:  # .grad is this group's token mean (or sum): weigh it by its tokens
                 mean = self._mean_over_groups(mine)
-                torch._foreach_mul_(grads, float(mine) / mean if mean > 0 else 0.0)  # 0: no tokens anywhere
+                weight = 1.0 if self.sums_tokens else float(mine)
+                torch._foreach_mul_(grads, weight / mean if mean > 0 else 0.0)  # 0: no tokens anywhere
             self._average(grads)
         scaler = self.trainer.strategy.precision.scaler
         if scaler is not None:
