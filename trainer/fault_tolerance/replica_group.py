@@ -218,13 +218,26 @@ class ReplicaGroup:
         # a gradient the hooks did not copy (from an earlier micro-batch only) was divided by the group's
         # tokens since, unless `sums_tokens`: undone for the buckets, which hold token sums
         undo = float(mine) if num_tokens is not None and not self.sums_tokens else 1.0
-        total = mine.clone() if num_tokens is not None else None  # summed over the groups with the buckets
-        if self.overlap is not None and self.overlap.finish(use=True, undo=undo, extra=total):
+        scaler = self.trainer.strategy.precision.scaler
+        # one process with fp16: the overflow `unscale_` found in this group's own gradients (an inf or nan),
+        # summed over the groups with the tokens, stands for a pass over the average's gradients (an inf
+        # anywhere is one in the average): every group skips alike
+        found = _found_inf(scaler, self.trainer.optimizer) if scaler is not None and self.sums_tokens else []
+        sums = ([mine.reshape(())] if num_tokens is not None else []) + (
+            [sum(f.sum() for f in found).double()] if found else []
+        )
+        extra = torch.stack(sums) if sums else None  # summed over the groups with the buckets
+        checked = False
+        if self.overlap is not None and self.overlap.finish(use=True, undo=undo, extra=extra):
             if num_tokens is not None:  # the buckets held token sums: their mean over the mean token count
-                mean = float(total) / max(self._participants, 1)
+                mean = float(extra[0]) / max(self._participants, 1)
                 start = perf_counter()
                 torch._foreach_mul_(_grads(module), 1.0 / mean if mean > 0 else 0.0)  # 0: no tokens anywhere
                 self.costs.add("copies", start)
+            if found and float(extra[-1]) > 0:
+                for tensor in found:
+                    tensor.fill_(1.0)
+            checked = bool(found)
         else:
             grads = _grads(module)
             if num_tokens is not None:  # .grad is this group's token mean (or sum): weigh it by its tokens
@@ -232,8 +245,7 @@ class ReplicaGroup:
                 weight = 1.0 if self.sums_tokens else float(mine)
                 torch._foreach_mul_(grads, weight / mean if mean > 0 else 0.0)  # 0: no tokens anywhere
             self._average(grads)
-        scaler = self.trainer.strategy.precision.scaler
-        if scaler is not None:
+        if scaler is not None and not checked:
             _check_the_average(scaler, self.trainer.optimizer, _grads(module))
 
     def _average(self, tensors: list[torch.Tensor]) -> None:
@@ -413,9 +425,14 @@ def _check_the_average(scaler: torch.amp.GradScaler, optimizer: Any, grads: list
     # gradient, where isfinite's compare-abs-compare took ~15x as long
     if not grads or torch.stack([g.sum() for g in grads]).isfinite().all():
         return
-    # torch has no public way to add to the inf check `unscale_` recorded for the optimizer's `step`
-    for found_inf in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+    for found_inf in _found_inf(scaler, optimizer):
         found_inf.fill_(1.0)
+
+
+def _found_inf(scaler: torch.amp.GradScaler, optimizer: Any) -> list[torch.Tensor]:
+    """The inf checks (1.0: found) `unscale_` recorded for `optimizer`'s next `step`, one per device: torch
+    has no public way to read or add to them."""
+    return list(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
 
 
 def _grads(module: nn.Module) -> list[torch.Tensor]:
