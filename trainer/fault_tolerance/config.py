@@ -27,9 +27,10 @@ HEARTBEAT_INTERVAL_MS = 50
 HEARTBEAT_TIMEOUT_MS = 500
 # the lighthouse re-checks a quorum that waits (for a heartbeat to run out) this often
 QUORUM_TICK_MS = 25
-# torchft's servers and clients (a lighthouse, a group's manager) run their async runtime on this many threads:
-# tokio's default is one per core, for a control plane of a few calls per step; with one, a call's hops stay
-# on one thread (bench MLP width 256: the group's torchft threads wake 6 times a step, not 12)
+# the async runtime threads of the torchft manager (server and client) of a group of one process: tokio's
+# default is one per core, for a control plane of a few calls per step from one rank; with one, a call's hops
+# stay on one thread (bench MLP width 256: the group's torchft threads wake 6 times a step, not 12). Larger
+# groups' managers and the lighthouse (it serves every group of a job) keep tokio's default
 TOKIO_WORKERS = 1
 # the longest wait a timeout may name: beyond it is a typo, and torchft's millisecond timeouts overflow
 WEEK_S = 7 * 24 * 3600

@@ -7,7 +7,7 @@ import signal
 import threading
 from typing import Any
 
-from trainer.fault_tolerance.config import HEARTBEAT_TIMEOUT_MS, QUORUM_TICK_MS, tokio_workers
+from trainer.fault_tolerance.config import HEARTBEAT_TIMEOUT_MS, QUORUM_TICK_MS
 from trainer.fault_tolerance.replica_group import require_torchft
 
 
@@ -24,14 +24,13 @@ def start_lighthouse(
     require_torchft()
     from torchft._torchft import LighthouseServer
 
-    with tokio_workers():
-        return LighthouseServer(
-            bind=bind,
-            min_replicas=min_replicas,
-            heartbeat_timeout_ms=heartbeat_timeout_ms,
-            join_timeout_ms=join_timeout_ms,
-            quorum_tick_ms=QUORUM_TICK_MS,
-        )
+    return LighthouseServer(
+        bind=bind,
+        min_replicas=min_replicas,
+        heartbeat_timeout_ms=heartbeat_timeout_ms,
+        join_timeout_ms=join_timeout_ms,
+        quorum_tick_ms=QUORUM_TICK_MS,
+    )
 
 
 def serve_until_signalled(server: Any) -> None:

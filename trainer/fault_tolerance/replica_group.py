@@ -68,7 +68,8 @@ class ReplicaGroup:
             (config.bind, self._store.port) if self._store is not None else None
         )
         self.pg = _process_group(strategy.root_device, timeout)
-        with _manager_server_bound_to(config.bind), tokio_workers():
+        alone = tokio_workers() if strategy.world_size == 1 else contextlib.nullcontext()
+        with _manager_server_bound_to(config.bind), alone:
             self.manager = Manager(
                 pg=self.pg,
                 load_state_dict=None,
