@@ -70,25 +70,24 @@ class Reads(Dataset):
 
 class Quorum(Callback):
     """Records each quorum requested and the first wait for it, on the group's torchft manager (its quorum
-    thread's executor and `wait_quorum`); `heal_at[step](manager)` makes that step's quorum hand this group
-    the training state it returns (as torchft's quorum thread stages a peer's state for a group that is
-    behind), or none (a recovery that failed)."""
+    thread's executor and `wait_quorum`); `heal_at[step](manager)` makes that step's quorum (the work
+    submitted to the quorum thread) hand this group the training state it returns (as torchft's quorum
+    thread stages a peer's state for a group that is behind), or none (a recovery that failed)."""
 
     def __init__(self, events: list, heal_at: dict | None = None) -> None:
         self.events, self.heal_at = events, heal_at or {}
 
     def on_train_start(self, trainer, module):
         manager = trainer._fit_loop.replicas.manager
-        executor, submitted = manager._executor, manager._executor.submit
-        wait, quorum = manager.wait_quorum, manager._async_quorum
+        executor, submitted, wait = manager._executor, manager._executor.submit, manager.wait_quorum
         events, heal_at = self.events, self.heal_at
 
         pending = []  # a quorum requested and not waited for yet (torchft waits again, at once, later)
 
-        def submit(*args, **kwargs):
+        def submit(quorum, *args, **kwargs):
             events.append(("request",))
             pending.append(True)
-            return submitted(*args, **kwargs)
+            return submitted(healing, quorum, *args, **kwargs)
 
         def waited():
             if pending:
@@ -96,7 +95,7 @@ class Quorum(Callback):
                 pending.clear()
             wait()
 
-        def healing(*args, **kwargs):
+        def healing(quorum, *args, **kwargs):
             quorum(*args, **kwargs)
             stage = heal_at.pop(trainer.global_step, None)
             if stage is not None:
@@ -105,7 +104,7 @@ class Quorum(Callback):
                 manager._pending_state_dict = user if state is not None else None
                 manager._healing = True
 
-        executor.submit, manager.wait_quorum, manager._async_quorum = submit, waited, healing
+        executor.submit, manager.wait_quorum = submit, waited
 
 
 def fit(tmp_path, lighthouse, events, steps, callbacks=(), after_forward=None, **kwargs) -> Recorded:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +27,11 @@ HEARTBEAT_INTERVAL_MS = 50
 HEARTBEAT_TIMEOUT_MS = 500
 # the lighthouse re-checks a quorum that waits (for a heartbeat to run out) this often
 QUORUM_TICK_MS = 25
+# the async runtime threads of the torchft manager (server and client) of a group of one process: tokio's
+# default is one per core, for a control plane of a few calls per step from one rank; with one, a call's hops
+# stay on one thread (bench MLP width 256: the group's torchft threads wake 6 times a step, not 12). Larger
+# groups' managers and the lighthouse (it serves every group of a job) keep tokio's default
+TOKIO_WORKERS = 1
 # the longest wait a timeout may name: beyond it is a typo, and torchft's millisecond timeouts overflow
 WEEK_S = 7 * 24 * 3600
 
@@ -166,3 +173,17 @@ def _host_port(name: str, value: object) -> None:
 def _int(name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"FaultTolerance {name}={value!r}; allowed: an int >= {minimum}")
+
+
+@contextlib.contextmanager
+def tokio_workers() -> Iterator[None]:
+    """torchft's Rust servers and clients built inside run TOKIO_WORKERS worker threads (tokio reads
+    TOKIO_WORKER_THREADS as each is built), unless the environment sets that variable already."""
+    if "TOKIO_WORKER_THREADS" in os.environ:
+        yield
+        return
+    os.environ["TOKIO_WORKER_THREADS"] = str(TOKIO_WORKERS)
+    try:
+        yield
+    finally:
+        del os.environ["TOKIO_WORKER_THREADS"]

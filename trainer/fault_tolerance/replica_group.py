@@ -17,12 +17,12 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer.core.dtensors import local_part
-from trainer.fault_tolerance.config import HEARTBEAT_INTERVAL_MS, NoQuorumError
+from trainer.fault_tolerance.config import HEARTBEAT_INTERVAL_MS, NoQuorumError, tokio_workers
 from trainer.fault_tolerance.costs import StepCosts
 from trainer.fault_tolerance.outer_sync import OuterSync, inner_state
 from trainer.fault_tolerance.overlap import OverlappedAverage
 from trainer.fault_tolerance.overlap_group import overlap_in_group
-from trainer.fault_tolerance.quorum import Healed, join_quorum, request_quorum
+from trainer.fault_tolerance.quorum import Healed, commit_vote, join_quorum, participants, request_quorum
 from trainer.fault_tolerance.state import SentState, load_replica_state
 
 if TYPE_CHECKING:
@@ -68,7 +68,8 @@ class ReplicaGroup:
             (config.bind, self._store.port) if self._store is not None else None
         )
         self.pg = _process_group(strategy.root_device, timeout)
-        with _manager_server_bound_to(config.bind):
+        alone = tokio_workers() if strategy.world_size == 1 else contextlib.nullcontext()
+        with _manager_server_bound_to(config.bind), alone:
             self.manager = Manager(
                 pg=self.pg,
                 load_state_dict=None,
@@ -97,6 +98,7 @@ class ReplicaGroup:
         self.sent = SentState(trainer)
         self.manager.register_state_dict_fn("trainer", self._load, self.sent)
         self._participants = 0
+        self._logged_participants: int | None = None  # the last "train/replicas" value logged (see `commit`)
         self._forming = False  # this step's quorum was requested and is not joined yet
         self._void = False  # the quorum healed this group: the step's work so far is void (see `join`)
         self._joined_at: tuple[int, int] | None = None  # the loop's step and `_applied` at the last join
@@ -170,7 +172,7 @@ class ReplicaGroup:
                     f"fault tolerance: no quorum of min_replicas={self.config.min_replicas} replica group(s) within "
                     f"quorum_timeout_s={self.config.quorum_timeout_s:g} at lighthouse {self.config.lighthouse} ({_first_line(err)})"
                 ) from None  # torchft's error, several lines long, is in the line already (its first line)
-            self._participants = self.manager.num_participants()
+            self._participants = participants(self.manager)
             self.costs.add("quorum", start)
             self._joined_at = (self.trainer.state.global_step, self._applied())
             # the window's micro-batches: a gradient is final in the last backward
@@ -194,6 +196,14 @@ class ReplicaGroup:
         self.join()
         return self._participants
 
+    @property
+    def sums_tokens(self) -> bool:
+        """Whether a token-weighted loss's gradients reach `average_gradients` as the group's token sums, the
+        strategy leaving them so: a group of one process whose buckets the backward fills (with the sums),
+        where the strategy's division by the group's tokens would be a pass over gradients the average then
+        replaces (and divides by the mean of the groups' tokens)."""
+        return isinstance(self.overlap, OverlappedAverage)
+
     def average_gradients(self, module: nn.Module, num_tokens: torch.Tensor | None = None) -> None:
         """Average the step's gradients over the participating groups: the buckets the backward launched
         (see `OverlappedAverage`), else one all-reduce per dtype of a flat copy. A failure (a peer died
@@ -207,23 +217,36 @@ class ReplicaGroup:
         if num_tokens is not None:  # the group's tokens (the strategy's normalisation counted them too)
             mine = self.trainer.strategy.reduce(num_tokens.float(), "sum", group="loss").double()
         # a gradient the hooks did not copy (from an earlier micro-batch only) was divided by the group's
-        # tokens since: undone for the buckets, which hold token sums (one process: the group's tokens)
-        undo = float(mine) if num_tokens is not None else 1.0
-        total = mine.clone() if num_tokens is not None else None  # summed over the groups with the buckets
-        if self.overlap is not None and self.overlap.finish(use=True, undo=undo, extra=total):
+        # tokens since, unless `sums_tokens`: undone for the buckets, which hold token sums
+        undo = float(mine) if num_tokens is not None and not self.sums_tokens else 1.0
+        scaler = self.trainer.strategy.precision.scaler
+        # one process with fp16: the overflow `unscale_` found in this group's own gradients (an inf or nan),
+        # summed over the groups with the tokens, stands for a pass over the average's gradients (an inf
+        # anywhere is one in the average): every group skips alike
+        found = _found_inf(scaler, self.trainer.optimizer) if scaler is not None and self.sums_tokens else []
+        sums = ([mine.reshape(())] if num_tokens is not None else []) + (
+            [sum(f.sum() for f in found).double()] if found else []
+        )
+        extra = torch.stack(sums) if sums else None  # summed over the groups with the buckets
+        checked = False
+        if self.overlap is not None and self.overlap.finish(use=True, undo=undo, extra=extra):
             if num_tokens is not None:  # the buckets held token sums: their mean over the mean token count
-                mean = float(total) / max(self._participants, 1)
+                mean = float(extra[0]) / max(self._participants, 1)
                 start = perf_counter()
                 torch._foreach_mul_(_grads(module), 1.0 / mean if mean > 0 else 0.0)  # 0: no tokens anywhere
                 self.costs.add("copies", start)
+            if found and float(extra[-1]) > 0:
+                for tensor in found:
+                    tensor.fill_(1.0)
+            checked = bool(found)
         else:
             grads = _grads(module)
-            if num_tokens is not None:  # .grad is this group's token mean: weigh it by the group's tokens
+            if num_tokens is not None:  # .grad is this group's token mean (or sum): weigh it by its tokens
                 mean = self._mean_over_groups(mine)
-                torch._foreach_mul_(grads, float(mine) / mean if mean > 0 else 0.0)  # 0: no tokens anywhere
+                weight = 1.0 if self.sums_tokens else float(mine)
+                torch._foreach_mul_(grads, weight / mean if mean > 0 else 0.0)  # 0: no tokens anywhere
             self._average(grads)
-        scaler = self.trainer.strategy.precision.scaler
-        if scaler is not None:
+        if scaler is not None and not checked:
             _check_the_average(scaler, self.trainer.optimizer, _grads(module))
 
     def _average(self, tensors: list[torch.Tensor]) -> None:
@@ -259,13 +282,16 @@ class ReplicaGroup:
     def commit(self, vote: bool) -> bool:
         """Whether this step's update is applied (every rank of the group gets the same answer). `vote`
         False (a callback skips the step here) makes the group vote against it, so its ranks agree."""
-        self.trainer.metrics.add("train/replicas", float(self.participants), on_step=True, on_epoch=False)
+        # where a row is written, and where the count changed (callback_metrics keep the latest value between)
+        if self.trainer.logs_this_step or self.participants != self._logged_participants:
+            self._logged_participants = self.participants
+            self.trainer.metrics.add("train/replicas", float(self.participants), on_step=True, on_epoch=False)
         if self.outer is not None and not self.outer.per_step(self.trainer.global_step):
             return vote  # DiLoCo: a step inside a window is this group's own
         if not vote:
             self.manager.report_error(RuntimeError("a callback skipped the optimizer step"))
         start = perf_counter()
-        committed = self.manager.should_commit()
+        committed = commit_vote(self.manager)
         self.costs.add("commit", start)
         if not committed and vote:  # a callback's skip is the user's own
             log.warning(
@@ -280,7 +306,7 @@ class ReplicaGroup:
         self.synced = None
         if self.outer is not None and self.outer.ends_window(self.trainer.global_step):
             inner = inner_state(self.trainer.optimizer) if self.config.sync_optimizer_state else None
-            self.synced = self.outer.sync(self._average, self.manager.should_commit, inner)
+            self.synced = self.outer.sync(self._average, lambda: commit_vote(self.manager), inner)
             self.trainer.metrics.add("train/outer_sync", float(self.synced), on_step=True, on_epoch=False)
         elif self.outer is not None and self.outer.ends_warmup(self.trainer.global_step):
             # the first window starts from these weights: a checkpoint taken now holds them as its start
@@ -400,9 +426,14 @@ def _check_the_average(scaler: torch.amp.GradScaler, optimizer: Any, grads: list
     # gradient, where isfinite's compare-abs-compare took ~15x as long
     if not grads or torch.stack([g.sum() for g in grads]).isfinite().all():
         return
-    # torch has no public way to add to the inf check `unscale_` recorded for the optimizer's `step`
-    for found_inf in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+    for found_inf in _found_inf(scaler, optimizer):
         found_inf.fill_(1.0)
+
+
+def _found_inf(scaler: torch.amp.GradScaler, optimizer: Any) -> list[torch.Tensor]:
+    """The inf checks (1.0: found) `unscale_` recorded for `optimizer`'s next `step`, one per device: torch
+    has no public way to read or add to them."""
+    return list(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
 
 
 def _grads(module: nn.Module) -> list[torch.Tensor]:

@@ -270,7 +270,9 @@ class FitLoop(StopConditions):
             return self._skip_returned_none(window)
         loss, num_tokens = out.loss, out.num_tokens
         self.step_loss, self.step_norm, self.skip_reason = loss, None, None
-        strategy.finish_gradients(module, optimizer, num_tokens)
+        # fault tolerance's groups of one process take a token-weighted loss's gradients as summed
+        summed = self.replicas is not None and self.replicas.sums_tokens
+        strategy.finish_gradients(module, optimizer, None if summed else num_tokens)
         if self.replicas is not None:  # ...and over the live replica groups, before anything reads them
             self.replicas.average_gradients(module, num_tokens)
         dispatch.step("on_after_backward")
