@@ -24,7 +24,7 @@ def unpack_loss(output: Any, method: str) -> tuple[torch.Tensor, torch.Tensor | 
     if isinstance(output, dict):
         num_tokens = output.get("num_tokens")
         output = output.get("loss")
-    if is_dtensor(output):  # a DTensor loss (tensor parallel): its value
+    if type(output) is not torch.Tensor and is_dtensor(output):  # a DTensor loss (tensor parallel): its value
         output = output.full_tensor()
     if not isinstance(output, torch.Tensor) or output.numel() != 1:
         raise TypeError(

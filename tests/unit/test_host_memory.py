@@ -35,5 +35,6 @@ def test_later_rounds_of_allocations_reuse_the_freed_pages(monkeypatch):
     pages = 4 * 24 * MIB // resource.getpagesize()
     # glibc's defaults: about `pages` faults a round until their dynamic thresholds settle (measured 98,176
     # in these four rounds; some runs settle sooner). With the memory kept, a block can still be faulted in
-    # again, depending on the heap an xdist worker's earlier tests left (once 6,144: one of the 16 blocks)
-    assert sum(_round_faults() for _ in range(4)) < pages
+    # again, depending on the heap an xdist worker's earlier tests left: one 6,144-page block a round seen
+    # (24,576 in four rounds, in a CI-like clone), so the bound is half the defaults' count, not a quarter
+    assert sum(_round_faults() for _ in range(4)) < 2 * pages

@@ -21,11 +21,15 @@ def local_part(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if is_dtensor(t) else t
 
 
+_PLAIN = {torch.Tensor, torch.nn.Parameter}  # the types no DTensor has
+
+
 def local_parts(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """`local_part` of each of `tensors`: the list itself when no DTensor can exist (one look-up per list, not
-    one per tensor: this runs every step)."""
+    """`local_part` of each of `tensors`: the list itself when none is a DTensor (this runs every step)."""
     module = sys.modules.get("torch.distributed.tensor")
-    if module is None:
+    # (an optimizer imports it, through torch._dynamo: then the types are looked at in one pass in C, not
+    # one Python test per tensor)
+    if module is None or set(map(type, tensors)) <= _PLAIN:
         return tensors
     return [t.to_local() if isinstance(t, module.DTensor) else t for t in tensors]
 
