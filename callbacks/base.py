@@ -29,86 +29,88 @@ class Callback:
         """Key of this callback's state in a checkpoint (unique per class by default)."""
         return type(self).__qualname__
 
-    def setup(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
+    def setup(self, trainer: Trainer, pl_module: TrainModule, stage: str) -> None:
         """Start of fit/validate/test/predict, once the process group and device exist, before the
         module's `setup` and `configure_model` (Lightning's order)."""
 
-    def teardown(self, trainer: Trainer, module: TrainModule, stage: str) -> None:
+    def teardown(self, trainer: Trainer, pl_module: TrainModule, stage: str) -> None:
         """End of fit/validate/test, also after an exception."""
 
-    def on_fit_start(self, trainer: Trainer, module: TrainModule) -> None:
+    def on_fit_start(self, trainer: Trainer, pl_module: TrainModule) -> None:
         """Before the first step (after a checkpoint was restored)."""
 
-    def on_fit_end(self, trainer: Trainer, module: TrainModule) -> None:
+    def on_fit_end(self, trainer: Trainer, pl_module: TrainModule) -> None:
         """After the last step."""
 
-    def on_train_start(self, trainer: Trainer, module: TrainModule) -> None:
+    def on_train_start(self, trainer: Trainer, pl_module: TrainModule) -> None:
         """Before the first training step (after on_fit_start)."""
 
-    def on_train_end(self, trainer: Trainer, module: TrainModule) -> None:
+    def on_train_end(self, trainer: Trainer, pl_module: TrainModule) -> None:
         """After the last training step (before on_fit_end)."""
 
-    def on_train_epoch_start(self, trainer: Trainer, module: TrainModule) -> None:
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: TrainModule) -> None:
         """At the start of each training epoch."""
 
-    def on_train_epoch_end(self, trainer: Trainer, module: TrainModule) -> None:
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: TrainModule) -> None:
         """At the end of each training epoch, after its end-of-epoch validation."""
 
-    def on_train_batch_start(self, trainer: Trainer, module: TrainModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: TrainModule, batch: Any, batch_idx: int
+    ) -> None:
         """Before the micro-batches of an optimizer step: `batch` is the first of them (the only one without
         accumulation), `batch_idx` its index in the epoch."""
 
-    def on_before_backward(self, trainer: Trainer, module: TrainModule, loss: torch.Tensor) -> None:
+    def on_before_backward(self, trainer: Trainer, pl_module: TrainModule, loss: torch.Tensor) -> None:
         """Before the backward of each micro-batch's `loss` (as `training_step` returned it)."""
 
-    def on_after_backward(self, trainer: Trainer, module: TrainModule) -> None:
+    def on_after_backward(self, trainer: Trainer, pl_module: TrainModule) -> None:
         """Gradients of the whole step are accumulated, synced and normalised: `.grad` is the gradient of the
         step's mean loss (token-weighted when the step reports num_tokens; fp16's loss scale divided out),
         not yet clipped."""
 
     def on_before_optimizer_step(
-        self, trainer: Trainer, module: TrainModule, optimizer: torch.optim.Optimizer
+        self, trainer: Trainer, pl_module: TrainModule, optimizer: torch.optim.Optimizer
     ) -> None:
         """Gradients are final (clipped); the optimizer is about to step."""
 
     def on_before_zero_grad(
-        self, trainer: Trainer, module: TrainModule, optimizer: torch.optim.Optimizer
+        self, trainer: Trainer, pl_module: TrainModule, optimizer: torch.optim.Optimizer
     ) -> None:
         """The optimizer stepped; its gradients are about to be cleared."""
 
     def on_train_batch_end(
-        self, trainer: Trainer, module: TrainModule, outputs: dict[str, Any], batch: Any, batch_idx: int
+        self, trainer: Trainer, pl_module: TrainModule, outputs: dict[str, Any], batch: Any, batch_idx: int
     ) -> None:
         """After the optimizer step (and validation, when it was due); outputs["loss"] is the step's loss,
         `batch` and `batch_idx` as on_train_batch_start had them."""
 
-    def on_validation_start(self, trainer: Trainer, module: TrainModule) -> None:
+    def on_validation_start(self, trainer: Trainer, pl_module: TrainModule) -> None:
         """Before a validation loop."""
 
-    def on_validation_end(self, trainer: Trainer, module: TrainModule) -> None:
+    def on_validation_end(self, trainer: Trainer, pl_module: TrainModule) -> None:
         """After a validation loop; its metrics are in `trainer.callback_metrics`."""
 
-    def on_validation_epoch_start(self, trainer: Trainer, module: TrainModule) -> None:
+    def on_validation_epoch_start(self, trainer: Trainer, pl_module: TrainModule) -> None:
         """Before the first validation batch."""
 
-    def on_validation_epoch_end(self, trainer: Trainer, module: TrainModule) -> None:
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: TrainModule) -> None:
         """After the last validation batch, before the loop's metrics are computed."""
 
-    def on_sanity_check_start(self, trainer: Trainer, module: TrainModule) -> None:
+    def on_sanity_check_start(self, trainer: Trainer, pl_module: TrainModule) -> None:
         """Before the few validation batches that run ahead of training (`num_sanity_val_steps`)."""
 
-    def on_sanity_check_end(self, trainer: Trainer, module: TrainModule) -> None:
+    def on_sanity_check_end(self, trainer: Trainer, pl_module: TrainModule) -> None:
         """After the sanity check; nothing it logged was kept."""
 
     def on_validation_batch_start(
-        self, trainer: Trainer, module: TrainModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+        self, trainer: Trainer, pl_module: TrainModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
         """Before `validation_step` of each batch."""
 
     def on_validation_batch_end(
         self,
         trainer: Trainer,
-        module: TrainModule,
+        pl_module: TrainModule,
         outputs: Any,
         batch: Any,
         batch_idx: int,
@@ -117,14 +119,14 @@ class Callback:
         """After `validation_step`; `outputs` is what it returned."""
 
     def on_test_batch_start(
-        self, trainer: Trainer, module: TrainModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+        self, trainer: Trainer, pl_module: TrainModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
         """Before `test_step` of each batch."""
 
     def on_test_batch_end(
         self,
         trainer: Trainer,
-        module: TrainModule,
+        pl_module: TrainModule,
         outputs: Any,
         batch: Any,
         batch_idx: int,
@@ -133,14 +135,14 @@ class Callback:
         """After `test_step`; `outputs` is what it returned."""
 
     def on_predict_batch_start(
-        self, trainer: Trainer, module: TrainModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+        self, trainer: Trainer, pl_module: TrainModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
         """Before `predict_step` of each batch."""
 
     def on_predict_batch_end(
         self,
         trainer: Trainer,
-        module: TrainModule,
+        pl_module: TrainModule,
         outputs: Any,
         batch: Any,
         batch_idx: int,
@@ -148,40 +150,44 @@ class Callback:
     ) -> None:
         """After `predict_step`; `outputs` is its prediction."""
 
-    def on_test_start(self, trainer: Trainer, module: TrainModule) -> None:
+    def on_test_start(self, trainer: Trainer, pl_module: TrainModule) -> None:
         """Before a test loop."""
 
-    def on_test_end(self, trainer: Trainer, module: TrainModule) -> None:
+    def on_test_end(self, trainer: Trainer, pl_module: TrainModule) -> None:
         """After a test loop."""
 
-    def on_test_epoch_start(self, trainer: Trainer, module: TrainModule) -> None:
+    def on_test_epoch_start(self, trainer: Trainer, pl_module: TrainModule) -> None:
         """Before the first test batch."""
 
-    def on_test_epoch_end(self, trainer: Trainer, module: TrainModule) -> None:
+    def on_test_epoch_end(self, trainer: Trainer, pl_module: TrainModule) -> None:
         """After the last test batch, before the loop's metrics are computed."""
 
-    def on_predict_start(self, trainer: Trainer, module: TrainModule) -> None:
+    def on_predict_start(self, trainer: Trainer, pl_module: TrainModule) -> None:
         """Before a predict loop."""
 
-    def on_predict_end(self, trainer: Trainer, module: TrainModule) -> None:
+    def on_predict_end(self, trainer: Trainer, pl_module: TrainModule) -> None:
         """After a predict loop."""
 
-    def on_predict_epoch_start(self, trainer: Trainer, module: TrainModule) -> None:
+    def on_predict_epoch_start(self, trainer: Trainer, pl_module: TrainModule) -> None:
         """Before the first predict batch."""
 
-    def on_predict_epoch_end(self, trainer: Trainer, module: TrainModule) -> None:
+    def on_predict_epoch_end(self, trainer: Trainer, pl_module: TrainModule) -> None:
         """After the last predict batch."""
 
-    def on_save_checkpoint(self, trainer: Trainer, module: TrainModule, checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(
+        self, trainer: Trainer, pl_module: TrainModule, checkpoint: dict[str, Any]
+    ) -> None:
         """A checkpoint's state is being assembled; add to it if needed."""
 
-    def on_load_checkpoint(self, trainer: Trainer, module: TrainModule, checkpoint: dict[str, Any]) -> None:
+    def on_load_checkpoint(
+        self, trainer: Trainer, pl_module: TrainModule, checkpoint: dict[str, Any]
+    ) -> None:
         """A checkpoint was restored: on resume, or by a rollback (`trainer.rollback`)."""
 
-    def on_straggler(self, trainer: Trainer, module: TrainModule, stragglers: dict[int, float]) -> None:
+    def on_straggler(self, trainer: Trainer, pl_module: TrainModule, stragglers: dict[int, float]) -> None:
         """StragglerDetector found ranks slower than the rest: {rank: its time / the median time}."""
 
-    def on_exception(self, trainer: Trainer, module: TrainModule, exception: BaseException) -> None:
+    def on_exception(self, trainer: Trainer, pl_module: TrainModule, exception: BaseException) -> None:
         """The run is failing with `exception`."""
 
     def state_dict(self) -> dict[str, Any]:

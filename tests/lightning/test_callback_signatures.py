@@ -26,8 +26,8 @@ def hooks(cls: type) -> dict[str, inspect.Signature]:
 
 
 def shape(signature: inspect.Signature) -> list[tuple[str, object]]:
-    """The parameters as (name, default), Lightning's `pl_module` named `module` here."""
-    return [("module" if p.name == "pl_module" else p.name, p.default) for p in signature.parameters.values()]
+    """The parameters as (name, default): the same names, so a keyword call (`pl_module=...`) reaches both."""
+    return [(p.name, p.default) for p in signature.parameters.values()]
 
 
 def test_every_lightning_callback_hook_exists_with_its_signature():
