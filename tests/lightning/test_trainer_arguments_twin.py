@@ -3,7 +3,9 @@ real PyTorch Lightning 2.6: one module written as Lightning's docs write it, on 
 seeded weights and data, SGD (every factor on a gradient shows in the weights), `pl.Trainer` and
 `trainer.Trainer` with the same arguments on the CPU in this process. What each compares: the final weights
 and every micro-batch's loss (clipping, accumulation, bf16), the batch indices every step saw (fast_dev_run,
-the sanity check, the limits), the steps a fake clock allows (max_time), the logger's hyperparameters."""
+the sanity check, the limits), the steps a fake clock allows (max_time), the logger's hyperparameters. The
+README's differences (logger=True, "16-mixed" on the CPU, max_time after a validation, the default
+default_root_dir) are asserted as differences."""
 
 from __future__ import annotations
 
@@ -250,17 +252,41 @@ def test_limit_train_batches_zero_skips_training_as_lightning(tmp_path, limit):
 # -- precision ---------------------------------------------------------------------------------------
 
 
-def test_bf16_mixed_on_the_cpu_gives_lightnings_losses_and_weights(tmp_path):
-    runs = fit_both(tmp_path, {"lr": 0.5}, max_epochs=2, precision="bf16-mixed")
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_bf16_on_the_cpu_gives_lightnings_losses_and_weights(tmp_path, precision):
+    runs = fit_both(tmp_path, {"lr": 0.5}, max_epochs=2, precision=precision)
     (theirs, _), (ours, our_trainer) = runs["lightning"], runs["trainer"]
-    assert our_trainer.precision == "bf16-mixed"
-    # the same ops under the same torch.autocast("cpu", torch.bfloat16): the same arithmetic, so fp32's
-    # tolerance, 1e-6; bf16's own rounding (8 bits of mantissa) moves these losses by ~1e-2, four orders more
+    assert our_trainer.precision == precision
+    # the same ops in the same dtypes (torch.autocast("cpu", torch.bfloat16), or bf16 weights and inputs):
+    # the same arithmetic, so fp32's tolerance, 1e-6; bf16's own rounding (8 bits of mantissa) moves these
+    # losses by ~1e-2, four orders more, which the last line checks
     assert ours.losses == pytest.approx(theirs.losses, abs=1e-6)
     assert_same_weights(theirs, ours, atol=1e-6)
     full = LitBody(lr=0.5)
     make_trainer("lightning", tmp_path / "32", max_epochs=2).fit(full, data(64), data(32, seed=1))
-    assert max(abs(a - b) for a, b in zip(full.losses, theirs.losses, strict=True)) > 1e-3  # bf16 was on
+    assert max(abs(a - b) for a, b in zip(full.losses, theirs.losses, strict=True)) > 1e-3
+
+
+def test_16_mixed_on_the_cpu_is_fp16_here_and_lightnings_bf16_mixed(tmp_path):
+    # a README difference: Lightning turns "16-mixed" on the CPU into "bf16-mixed" (with a warning); here it
+    # stays fp16 autocast with a gradient scaler, so our "bf16-mixed" is what Lightning runs
+    runs = {}
+    for framework, precision in (("lightning", "16-mixed"), ("trainer", "bf16-mixed"), ("fp16", "16-mixed")):
+        net = module("trainer" if framework == "fp16" else framework, lr=0.5)
+        trainer = make_trainer(
+            "trainer" if framework == "fp16" else framework,
+            tmp_path / framework,
+            max_epochs=2,
+            precision=precision,
+        )
+        trainer.fit(net, data(64), data(32, seed=1))
+        runs[framework] = (net, trainer.precision)
+    assert [runs[f][1] for f in runs] == ["bf16-mixed", "bf16-mixed", "16-mixed"]
+    assert runs["trainer"][0].losses == pytest.approx(runs["lightning"][0].losses, abs=1e-6)
+    assert (
+        max(abs(a - b) for a, b in zip(runs["fp16"][0].losses, runs["lightning"][0].losses, strict=True))
+        > 1e-3
+    )
 
 
 # -- max_time ----------------------------------------------------------------------------------------
@@ -372,3 +398,10 @@ def test_logger_true_or_unset_is_the_jsonl_log_here_and_lightnings_tensorboard_l
     ours = Trainer(default_root_dir=tmp_path / "trainer", **kwargs)
     assert [type(lg).__name__ for lg in theirs.loggers] == ["TensorBoardLogger"]
     assert [type(lg) for lg in ours.loggers] == [JSONLLogger]
+
+
+def test_default_root_dir_unset_is_runs_here_and_the_working_directory_under_lightning(tmp_path, monkeypatch):
+    # a README difference: this Trainer's runs go under ./runs; Lightning's under the working directory
+    monkeypatch.chdir(tmp_path)
+    assert pl.Trainer(logger=False).default_root_dir == str(tmp_path)
+    assert Path(Trainer().default_root_dir).resolve() == tmp_path / "runs"
