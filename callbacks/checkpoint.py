@@ -161,6 +161,7 @@ class ModelCheckpoint(Checkpoint):
         self._validation = Validation(validate, validate_budget, validate_batch, self.validate_atol)
         self._attempted_step: int | None = None  # the step last saved, good or bad: never saved twice
         self._training = False  # between on_train_start and on_train_end: validations there may save
+        self._trained = False  # this fit started training (limit_train_batches=0 skips it: nothing saved)
         self.mtbf_hours = None if mtbf_hours is None else float(mtbf_hours)
         # every_n_steps="auto": what the interval was chosen from (the slowest rank's), set at the first save
         self.save_cost_s: float | None = None
@@ -176,7 +177,7 @@ class ModelCheckpoint(Checkpoint):
             self.validate, self.validate_budget, self.validate_batch, self.validate_atol
         )
         self._attempted_step = None
-        self._training = False
+        self._training = self._trained = False
         if self.auto_interval:
             self.every_n_steps, self._step_ends = None, []
 
@@ -188,7 +189,7 @@ class ModelCheckpoint(Checkpoint):
         self.saved = trainer.checkpoint_manager.own(self.dirpath)
 
     def on_train_start(self, trainer: Trainer, module: TrainModule) -> None:
-        self._training = True
+        self._training = self._trained = True
 
     def on_train_end(self, trainer: Trainer, module: TrainModule) -> None:
         self._training = False
@@ -244,7 +245,7 @@ class ModelCheckpoint(Checkpoint):
         return self.save_top_k != 0 or bool(self.save_last)
 
     def on_fit_end(self, trainer: Trainer, module: TrainModule) -> None:
-        if self.save_last and not self._saved_already(trainer.global_step):
+        if self.save_last and self._trained and not self._saved_already(trainer.global_step):
             self.save(trainer)
         trainer.checkpoint_manager.finish_writing()
         self._validate_written(trainer)

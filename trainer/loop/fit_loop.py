@@ -47,10 +47,13 @@ class FitLoop(StopConditions):
         # reload_dataloaders_every_n_epochs: when the loaders are read again (set by stages; default: never)
         self.reload = LoaderReload()
         self.train_batches = EpochBatches(train_loader, trainer.limit_train_batches)
-        if trainer.limit_train_batches is not None and self.train_batches.epoch_length() == 0:
+        # Lightning's limit_train_batches=0: the fit skips training (its sanity check still runs)
+        self.skip_training = trainer.limit_train_batches == 0
+        limit = trainer.limit_train_batches
+        if limit is not None and not self.skip_training and self.train_batches.epoch_length() == 0:
             raise ValueError(
-                f"limit_train_batches={trainer.limit_train_batches} leaves no batch of the train loader per "
-                "epoch; allowed: a limit that keeps at least one batch"
+                f"limit_train_batches={limit} leaves no batch of the train loader per epoch; allowed: a limit "
+                "that keeps at least one batch, or 0 (no training)"
             )
         self.progress: ProgressBar | None = None  # rank zero's, with enable_progress_bar
         self.first_train_batch: Any = None  # the fit's first micro-batch on this rank, as the loader gave it
@@ -112,9 +115,10 @@ class FitLoop(StopConditions):
         dispatch.all("on_fit_start")
         if val_loader is not None and trainer.num_sanity_val_steps and not self._val_at_start_due():
             eval_loop.sanity_check(trainer, module, self._current_val_loader())
-        dispatch.all("on_train_start")
-        self._train()
-        dispatch.all("on_train_end")
+        if not self.skip_training:
+            dispatch.all("on_train_start")
+            self._train()
+            dispatch.all("on_train_end")
         dispatch.all("on_fit_end")
         # rank zero's rows on disk before the fit's last collective: any rank may read them after fit returns
         if trainer.is_global_zero:
