@@ -122,7 +122,9 @@ def make(framework: str):
             self.record("on_test_start")
 
         def on_test_end(self, trainer, pl_module):
-            self.record("on_test_end")
+            self.record(
+                "on_test_end", sorted(k for k in trainer.callback_metrics if k.startswith("test_loss"))
+            )
 
         def on_test_epoch_start(self, trainer, pl_module):
             self.record("on_test_epoch_start")
@@ -193,7 +195,7 @@ def make(framework: str):
             self.log("val_loss", loss)
             return loss
 
-        def test_step(self, batch, batch_idx):
+        def test_step(self, batch, batch_idx, dataloader_idx=0):
             x, y = batch
             loss = nn.functional.cross_entropy(self(x), y)
             self.log("test_loss", loss)
@@ -225,21 +227,30 @@ def run(framework: str, tmp_path) -> list[tuple]:
     flags = dict(accelerator="cpu", default_root_dir=root, logger=False, enable_progress_bar=False)
     flags.update(enable_checkpointing=False, enable_model_summary=False)
     train, vals = loader(24, 8, 1), [loader(16, 8, 2), loader(12, 6, 3)]
+    tests = [loader(10, 4, 4), loader(6, 3, 5)]
     calls: list[tuple] = []
 
-    def stage(name: str, max_epochs: int = 2, **module: Any) -> tuple[Any, Any, Any]:
+    def stage(name: str, max_epochs: int = 2, *more: Any, **module: Any) -> tuple[Any, Any, Any]:
         recorder = Recorder()
         calls.append(("---", name))
         torch.manual_seed(0)
-        return recorder, Trainer(callbacks=[recorder], max_epochs=max_epochs, **flags), Classifier(**module)
+        kwargs = {**flags, "enable_checkpointing": bool(more)}
+        return (
+            recorder,
+            Trainer(callbacks=[recorder, *more], max_epochs=max_epochs, **kwargs),
+            Classifier(**module),
+        )
 
-    recorder, fit, model = stage("fit")
+    # every validation saves (top k = all), ranked by the first loader's loss: on_save_checkpoint inside a fit
+    ModelCheckpoint = pl.callbacks.ModelCheckpoint if framework == "lightning" else callbacks.ModelCheckpoint
+    best = ModelCheckpoint(root / "best", monitor="val_loss/dataloader_idx_0", save_top_k=-1, save_last=False)
+    recorder, fit, model = stage("fit", 2, best)
     fit.fit(model, train, vals)
     fit.save_checkpoint(root / "fitted.ckpt")
     calls += recorder.calls
     for name in ("validate", "test", "predict"):
         recorder, evaluation, _ = stage(name)
-        getattr(evaluation, name)(model, vals if name == "validate" else loader(10, 4, 4))
+        getattr(evaluation, name)(model, vals if name == "validate" else tests if name == "test" else vals[1])
         calls += recorder.calls
     recorder, resumed, fresh = stage("resumed fit", max_epochs=3)
     resumed.fit(fresh, train, vals[0], ckpt_path=root / "fitted.ckpt")

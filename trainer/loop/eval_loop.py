@@ -16,6 +16,7 @@ from strategies.base import unpack_loss
 from trainer.core.dtensors import is_dtensor
 from trainer.core.metrics import MetricBuffer, kept_metric_states
 from trainer.core.rng import isolated_rng
+from trainer.data.loader import several_loaders
 from trainer.loop import step_log
 from trainer.loop.epochs import EpochBatches
 from trainer.module import TrainModule
@@ -38,15 +39,6 @@ def metrics_buffer(trainer: Trainer, buffer: MetricBuffer) -> Iterator[MetricBuf
         yield buffer
     finally:
         trainer._eval_metrics = outside
-
-
-def several_loaders(loader: Any) -> bool:
-    """Whether `loader` is Lightning's list (or tuple) of evaluation loaders, run one after the other; a list
-    of batches (tensors, tuples, dicts) is one loader."""
-    return isinstance(loader, (list, tuple)) and all(
-        hasattr(one, "__iter__") and not isinstance(one, (torch.Tensor, list, tuple, dict, str))
-        for one in loader
-    )
 
 
 def evaluate(

@@ -15,7 +15,7 @@ from trainer.core.host_memory import keep_freed_memory
 from trainer.core.logging import rank_zero_info, set_rank
 from trainer.core.rng import global_seed, seed_everything, seeds_workers, worker_init_function
 from trainer.data.distributed import sequential_loader
-from trainer.data.loader import pin_for_device
+from trainer.data.loader import pin_for_device, several_loaders
 from trainer.datamodule import call_if_defined, loaders_from
 from trainer.fault_tolerance.data import replica_loader
 from trainer.fault_tolerance.replica_group import ReplicaGroup
@@ -93,7 +93,7 @@ def fit_loader(trainer: Trainer, loader: Iterable | None, train: bool) -> Iterab
     turns shuffling off there, for the train and the val loader), its share of the data."""
     if loader is None:
         return None
-    if not train and eval_loop.several_loaders(loader):  # Lightning's list of val loaders: each as one
+    if not train and several_loaders(loader):  # Lightning's list of val loaders: each as one
         return [fit_loader(trainer, one, train) for one in loader]
     check_not_empty("train_dataloader()" if train else "val_dataloader()", loader)
     if trainer.overfit_batches:
@@ -123,7 +123,7 @@ def run_evaluate(
         if loader is None:
             loader, _ = loaders_from(datamodule or module, stage)
             check_not_empty(f"{stage} dataloader", loader)
-        if eval_loop.several_loaders(loader):  # Lightning's list of loaders, run one after the other
+        if several_loaders(loader):  # Lightning's list of loaders, run one after the other
             loader = [_rank_loader(trainer, one, train=False) for one in loader]
         else:
             loader = _rank_loader(trainer, loader, train=False)
