@@ -1,6 +1,7 @@
 """Every hook of Lightning 2.6's Callback gets the same arguments here as under Lightning (issue 52): one
-recording callback, on either base class, through a fit with two validation loaders, validate, test, predict,
-a fit resumed from a checkpoint and a fit whose training_step raises; the two lists of calls are equal."""
+recording callback, on either base class, through a fit with two validation loaders and a ModelCheckpoint,
+validate (two loaders), test (two loaders), predict, a fit resumed from a checkpoint and a fit whose
+training_step raises; the two lists of calls are equal, up to the differences README lists."""
 
 from __future__ import annotations
 
@@ -230,11 +231,13 @@ def run(framework: str, tmp_path) -> list[tuple]:
     tests = [loader(10, 4, 4), loader(6, 3, 5)]
     calls: list[tuple] = []
 
-    def stage(name: str, max_epochs: int = 2, *more: Any, **module: Any) -> tuple[Any, Any, Any]:
+    def stage(name: str, max_epochs: int = 2, checkpoint: Any = None, **module: Any) -> tuple[Any, Any, Any]:
+        """A fresh recorder, its Trainer (with `checkpoint`, if given) and a module seeded alike."""
         recorder = Recorder()
         calls.append(("---", name))
         torch.manual_seed(0)
-        kwargs = {**flags, "enable_checkpointing": bool(more)}
+        more = [] if checkpoint is None else [checkpoint]
+        kwargs = {**flags, "enable_checkpointing": checkpoint is not None}
         return (
             recorder,
             Trainer(callbacks=[recorder, *more], max_epochs=max_epochs, **kwargs),
@@ -263,9 +266,10 @@ def run(framework: str, tmp_path) -> list[tuple]:
 
 
 def as_here(calls: list[tuple]) -> list[tuple]:
-    """Lightning's calls with the differences README's "Coming from Lightning" lists applied:
-    `on_before_zero_grad` fires after the optimizer step; `on_train_batch_end`'s outputs also hold `skipped`;
-    `teardown` also runs after `on_exception`; `on_load_checkpoint` fires after the callbacks' `load_state_dict`."""
+    """Lightning's calls with the differences README.md lists under "Coming from Lightning", "What differs on
+    purpose", applied: `on_before_zero_grad` fires after the optimizer step (its own bullet); from the bullet on
+    callback hooks, `on_train_batch_end`'s outputs also hold `skipped`, `teardown` also runs after
+    `on_exception`, and `on_load_checkpoint` fires after the callbacks' `load_state_dict`."""
     out: list[tuple] = []
     held: list[tuple] = []
     for call in calls:
@@ -301,8 +305,8 @@ def test_every_hook_gets_lightnings_arguments(tmp_path):
 
 def test_predict_refuses_several_loaders_in_one_line(tmp_path):
     _, Classifier = make("trainer")
-    run = trainer.Trainer(
+    ours = trainer.Trainer(
         accelerator="cpu", default_root_dir=tmp_path, logger=False, enable_progress_bar=False
     )
     with pytest.raises(ValueError, match="predict got 2 dataloaders; allowed: one"):
-        run.predict(Classifier(), [loader(8, 4, 1), loader(8, 4, 2)])
+        ours.predict(Classifier(), [loader(8, 4, 1), loader(8, 4, 2)])
