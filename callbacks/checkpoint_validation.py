@@ -14,6 +14,7 @@ from trainer.checkpoint.records import SavedCheckpoint
 from trainer.core.dtensors import local_part
 from trainer.core.logging import rank_zero_info
 from trainer.core.rng import isolated_rng
+from trainer.data.loader import several_loaders
 from trainer.module import TrainModule
 
 if TYPE_CHECKING:
@@ -129,8 +130,9 @@ class Validation:
                 why = "no validation data"
             elif batch is None:
                 # drawing a batch must not move the training RNG
+                loaders = trainer.val_dataloaders  # several (Lightning's list): the first one's
                 with isolated_rng():
-                    batch = next(iter(trainer.val_dataloaders), None)
+                    batch = next(iter(loaders[0] if several_loaders(loaders) else loaders), None)
                 why = "the validation loader is empty" if batch is None else None
             # a shard can be empty on one rank only; every rank must take the same path (collectives)
             if batch is not None and not trainer.strategy.every_rank(batch is not None):

@@ -303,11 +303,14 @@ class Strategy:
         with self.precision.autocast():
             return self.call_step(module, "training_step", batch, batch_idx)
 
-    def eval_step(self, module: nn.Module, method: str, batch: Any, batch_idx: int) -> Any:
+    def eval_step(
+        self, module: nn.Module, method: str, batch: Any, batch_idx: int, *dataloader_idx: int
+    ) -> Any:
         """`validation_step` or `test_step` under the run's precision (the caller disables grad), through
-        the wrapper like training steps, so a sharded model gathers its parameters."""
+        the wrapper like training steps, so a sharded model gathers its parameters; `dataloader_idx` is given
+        (as Lightning gives it) only when the loop has several loaders."""
         with self.precision.autocast():
-            return self.call_step(module, method, batch, batch_idx)
+            return self.call_step(module, method, batch, batch_idx, *dataloader_idx)
 
     def backward(self, loss: torch.Tensor) -> None:
         self.precision.backward(loss)

@@ -213,17 +213,23 @@ class TrainModule(ModuleOptimizers, nn.Module):
         reduce_fx: str | Any = "mean",
         sync_dist: bool = False,
         batch_size: int | None = None,
+        add_dataloader_idx: bool = True,
     ) -> None:
         """Record a metric, as Lightning's `log` does: in training steps and their batch hooks by default
         per step (the mean over its micro-batches), elsewhere (validation/test, epoch hooks) over the
         epoch or loop; `on_step`/`on_epoch`
         choose (both: `name_step` and `name_epoch`), `reduce_fx` aggregates ("mean" weighted by
         `batch_size`, "sum", "max", "min"), `sync_dist` reduces over the data-parallel ranks,
-        `logger=False` keeps it to `trainer.callback_metrics`, `prog_bar` shows it. A torchmetrics `Metric`
-        (updated by your step) logs its batch value per step and `compute()` per epoch, then resets."""
+        `logger=False` keeps it to `trainer.callback_metrics`, `prog_bar` shows it; in a loop over several
+        evaluation loaders the name ends `/dataloader_idx_<i>` (unless `add_dataloader_idx=False`). A
+        torchmetrics `Metric` (updated by your step) logs its batch value per step and `compute()` per epoch,
+        then resets."""
         trainer = self._trainer
         if trainer is None:
             raise RuntimeError(f"{type(self).__name__}.log({name!r}) called outside of a Trainer run")
+        loader_idx = trainer._dataloader_idx  # set in a loop over several loaders: Lightning's name then
+        if add_dataloader_idx and loader_idx is not None:
+            name = f"{name}/dataloader_idx_{loader_idx}"
         per_step = trainer.in_training_step
         on_step = per_step if on_step is None else on_step
         on_epoch = (not per_step) if on_epoch is None else on_epoch

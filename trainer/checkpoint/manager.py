@@ -203,6 +203,9 @@ class CheckpointManager:
         owner = {"run_id": self.run_id, "writer": self._writer or run_folder.this_writer()}
         state: dict[str, Any] = {
             **trainer.training_state.capture(CHECKPOINT_PARTS),
+            # the keys a callback written for Lightning reads in on_save/on_load_checkpoint (Lightning's values)
+            "epoch": trainer.current_epoch,
+            "global_step": trainer.global_step,
             "hyper_parameters": plain(dict(trainer.module.hparams)),
             "hyper_parameters_not_saved": not_plain(trainer.module.hparams),
             "meta": {

@@ -159,3 +159,12 @@ def pin_for_device(loader: Any, device: torch.device) -> None:
     work queued before it (the step in flight). A user's own loader keeps the `pin_memory` it was given."""
     if isinstance(loader, TokenLoader) and device.type == "cuda":
         loader.pin_memory = True
+
+
+def several_loaders(loader: Any) -> bool:
+    """Whether `loader` is Lightning's list (or tuple) of evaluation loaders, run one after the other; a list
+    of batches (tensors, tuples, dicts) is one loader."""
+    return isinstance(loader, (list, tuple)) and all(
+        hasattr(one, "__iter__") and not isinstance(one, (torch.Tensor, list, tuple, dict, str))
+        for one in loader
+    )

@@ -16,6 +16,7 @@ from strategies.base import unpack_loss
 from trainer.core.dtensors import is_dtensor
 from trainer.core.metrics import MetricBuffer, kept_metric_states
 from trainer.core.rng import isolated_rng
+from trainer.data.loader import several_loaders
 from trainer.loop import step_log
 from trainer.loop.epochs import EpochBatches
 from trainer.module import TrainModule
@@ -48,23 +49,31 @@ def evaluate(
     limit: Any,
     report: Callable[[dict[str, float], set[str], set[str]], None] | None = None,
     log_step: Callable[[dict[str, float], set[str]], None] | None = None,
+    cap: int | None = None,
 ) -> tuple[dict[str, float], set[str], list[Any]]:
-    """`stage`'s loop ("validation", "test", "predict") over at most `limit` batches of `loader`, in eval
-    mode from `on_<stage>_start` to `on_<stage>_end`: the returned loss's mean over the examples (tokens,
-    with num_tokens) of every rank, what the step logged (aggregated as it asked), the names logged with
-    logger=False, and every step's output.
+    """`stage`'s loop ("validation", "test", "predict") over at most `limit` (and `cap`) batches of `loader`
+    (of each, one after the other, for a list of loaders), in eval mode from `on_<stage>_start` to
+    `on_<stage>_end`: the returned loss's mean over the examples (tokens, with num_tokens) of every rank, what
+    the step logged (aggregated as it asked), the names logged with logger=False, and every step's output.
     `report(metrics, hidden, prog_bar)` (the names logged with prog_bar=True) runs before
     `on_<stage>_end`, so that its callbacks read them; `log_step(metrics, hidden)` after each batch's
     `on_<stage>_batch_end`, with what it logged `on_step`."""
     dispatch, strategy, method = trainer._dispatch, trainer.strategy, _STEP[stage]
-    n_batches = EpochBatches(loader, limit, _LIMIT[stage]).epoch_length()
+    sources = list(loader) if several_loaders(loader) else [loader]
+    if stage == "predict" and len(sources) > 1:
+        raise ValueError(
+            f"predict got {len(sources)} dataloaders; allowed: one (call predict once per dataloader)"
+        )
+    lengths = [EpochBatches(one, limit, _LIMIT[stage]).epoch_length() for one in sources]
+    lengths = [n if cap is None else cap if n is None else min(n, cap) for n in lengths]
+    several = len(sources) > 1  # Lightning: a list of one loader is that loader (no dataloader_idx)
     outputs: list[Any] = []  # predict's; the others keep only each step's loss and its weight
     losses: list[torch.Tensor] = []
     weights: list[torch.Tensor] = []
     # what prediction writers read: the outputs so far and each batch's dataset indices
     record = trainer.predict_loop if stage == "predict" else None
     if record is not None:
-        loader = record.start(loader, outputs)
+        sources = [record.start(sources[0], outputs)]
     with _eval_mode(module, stage):
         dispatch.all(f"on_{stage}_start")
         with metrics_buffer(trainer, MetricBuffer()) as buffer:
@@ -72,32 +81,40 @@ def evaluate(
             try:
                 dispatch.all(f"on_{stage}_epoch_start")
                 with isolated_rng(), _without_grad(trainer, module):
-                    for idx, batch in enumerate(loader):
-                        if n_batches is not None and idx >= n_batches:
-                            break
-                        batch = strategy.batch_to_device(batch)
-                        if record is not None:
-                            record.batch(idx)
-                        buffer.set_batch(batch)  # an epoch mean logged without batch_size weighs its size
-                        dispatch.all(f"on_{stage}_batch_start", batch, idx)
-                        output = strategy.eval_step(module, method, batch, idx)
-                        dispatch.all(f"on_{stage}_batch_end", output, batch, idx)
-                        buffer.set_batch(None)
-                        if log_step is not None:
-                            log_step(buffer.compute_step(trainer._reduce_logged), buffer.not_for_loggers())
-                        buffer.reset_step()
-                        if stage == "predict":
-                            outputs.append(output)
-                        elif output is not None:
-                            loss, num_tokens = unpack_loss(output, method)
-                            losses.append(loss.float())
-                            weights.append(_weight(num_tokens, batch, loss.device))
+                    for dataloader_idx, (source, n_batches) in enumerate(zip(sources, lengths, strict=True)):
+                        # as Lightning: the step, the batch hooks and `log` get the index with several loaders
+                        extra = (dataloader_idx,) if several else ()
+                        trainer._dataloader_idx = dataloader_idx if several else None
+                        for idx, batch in enumerate(source):
+                            if n_batches is not None and idx >= n_batches:
+                                break
+                            batch = strategy.batch_to_device(batch)
+                            if record is not None:
+                                record.batch(idx)
+                            buffer.set_batch(batch)  # an epoch mean logged without batch_size weighs its size
+                            dispatch.all(f"on_{stage}_batch_start", batch, idx, *extra)
+                            output = strategy.eval_step(module, method, batch, idx, *extra)
+                            dispatch.all(f"on_{stage}_batch_end", output, batch, idx, *extra)
+                            buffer.set_batch(None)
+                            if log_step is not None:
+                                log_step(
+                                    buffer.compute_step(trainer._reduce_logged), buffer.not_for_loggers()
+                                )
+                            buffer.reset_step()
+                            if stage == "predict":
+                                outputs.append(output)
+                            elif output is not None:
+                                loss, num_tokens = unpack_loss(output, method)
+                                losses.append(loss.float())
+                                weights.append(_weight(num_tokens, batch, loss.device))
+                        trainer._dataloader_idx = None
                     dispatch.all(f"on_{stage}_epoch_end")  # what it logs belongs to this loop
                 metrics = {} if stage == "predict" else buffer.compute_epoch(trainer._reduce_logged)
                 hidden, prog_bar = buffer.not_for_loggers(), set(buffer.prog_bar_names)
                 buffer.reset()  # the loop's torchmetrics Metrics start the next loop empty, as in Lightning
             finally:
                 trainer.evaluating = False
+                trainer._dataloader_idx = None
         if losses:  # weighted by examples (tokens when the step returns num_tokens), as HF and Lightning
             weight = torch.stack(weights)
             total = strategy.reduce(
@@ -169,14 +186,11 @@ def sanity_check(trainer: Trainer, module: TrainModule, loader: Iterable) -> Non
     """Lightning's sanity check: the first `num_sanity_val_steps` validation batches (-1: all) run
     before training so that a broken `validation_step` fails now, not after an epoch; nothing it
     logs is kept, and it draws no random numbers from the run's generators."""
-    n, limit = trainer.num_sanity_val_steps, trainer.limit_val_batches
-    if n != -1:
-        full = EpochBatches(loader, limit, "limit_val_batches").epoch_length()
-        limit = n if full is None else min(n, full)
+    n = trainer.num_sanity_val_steps
     trainer.sanity_checking = True
     try:
         trainer._dispatch.callbacks("on_sanity_check_start")
-        evaluate(trainer, module, loader, "validation", limit)
+        evaluate(trainer, module, loader, "validation", trainer.limit_val_batches, cap=None if n == -1 else n)
         trainer._dispatch.callbacks("on_sanity_check_end")
     finally:
         trainer.sanity_checking = False

@@ -15,7 +15,7 @@ from trainer.core.host_memory import keep_freed_memory
 from trainer.core.logging import rank_zero_info, set_rank
 from trainer.core.rng import global_seed, seed_everything, seeds_workers, worker_init_function
 from trainer.data.distributed import sequential_loader
-from trainer.data.loader import pin_for_device
+from trainer.data.loader import pin_for_device, several_loaders
 from trainer.datamodule import call_if_defined, loaders_from
 from trainer.fault_tolerance.data import replica_loader
 from trainer.fault_tolerance.replica_group import ReplicaGroup
@@ -93,6 +93,8 @@ def fit_loader(trainer: Trainer, loader: Iterable | None, train: bool) -> Iterab
     turns shuffling off there, for the train and the val loader), its share of the data."""
     if loader is None:
         return None
+    if not train and several_loaders(loader):  # Lightning's list of val loaders: each as one
+        return [fit_loader(trainer, one, train) for one in loader]
     check_not_empty("train_dataloader()" if train else "val_dataloader()", loader)
     if trainer.overfit_batches:
         loader = sequential_loader(loader)
@@ -121,7 +123,10 @@ def run_evaluate(
         if loader is None:
             loader, _ = loaders_from(datamodule or module, stage)
             check_not_empty(f"{stage} dataloader", loader)
-        loader = _rank_loader(trainer, loader, train=False)
+        if several_loaders(loader):  # Lightning's list of loaders, run one after the other
+            loader = [_rank_loader(trainer, one, train=False) for one in loader]
+        else:
+            loader = _rank_loader(trainer, loader, train=False)
         trainer.checkpoint_manager.load_model(ckpt_path)
         if stage == "predict":
             return eval_loop.evaluate(trainer, module, loader, "predict", trainer.limit_predict_batches)[2]
