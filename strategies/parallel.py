@@ -426,11 +426,9 @@ class ParallelStrategy(MeshStrategy):
                 outputs.append(self.pipeline.step(inputs, target, 1.0 / len(micro_batches)))
         return combine_micro_batches(outputs)
 
-    def eval_step(
-        self, module: nn.Module, method: str, batch: Any, batch_idx: int, *dataloader_idx: int
-    ) -> Any:
+    def eval_step(self, module: nn.Module, method: str, batch: Any, batch_idx: int, *loader_idx: int) -> Any:
         if self.pipeline is None:
-            return super().eval_step(module, method, batch, batch_idx, *dataloader_idx)
+            return super().eval_step(module, method, batch, batch_idx, *loader_idx)
         if method == "predict_step":
             raise ValueError(
                 "predict under pp>1: the pipeline runs the model's loss on its last stage, not predict_step; "

@@ -227,7 +227,7 @@ class TrainModule(ModuleOptimizers, nn.Module):
         trainer = self._trainer
         if trainer is None:
             raise RuntimeError(f"{type(self).__name__}.log({name!r}) called outside of a Trainer run")
-        loader_idx = trainer._dataloader_idx  # set in a loop over several loaders: Lightning's name then
+        loader_idx = trainer.eval_loader_idx  # set in a loop over several loaders: Lightning's name then
         if add_dataloader_idx and loader_idx is not None:
             name = f"{name}/dataloader_idx_{loader_idx}"
         per_step = trainer.in_training_step

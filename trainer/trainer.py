@@ -178,7 +178,7 @@ class Trainer(LightningViews, FlagViews):
         self._unread_steps = UnreadStepValues()
         self.fitting = False  # inside fit (its validations included), as Lightning's state.fn == "fit"
         self.evaluating = False  # inside a validation/test loop
-        self._dataloader_idx: int | None = None  # the running evaluation loader's, when a loop has several
+        self.eval_loader_idx: int | None = None  # the evaluation loader running, in a loop over several
         self._step_hooks = False  # from on_train_batch_start to on_train_batch_end of a step
         self.sanity_checking = False  # inside the few validation batches before training (nothing logged)
         self._said_once: set[str] = set()  # the keys of `say_once` lines already said

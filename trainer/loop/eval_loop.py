@@ -84,7 +84,7 @@ def evaluate(
                     for dataloader_idx, (source, n_batches) in enumerate(zip(sources, lengths, strict=True)):
                         # as Lightning: the step, the batch hooks and `log` get the index with several loaders
                         extra = (dataloader_idx,) if several else ()
-                        trainer._dataloader_idx = dataloader_idx if several else None
+                        trainer.eval_loader_idx = dataloader_idx if several else None
                         for idx, batch in enumerate(source):
                             if n_batches is not None and idx >= n_batches:
                                 break
@@ -107,14 +107,14 @@ def evaluate(
                                 loss, num_tokens = unpack_loss(output, method)
                                 losses.append(loss.float())
                                 weights.append(_weight(num_tokens, batch, loss.device))
-                        trainer._dataloader_idx = None
+                        trainer.eval_loader_idx = None
                     dispatch.all(f"on_{stage}_epoch_end")  # what it logs belongs to this loop
                 metrics = {} if stage == "predict" else buffer.compute_epoch(trainer._reduce_logged)
                 hidden, prog_bar = buffer.not_for_loggers(), set(buffer.prog_bar_names)
                 buffer.reset()  # the loop's torchmetrics Metrics start the next loop empty, as in Lightning
             finally:
                 trainer.evaluating = False
-                trainer._dataloader_idx = None
+                trainer.eval_loader_idx = None
         if losses:  # weighted by examples (tokens when the step returns num_tokens), as HF and Lightning
             weight = torch.stack(weights)
             total = strategy.reduce(
