@@ -7,11 +7,15 @@ DiLoCo within 2% of per-step sync at k=8), and the cross-group all-reduces each 
 (one run of the recipe on 2 processes per arm: 5-10 minutes each on this 2-core machine). `--sweep` runs one
 DiLoCo arm per outer (lr, momentum) pair, `:state` adding `sync_optimizer_state` (the inner AdamW moments
 averaged at each meeting), `:warmN` `sync_warmup_steps=N` (per-step sync for the first N steps); `--set`
-overrides the recipe in every arm."""
+overrides the recipe in every arm. `--baseline FILE` keeps the per-step sync arm's curve in FILE: a later
+invocation with the same recipe text, trainer sources, steps, `--every` and `--set` reuses it (printed as
+reused) instead of running it again (the arm is deterministic on the CPU); any difference runs it and rewrites
+FILE."""
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -38,6 +42,29 @@ def run_arm(root: Path, steps: int, every: int, k: int, overrides: list[str]) ->
         json.loads(line) for line in (root / "replica_0" / "logs" / "metrics.jsonl").read_text().splitlines()
     ]
     return {row["step"]: row["val/loss"] for row in rows if "val/loss" in row}
+
+
+def per_step_arm(
+    path: Path | None, root: Path, steps: int, every: int, overrides: list[str]
+) -> dict[int, float]:
+    """The per-step sync arm: reused from `path` when it was written for this recipe text, trainer sources,
+    steps, `every` and overrides, else run and written there."""
+    sources = hashlib.sha256()
+    for source in sorted((RECIPE.parents[1] / "trainer").rglob("*.py")):
+        sources.update(source.read_bytes())
+    key = {
+        "recipe_sha256": hashlib.sha256(RECIPE.read_bytes()).hexdigest(), "trainer_sha256": sources.hexdigest(),
+        "steps": steps, "every": every, "overrides": overrides,
+    }  # fmt: skip
+    if path is not None and path.exists():
+        saved = json.loads(path.read_text())
+        if saved.get("key") == key:
+            print(f"per-step sync: reused from {path} (same recipe, trainer sources, steps, --every, --set)")
+            return {int(step): loss for step, loss in saved["val_loss"].items()}
+    losses = run_arm(root, steps, every, 1, overrides)
+    if path is not None:
+        path.write_text(json.dumps({"key": key, "val_loss": losses}) + "\n")
+    return losses
 
 
 def diloco_arms(text: str) -> dict[str, list[str]]:
@@ -73,6 +100,9 @@ def main() -> None:
         "--sweep", default="0.7:0.9", help="the DiLoCo arms: LR:MOMENTUM[:state][:warmN] (comma-separated)"
     )
     p.add_argument("--set", action="append", default=[], help="KEY=VALUE: a recipe override of every arm")
+    p.add_argument(
+        "--baseline", type=Path, help="a JSON file holding the per-step sync arm: reused when it matches"
+    )
     args = p.parse_args()
     if args.every % args.k or args.steps % args.every:
         raise SystemExit(
@@ -80,7 +110,7 @@ def main() -> None:
         )
     arms = diloco_arms(args.sweep)
     with tempfile.TemporaryDirectory() as tmp:
-        per_step = run_arm(Path(tmp) / "per_step", args.steps, args.every, 1, args.set)
+        per_step = per_step_arm(args.baseline, Path(tmp) / "per_step", args.steps, args.every, args.set)
         losses = {
             name: run_arm(Path(tmp) / f"diloco_{i}", args.steps, args.every, args.k, [*args.set, *overrides])
             for i, (name, overrides) in enumerate(arms.items())
