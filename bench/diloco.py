@@ -6,7 +6,8 @@ DiLoCo within 2% of per-step sync at k=8), and the cross-group all-reduces each 
 `python bench/diloco.py [--steps 320] [--every 40] [--k 8] [--sweep 0.7:0.9,1:0:warm40] [--set trainer.seed=1]`
 (one run of the recipe on 2 processes per arm: 5-10 minutes each on this 2-core machine). `--sweep` runs one
 DiLoCo arm per outer (lr, momentum) pair, `:state` adding `sync_optimizer_state` (the inner AdamW moments
-averaged at each meeting), `:warmN` `sync_warmup_steps=N` (per-step sync for the first N steps); `--set`
+averaged at each meeting), `:combined` (with `:state`) `sync_combined_second_moment` (the averaged
+second moment made the groups' combined batch's), `:warmN` `sync_warmup_steps=N` (per-step sync for the first N steps); `--set`
 overrides the recipe in every arm. `--baseline FILE` keeps the per-step sync arm's curve in FILE: a later
 invocation with the same recipe text, trainer sources, steps, `--every` and `--set` reuses it (printed as
 reused) instead of running it again (the arm is deterministic on the CPU); any difference runs it and rewrites
@@ -69,7 +70,8 @@ def per_step_arm(
 
 def diloco_arms(text: str) -> dict[str, list[str]]:
     """`--sweep "0.7:0.9,1:0,1:0:state,1:0:warm40"`: each DiLoCo arm's name and its fault_tolerance
-    overrides (`state`: sync_optimizer_state; `warmN`: sync_warmup_steps=N)."""
+    overrides (`state`: sync_optimizer_state; `combined`: sync_combined_second_moment; `warmN`:
+    sync_warmup_steps=N)."""
     arms = {}
     for item in text.split(","):
         parts, flags = item.split(":"), []
@@ -78,13 +80,15 @@ def diloco_arms(text: str) -> dict[str, list[str]]:
             for flag in parts[2:]:
                 if flag == "state":
                     flags.append("fault_tolerance.sync_optimizer_state=true")
+                elif flag == "combined":
+                    flags.append("fault_tolerance.sync_combined_second_moment=true")
                 elif flag.startswith("warm") and flag[4:].isdigit():
                     flags.append(f"fault_tolerance.sync_warmup_steps={int(flag[4:])}")
                 else:
                     raise ValueError(flag)
         except (ValueError, IndexError):
             raise SystemExit(
-                f"--sweep {text!r}; allowed: LR:MOMENTUM[:state][:warmN] items separated by commas, "
+                f"--sweep {text!r}; allowed: LR:MOMENTUM[:state][:combined][:warmN] items separated by commas, "
                 "e.g. 0.7:0.9,1:0,1:0:state,1:0:warm40"
             ) from None
         arms[item] = [f"fault_tolerance.outer_lr={lr}", f"fault_tolerance.outer_momentum={momentum}", *flags]
@@ -97,7 +101,9 @@ def main() -> None:
     p.add_argument("--every", type=int, default=40)
     p.add_argument("--k", type=int, default=8)
     p.add_argument(
-        "--sweep", default="0.7:0.9", help="the DiLoCo arms: LR:MOMENTUM[:state][:warmN] (comma-separated)"
+        "--sweep",
+        default="0.7:0.9",
+        help="the DiLoCo arms: LR:MOMENTUM[:state][:combined][:warmN] (comma-separated)",
     )
     p.add_argument("--set", action="append", default=[], help="KEY=VALUE: a recipe override of every arm")
     p.add_argument(
@@ -116,7 +122,7 @@ def main() -> None:
             for i, (name, overrides) in enumerate(arms.items())
         }
     print(f"tiny Llama, 2 replica groups, {args.steps} steps{''.join(f', {o}' for o in args.set)}: validation "
-          f"loss, per-step sync and DiLoCo k={args.k} (outer lr:Nesterov momentum[:state][:warmN]), / per-step sync")  # fmt: skip
+          f"loss, per-step sync and DiLoCo k={args.k} (outer lr:Nesterov momentum[:state][:combined][:warmN]), / per-step sync")  # fmt: skip
     print(f"{'step':>6} {'per-step':>9}" + "".join(f" {name:>12} {'ratio':>6}" for name in arms))
     for step in sorted(per_step):
         row = [loss.get(step, float("nan")) for loss in losses.values()]
