@@ -165,11 +165,18 @@ def test_a_per_step_warm_up_then_windows_also_across_a_relaunch(tmp_path, alone,
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("averaged", [False, True])
-def test_the_inner_adamw_state_is_each_groups_own_or_averaged_at_meetings(tmp_path, alone, averaged):  # noqa: F811
+@pytest.mark.parametrize(("averaged", "combined"), [(False, False), (True, False), (True, True)])
+def test_the_inner_adamw_state_is_each_groups_own_or_averaged_at_meetings(
+    tmp_path,
+    alone,  # noqa: F811
+    averaged,
+    combined,
+):
     """Inner AdamW: each group's optimizer state lives on across meetings (never reset); with
-    `sync_optimizer_state` its moments take the groups' mean at each meeting. Checked against a replay
-    with one persistent AdamW per group; both groups take part in every step (a lighthouse of min 2)."""
+    `sync_optimizer_state` its moments take the groups' mean at each meeting, and with
+    `sync_combined_second_moment` the second moment then becomes the two groups' combined batch's,
+    m^2 + (v - m^2) / 2. Checked against a replay with one persistent AdamW per group; both groups take part
+    in every step (a lighthouse of min 2)."""
     extra = [
         "--sync-every",
         str(K),
@@ -181,6 +188,7 @@ def test_the_inner_adamw_state_is_each_groups_own_or_averaged_at_meetings(tmp_pa
         "adamw",
     ]
     extra += ["--sync-optimizer-state"] if averaged else []
+    extra += ["--sync-combined-second-moment"] if combined else []
     with running_lighthouse(tmp_path, "--min-replicas", "2") as address:
         with groups_ending_well(tmp_path) as groups:
             groups += [start_group(tmp_path, address, replica, "", *extra) for replica in range(2)]
@@ -211,6 +219,10 @@ def test_the_inner_adamw_state_is_each_groups_own_or_averaged_at_meetings(tmp_pa
                     mean = (inner[0].state[pair[0]][key] + inner[1].state[pair[1]][key]) / 2
                     for adamw, p in zip(inner, pair, strict=True):
                         adamw.state[p][key].copy_(mean)
+                if combined:
+                    for adamw, p in zip(inner, pair, strict=True):
+                        m, v = adamw.state[p]["exp_avg"], adamw.state[p]["exp_avg_sq"]
+                        v.copy_(m * m + (v - m * m).clamp(min=0) / 2)
     final = json.loads((tmp_path / "replica0.json").read_text())
     got = torch.cat([torch.tensor(p).reshape(-1) for p in final["params"]])
     torch.testing.assert_close(got, torch.cat([s.reshape(-1) for s in start]), rtol=0, atol=1e-6)
@@ -224,6 +236,7 @@ def test_the_inner_adamw_state_is_each_groups_own_or_averaged_at_meetings(tmp_pa
         ("outer_momentum", 1.0, "a number >= 0 and < 1"),
         ("sync_optimizer_state", "yes", "True or False"),
         ("sync_warmup_steps", -4, "an int >= 0"),
+        ("sync_combined_second_moment", 1, "True or False"),
     ],
 )
 def test_bad_diloco_settings_are_named_in_one_line(field, value, allowed):
@@ -237,6 +250,21 @@ def test_averaging_the_optimizer_state_needs_diloco():
     ):
         FaultTolerance(lighthouse="127.0.0.1:1", replica_id=0, sync_optimizer_state=True)
     assert FaultTolerance(lighthouse="127.0.0.1:1", replica_id=0, sync_every=2, sync_optimizer_state=True)
+
+
+def test_the_combined_second_moment_needs_the_averaged_optimizer_state():
+    with pytest.raises(
+        ValueError,
+        match=r"sync_combined_second_moment=True with sync_optimizer_state=False; allowed: sync_optimizer_state=True",
+    ):
+        FaultTolerance(lighthouse="127.0.0.1:1", replica_id=0, sync_every=2, sync_combined_second_moment=True)
+    assert FaultTolerance(
+        lighthouse="127.0.0.1:1",
+        replica_id=0,
+        sync_every=2,
+        sync_optimizer_state=True,
+        sync_combined_second_moment=True,
+    )
 
 
 def test_a_warm_up_is_a_multiple_of_the_window_of_diloco():

@@ -151,6 +151,7 @@ def train(args: argparse.Namespace) -> None:
             sync_every=args.sync_every,
             sync_optimizer_state=args.sync_optimizer_state,
             sync_warmup_steps=args.sync_warmup_steps,
+            sync_combined_second_moment=args.sync_combined_second_moment,
         ),
     )
     trainer.fit(module, regression_loader(batch_size=BATCH, n=N), ckpt_path=args.resume)
@@ -236,6 +237,7 @@ def main() -> None:
     p.add_argument("--optimizer", default="sgd")  # Regression's: sgd or adamw
     p.add_argument("--sync-optimizer-state", action="store_true")  # FaultTolerance.sync_optimizer_state
     p.add_argument("--sync-warmup-steps", type=int, default=0)  # FaultTolerance.sync_warmup_steps
+    p.add_argument("--sync-combined-second-moment", action="store_true")  # FaultTolerance's
     p.add_argument("--save-at", type=int, default=None)  # a checkpoint (ROOT/checkpoint) after this step
     p.add_argument("--resume", default=None)  # the fit's ckpt_path
     p.add_argument("--root", required=True)

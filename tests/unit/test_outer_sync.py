@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainer.fault_tolerance.outer_sync import OuterSync, inner_state
+from trainer.fault_tolerance.outer_sync import OuterSync, combine_second_moment, inner_state
 
 K, INNER_LR = 8, 0.05
 CURVATURES = (1.0, 3.0)  # group 0 (this process) and group 1 (its pseudo-gradient computed in closed form)
@@ -120,3 +120,31 @@ def test_without_a_warm_up_the_windows_are_as_before():
     assert not any(outer.per_step(step) or outer.ends_warmup(step) for step in range(3 * K))
     assert [s for s in range(3 * K) if outer.starts_window(s)] == [0, K, 2 * K]
     assert [s for s in range(3 * K) if outer.ends_window(s)] == [K - 1, 2 * K - 1, 3 * K - 1]
+
+
+def test_the_combined_second_moment_removes_the_noise_one_group_more_has_averaged_away():
+    """v (each group's batch: signal m^2 plus its noise) becomes m^2 + noise / groups; a v below m^2 is all
+    signal (m^2); a group alone keeps its own."""
+    model = nn.Linear(3, 1, bias=False)
+    adam = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    adam.step()
+    state = adam.state[model.weight]
+    state["exp_avg"].copy_(torch.tensor([[2.0, -1.0, 3.0]]))
+    state["exp_avg_sq"].copy_(torch.tensor([[10.0, 1.0, 5.0]]))
+    combine_second_moment(adam, 1)
+    assert state["exp_avg_sq"].tolist() == [[10.0, 1.0, 9.0]]
+    combine_second_moment(adam, 2)
+    assert state["exp_avg_sq"].tolist() == [[4.0 + 6.0 / 2, 1.0, 9.0]]
+    assert state["exp_avg"].tolist() == [[2.0, -1.0, 3.0]]
+
+
+def test_the_combined_second_moment_needs_an_adam_family_optimizer():
+    model = nn.Linear(3, 1)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 3)).sum().backward()
+    sgd.step()
+    with pytest.raises(
+        ValueError, match=r"sync_combined_second_moment=True with SGD; allowed: an Adam-family"
+    ):
+        combine_second_moment(sgd, 2)

@@ -11,7 +11,11 @@ sharded parameters: a checkpoint holds none, as it holds one rank's state; its r
 window from the checkpoint's weights).
 
 A warm-up (`sync_warmup_steps`, the paper's DiLoCo starting from a data-parallel pretrained model) runs its
-first steps as per-step sync (the groups average every step's gradients); the windows follow it."""
+first steps as per-step sync (the groups average every step's gradients); the windows follow it.
+
+With the inner Adam's moments averaged at meetings, `combine_second_moment` also sets the second moment to
+the combined batch's (that of per-step sync's gradient): each group's v holds its own, smaller batch's
+gradient noise, which made its inner steps smaller than per-step sync's where noise dominates."""
 
 from __future__ import annotations
 
@@ -114,3 +118,26 @@ def inner_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
                 if torch.is_tensor(value) and value.is_floating_point() and value.shape == p.shape:
                     out.append(local_part(value))
     return out
+
+
+def combine_second_moment(optimizer: torch.optim.Optimizer, groups: int) -> None:
+    """Set Adam's averaged second moment v to that of the `groups` groups' combined batch (per-step sync's
+    gradient), per element m^2 + (v - m^2) / groups, m the averaged first moment: each group's v estimates
+    mu^2 + s^2 (its batch's noise s^2), the combined batch's mu^2 + s^2 / groups, and m^2 ~ mu^2 (m's own
+    noise is a tenth of s^2 or less). `FaultTolerance(sync_combined_second_moment=True)`, after the moments'
+    mean is taken at a meeting."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            if not state:
+                continue
+            if "exp_avg" not in state or "exp_avg_sq" not in state:
+                raise ValueError(
+                    f"FaultTolerance sync_combined_second_moment=True with {type(optimizer).__name__}; allowed: "
+                    "an Adam-family optimizer (state exp_avg, exp_avg_sq)"
+                )
+            m, v = local_part(state["exp_avg"]), local_part(state["exp_avg_sq"])
+            with torch.no_grad():
+                signal = m * m
+                # v below m^2 (its longer memory lagging a recent rise of the gradient): all signal, m^2
+                v.copy_(signal + (v - signal).clamp_(min=0) / groups)

@@ -19,7 +19,7 @@ from torch import nn
 from trainer.core.dtensors import local_part
 from trainer.fault_tolerance.config import HEARTBEAT_INTERVAL_MS, NoQuorumError, tokio_workers
 from trainer.fault_tolerance.costs import StepCosts
-from trainer.fault_tolerance.outer_sync import OuterSync, inner_state
+from trainer.fault_tolerance.outer_sync import OuterSync, combine_second_moment, inner_state
 from trainer.fault_tolerance.overlap import OverlappedAverage
 from trainer.fault_tolerance.overlap_group import overlap_in_group
 from trainer.fault_tolerance.quorum import Healed, commit_vote, join_quorum, participants, request_quorum
@@ -307,6 +307,8 @@ class ReplicaGroup:
         if self.outer is not None and self.outer.ends_window(self.trainer.global_step):
             inner = inner_state(self.trainer.optimizer) if self.config.sync_optimizer_state else None
             self.synced = self.outer.sync(self._average, lambda: commit_vote(self.manager), inner)
+            if self.synced and self.config.sync_combined_second_moment:
+                combine_second_moment(self.trainer.optimizer, max(self._participants, 1))
             self.trainer.metrics.add("train/outer_sync", float(self.synced), on_step=True, on_epoch=False)
         elif self.outer is not None and self.outer.ends_warmup(self.trainer.global_step):
             # the first window starts from these weights: a checkpoint taken now holds them as its start
