@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import sys
 from collections.abc import Iterator
 from datetime import timedelta
 from time import perf_counter
@@ -102,6 +103,10 @@ class ReplicaGroup:
         self._forming = False  # this step's quorum was requested and is not joined yet
         self._void = False  # the quorum healed this group: the step's work so far is void (see `join`)
         self._joined_at: tuple[int, int] | None = None  # the loop's step and `_applied` at the last join
+        # FSDP2 keeps gathered parameters and hooks from a forward for its backward: a heal after the forward
+        # (which the step then runs again) left the rerun's forward with gathered and sharded ones mixed, so
+        # such a group joins before its forward
+        self._join_first = _has_fsdp_units(trainer.module)
         self.synced: bool | None = (
             None  # DiLoCo: whether the last step's meeting committed (None: no meeting)
         )
@@ -147,7 +152,11 @@ class ReplicaGroup:
         self.sent.freeze()  # what a peer that recovers from this group gets: the state as of now
         request_quorum(self.manager)
         self._forming = True
-        if self._joined_at is None or step - self._joined_at[0] != applied - self._joined_at[1]:
+        if (
+            self._join_first
+            or self._joined_at is None
+            or step - self._joined_at[0] != applied - self._joined_at[1]
+        ):
             self.join()
 
     def _applied(self) -> int:
@@ -441,6 +450,12 @@ def _found_inf(scaler: torch.amp.GradScaler, optimizer: Any) -> list[torch.Tenso
 def _grads(module: nn.Module) -> list[torch.Tensor]:
     """This rank's part of every gradient of `module`."""
     return [local_part(p.grad) for p in module.parameters() if p.grad is not None]
+
+
+def _has_fsdp_units(module: nn.Module) -> bool:
+    """Whether FSDP2 shards part of `module` (its module is imported once something used it)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and any(isinstance(m, fsdp.FSDPModule) for m in module.modules())
 
 
 def _first_line(err: BaseException) -> str:
