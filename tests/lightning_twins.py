@@ -66,6 +66,9 @@ def loader(n: int = 64, batch_size: int = 8) -> DataLoader:
 
 
 QUIET = {"accelerator": "cpu", "devices": 1, "logger": False, "enable_checkpointing": False}
+# what a Lightning user's test run passes: no logger, checkpoint, bar or summary, one CPU process
+QUIET_RUN = {**QUIET, "enable_progress_bar": False, "enable_model_summary": False}
+FRAMEWORKS = ("lightning", "trainer")
 
 
 def trainers(

@@ -15,6 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import SCRIPTS, run_ranks
+from lightning_twins import FRAMEWORKS
+from lightning_twins import QUIET_RUN as QUIET
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from trainer_arguments_script import FIT, BatchNormNet, dataset, state
@@ -24,17 +26,6 @@ from strategies import DDPStrategy, DPSGDStrategy
 from strategies.registry import build_strategy
 from trainer import Trainer, TrainModule
 from trainer.loggers import Logger
-
-FRAMEWORKS = ("lightning", "trainer")
-# what a Lightning user's test run passes: no logger, checkpoint, bar or summary, one CPU process
-QUIET = {
-    "logger": False,
-    "enable_checkpointing": False,
-    "enable_progress_bar": False,
-    "enable_model_summary": False,
-    "accelerator": "cpu",
-    "devices": 1,
-}
 
 
 def api(framework: str) -> tuple[type, type, type, type]:

@@ -18,23 +18,14 @@ import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from helpers import FakeClock, fake_time, regression_data
-from lightning_twins import assert_same_weights
+from lightning_twins import FRAMEWORKS, assert_same_weights
+from lightning_twins import QUIET_RUN as QUIET
 from torch import nn
 from torch.utils.data import DataLoader
 
 from callbacks import Callback
 from trainer import Trainer, TrainModule
 from trainer.loggers import JSONLLogger, Logger
-
-FRAMEWORKS = ("lightning", "trainer")
-QUIET = {
-    "logger": False,
-    "enable_checkpointing": False,
-    "enable_progress_bar": False,
-    "enable_model_summary": False,
-    "accelerator": "cpu",
-    "devices": 1,
-}
 
 
 class Body:
