@@ -71,7 +71,8 @@ class Callback:
     def on_before_optimizer_step(
         self, trainer: Trainer, pl_module: TrainModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        """Gradients are final (clipped); the optimizer is about to step."""
+        """The step's gradients, complete and not yet clipped (as in Lightning: a norm read here is the
+        gradient's own); clipping and the optimizer step follow."""
 
     def on_before_zero_grad(
         self, trainer: Trainer, pl_module: TrainModule, optimizer: torch.optim.Optimizer

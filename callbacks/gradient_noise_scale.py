@@ -89,7 +89,9 @@ class GradientNoiseScale(Callback):
             if loss.requires_grad:
                 loss.register_hook(self._take_loss_weight)
         elif self._backwards == 1 and self.mode == "micro-batches":
-            self._small_sq = trainer.strategy.grad_norm(module).double().square()
+            strategy = trainer.strategy
+            params = strategy.trained_parameters(trainer.optimizer)
+            self._small_sq = strategy.grad_norm(params).double().square()
         self._backwards += 1
 
     def _take_loss_weight(self, grad: torch.Tensor) -> None:

@@ -331,11 +331,17 @@ class Strategy:
             # gradient sync averages over the ranks of the loss group (they hold different tokens), so
             # each rank's token sum is worth group size / the group's token count
             factor = self.group_size("loss") / self.reduce(num_tokens, "sum", group="loss")
-            scale_(_grads(module), factor)
+            scale_(_grads(self.trained_parameters(optimizer)), factor)
 
-    def grad_norm(self, module: nn.Module) -> torch.Tensor:
-        """Global L2 norm of all gradients (over every shard, stage and rank)."""
-        return self.global_norm(_grads(module))
+    def trained_parameters(self, optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+        """The parameters `optimizer` updates, whose gradients a step scales, clips and measures (Lightning
+        clips the optimizer's too): read from its groups, not by walking the module (most of a small step's
+        cost; thousands of modules in a large model), and groups added during the fit count at once."""
+        return [p for group in optimizer.param_groups for p in group["params"]]
+
+    def grad_norm(self, params: list[nn.Parameter]) -> torch.Tensor:
+        """Global L2 norm of `params`' gradients (over every shard, stage and rank)."""
+        return self.global_norm(_grads(params))
 
     def global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """L2 norm of this rank's `grads` combined over ranks; sharded strategies override this."""
@@ -343,14 +349,13 @@ class Strategy:
             torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros((), device=self.root_device)
         )
 
-    def clip_gradients(self, module: nn.Module, max_value: float, algorithm: str) -> torch.Tensor:
-        """Clip by global norm ("norm") or elementwise ("value"); returns the norm before clipping."""
-        return self.clip_parameters(list(module.parameters()), max_value, algorithm)
-
-    def clip_parameters(self, params: list[nn.Parameter], max_value: float, algorithm: str) -> torch.Tensor:
-        """`clip_gradients` of `params`' gradients only (one optimizer's, under manual optimization)."""
-        grads = [p.grad for p in params if p.grad is not None]
-        norm = self.global_norm(grads)
+    def clip_gradients(
+        self, params: list[nn.Parameter], max_value: float, algorithm: str, norm: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Clip `params`' gradients by their global norm ("norm") or elementwise ("value"); returns the norm
+        before clipping (`norm`, when the step already measured it)."""
+        grads = _grads(params)
+        norm = self.global_norm(grads) if norm is None else norm
         if algorithm == "norm":  # torch's clip_grads_with_norm_, for gradients on several meshes
             scale_(grads, (max_value / (norm + 1e-6)).clamp(max=1.0))
         else:  # elementwise, so each rank clamps the values it holds (torch's clip_grad_value_ fails on a

@@ -298,7 +298,9 @@ class DPSGDStrategy(MeshStrategy):
             p.grad = flat[offset : offset + p.numel()].view_as(p).to(p.dtype)
             offset += p.numel()
 
-    def clip_gradients(self, module: nn.Module, max_value: float, algorithm: str) -> torch.Tensor:
+    def clip_gradients(
+        self, params: list[nn.Parameter], max_value: float, algorithm: str, norm: torch.Tensor | None = None
+    ) -> torch.Tensor:
         raise ValueError(
             "gradient_clip_val does not apply under DPSGDStrategy (clipping after the noise would change "
             "nothing private); allowed: gradient_clip_val=None, and max_grad_norm= on the strategy"

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 
 from trainer.core.dtensors import local_parts
 
 
-def _grads(module: nn.Module) -> list[torch.Tensor]:
-    return [p.grad for p in module.parameters() if p.grad is not None]
+def _grads(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
+    return [p.grad for p in params if p.grad is not None]
 
 
 def scale_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:

@@ -22,6 +22,7 @@ from strategies.parallelize import Parallelized, ParallelOptions, parallelize
 from strategies.step_output import StepOutput, combine_micro_batches
 from strategies.techniques.cp.attention import check_sequence
 from strategies.techniques.ddp.apply import prepare_for_backward
+from strategies.techniques.ep.experts import moe_config
 from strategies.techniques.fsdp.apply import init_root
 from strategies.techniques.pp.stages import V_SHAPED, check_layers_per_stage
 from strategies.techniques.zero1.sliced_parameters import SlicedParameters
@@ -174,7 +175,7 @@ class ParallelStrategy(MeshStrategy):
                     )
         if self.ep > 1:
             self._check_experts(module)
-        if self.tp > 1 and self.pp > 1 and _moe_config(module) is not None:
+        if self.tp > 1 and self.pp > 1 and moe_config(module) is not None:
             raise ValueError(
                 f"tp={self.tp} with pp={self.pp} on a MoE model: MoE layers run tensor parallel or pipelined, not "
                 "both at once; allowed: tp=1 or pp=1 with a MoE model"
@@ -227,7 +228,7 @@ class ParallelStrategy(MeshStrategy):
 
     def _check_experts(self, module: nn.Module) -> None:
         """One-line errors for ep > 1 on a model without MoE layers, or whose experts ep does not divide."""
-        moe = _moe_config(module)
+        moe = moe_config(module)
         if moe is None:
             raise ValueError(
                 f"ep={self.ep} needs a MoE model (LlamaConfig.moe), but {type(module).__name__} has none; "
@@ -311,6 +312,10 @@ class ParallelStrategy(MeshStrategy):
             return optimizer
         self._sliced = SlicedParameters(optimizer, self.dp_rank, self.dp_size, self.dp_group)
         return self._sliced.optimizer
+
+    def trained_parameters(self, optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+        """ZeRO-1's optimizer steps slices: the whole parameters it was built on hold the step's gradients."""
+        return super().trained_parameters(optimizer) if self._sliced is None else self._sliced.whole()
 
     def startup_report(self, module: nn.Module) -> str | None:
         return self.memory_report(module, None).lines() if self.zero_stage else None
@@ -491,9 +496,3 @@ class ParallelStrategy(MeshStrategy):
         # DDP's reducer holds the process group; freed here, not by C++ destructors while Python shuts down
         self.model = None
         super().teardown()
-
-
-def _moe_config(module: nn.Module) -> Any:
-    """The MoE config of a CausalLM's Llama (its config or its built model's), or None."""
-    config = getattr(module, "config", None) or getattr(getattr(module, "model", None), "config", None)
-    return getattr(config, "moe", None)

@@ -114,7 +114,7 @@ class TrainModule(ModuleOptimizers, nn.Module):
         """The step's gradients are complete (accumulated, synced, normalised), not yet clipped."""
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """The gradients are final (clipped); the optimizer is about to step."""
+        """The step's gradients are complete and not yet clipped (as in Lightning); the optimizer steps next."""
 
     def on_before_zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         """After the optimizer step, before the gradients are cleared."""
@@ -146,6 +146,10 @@ class TrainModule(ModuleOptimizers, nn.Module):
     def on_validation_model_train(self) -> None:
         """Puts the model back in training mode when a validation inside training ends."""
         self.train()
+
+    def on_validation_model_zero_grad(self) -> None:
+        """Frees every gradient before a validation inside training (as Lightning); override to keep them."""
+        self.zero_grad()
 
     def on_test_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         """Before `test_step` of each batch."""

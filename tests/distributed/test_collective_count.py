@@ -67,7 +67,7 @@ def expected(strategy: str, step: int, skipped: bool) -> Counter:
     if not skipped:
         want["strategies/base.py:finish_gradients"] += 1  # the step's token count (CausalLM's num_tokens)
         if strategy == "fsdp":
-            want["strategies/base.py:clip_parameters"] += 1  # the norm over FSDP's gradient shards
+            want["strategies/base.py:clip_gradients"] += 1  # the norm over FSDP's gradient shards
         if step % LOG_EVERY == 0:
             want["trainer/loop/step_log.py:log_train"] += 1  # the logged loss, averaged over the ranks
     if step in TIME_AGREED_AFTER:

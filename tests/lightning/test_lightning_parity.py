@@ -51,7 +51,7 @@ def as_here(calls: list[str], interval_validation: bool = False) -> list[str]:
     moved, batch_end = [], []
     for i, name in enumerate(out):
         ends_a_step = name.endswith("on_train_batch_end")
-        if ends_a_step and "on_validation_model_eval" in out[i + 1 : i + 3]:
+        if ends_a_step and "on_validation_model_zero_grad" in out[i + 1 : i + 3]:
             batch_end.append(name)
             continue
         moved.append(name)

@@ -136,6 +136,59 @@ def test_clipping_and_accumulation_give_lightnings_losses_and_weights(tmp_path, 
         assert furthest(unclipped, theirs) > 1e-3
 
 
+class HeadOnly:
+    """Trains only its head: `layer` is left out of the optimizer but keeps requires_grad, so its gradients
+    pile up step after step until the module's `on_validation_model_zero_grad` frees them before each
+    validation; a norm taken over the whole module would be dominated by them."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.head.parameters(), lr=self.lr)
+
+
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_clipping_covers_the_optimizers_parameters_and_validation_frees_gradients_as_lightning(
+    tmp_path, algorithm
+):
+    runs, piled = {}, {}
+    for framework in FRAMEWORKS:
+        net = type("Net", (HeadOnly, LitBody if framework == "lightning" else OurBody), {})(lr=0.5)
+        trainer = make_trainer(
+            framework, tmp_path, max_epochs=2, gradient_clip_val=0.05, gradient_clip_algorithm=algorithm
+        )
+        before = []  # the layer's piled-up gradient as each validation starts
+        net.on_validation_model_eval = lambda net=net, before=before: before.append(net.layer.weight.grad)
+        trainer.fit(net, data(64), data(32, seed=1))
+        runs[framework], piled[framework] = net, before
+    theirs, ours = runs["lightning"], runs["trainer"]
+    assert ours.losses == pytest.approx(theirs.losses, abs=1e-6)
+    assert_same_weights(theirs, ours, atol=1e-6)
+    # freed before each validation (the sanity check's apart), unclipped in between, as under Lightning
+    assert (
+        [g is None for g in piled["trainer"]] == [g is None for g in piled["lightning"]] == [True, True, True]
+    )
+    assert ours.layer.weight.grad is None and theirs.layer.weight.grad is None
+
+
+class ReadsNorms:
+    """Reads the gradient norm in on_before_optimizer_step, where Lightning's docs track it."""
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in self.parameters()])
+        self.__dict__.setdefault("norms", []).append(norm.item())
+
+
+def test_on_before_optimizer_step_sees_the_gradients_before_clipping_as_lightnings(tmp_path):
+    runs = {}
+    for framework in FRAMEWORKS:
+        net = type("Net", (ReadsNorms, LitBody if framework == "lightning" else OurBody), {})(lr=0.5)
+        make_trainer(framework, tmp_path, max_epochs=1, gradient_clip_val=0.05).fit(net, data(64))
+        runs[framework] = net
+    theirs, ours = runs["lightning"], runs["trainer"]
+    assert len(ours.norms) == 8 and ours.norms == pytest.approx(theirs.norms, rel=1e-6)
+    assert min(ours.norms) > 0.05  # unclipped: every step's norm is above the threshold
+    assert_same_weights(theirs, ours, atol=1e-6)
+
+
 # -- fast_dev_run -----------------------------------------------------------------------------------
 
 

@@ -1,6 +1,7 @@
 """The logged gradient norm is the pre-clip global norm; after clipping the norm is at most the max, and
 clipping at a threshold above the norm leaves the gradients as they are (FSDP and tp:
-test_parallel3d_gradient_scale)."""
+test_parallel3d_gradient_scale). The clipped gradients are read in on_before_zero_grad, after the optimizer
+step: on_before_optimizer_step comes before clipping, as in Lightning."""
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ class RecordNorms(Callback):
             copies[-1].grad = p.grad.detach().clone()
         self.reference.append(float(torch.nn.utils.clip_grad_norm_(copies, max_norm=float("inf"))))
 
-    def on_before_optimizer_step(self, trainer, module, optimizer):
+    def on_before_zero_grad(self, trainer, module, optimizer):
         self.after.append(float(torch.nn.utils.get_total_norm([p.grad for p in module.parameters()])))
 
 
@@ -54,7 +55,7 @@ class RecordGrads(Callback):
     def on_after_backward(self, trainer, module):
         self.before.append([p.grad.detach().clone() for p in module.parameters()])
 
-    def on_before_optimizer_step(self, trainer, module, optimizer):
+    def on_before_zero_grad(self, trainer, module, optimizer):
         self.after.append([p.grad.detach().clone() for p in module.parameters()])
 
 
@@ -73,7 +74,7 @@ def test_clip_by_value_bounds_every_gradient_entry(tmp_path):
     seen = []
 
     class MaxAbs(Callback):
-        def on_before_optimizer_step(self, trainer, module, optimizer):
+        def on_before_zero_grad(self, trainer, module, optimizer):
             seen.append(max(p.grad.abs().max().item() for p in module.parameters()))
 
     Trainer(

@@ -42,8 +42,8 @@ class Order(Callback):
     def on_after_backward(self, trainer, module):
         self.events.append(("after_backward", self.norm(module)))
 
-    def on_before_optimizer_step(self, trainer, module, optimizer):
-        self.events.append(("before_optimizer_step", self.norm(module)))
+    def on_before_zero_grad(self, trainer, module, optimizer):  # after the step: the gradients it took
+        self.events.append(("before_zero_grad", self.norm(module)))
 
 
 def fit(module, loader, root, strategy="auto", **kwargs):
@@ -75,8 +75,8 @@ def test_a_strategy_that_runs_the_whole_step_itself_trains_like_accumulation(tmp
     for a, b in zip(reference.parameters(), module.parameters(), strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
     # the Trainer still clips after on_after_backward and before the optimizer step, and logs the step
-    assert [e for e, _ in order.events] == ["after_backward", "before_optimizer_step"] * 5
-    assert all(n <= 0.05 * (1 + 1e-5) for e, n in order.events if e == "before_optimizer_step")
+    assert [e for e, _ in order.events] == ["after_backward", "before_zero_grad"] * 5
+    assert all(n <= 0.05 * (1 + 1e-5) for e, n in order.events if e == "before_zero_grad")
     assert all(n > 0.05 for e, n in order.events if e == "after_backward")
     for (event, got), (_, expected) in zip(order.events, ref_order.events, strict=True):
         assert abs(got - expected) <= 1e-5 * expected, (

@@ -37,5 +37,5 @@ def test_every_tensor_of_a_batch_is_moved_to_the_strategy_s_device_and_other_lea
 
 def test_a_step_without_gradients_has_its_zero_norm_on_the_strategy_s_device():
     strategy = OnMeta()
-    norm = strategy.grad_norm(strategy.setup_module(Regression()))  # no backward yet: no .grad anywhere
+    norm = strategy.grad_norm(list(strategy.setup_module(Regression()).parameters()))  # no backward: no .grad
     assert norm.device == META and norm.shape == ()

@@ -51,7 +51,7 @@ MODULE_HOOKS = [
     "prepare_data", "setup", "configure_model", "on_fit_start", "on_train_start", "on_train_epoch_start",
     "on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
     "on_before_zero_grad", "on_train_batch_end", "on_train_epoch_end", "on_train_end", "on_fit_end",
-    "on_validation_model_eval", "on_validation_model_train", "on_validation_start",
+    "on_validation_model_eval", "on_validation_model_train", "on_validation_model_zero_grad", "on_validation_start",
     "on_validation_epoch_start", "on_validation_batch_start", "on_validation_batch_end",
     "on_validation_epoch_end", "on_validation_end", "on_test_model_eval", "on_test_start",
     "on_test_epoch_start", "on_test_batch_start", "on_test_batch_end", "on_test_epoch_end", "on_test_end",

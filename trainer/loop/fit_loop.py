@@ -280,14 +280,17 @@ class FitLoop(StopConditions):
         if self.replicas is not None:  # ...and over the live replica groups, before anything reads them
             self.replicas.average_gradients(module, num_tokens)
         dispatch.step("on_after_backward")
+        dispatch.step("on_before_optimizer_step", (optimizer,))  # before clipping, as in Lightning
         log_now, flags = trainer.logs_this_step, trainer.flags
-        if flags.gradient_clip_val is not None:
+        if flags.gradient_clip_val is not None:  # (a norm a hook asked for is not taken again)
             self.step_norm = strategy.clip_gradients(
-                module, flags.gradient_clip_val, flags.gradient_clip_algorithm
+                strategy.trained_parameters(optimizer),
+                flags.gradient_clip_val,
+                flags.gradient_clip_algorithm,
+                self.step_norm,
             )
         elif log_now:
             self.step_grad_norm()
-        dispatch.step("on_before_optimizer_step", (optimizer,))
         lr = optimizer.param_groups[0]["lr"]
         if self.replicas is not None and not self.replicas.commit(vote=self.skip_reason is None):
             self.skip_reason = self.skip_reason or "fault tolerance: the replica groups discarded the step"
@@ -376,7 +379,8 @@ class FitLoop(StopConditions):
     def step_grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the step's gradients (before clipping), computed once per step."""
         if self.step_norm is None:
-            self.step_norm = self.trainer.strategy.grad_norm(self.module)
+            strategy = self.trainer.strategy
+            self.step_norm = strategy.grad_norm(strategy.trained_parameters(self.trainer.optimizer))
         return self.step_norm
 
     # ---- optimizer and schedule ------------------------------------------------------------------
@@ -451,6 +455,7 @@ class FitLoop(StopConditions):
         return self.val_loader
 
     def _validate(self) -> None:
+        self.module.on_validation_model_zero_grad()  # (always between optimizer steps here)
         eval_loop.validate_in_fit(self.trainer, self.module, self._current_val_loader())
         if self.val_timer is not None:  # the next is due that long after this one ended, as in Lightning
             self.val_timer.restart(self.trainer.global_step)

@@ -165,8 +165,8 @@ class ManualFitLoop(FitLoop):
             return
         optimizer = getattr(optimizer, "optimizer", optimizer)  # the wrapper's, or one as configured
         self._unscale(optimizer)
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        self.trainer.strategy.clip_parameters(params, float(value), algorithm)
+        strategy = self.trainer.strategy
+        strategy.clip_gradients(strategy.trained_parameters(optimizer), float(value), algorithm)
 
     def _unscale(self, optimizer: torch.optim.Optimizer) -> None:
         """fp16: `optimizer`'s gradients back to true values before they are clipped or read by hooks, once

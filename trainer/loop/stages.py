@@ -175,6 +175,7 @@ def _setup(trainer: Trainer, module: TrainModule, stage: str, datamodule: Any) -
         # before the wrapping, as Lightning converts them: the ranks that read different data normalise together
         convert_sync_batchnorm(module, strategy.dp_group, strategy.root_device.type)
     strategy.setup_module(module)
+    module.zero_grad()  # every stage starts without gradients from before it, as Lightning's
 
 
 def _prepare_data(trainer: Trainer, module: TrainModule, datamodule: Any) -> None:

@@ -290,5 +290,5 @@ def batch_size(batch: Any) -> tuple[int, int | None]:
             if isinstance(first, torch.Tensor) and first.ndim == 2 and not first.is_floating_point()
             else None
         )
-    samples = len(first) if isinstance(first, torch.Tensor) and first.ndim else 1
+    samples = first.shape[0] if isinstance(first, torch.Tensor) and first.ndim else 1
     return samples, (ids.numel() if isinstance(ids, torch.Tensor) else None)

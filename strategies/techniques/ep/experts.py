@@ -22,6 +22,12 @@ def expert_modules(module: Any) -> list[nn.Module]:
     return list(hook()) if callable(hook) else []
 
 
+def moe_config(module: nn.Module) -> Any:
+    """The MoE config of a CausalLM's Llama (its config or its built model's), or None."""
+    config = getattr(module, "config", None) or getattr(getattr(module, "model", None), "config", None)
+    return getattr(config, "moe", None)
+
+
 def update_expert_biases(
     layers: list[nn.Module], sum_over_ranks: Callable[[torch.Tensor], torch.Tensor]
 ) -> None:

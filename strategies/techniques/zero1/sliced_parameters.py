@@ -51,6 +51,10 @@ class SlicedParameters:
             original.update(sliced)
         self.optimizer.param_groups = optimizer.param_groups
 
+    def whole(self) -> list[nn.Parameter]:
+        """The whole parameters, in the optimizer's order (their `.grad` is the step's full gradient)."""
+        return [p for p, *_ in self.entries]
+
     def attach_gradients(self) -> None:
         """Point each slice's .grad at its part of the full (all-reduced) gradient: no copy."""
         for p, view, lo, hi in self.entries:
