@@ -56,7 +56,9 @@ CONFIGS = {
     "tokens": ({}, True, 1),
     "fp16": ({"precision": "16-mixed"}, False, 1),
 }
-STEPS, SKIP = 40, 10
+# steps per fit: ~1-3 s of steps at every width (30 steps of a ~7 ms step moved its median by 0.1-0.3 between
+# rounds here), 40 at the >= 100 ms one
+STEPS, SKIP = {16: 400, 256: 400, 1024: 40}, 10
 KILL_AT, AFTER_REJOIN, DRILL_STEPS = (
     30,
     20,
@@ -165,7 +167,7 @@ def fit(
         **kwargs,
     )
     # the drill's epochs repeat the data
-    trainer.fit(MLP(width, tokens), loader(width, min(steps, STEPS), 2 * group_size, micro_batches))
+    trainer.fit(MLP(width, tokens), loader(width, min(steps, STEPS[width]), 2 * group_size, micro_batches))
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -185,7 +187,7 @@ def rank_main(args: argparse.Namespace) -> None:
         for i, (config, width) in enumerate(fits(args.configs)):
             clock = Clock()
             folder = out / f"{args.arm}-{args.round}-{config}-{width}"
-            fit(width, folder, ft[i % len(ft)], [clock], STEPS, config, args.group_size)
+            fit(width, folder, ft[i % len(ft)], [clock], STEPS[width], config, args.group_size)
             # the fastest tenth of the steps as well: other processes' load only adds time, so it varies less
             times[f"{config}/{width}"] = {
                 "wall": per_step(clock.wall),
@@ -379,7 +381,7 @@ def report_steps(out: Path, rounds: int, config: str) -> None:
     """The per-step table (DDP vs torchft) of `config` and where torchft's per-step work goes."""
     widths = [width for name, width in fits(config)]
     print(
-        f"configuration {config!r}: per step, median of {rounds} interleaved rounds (each the median of steps {SKIP + 1}-{STEPS}); "
+        f"configuration {config!r}: per step, median of {rounds} interleaved rounds (each the median of steps {SKIP + 1}-{STEPS[1024]} at width 1024, -{STEPS[256]} below); "
         "wall and this process's CPU time (rank 0 / group 0); p10 ratio: of the 10th-percentile steps, which "
         "another process's load disturbs less"
     )
