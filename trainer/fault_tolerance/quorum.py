@@ -97,7 +97,7 @@ def participants(manager: Any) -> int:
 def commit_vote(manager: Any) -> bool:
     """torchft 0.2.0's `Manager.should_commit` once the quorum was joined (`join_quorum` applied a recovery):
     whether the group applies the step, voted over its ranks, the manager's step counted; without its
-    profiler ranges and log records, nor its manager server's vote for a group of one rank."""
+    profiler ranges and log records."""
     if manager._recovery_event is not None:  # a recovery ran on its own stream
         manager._recovery_event.synchronize()
         manager._recovery_event = None
@@ -108,12 +108,8 @@ def commit_vote(manager: Any) -> bool:
         manager.report_error(error)
     participants = manager._participating_replica_world_size
     mine = participants >= manager._min_replica_size and manager._errored is None
-    # the vote is over the group's ranks only (torchft's manager server ANDs them, nothing more): a group of
-    # one process has its answer without the round trip to its manager server (two thread wake-ups a step)
-    committed = (
-        mine
-        if manager._group_world_size == 1
-        else manager._client.should_commit(manager._group_rank, manager._step, mine, timeout=manager._timeout)
+    committed = manager._client.should_commit(
+        manager._group_rank, manager._step, mine, timeout=manager._timeout
     )
     manager._checkpoint_transport.disallow_checkpoint()
     if committed:
