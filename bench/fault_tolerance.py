@@ -19,7 +19,8 @@
 `python bench/fault_tolerance.py [--rounds 2] [--configs plain,accumulate]` (about 4 minutes here with `plain`
 alone; `--no-drill`: part 1 alone, `--rounds 0`: part 2 alone). `--group-size 2`: part 1 with replica groups of
 2 DDP processes (each a torchrun job) against DDP of 4; `--flat`: torchft's arm averages over the groups after
-the backward (one flat copy per dtype) instead of from it (overlap.py, overlap_ddp.py): the path before. Numbers on a shared machine are noisy;
+the backward (one flat copy per dtype) instead of from it (overlap.py, overlap_ddp.py): the path before.
+`--quorum-every 8`: torchft's arm takes a quorum every 8 steps while the groups stay in step (cadence.py). Numbers on a shared machine are noisy;
 every wait has a deadline (DEADLINE_S) and a failed one ends the bench with one line naming it.
 """
 
@@ -176,7 +177,11 @@ def rank_main(args: argparse.Namespace) -> None:
     out = Path(args.out)
     # one lighthouse per fit: one serves one run (the next fit's groups must not meet this one's)
     lighthouses = (args.lighthouses or "").split(",")
-    ft = [FaultTolerance(lh, args.replica, timeout_s=30) if lh else None for lh in lighthouses]
+    every = args.quorum_every
+    ft = [
+        FaultTolerance(lh, args.replica, timeout_s=30, quorum_every=every) if lh else None
+        for lh in lighthouses
+    ]
     if args.flat:  # the average after the backward, as before it was launched from it
         import trainer.fault_tolerance.replica_group as replica_group
 
@@ -258,7 +263,9 @@ def rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def main(rounds: int, drill: bool, configs: str, group_size: int = 1, flat: bool = False) -> None:
+def main(
+    rounds: int, drill: bool, configs: str, group_size: int = 1, flat: bool = False, quorum_every: int = 1
+) -> None:
     os.environ.setdefault("RUST_LOG", "warn")  # the lighthouses here log every quorum at INFO otherwise
     from trainer.fault_tolerance.lighthouse import start_lighthouse
 
@@ -280,6 +287,7 @@ def main(rounds: int, drill: bool, configs: str, group_size: int = 1, flat: bool
         for r in range(rounds):  # interleaved: DDP, torchft, DDP, torchft... (load drift hits both arms)
             arms = ["--round", str(r), "--configs", configs, "--group-size", str(group_size)]
             arms += ["--flat"] if flat else []
+            arms += ["--quorum-every", str(quorum_every)]
             ddp = spawn(["--arm", "ddp", *arms], out, f"ddp-{r}", torchrun=2 * group_size)
             procs.append(ddp)
             wait_exit(f"round {r}'s DDP arm", ddp, out / f"ddp-{r}.err")
@@ -477,6 +485,7 @@ if __name__ == "__main__":
         "--group-size", type=int, default=1, help="processes per replica group (DDP inside it), part 1 only"
     )
     p.add_argument("--flat", action="store_true", help="torchft averages after the backward (the old path)")
+    p.add_argument("--quorum-every", type=int, default=1, help="FaultTolerance(quorum_every=...), part 1")
     p.add_argument("--lighthouses", default=None)  # one per fit: the overhead widths, then the drill
     p.add_argument("--out", default=None)
     a = p.parse_args()
@@ -485,4 +494,4 @@ if __name__ == "__main__":
         p.error(f"--configs {a.configs}: {', '.join(sorted(unknown))} unknown; allowed: {', '.join(CONFIGS)}")
     if a.group_size > 1 and not a.no_drill and not a.arm:
         p.error("--group-size: the drill runs groups of one process; allowed with --no-drill")
-    rank_main(a) if a.arm else main(a.rounds, not a.no_drill, a.configs, a.group_size, a.flat)
+    rank_main(a) if a.arm else main(a.rounds, not a.no_drill, a.configs, a.group_size, a.flat, a.quorum_every)

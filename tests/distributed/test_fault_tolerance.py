@@ -131,7 +131,10 @@ def replay(rows: list[dict]) -> Regression:
     return model
 
 
-def test_replica_group_killed_six_times_rejoins_live_and_matches_a_replay(tmp_path, lighthouse, alone):
+@pytest.mark.parametrize("quorum_every", [1, 4])
+def test_replica_group_killed_six_times_rejoins_live_and_matches_a_replay(
+    tmp_path, lighthouse, alone, quorum_every
+):
     rng = random.Random(SEED)  # TRAINER_TEST_SEED=N explores other kill points; a failure prints its seed
     kinds = ["allreduce"] * 5 + ["end"]  # five during the gradient all-reduce, one between steps
     rng.shuffle(kinds)
@@ -143,10 +146,11 @@ def test_replica_group_killed_six_times_rejoins_live_and_matches_a_replay(tmp_pa
     # group 1 joins the running job once group 0 took a step, then is killed and relaunched len(kinds) times
     first_steps = str(tmp_path / "replica0" / "steps-rank0.jsonl")
     relaunched = ["--restarts", str(len(kinds)), "--wait-for", first_steps]
+    cadence = ("--quorum-every", str(quorum_every))
     with groups_ending_well(tmp_path) as groups:
         groups += [
-            start_group(tmp_path, address, 0, kills),
-            start_group(tmp_path, address, 1, kills, *relaunched),
+            start_group(tmp_path, address, 0, kills, *cadence),
+            start_group(tmp_path, address, 1, kills, *relaunched, *cadence),
         ]
     attempts = json.loads((tmp_path / "replica1" / "attempts.json").read_text())
     assert attempts == [-signal.SIGKILL] * len(kinds) + [0], attempts
@@ -156,6 +160,8 @@ def test_replica_group_killed_six_times_rejoins_live_and_matches_a_replay(tmp_pa
     assert [row["step"] for row in alive] == list(range(len(alive))), (
         "the survivor skipped or repeated a step"
     )
+    asked = sum(row["quorum"] for row in alive)  # quorum_every=4: the 4th steps, and those after a failure
+    assert asked == len(alive) if quorum_every == 1 else asked < len(alive) / 2, (asked, len(alive))
     for row in killed:  # every step both groups finished: the same decision and bit-identical parameters
         peer = by_step[row["step"]]
         assert (row["committed"], row["params"]) == (peer["committed"], peer["params"]), (row, peer)
@@ -220,13 +226,25 @@ def test_a_sigkilled_peer_costs_the_survivor_one_step_and_no_long_wait(tmp_path,
     assert "gloo" in logged[0] and "Timed out" not in logged[0], logged[0]
 
 
-def test_a_group_that_skips_a_step_its_peer_commits_heals_at_the_next_quorum(tmp_path, lighthouse, alone):
+@pytest.mark.parametrize("quorum_every", [1, 8])
+def test_a_group_that_skips_a_step_its_peer_commits_heals_at_the_next_quorum(
+    tmp_path, lighthouse, alone, quorum_every
+):
     """Group 1 skips its update at one step (a callback's skip: its vote is its own) while group 0 commits
     it. Group 1 is then one applied update behind, and the next quorum heals it from group 0: from that step
-    on both hold bit-identical parameters (before, it went on with the update missing, unnoticed)."""
+    on both hold bit-identical parameters (before, it went on with the update missing, unnoticed). With a
+    quorum every 8 steps, the flags summed in the next step's all-reduce show group 1 out of step: both
+    groups discard that step, and the one after takes a quorum where group 1 heals."""
     offset = random.Random(SEED).randint(2, 6)
     first_steps = str(tmp_path / "replica0" / "steps-rank0.jsonl")
-    common = ("--skip-at", str(offset), "--after-rejoin", str(offset + 4))
+    common = (
+        "--skip-at",
+        str(offset),
+        "--after-rejoin",
+        str(offset + 4),
+        "--quorum-every",
+        str(quorum_every),
+    )
     with groups_ending_well(tmp_path) as groups:
         groups += [
             start_group(tmp_path, lighthouse, 0, "", *common),
@@ -235,13 +253,17 @@ def test_a_group_that_skips_a_step_its_peer_commits_heals_at_the_next_quorum(tmp
     alive, skipper = steps(tmp_path, 0), steps(tmp_path, 1)
     by_step = {row["step"]: row for row in alive}
     skipped = skipper[0]["step"] + offset
-    assert [r["step"] for r in skipper if not r["committed"]] == [skipped]
+    heal = skipped + 1 if (skipped + 1) % quorum_every == 0 else skipped + 2  # quorum_every=1: the next
+    both = list(range(skipped + 1, heal))  # the steps both groups discard (the flags disagreed)
+    assert [r["step"] for r in skipper if not r["committed"]] == [skipped, *both]
+    assert [r["step"] for r in alive if not r["committed"]] == both
     assert by_step[skipped]["committed"] and by_step[skipped]["replicas"] == 2
+    assert by_step[heal]["quorum"] and (quorum_every == 1 or not all(r["quorum"] for r in alive))
     for row in skipper:
-        if row["step"] != skipped:
+        if not skipped <= row["step"] < heal:
             assert row["params"] == by_step[row["step"]]["params"], (row, by_step[row["step"]])
-    assert any(r["step"] > skipped + 1 for r in skipper), "the run ended before it showed the heal"
-    recovered = f"replica group 1 recovered from a peer at step {skipped + 1}"
+    assert any(r["step"] > heal for r in skipper), "the run ended before it showed the heal"
+    recovered = f"replica group 1 recovered from a peer at step {heal}"
     assert recovered in (tmp_path / "replica1" / "stderr").read_text()
 
 
@@ -313,8 +335,8 @@ def test_a_one_process_groups_commit_vote_is_its_own_with_no_round_trip(tmp_path
     from callbacks import Callback
     from trainer import Trainer
     from trainer.fault_tolerance import FaultTolerance
+    from trainer.fault_tolerance.group_calls import OwnVote
     from trainer.fault_tolerance.lighthouse import start_lighthouse
-    from trainer.fault_tolerance.replica_group import OwnVote
 
     class ServerVoteRefused:
         def __init__(self, client) -> None:

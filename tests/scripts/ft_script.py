@@ -113,6 +113,7 @@ class Drill(Callback):
             "params": params_hash(module),
             "attempt": self.args.attempt,
             "synced": trainer._fit_loop.replicas.synced,
+            "quorum": (trainer._fit_loop.replicas._joined_at or (None,))[0] == trainer.global_step - 1,
         }
         self.log.write(json.dumps(row) + "\n")
         self.log.flush()
@@ -152,6 +153,7 @@ def train(args: argparse.Namespace) -> None:
             sync_optimizer_state=args.sync_optimizer_state,
             sync_warmup_steps=args.sync_warmup_steps,
             sync_combined_second_moment=args.sync_combined_second_moment,
+            quorum_every=args.quorum_every,
         ),
     )
     trainer.fit(module, regression_loader(batch_size=BATCH, n=N), ckpt_path=args.resume)
@@ -238,6 +240,7 @@ def main() -> None:
     p.add_argument("--sync-optimizer-state", action="store_true")  # FaultTolerance.sync_optimizer_state
     p.add_argument("--sync-warmup-steps", type=int, default=0)  # FaultTolerance.sync_warmup_steps
     p.add_argument("--sync-combined-second-moment", action="store_true")  # FaultTolerance's
+    p.add_argument("--quorum-every", type=int, default=1)  # FaultTolerance.quorum_every
     p.add_argument("--save-at", type=int, default=None)  # a checkpoint (ROOT/checkpoint) after this step
     p.add_argument("--resume", default=None)  # the fit's ckpt_path
     p.add_argument("--root", required=True)

@@ -27,6 +27,11 @@ LIGHTHOUSE = "127.0.0.1:29510"
         ({"timeout_s": 0}, "timeout_s=0; allowed: a number of seconds > 0"),
         ({"quorum_timeout_s": float("inf")}, "quorum_timeout_s=inf; allowed: a number of seconds > 0"),
         ({"bind": "10.0.0.1:29500"}, "bind='10.0.0.1:29500'; allowed: a host name or IP address (no port)"),
+        ({"quorum_every": 0}, "quorum_every=0; allowed: an int >= 1"),
+        (
+            {"quorum_every": 8, "sync_every": 4},
+            "quorum_every=8 with sync_every=4; allowed: one of them above 1",
+        ),
     ],
 )
 def test_fault_tolerance_refuses_bad_values_in_one_line(kwargs, says):

@@ -238,7 +238,7 @@ def test_the_direct_sum_does_what_torchfts_allreduce_does_around_the_collective(
     """`DirectSum` (the buckets' collective straight on torchft's process group): nothing launched after a
     recorded failure, zeros sent by a group that does not participate, a failure at launch or at the wait
     recorded for the commit (the step is discarded), never raised."""
-    from trainer.fault_tolerance.replica_group import DirectSum
+    from trainer.fault_tolerance.group_calls import DirectSum
 
     class Manager:
         def __init__(self, participating: bool = True, errored: Exception | None = None) -> None:

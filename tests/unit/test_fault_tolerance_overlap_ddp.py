@@ -17,8 +17,8 @@ from torch.nn.parallel import DistributedDataParallel
 pytest.importorskip("torchft")
 
 from strategies.techniques.ddp.chain import ChainableHook  # noqa: E402
+from trainer.fault_tolerance.group_calls import DirectSum  # noqa: E402
 from trainer.fault_tolerance.overlap_ddp import OverlappedGroupAverage, ddp_to_chain  # noqa: E402
-from trainer.fault_tolerance.replica_group import DirectSum  # noqa: E402
 
 
 class _Manager:

@@ -25,13 +25,17 @@ FIRST_BUCKET_BYTES = 1024 * 1024
 class _Bucket:
     """Consecutive parameters (one dtype and device) reduced together through one flat buffer."""
 
-    def __init__(self, params: list[nn.Parameter]) -> None:
+    def __init__(self, params: list[nn.Parameter], spare: int = 0) -> None:
         self.params = params
         first = params[0]
-        self.flat = torch.zeros(sum(p.numel() for p in params), dtype=first.dtype, device=first.device)
+        # `spare` elements after the gradients': a value summed over the groups with them (the flag)
+        size = sum(p.numel() for p in params) + spare
+        self.flat = torch.zeros(size, dtype=first.dtype, device=first.device)
         self.views = [
             piece.view_as(p)
-            for piece, p in zip(self.flat.split([p.numel() for p in params]), params, strict=True)
+            for piece, p in zip(
+                self.flat.split([p.numel() for p in params] + [spare])[: len(params)], params, strict=True
+            )
         ]
         self.ready: set[int] = set()  # indexes into params whose gradient is in `flat`
         self.seen = [0] * len(params)  # backwards this step that accumulated each parameter's gradient
@@ -58,10 +62,14 @@ class OverlappedAverage:
         bucket_bytes: int = BUCKET_BYTES,
         costs: StepCosts | None = None,
         first_bucket_bytes: int = FIRST_BUCKET_BYTES,
+        flag: bool = False,
     ) -> None:
         self.manager, self.costs = manager, costs or StepCosts()  # the replica group's, to share its totals
         params = [p for p in module.parameters() if p.requires_grad]
-        self.buckets = [_Bucket(group) for group in _bucketed(params, first_bucket_bytes, bucket_bytes)]
+        groups = _bucketed(params, first_bucket_bytes, bucket_bytes)
+        # `flag`: the last bucket carries one more element, each group's flag (`arm`), summed (`flags`)
+        self.buckets = [_Bucket(group, int(flag and i == len(groups) - 1)) for i, group in enumerate(groups)]
+        self.flag, self.flags = flag, 0.0
         self.where = {
             id(p): (b, i) for b, bucket in enumerate(self.buckets) for i, p in enumerate(bucket.params)
         }
@@ -76,14 +84,17 @@ class OverlappedAverage:
         )
         self.next = 0  # the next bucket to launch
 
-    def arm(self, groups: int, backwards: int = 1, inv_scale: float = 1.0) -> None:
+    def arm(self, groups: int, backwards: int = 1, inv_scale: float = 1.0, flag: float = 0.0) -> None:
         """The step's average is over `groups` groups and it takes `backwards` backwards (one per
         micro-batch): launch its buckets as their gradients are final, in the last one. A step of fewer (an
         epoch's short last window) launches them in `finish`. `inv_scale` (fp16's 1 / loss scale): the
         gradients are copied unscaled, as the scaler's `unscale_` would (a power of two: the same bits), so
-        groups whose scales differ average true gradients."""
+        groups whose scales differ average true gradients. `flag` (with `flag=True`): this group's term of
+        the step's flag sum (quorum_every's, cadence.py), read after `finish` as `flags`."""
         for bucket in self.buckets:
             bucket.reset()
+        if self.flag:
+            self.buckets[-1].flat[-1] = flag
         self.armed, self.stale, self.next, self.backwards = True, False, 0, backwards
         self.groups, self.factor = groups, inv_scale / groups
 
@@ -109,6 +120,8 @@ class OverlappedAverage:
         if summed is not None:
             summed.wait()
         start = self.costs.add("allreduce", start)
+        if self.flag:
+            self.flags = float(self.buckets[-1].flat[-1])
         if not use or self.stale:
             return False
         for bucket in self.buckets:

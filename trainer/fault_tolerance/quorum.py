@@ -32,6 +32,13 @@ def request_quorum(manager: Any) -> None:
     manager._quorum_future = manager._executor.submit(_quorum, manager, device)
 
 
+def keep_quorum(manager: Any) -> None:
+    """A step that keeps the last quorum (`FaultTolerance(quorum_every=k)`): what `request_quorum` resets
+    for a step, reset without a quorum (the previous step's recorded error: a callback's skip)."""
+    manager._errored = None
+    manager._healing = False
+
+
 def _quorum(manager: Any, device: int) -> None:
     """On the quorum thread: torchft's `Manager._async_quorum`, whose handling of the lighthouse's answer (the
     process group reconfigured, a recovery sent or received) is skipped when there is nothing to handle: the

@@ -18,12 +18,21 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer.core.dtensors import local_part
+from trainer.fault_tolerance.cadence import QuorumCadence
 from trainer.fault_tolerance.config import HEARTBEAT_INTERVAL_MS, NoQuorumError, tokio_workers
 from trainer.fault_tolerance.costs import StepCosts
+from trainer.fault_tolerance.group_calls import DirectSum, OwnVote
 from trainer.fault_tolerance.outer_sync import OuterSync, combine_second_moment, inner_state
 from trainer.fault_tolerance.overlap import OverlappedAverage
 from trainer.fault_tolerance.overlap_group import overlap_in_group
-from trainer.fault_tolerance.quorum import Healed, commit_vote, join_quorum, participants, request_quorum
+from trainer.fault_tolerance.quorum import (
+    Healed,
+    commit_vote,
+    join_quorum,
+    keep_quorum,
+    participants,
+    request_quorum,
+)
 from trainer.fault_tolerance.state import SentState, load_replica_state
 
 if TYPE_CHECKING:
@@ -126,10 +135,17 @@ class ReplicaGroup:
         self.overlap = (  # DiLoCo: none (the groups meet between windows)
             None
             if self.outer is not None
-            else OverlappedAverage(trainer.module, direct, costs=self.costs)
+            else OverlappedAverage(trainer.module, direct, costs=self.costs, flag=config.quorum_every > 1)
             if _overlap_is_valid(trainer)
             else overlap_in_group(trainer, direct, self.costs)
         )
+        self.cadence = QuorumCadence(config.quorum_every) if config.quorum_every > 1 else None
+        if self.cadence is not None and not self.sums_tokens:
+            raise ValueError(
+                f"FaultTolerance quorum_every={config.quorum_every} with replica groups of "
+                f"{strategy.world_size} process(es); allowed: quorum_every=1, or groups of one process"
+            )
+        self._out_of_step = False  # the step's flags showed a group out of step: every group discards it
 
     def start_step(self) -> None:
         """Request this step's quorum; it forms on torchft's quorum thread while the step reads its data and
@@ -149,6 +165,10 @@ class ReplicaGroup:
             self.manager.load_state_dict(
                 {"step": applied, "batches_committed": self.manager.batches_committed()}
             )
+        if self.cadence is not None and not self.cadence.due(step):
+            keep_quorum(self.manager)
+            self._arm()
+            return
         self.sent.freeze()  # what a peer that recovers from this group gets: the state as of now
         request_quorum(self.manager)
         self._forming = True
@@ -184,15 +204,23 @@ class ReplicaGroup:
             self._participants = participants(self.manager)
             self.costs.add("quorum", start)
             self._joined_at = (self.trainer.state.global_step, self._applied())
-            # the window's micro-batches: a gradient is final in the last backward
-            if self.overlap is not None:
-                scaler = self.trainer.strategy.precision.scaler
-                inv_scale = 1.0 / scaler.get_scale() if scaler is not None else 1.0
-                self.overlap.arm(max(self._participants, 1), self.trainer.accumulate_grad_batches, inv_scale)
+            if self.cadence is not None:
+                self.cadence.asked()
+            self._arm()
             if self.outer is not None:
                 self.outer.begin()
         if self._void:
             raise Healed(f"replica group {self.config.replica_id} recovered from a peer")
+
+    def _arm(self) -> None:
+        """The overlapped average armed for this step: its participants, the window's micro-batches (a
+        gradient is final in the last backward), fp16's loss scale."""
+        if self.overlap is not None:
+            scaler = self.trainer.strategy.precision.scaler
+            inv_scale = 1.0 / scaler.get_scale() if scaler is not None else 1.0
+            arm = (max(self._participants, 1), self.trainer.accumulate_grad_batches, inv_scale)
+            # (quorum_every's flag: groups of one process, whose average is OverlappedAverage)
+            self.overlap.arm(*arm) if self.cadence is None else self.overlap.arm(*arm, self.cadence.flag())
 
     def start_again(self) -> None:
         """After `Healed`: the loop runs the step again (from the peer's data position), its quorum joined."""
@@ -238,7 +266,10 @@ class ReplicaGroup:
         )
         extra = torch.stack(sums) if sums else None  # summed over the groups with the buckets
         checked = False
-        if self.overlap is not None and self.overlap.finish(use=True, undo=undo, extra=extra):
+        averaged = self.overlap is not None and self.overlap.finish(use=True, undo=undo, extra=extra)
+        if self.cadence is not None:  # (the flags were summed whether or not the buckets were used)
+            self._out_of_step = not self.cadence.agreed(self.overlap.flags, self._participants)
+        if averaged:
             if num_tokens is not None:  # the buckets held token sums: their mean over the mean token count
                 mean = float(extra[0]) / max(self._participants, 1)
                 start = perf_counter()
@@ -297,11 +328,17 @@ class ReplicaGroup:
             self.trainer.metrics.add("train/replicas", float(self.participants), on_step=True, on_epoch=False)
         if self.outer is not None and not self.outer.per_step(self.trainer.global_step):
             return vote  # DiLoCo: a step inside a window is this group's own
+        failed = self.manager.errored() is not None  # a collective or a recovery (not a vote)
+        if self._out_of_step:
+            self._out_of_step = False
+            self.manager.report_error(RuntimeError("a replica group had not applied the step before"))
         if not vote:
             self.manager.report_error(RuntimeError("a callback skipped the optimizer step"))
         start = perf_counter()
         committed = commit_vote(self.manager)
         self.costs.add("commit", start)
+        if self.cadence is not None:
+            self.cadence.committed(committed, failed)
         if not committed and vote:  # a callback's skip is the user's own
             log.warning(
                 f"fault tolerance: replica group {self.config.replica_id} discarded step "
@@ -354,65 +391,6 @@ class ReplicaGroup:
             f"fault tolerance: replica group {self.config.replica_id} recovered from a peer at step "
             f"{self.trainer.global_step}"
         )
-
-
-class OwnVote:
-    """torchft's manager client, whose commit vote of a one-process group is that process's own: torchft
-    0.2.0 asks the group's manager server to agree the group's ranks (a round trip per step, ~0.4-1 ms on a
-    loaded machine), which with one rank answers the vote it was given. Everything else goes to `client`."""
-
-    def __init__(self, client: Any) -> None:
-        self.client = client
-
-    def should_commit(self, group_rank: int, step: int, should_commit: bool, timeout: timedelta) -> bool:
-        """The group's decision: its one rank's vote."""
-        return should_commit
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.client, name)
-
-
-class DirectSum:
-    """The buckets' sum over the groups straight on torchft's process group, as `manager.allreduce` runs it
-    (a group that has failed sends nothing; one not participating sends zeros; an error is recorded for
-    `commit`, never raised) without what it adds per call on top: a future chain, a timer on torchft's
-    event-loop thread (the process group has its own timeout), a division after the reduce."""
-
-    def __init__(self, manager: Any, pg: Any) -> None:
-        self.manager, self.pg = manager, pg
-
-    def allreduce(self, tensor: torch.Tensor, reduce_op: dist.ReduceOp) -> _RecordedWork:
-        """Launch the sum of `tensor` over the participating groups."""
-        manager = self.manager
-        if manager.errored() is not None:
-            return _RecordedWork(manager, None)  # the step is discarded: no collective after a failure
-        if not manager.is_participating():
-            tensor.zero_()
-        options = dist.AllreduceOptions()
-        options.reduceOp = reduce_op
-        try:
-            return _RecordedWork(manager, self.pg.allreduce([tensor], options))
-        except Exception as err:
-            manager.report_error(err)
-            return _RecordedWork(manager, None)
-
-
-class _RecordedWork:
-    """A launched all-reduce whose failure goes to the manager's record (the step is then discarded)."""
-
-    def __init__(self, manager: Any, work: Any) -> None:
-        self.manager, self.work = manager, work
-
-    def wait(self) -> bool:
-        """Wait for it; False (and the error recorded) when it failed or never launched."""
-        if self.work is None:
-            return False
-        try:
-            self.work.wait()
-        except Exception as err:
-            self.manager.report_error(err)
-            return False
-        return True
 
 
 class PeerStateMismatch(RuntimeError):
