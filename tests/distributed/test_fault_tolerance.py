@@ -372,3 +372,29 @@ def test_a_one_process_groups_commit_vote_is_its_own_with_no_round_trip(tmp_path
     finally:
         server.shutdown()
     assert committed == [1, 2, 2, 3]
+
+
+def test_a_quorum_every_k_steps_is_refused_in_one_line_where_the_average_carries_no_flag(tmp_path):
+    """quorum_every's flag rides the one-process groups' overlapped average: a group whose parameters FSDP2
+    shards (here of one process) is refused before its manager starts."""
+    from helpers import regression_loader
+
+    from trainer import Trainer
+    from trainer.fault_tolerance import FaultTolerance
+
+    config = FaultTolerance("127.0.0.1:1", 0, quorum_every=8)  # no lighthouse is reached
+    trainer = Trainer(
+        strategy="fsdp",
+        max_steps=2,
+        default_root_dir=tmp_path,
+        enable_progress_bar=False,
+        fault_tolerance=config,
+    )
+    with pytest.raises(ValueError) as err:
+        trainer.fit(Regression(optimizer="sgd"), regression_loader())
+    assert str(err.value).startswith(
+        "FaultTolerance quorum_every=8 with replica groups of 1 process(es) under"
+    ), err
+    assert "allowed: quorum_every=1, or groups of one process with whole (unsharded) parameters" in str(
+        err.value
+    )

@@ -65,6 +65,12 @@ class ReplicaGroup:
 
         self.trainer, self.config = trainer, trainer.fault_tolerance
         strategy, config = trainer.strategy, self.config
+        if config.quorum_every > 1 and not _overlap_is_valid(trainer):  # (its flag rides OverlappedAverage)
+            raise ValueError(
+                f"FaultTolerance quorum_every={config.quorum_every} with replica groups of {strategy.world_size} "
+                f"process(es) under {type(strategy).__name__}; allowed: quorum_every=1, or groups of one "
+                "process with whole (unsharded) parameters"
+            )
         timeout = timedelta(seconds=config.timeout_s)
         # the group's own store, bound to `bind` (not the launcher's: a restarted group would read the
         # manager address its previous incarnation left there)
@@ -140,11 +146,6 @@ class ReplicaGroup:
             else overlap_in_group(trainer, direct, self.costs)
         )
         self.cadence = QuorumCadence(config.quorum_every) if config.quorum_every > 1 else None
-        if self.cadence is not None and not self.sums_tokens:
-            raise ValueError(
-                f"FaultTolerance quorum_every={config.quorum_every} with replica groups of "
-                f"{strategy.world_size} process(es); allowed: quorum_every=1, or groups of one process"
-            )
         self._out_of_step = False  # the step's flags showed a group out of step: every group discards it
 
     def start_step(self) -> None:
