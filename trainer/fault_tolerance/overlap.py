@@ -69,7 +69,7 @@ class OverlappedAverage:
         groups = _bucketed(params, first_bucket_bytes, bucket_bytes)
         # `flag`: the last bucket carries one more element, each group's flag (`arm`), summed (`flags`)
         self.buckets = [_Bucket(group, int(flag and i == len(groups) - 1)) for i, group in enumerate(groups)]
-        self.flag, self.flags = flag, 0.0
+        self.carries_flag, self.flags = flag, 0.0
         self.where = {
             id(p): (b, i) for b, bucket in enumerate(self.buckets) for i, p in enumerate(bucket.params)
         }
@@ -89,11 +89,11 @@ class OverlappedAverage:
         micro-batch): launch its buckets as their gradients are final, in the last one. A step of fewer (an
         epoch's short last window) launches them in `finish`. `inv_scale` (fp16's 1 / loss scale): the
         gradients are copied unscaled, as the scaler's `unscale_` would (a power of two: the same bits), so
-        groups whose scales differ average true gradients. `flag` (with `flag=True`): this group's term of
+        groups whose scales differ average true gradients. `flag` (built with `flag=True`): this group's term of
         the step's flag sum (quorum_every's, cadence.py), read after `finish` as `flags`."""
         for bucket in self.buckets:
             bucket.reset()
-        if self.flag:
+        if self.carries_flag:
             self.buckets[-1].flat[-1] = flag
         self.armed, self.stale, self.next, self.backwards = True, False, 0, backwards
         self.groups, self.factor = groups, inv_scale / groups
@@ -120,7 +120,7 @@ class OverlappedAverage:
         if summed is not None:
             summed.wait()
         start = self.costs.add("allreduce", start)
-        if self.flag:
+        if self.carries_flag:
             self.flags = float(self.buckets[-1].flat[-1])
         if not use or self.stale:
             return False

@@ -220,8 +220,10 @@ class ReplicaGroup:
             scaler = self.trainer.strategy.precision.scaler
             inv_scale = 1.0 / scaler.get_scale() if scaler is not None else 1.0
             arm = (max(self._participants, 1), self.trainer.accumulate_grad_batches, inv_scale)
-            # (quorum_every's flag: groups of one process, whose average is OverlappedAverage)
-            self.overlap.arm(*arm) if self.cadence is None else self.overlap.arm(*arm, self.cadence.flag())
+            if self.cadence is None:
+                self.overlap.arm(*arm)
+            else:  # quorum_every's flag (groups of one process, whose average is OverlappedAverage)
+                self.overlap.arm(*arm, self.cadence.flag())
 
     def start_again(self) -> None:
         """After `Healed`: the loop runs the step again (from the peer's data position), its quorum joined."""
