@@ -20,7 +20,7 @@
 alone; `--no-drill`: part 1 alone, `--rounds 0`: part 2 alone). `--group-size 2`: part 1 with replica groups of
 2 DDP processes (each a torchrun job) against DDP of 4; `--flat`: torchft's arm averages over the groups after
 the backward (one flat copy per dtype) instead of from it (overlap.py, overlap_ddp.py): the path before.
-`--quorum-every 8`: torchft's arm takes a quorum every 8 steps while the groups stay in step (cadence.py). Numbers on a shared machine are noisy;
+`--quorum-every 8`: torchft's arm and the drill's groups take a quorum every 8 steps while the groups stay in step (cadence.py). Numbers on a shared machine are noisy;
 every wait has a deadline (DEADLINE_S) and a failed one ends the bench with one line naming it.
 """
 
@@ -307,7 +307,7 @@ def main(
             for g, proc in enumerate(groups):
                 wait_exit(f"round {r}'s torchft group {g}", proc, out / f"ft-{r}-{g}.err")
         if drill:
-            relaunched_at, killed_at = kill_drill(out, lighthouses(1, min_replicas=1), procs)
+            relaunched_at, killed_at = kill_drill(out, lighthouses(1, min_replicas=1), procs, quorum_every)
     except BenchFailed as err:
         print(f"bench failed: {err}")
         sys.exit(1)
@@ -335,10 +335,13 @@ def main(
         )
 
 
-def kill_drill(out: Path, address: str, procs: list[subprocess.Popen]) -> tuple[float, int]:
+def kill_drill(
+    out: Path, address: str, procs: list[subprocess.Popen], quorum_every: int
+) -> tuple[float, int]:
     """Group 1 killed and relaunched under a running group 0 (see the module's note); when it was
     relaunched (time.time()) and its last step before the kill."""
-    drill = [spawn(["--arm", "drill", "--replica", "0", "--lighthouses", address], out, "drill-0")]
+    every = ["--lighthouses", address, "--quorum-every", str(quorum_every)]
+    drill = [spawn(["--arm", "drill", "--replica", "0", *every], out, "drill-0")]
     procs.extend(drill)
     # group 1 joins the running job (as a relaunch does), so the survivor's participants go 1, 2, 1, 2
     wait_until(
@@ -347,7 +350,7 @@ def kill_drill(out: Path, address: str, procs: list[subprocess.Popen]) -> tuple[
         drill,
         out / "drill-0.err",
     )
-    drill.append(spawn(["--arm", "drill", "--replica", "1", "--lighthouses", address], out, "drill-1"))
+    drill.append(spawn(["--arm", "drill", "--replica", "1", *every], out, "drill-1"))
     procs.append(drill[1])
     # group 1 dies after KILL_AT steps; relaunched only once the survivor committed a step alone, so that
     # the survivor sees the outage (a relaunch quicker than the heartbeat timeout would join the very
@@ -368,7 +371,7 @@ def kill_drill(out: Path, address: str, procs: list[subprocess.Popen]) -> tuple[
         out / "drill-0.err",
     )
     relaunched_at = time.time()
-    rejoin = spawn(["--arm", "rejoin", "--replica", "1", "--lighthouses", address], out, "drill-1-rejoin")
+    rejoin = spawn(["--arm", "rejoin", "--replica", "1", *every], out, "drill-1-rejoin")
     procs.append(rejoin)
     wait_exit("the relaunched group 1", rejoin, out / "drill-1-rejoin.err")
     wait_exit("the survivor (group 0)", drill[0], out / "drill-0.err")
@@ -485,7 +488,9 @@ if __name__ == "__main__":
         "--group-size", type=int, default=1, help="processes per replica group (DDP inside it), part 1 only"
     )
     p.add_argument("--flat", action="store_true", help="torchft averages after the backward (the old path)")
-    p.add_argument("--quorum-every", type=int, default=1, help="FaultTolerance(quorum_every=...), part 1")
+    p.add_argument(
+        "--quorum-every", type=int, default=1, help="FaultTolerance(quorum_every=...) of torchft's arm"
+    )
     p.add_argument("--lighthouses", default=None)  # one per fit: the overhead widths, then the drill
     p.add_argument("--out", default=None)
     a = p.parse_args()
