@@ -67,7 +67,7 @@ class FaultTolerance:
 
     `quorum_every` > 1 (groups of one process, per-step sync): a quorum every that many steps while the
     groups stay in step, instead of every step (cadence.py): a short step's per-step cost drops (bench MLP
-    width 256: 1.15-1.24x plain DDP to 1.08x at 8); a dead peer is still caught by the step's all-reduce,
+    width 256: 1.12-1.26x plain DDP to 1.01-1.14x at 8); a dead peer is still caught by the step's all-reduce,
     a group's own skip by a flag summed with the gradients (every group then discards the next step and
     takes a quorum), and a group that joins waits at most that many steps for the others' quorum.
     """
