@@ -1,8 +1,9 @@
 """A quorum every k steps while the replica groups stay in step (`FaultTolerance(quorum_every=k)`), for groups
 of one process: the per-step quorum is most of what fault tolerance costs a short step (three torchft
 threads and the lighthouse woken every step: bench MLP width 256, 1.12-1.26x plain DDP per step, 1.01-1.14x
-with k=8 over three runs on 2 cores). Between quorums the groups keep the last one's process group and participants; what the quorum
-would have caught is caught as follows, every group deciding alike from what all of them see:
+with k=8 over three runs on 2 cores). Between quorums the groups keep the last one's process group and
+participants; what the quorum would have caught is caught as follows, every group deciding alike from what
+all of them see:
 
 - a peer that dies: the step's all-reduce fails (a closed connection), the group discards the step and asks
   for a quorum at the next (a peer that hangs: after `timeout_s`, as with a quorum every step);
