@@ -26,15 +26,14 @@ def request_quorum(manager: Any) -> None:
     names it reads and sets are the ones `start_quorum` does, with its defaults (the whole quorum heals)."""
     if manager._quorum_future is not None:  # the previous step's, already joined
         manager._quorum_future.result()
-    manager._errored = None
-    manager._healing = False
+    reset_for_step(manager)
     device = torch.accelerator.current_device_index() if torch.accelerator.is_available() else -1
     manager._quorum_future = manager._executor.submit(_quorum, manager, device)
 
 
-def keep_quorum(manager: Any) -> None:
-    """A step that keeps the last quorum (`FaultTolerance(quorum_every=k)`): what `request_quorum` resets
-    for a step, reset without a quorum (the previous step's recorded error: a callback's skip)."""
+def reset_for_step(manager: Any) -> None:
+    """What torchft's manager resets as a step starts (the previous step's recorded error, such as a
+    callback's skip): in `request_quorum`, and alone in a step that keeps the last quorum (quorum_every)."""
     manager._errored = None
     manager._healing = False
 

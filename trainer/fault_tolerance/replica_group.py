@@ -29,9 +29,9 @@ from trainer.fault_tolerance.quorum import (
     Healed,
     commit_vote,
     join_quorum,
-    keep_quorum,
     participants,
     request_quorum,
+    reset_for_step,
 )
 from trainer.fault_tolerance.state import SentState, load_replica_state
 
@@ -167,7 +167,7 @@ class ReplicaGroup:
                 {"step": applied, "batches_committed": self.manager.batches_committed()}
             )
         if self.cadence is not None and not self.cadence.due(step):
-            keep_quorum(self.manager)
+            reset_for_step(self.manager)
             self._arm()
             return
         self.sent.freeze()  # what a peer that recovers from this group gets: the state as of now
