@@ -18,7 +18,8 @@
 
 `python bench/fault_tolerance.py [--rounds 2] [--configs plain,accumulate]` (about 4 minutes here with `plain`
 alone; `--no-drill`: part 1 alone, `--rounds 0`: part 2 alone). `--group-size 2`: part 1 with replica groups of
-2 DDP processes (each a torchrun job) against DDP of 4; `--flat`: torchft's arm averages over the groups after
+2 DDP processes (each a torchrun job) against DDP of 4 (`--configs fsdp`: groups of 2 FSDP2 processes against
+HSDP of 4, replicated over 2); `--flat`: torchft's arm averages over the groups after
 the backward (one flat copy per dtype) instead of from it (overlap.py, overlap_ddp.py): the path before.
 `--quorum-every 8`: torchft's arm and the drill's groups take a quorum every 8 steps while the groups stay in step (cadence.py). Numbers on a shared machine are noisy;
 every wait has a deadline (DEADLINE_S) and a failed one ends the bench with one line naming it.
@@ -42,6 +43,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from callbacks import Callback  # noqa: E402
+from strategies import FSDPStrategy  # noqa: E402
 from trainer import Trainer, TrainModule  # noqa: E402
 from trainer.fault_tolerance import FaultTolerance  # noqa: E402
 from trainer.fault_tolerance.config import HEARTBEAT_TIMEOUT_MS  # noqa: E402
@@ -56,6 +58,9 @@ CONFIGS = {
     "accumulate": ({"accumulate_grad_batches": 2}, False, 2),
     "tokens": ({}, True, 1),
     "fp16": ({"precision": "16-mixed"}, False, 1),
+    # --group-size > 1 only: FSDP2 inside each group, against HSDP (the same sharding, replicated over the
+    # groups by FSDP itself) of every process
+    "fsdp": ({}, False, 1),
 }
 # steps per fit: ~1-3 s of steps at every width (30 steps of a ~7 ms step moved its median by 0.1-0.3 between
 # rounds here), 40 at the >= 100 ms one
@@ -155,8 +160,12 @@ def fit(
     group_size: int = 1,
 ) -> None:
     kwargs, tokens, micro_batches = CONFIGS[config]
+    if config == "fsdp":  # groups of group_size FSDP ranks, or HSDP of two such groups
+        strategy = FSDPStrategy(replicate=2 if ft is None else 1)
+    else:
+        strategy = "ddp" if ft is None or group_size > 1 else "auto"
     trainer = Trainer(
-        strategy="ddp" if ft is None or group_size > 1 else "auto",
+        strategy=strategy,
         max_steps=steps,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -497,6 +506,10 @@ if __name__ == "__main__":
     unknown = set(a.configs.split(",")) - set(CONFIGS)
     if unknown:
         p.error(f"--configs {a.configs}: {', '.join(sorted(unknown))} unknown; allowed: {', '.join(CONFIGS)}")
+    if "fsdp" in a.configs.split(",") and a.group_size == 1:
+        p.error(
+            "--configs fsdp: FSDP inside groups of several processes; allowed with --group-size 2 or more"
+        )
     if a.group_size > 1 and not a.no_drill and not a.arm:
         p.error("--group-size: the drill runs groups of one process; allowed with --no-drill")
     rank_main(a) if a.arm else main(a.rounds, not a.no_drill, a.configs, a.group_size, a.flat, a.quorum_every)

@@ -91,11 +91,20 @@ def groups_ending_well(root: Path) -> Iterator[list[Process]]:
             proc.wait()
 
 
-def start_group(root: Path, lighthouse: str, replica: int, kills: str, *extra: str) -> Process:
+def start_group(
+    root: Path, lighthouse: str, replica: int, kills: str, *extra: str, fsdp_restarts: int | None = None
+) -> Process:
+    """Replica group `replica` of ft_script.py: one process, or (`fsdp_restarts` given) a torchrun job of 2 FSDP
+    ranks that torchrun restarts up to that many times."""
     folder = root / f"replica{replica}"
     folder.mkdir(exist_ok=True)
+    launcher = [sys.executable]
+    if fsdp_restarts is not None:
+        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                     f"--max-restarts={fsdp_restarts}"]  # fmt: skip
+        extra = (*extra, "--fsdp")
     cmd = [
-        sys.executable, str(FT_SCRIPT), "--lighthouse", lighthouse, "--replica-id", str(replica), "--killed", "1",
+        *launcher, str(FT_SCRIPT), "--lighthouse", lighthouse, "--replica-id", str(replica), "--killed", "1",
         "--kills", kills, "--seed", str(SEED), "--step-sleep", "0.01", "--root", str(folder),
         "--out", str(root / f"replica{replica}.json"), *extra,
     ]  # fmt: skip
@@ -226,15 +235,16 @@ def test_a_sigkilled_peer_costs_the_survivor_one_step_and_no_long_wait(tmp_path,
     assert "gloo" in logged[0] and "Timed out" not in logged[0], logged[0]
 
 
-@pytest.mark.parametrize("quorum_every", [1, 8])
+@pytest.mark.parametrize("quorum_every, fsdp", [(1, False), (8, False), (8, True)])
 def test_a_group_that_skips_a_step_its_peer_commits_heals_at_the_next_quorum(
-    tmp_path, lighthouse, alone, quorum_every
+    tmp_path, lighthouse, alone, quorum_every, fsdp
 ):
     """Group 1 skips its update at one step (a callback's skip: its vote is its own) while group 0 commits
     it. Group 1 is then one applied update behind, and the next quorum heals it from group 0: from that step
     on both hold bit-identical parameters (before, it went on with the update missing, unnoticed). With a
     quorum every 8 steps, the flags summed in the next step's all-reduce show group 1 out of step: both
-    groups discard that step, and the one after takes a quorum where group 1 heals."""
+    groups discard that step, and the one after takes a quorum where group 1 heals; also in groups of 2 FSDP
+    ranks (`fsdp`), whose flags go with the step's token sums and whose ranks decide alike by their vote."""
     offset = random.Random(SEED).randint(2, 6)
     first_steps = str(tmp_path / "replica0" / "steps-rank0.jsonl")
     common = (
@@ -245,12 +255,19 @@ def test_a_group_that_skips_a_step_its_peer_commits_heals_at_the_next_quorum(
         "--quorum-every",
         str(quorum_every),
     )
+    ranks = {"fsdp_restarts": 0} if fsdp else {}
     with groups_ending_well(tmp_path) as groups:
         groups += [
-            start_group(tmp_path, lighthouse, 0, "", *common),
-            start_group(tmp_path, lighthouse, 1, "", *common, "--wait-for", first_steps),
+            start_group(tmp_path, lighthouse, 0, "", *common, **ranks),
+            start_group(tmp_path, lighthouse, 1, "", *common, "--wait-for", first_steps, **ranks),
         ]
-    alive, skipper = steps(tmp_path, 0), steps(tmp_path, 1)
+    for rank in (0, 1) if fsdp else (0,):
+        _skip_healed(tmp_path, rank, offset, quorum_every)
+
+
+def _skip_healed(tmp_path: Path, rank: int, offset: int, quorum_every: int) -> None:
+    """What `test_a_group_that_skips_a_step_its_peer_commits_heals_at_the_next_quorum` reads on `rank`."""
+    alive, skipper = steps(tmp_path, 0, rank), steps(tmp_path, 1, rank)
     by_step = {row["step"]: row for row in alive}
     skipped = skipper[0]["step"] + offset
     heal = skipped + 1 if (skipped + 1) % quorum_every == 0 else skipped + 2  # quorum_every=1: the next
@@ -267,26 +284,23 @@ def test_a_group_that_skips_a_step_its_peer_commits_heals_at_the_next_quorum(
     assert recovered in (tmp_path / "replica1" / "stderr").read_text()
 
 
-def test_fsdp_replica_groups_survive_a_rank_killed_during_the_all_reduce(tmp_path, lighthouse, alone):
+@pytest.mark.parametrize("quorum_every", [1, 4])
+def test_fsdp_replica_groups_survive_a_rank_killed_during_the_all_reduce(
+    tmp_path, lighthouse, alone, quorum_every
+):
     """Two groups of 2 FSDP ranks, each a torchrun job; rank 1 of group 1 dies during the gradient all-reduce
-    and torchrun restarts the group, which rejoins: every rank's shards equal its peer rank's."""
+    and torchrun restarts the group, which rejoins: every rank's shards equal its peer rank's. With a quorum
+    every 4 steps only rank 1 of the survivor sees its all-reduce fail (rank 0's peer is alive until torchrun
+    stops it): the group's vote makes both ranks ask for the next quorum."""
     offset = random.Random(SEED).randint(2, 6)
-    common = ["--fsdp", "--lighthouse", lighthouse, "--killed", "1", "--kills", f"{offset}@allreduce",
-              "--kill-rank", "1", "--seed", str(SEED), "--step-sleep", "0.01"]  # fmt: skip
+    common = ("--kill-rank", "1", "--quorum-every", str(quorum_every))
+    first_steps = str(tmp_path / "replica0" / "steps-rank0.jsonl")
     with groups_ending_well(tmp_path) as groups:
-        for replica, restarts in ((0, 0), (1, 1)):
-            folder = tmp_path / f"replica{replica}"
-            folder.mkdir()
-            cmd = [
-                sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                f"--max-restarts={restarts}", str(FT_SCRIPT), *common, "--replica-id", str(replica),
-                "--root", str(folder), "--out", str(tmp_path / f"replica{replica}.json"),
-            ]  # fmt: skip
-            if replica == 1:  # group 1 joins the running job (it waits for the survivor's first step)
-                cmd += ["--wait-for", str(tmp_path / "replica0" / "steps-rank0.jsonl")]
-            groups.append(
-                start_process(cmd, stdout=subprocess.DEVNULL, stderr=open(folder / "stderr", "w"), env=ENV)
-            )
+        groups += [  # group 1 joins the running job (it waits for the survivor's first step)
+            start_group(tmp_path, lighthouse, 0, f"{offset}@allreduce", *common, fsdp_restarts=0),
+            start_group(tmp_path, lighthouse, 1, f"{offset}@allreduce", *common, "--wait-for", first_steps,
+                        fsdp_restarts=1),
+        ]  # fmt: skip
     for rank in (0, 1):
         alive, killed = steps(tmp_path, 0, rank), steps(tmp_path, 1, rank)
         by_step = {row["step"]: row for row in alive}
@@ -375,8 +389,9 @@ def test_a_one_process_groups_commit_vote_is_its_own_with_no_round_trip(tmp_path
 
 
 def test_a_quorum_every_k_steps_is_refused_in_one_line_where_the_average_carries_no_flag(tmp_path):
-    """quorum_every's flag rides the one-process groups' overlapped average: a group whose parameters FSDP2
-    shards (here of one process) is refused before its manager starts."""
+    """quorum_every's flag rides the overlapped average's sums over the groups: a group of one process whose
+    parameters FSDP2 shards (its average is a flat one after the backward) is refused before its manager
+    starts."""
     from helpers import regression_loader
 
     from trainer import Trainer
@@ -395,6 +410,5 @@ def test_a_quorum_every_k_steps_is_refused_in_one_line_where_the_average_carries
     assert str(err.value).startswith(
         "FaultTolerance quorum_every=8 with replica groups of 1 process(es) under"
     ), err
-    assert "allowed: quorum_every=1, or groups of one process with whole (unsharded) parameters" in str(
-        err.value
-    )
+    allowed = "allowed: quorum_every=1, or groups whose backward averages over the groups: one process with "
+    assert allowed + "whole (unsharded) parameters, DDP or FSDP2" in str(err.value)

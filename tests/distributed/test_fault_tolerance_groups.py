@@ -5,7 +5,9 @@ hook; overlap_fsdp.py: FSDP2's all-reduce hook) and once with the flat average a
 the weights one process gets from the union of the 4 ranks' batches, and each other's, for a plain step,
 gradient accumulation, a token-weighted loss and (DDP) fp16 with its loss scaler, and DDP's fp16 gradient
 compression (the strategy's comm hook, which the sum over the groups follows). The overlapped arm's sums
-went out from the backward: the hooks had launched them when the loop asked for the average."""
+went out from the backward: the hooks had launched them when the loop asked for the average. Also with a
+quorum every 2 steps (the groups' flags summed with the step's sums), and every commit vote is the group's
+own all-reduce (GroupVote), never a round trip to torchft's manager server."""
 
 from __future__ import annotations
 
@@ -32,7 +34,10 @@ RUNS = {
     "fp16": ({"precision": "16-mixed"}, False, ("ddp",)),  # FSDP2 has no fp16 scaler (refused)
     # the strategy's own comm hook (DDP takes one): the sum over the groups chains onto it
     "compressed": ({"gradient_compression": "fp16"}, False, ("ddp",)),
+    # FaultTolerance(quorum_every=2): step 1 keeps step 0's quorum, the groups' flags go with the sums
+    "quorum": ({"quorum_every": 2}, False, ("ddp", "fsdp")),
 }
+FT_ARGS = ("quorum_every",)  # RUNS' arguments that are FaultTolerance's, not the Trainer's
 ROUNDED = ("fp16", "compressed")  # fp16 forwards, or fp16 gradients in the group's all-reduce
 ARMS = ("overlapped", "flat")
 KIND = {"ddp": "OverlappedGroupAverage", "fsdp": "OverlappedShardAverage"}
@@ -47,14 +52,35 @@ def data(tokens: bool) -> TensorDataset:
     return TensorDataset(ids, torch.randint(0, 16, labels.shape, generator=torch.Generator().manual_seed(2)))
 
 
+class ServerVoteRefused:
+    """torchft's manager client, whose commit vote (a round trip to rank 0's manager server) fails the test."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+
+    def should_commit(self, *args, **kwargs):
+        raise AssertionError("the commit vote went to the manager server")
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+
 class Probe(Callback):
     """The overlapped average the group built, and per step how many sums over the groups its hooks had
-    launched from the backward when the loop asked for the average (its `finish`), and whether it gave it."""
+    launched from the backward when the loop asked for the average (its `finish`), whether it gave it, and
+    whether the step joined a quorum."""
 
     def __init__(self) -> None:
-        self.kind, self.launched, self.used = None, [], []
+        self.kind, self.launched, self.used, self.quorum = None, [], [], []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.quorum.append(trainer._fit_loop.replicas._joined_at[0] == trainer.global_step - 1)
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        vote = trainer._fit_loop.replicas.manager._client
+        # the group's ranks vote over their own process group (GroupVote), not through torchft's manager server
+        if not isinstance(vote.client, ServerVoteRefused):
+            vote.client = ServerVoteRefused(vote.client)
         overlap = trainer._fit_loop.replicas.overlap
         if overlap is None or self.kind is not None:
             return
@@ -96,11 +122,12 @@ def rank_main(rank: int, strategy: str, ports: list[int], lighthouses: dict[str,
             ft = FaultTolerance(
                 lighthouses[f"{name}-{arm}"], replica, replicas=GROUPS, min_replicas=GROUPS,
                 timeout_s=60, quorum_timeout_s=60,
+                **{k: v for k, v in kwargs.items() if k in FT_ARGS and arm == "overlapped"},  # its flag rides the sums
             )  # fmt: skip
             loader = DataLoader(data(tokens), batch_size=BATCH)
             fit(module, loader, Path(root) / f"{name}-{arm}-{replica}", STEPS, strategy=layout,
                 fault_tolerance=ft, callbacks=[probe], enable_checkpointing=False,
-                **{k: v for k, v in kwargs.items() if k != "gradient_compression"})  # fmt: skip
+                **{k: v for k, v in kwargs.items() if k not in ("gradient_compression", *FT_ARGS)})  # fmt: skip
             weights = [full_value(p.detach()).flatten().tolist() for p in module.parameters()]
             if local == 0:
                 seen = {
@@ -108,6 +135,7 @@ def rank_main(rank: int, strategy: str, ports: list[int], lighthouses: dict[str,
                     "kind": probe.kind,
                     "launched": probe.launched,
                     "used": probe.used,
+                    "quorum": probe.quorum,
                 }
                 (Path(root) / f"{name}-{arm}-{replica}.json").write_text(json.dumps(seen))
 
@@ -120,7 +148,7 @@ def one_process(name: str, root: Path) -> list[torch.Tensor]:
     micro = kwargs.get("accumulate_grad_batches", 1)
     loader = DataLoader(data(tokens), batch_size=GROUPS * RANKS * BATCH * micro)
     fit(module, loader, root / f"one-{name}", STEPS, enable_checkpointing=False,
-        **{k: v for k, v in kwargs.items() if k not in ("accumulate_grad_batches", "gradient_compression")})  # fmt: skip
+        **{k: v for k, v in kwargs.items() if k not in ("accumulate_grad_batches", "gradient_compression", *FT_ARGS)})  # fmt: skip
     return [p.detach().flatten() for p in module.parameters()]
 
 
@@ -156,6 +184,8 @@ def test_overlapped_average_in_groups_of_two_processes_equals_the_flat_one_and_o
         assert overlapped["kind"] == KIND[strategy], (name, overlapped["kind"])
         assert overlapped["used"] == [True] * STEPS and min(overlapped["launched"]) >= 1, (name, overlapped)
         assert got["flat", 0]["kind"] is None
+        # a quorum at every step, or with quorum_every=2 at steps 0 and 2 only (the flat arm: every step)
+        assert overlapped["quorum"] == ([True, False, True] if name == "quorum" else [True] * STEPS), name
         expected = one_process(name, tmp_path)
         # fp16 forwards of a quarter batch and of the whole one, or fp16 gradients, round alike to ~1e-3 only
         tolerance = {"rtol": 1e-3, "atol": 1e-4} if name in ROUNDED else {"rtol": 0, "atol": 1e-6}

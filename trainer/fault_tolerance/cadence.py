@@ -1,15 +1,17 @@
 """A quorum every k steps while the replica groups stay in step (`FaultTolerance(quorum_every=k)`), for groups
-of one process: the per-step quorum is most of what fault tolerance costs a short step (three torchft
-threads and the lighthouse woken every step: bench MLP width 256, 1.12-1.26x plain DDP per step, 1.01-1.14x
-with k=8 over three runs on 2 cores). Between quorums the groups keep the last one's process group and
-participants; what the quorum would have caught is caught as follows, every group deciding alike from what
-all of them see:
+whose backward averages over the groups (one process, DDP or FSDP2): the per-step quorum is most of what
+fault tolerance costs a short step (three torchft threads and the lighthouse woken every step: bench MLP
+width 256, 1.12-1.26x plain DDP per step, 1.01-1.14x with k=8 over three runs on 2 cores). Between quorums
+the groups keep the last one's process group and participants; what the quorum would have caught is caught
+as follows, every group deciding alike from what all of them see, and every rank of a group alike from its
+commit vote (which sums whether any rank asks for a quorum: group_calls.GroupVote):
 
 - a peer that dies: the step's all-reduce fails (a closed connection), the group discards the step and asks
   for a quorum at the next (a peer that hangs: after `timeout_s`, as with a quorum every step);
 - a group that did not apply a step its peers applied (a callback's skip): its flag in the next step's
-  all-reduce (summed with the gradients' buckets: no extra round trip) is 0, so every group discards that
-  step and asks for a quorum at the one after, where the group behind recovers from a peer;
+  all-reduce (one process: summed in the last gradient bucket, no extra round trip; several: with the
+  step's token sums, after the backward) is 0, so every group discards that step and asks for a quorum at
+  the one after, where the group behind recovers from a peer;
 - a group that joins or comes back: the lighthouse holds its quorum until the others ask, at most k steps
   later (its join timeout, 60 s by default, must be longer than k steps).
 """

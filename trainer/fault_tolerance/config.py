@@ -65,7 +65,8 @@ class FaultTolerance:
     dominates (k=8, with both the above: 1.001-1.017x over 3 seeds, within the 2% target; without the
     warm-up it hurts: 1.051x against 1.026x).
 
-    `quorum_every` > 1 (groups of one process, per-step sync): a quorum every that many steps while the
+    `quorum_every` > 1 (per-step sync; groups of one process, or of DDP or FSDP2 ranks whose backward
+    averages over the groups): a quorum every that many steps while the
     groups stay in step, instead of every step (cadence.py): a short step's per-step cost drops (bench MLP
     width 256: 1.12-1.26x plain DDP to 1.01-1.14x at 8); a dead peer is still caught by the step's all-reduce,
     a group's own skip by a flag summed with the gradients (every group then discards the next step and

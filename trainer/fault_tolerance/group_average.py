@@ -21,6 +21,7 @@ class GroupAverage:
     def __init__(self, params: list[torch.nn.Parameter], direct: Any, costs: StepCosts | None) -> None:
         self.params, self.direct, self.costs = params, direct, costs or StepCosts()
         self.armed = False
+        self.carries_flag = False  # quorum_every's flag goes with `finish`'s extra sums (replica_group.py)
 
     def finish(self, use: bool, undo: float = 1.0, extra: torch.Tensor | None = None) -> bool:
         """After the backward: `extra` (the step's token count) summed over the groups in place; with `use`,

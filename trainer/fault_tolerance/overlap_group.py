@@ -15,11 +15,14 @@ def overlap_in_group(
 ) -> OverlappedGroupAverage | OverlappedShardAverage | None:
     """The hooks that launch the sum over the groups of `trainer`'s gradients from the backward, after the
     group's own reduction (each group runs the same configuration: every group gets the same answer), or None."""
-    if trainer.strategy.world_size == 1:
+    if not overlap_fits_group(trainer):
         return None
     ddp = ddp_to_chain(trainer)
     if ddp is not None:
         return OverlappedGroupAverage(ddp, direct, costs)
-    if fsdp_units(trainer):
-        return OverlappedShardAverage(trainer.module, direct, costs)
-    return None
+    return OverlappedShardAverage(trainer.module, direct, costs)
+
+
+def overlap_fits_group(trainer: Any) -> bool:
+    """Whether `overlap_in_group` gives `trainer`'s group of several processes an overlapped average."""
+    return trainer.strategy.world_size > 1 and (ddp_to_chain(trainer) is not None or fsdp_units(trainer))

@@ -21,10 +21,10 @@ from trainer.core.dtensors import local_part
 from trainer.fault_tolerance.cadence import QuorumCadence
 from trainer.fault_tolerance.config import HEARTBEAT_INTERVAL_MS, NoQuorumError, tokio_workers
 from trainer.fault_tolerance.costs import StepCosts
-from trainer.fault_tolerance.group_calls import DirectSum, OwnVote
+from trainer.fault_tolerance.group_calls import DirectSum, GroupVote, OwnVote
 from trainer.fault_tolerance.outer_sync import OuterSync, combine_second_moment, inner_state
 from trainer.fault_tolerance.overlap import OverlappedAverage
-from trainer.fault_tolerance.overlap_group import overlap_in_group
+from trainer.fault_tolerance.overlap_group import overlap_fits_group, overlap_in_group
 from trainer.fault_tolerance.quorum import (
     Healed,
     commit_vote,
@@ -65,11 +65,12 @@ class ReplicaGroup:
 
         self.trainer, self.config = trainer, trainer.fault_tolerance
         strategy, config = trainer.strategy, self.config
-        if config.quorum_every > 1 and not _overlap_is_valid(trainer):  # (its flag rides OverlappedAverage)
+        # quorum_every's flag rides the overlapped average's sums over the groups
+        if config.quorum_every > 1 and not (_overlap_is_valid(trainer) or overlap_fits_group(trainer)):
             raise ValueError(
                 f"FaultTolerance quorum_every={config.quorum_every} with replica groups of {strategy.world_size} "
-                f"process(es) under {type(strategy).__name__}; allowed: quorum_every=1, or groups of one "
-                "process with whole (unsharded) parameters"
+                f"process(es) under {type(strategy).__name__}; allowed: quorum_every=1, or groups whose backward "
+                "averages over the groups: one process with whole (unsharded) parameters, DDP or FSDP2"
             )
         timeout = timedelta(seconds=config.timeout_s)
         # the group's own store, bound to `bind` (not the launcher's: a restarted group would read the
@@ -109,8 +110,9 @@ class ReplicaGroup:
                 # the state goes rank to rank over the groups' own process group: no extra server
                 checkpoint_transport=PGTransport(self.pg, timeout, strategy.root_device),
             )
-        if strategy.world_size == 1:
-            self.manager._client = OwnVote(self.manager._client)
+        client = self.manager._client
+        self.vote = OwnVote(client) if strategy.world_size == 1 else GroupVote(client, strategy.root_device)
+        self.manager._client = self.vote
         self.sent = SentState(trainer)
         self.manager.register_state_dict_fn("trainer", self._load, self.sent)
         self._participants = 0
@@ -220,10 +222,10 @@ class ReplicaGroup:
             scaler = self.trainer.strategy.precision.scaler
             inv_scale = 1.0 / scaler.get_scale() if scaler is not None else 1.0
             arm = (max(self._participants, 1), self.trainer.accumulate_grad_batches, inv_scale)
-            if self.cadence is None:
-                self.overlap.arm(*arm)
-            else:  # quorum_every's flag (groups of one process, whose average is OverlappedAverage)
+            if self.cadence is not None and self.overlap.carries_flag:  # in the last bucket's spare element
                 self.overlap.arm(*arm, self.cadence.flag())
+            else:
+                self.overlap.arm(*arm)
 
     def start_again(self) -> None:
         """After `Healed`: the loop runs the step again (from the peer's data position), its quorum joined."""
@@ -264,21 +266,30 @@ class ReplicaGroup:
         # summed over the groups with the tokens, stands for a pass over the average's gradients (an inf
         # anywhere is one in the average): every group skips alike
         found = _found_inf(scaler, self.trainer.optimizer) if scaler is not None and self.sums_tokens else []
+        # quorum_every's flag, where the buckets carry none (groups of several processes): with the sums
+        flag = self.cadence is not None and not self.overlap.carries_flag
         sums = ([mine.reshape(())] if num_tokens is not None else []) + (
             [sum(f.sum() for f in found).double()] if found else []
         )
+        if flag:
+            sums.append(
+                torch.tensor(
+                    self.cadence.flag(), dtype=torch.float64, device=self.trainer.strategy.root_device
+                )
+            )
         extra = torch.stack(sums) if sums else None  # summed over the groups with the buckets
         checked = False
         averaged = self.overlap is not None and self.overlap.finish(use=True, undo=undo, extra=extra)
         if self.cadence is not None:  # (the flags were summed whether or not the buckets were used)
-            self._out_of_step = not self.cadence.agreed(self.overlap.flags, self._participants)
+            flags = float(extra[-1]) if flag else self.overlap.flags
+            self._out_of_step = not self.cadence.agreed(flags, self._participants)
         if averaged:
             if num_tokens is not None:  # the buckets held token sums: their mean over the mean token count
                 mean = float(extra[0]) / max(self._participants, 1)
                 start = perf_counter()
                 torch._foreach_mul_(_grads(module), 1.0 / mean if mean > 0 else 0.0)  # 0: no tokens anywhere
                 self.costs.add("copies", start)
-            if found and float(extra[-1]) > 0:
+            if found and float(extra[len(sums) - 1 - flag]) > 0:
                 for tensor in found:
                     tensor.fill_(1.0)
             checked = bool(found)
@@ -337,11 +348,14 @@ class ReplicaGroup:
             self.manager.report_error(RuntimeError("a replica group had not applied the step before"))
         if not vote:
             self.manager.report_error(RuntimeError("a callback skipped the optimizer step"))
+        # a quorum at the next step, for every rank of the group alike: this rank's collectives failed, or
+        # its flags showed a group out of step
+        self.vote.wants_quorum = failed or (self.cadence is not None and self.cadence.due_next)
         start = perf_counter()
         committed = commit_vote(self.manager)
         self.costs.add("commit", start)
         if self.cadence is not None:
-            self.cadence.committed(committed, failed)
+            self.cadence.committed(committed, self.vote.group_wants_quorum)
         if not committed and vote:  # a callback's skip is the user's own
             log.warning(
                 f"fault tolerance: replica group {self.config.replica_id} discarded step "
