@@ -4,7 +4,8 @@
    step of >= 100 ms here): plain DDP of 2 gloo processes under torchrun vs 2 replica groups of 1 process
    under a lighthouse, in interleaved rounds (DDP, torchft, DDP, torchft: a drifting load hits both arms),
    for each configuration of CONFIGS (plain; 2 micro-batches of half the batch; a token-weighted loss; fp16
-   with its loss scaler) - the ones past `plain` at the two larger widths.
+   with its loss scaler; with --group-size > 1, FSDP2 in each group) - the ones past `plain` and `fsdp` at
+   the two larger widths.
    Prints both (wall, and the process's CPU time), their ratio (targets: <= 1.02 on the >= 100 ms step,
    <= 1.1 on the ~10 ms one) and the fixed cost per step in ms; then where torchft's per-step work goes
    on group 0 (quorum, all-reduce, commit vote, copies: trainer/fault_tolerance/costs.py).
@@ -221,11 +222,12 @@ def rank_main(args: argparse.Namespace) -> None:
 
 
 def fits(configs: str) -> list[tuple[str, int]]:
-    """The (configuration, width) fits of one arm: `plain` at every width, the others at the two larger."""
+    """The (configuration, width) fits of one arm: `plain` and `fsdp` (its shortest step here ~15 ms) at every
+    width, the others at the two larger."""
     return [
         (config, width)
         for config in configs.split(",")
-        for width in (WIDTHS if config == "plain" else WIDTHS[1:])
+        for width in (WIDTHS if config in ("plain", "fsdp") else WIDTHS[1:])
     ]
 
 

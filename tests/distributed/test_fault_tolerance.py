@@ -284,6 +284,38 @@ def _skip_healed(tmp_path: Path, rank: int, offset: int, quorum_every: int) -> N
     assert recovered in (tmp_path / "replica1" / "stderr").read_text()
 
 
+def test_a_group_joins_within_max_quorum_interval_s_when_its_peers_quorum_is_many_steps_away(
+    tmp_path, lighthouse, alone
+):
+    """Group 0 trains with a quorum every 100,000 steps; group 1 starts after group 0's first step and asks
+    to join. The lighthouse holds group 1's quorum until group 0 asks: group 0's last quorum grows older than
+    max_quorum_interval_s (0.2 s), it wishes for one in the step's sums, and asks at the next step. The two
+    train on together bit-identical, every later quorum at the same steps in both (without the bound group
+    0 would not ask again: group 1 would wait for the lighthouse's 60 s join timeout, then train alone)."""
+    common = ("--quorum-every", "100000", "--max-quorum-interval", "0.2", "--after-rejoin", "30")
+    first_steps = str(tmp_path / "replica0" / "steps-rank0.jsonl")
+    with groups_ending_well(tmp_path) as groups:
+        groups += [
+            start_group(tmp_path, lighthouse, 0, "", *common),
+            start_group(tmp_path, lighthouse, 1, "", *common, "--wait-for", first_steps),
+        ]
+    alive, joiner = steps(tmp_path, 0), steps(tmp_path, 1)
+    by_step = {row["step"]: row for row in alive}
+    joined = joiner[0]["step"]
+    assert joiner[0]["quorum"] and joiner[0]["replicas"] == 2, joiner[0]
+    assert by_step[joined]["quorum"] and by_step[joined]["replicas"] == 2, by_step[joined]
+    # every quorum after group 0's first came from the bound: no step failed or was discarded
+    assert all(r["committed"] for r in alive + joiner), [r for r in alive + joiner if not r["committed"]]
+    for row in joiner:
+        assert (row["quorum"], row["params"], row["committed"]) == (
+            by_step[row["step"]]["quorum"],
+            by_step[row["step"]]["params"],
+            by_step[row["step"]]["committed"],
+        ), (row, by_step[row["step"]])
+    later = [r["step"] for r in joiner[1:] if r["quorum"]]
+    assert later and all(by_step[s]["quorum"] for s in later), later  # 30 steps of >= 10 ms: >= 0.3 s
+
+
 @pytest.mark.parametrize("quorum_every", [1, 4])
 def test_fsdp_replica_groups_survive_a_rank_killed_during_the_all_reduce(
     tmp_path, lighthouse, alone, quorum_every

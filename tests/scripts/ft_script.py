@@ -154,6 +154,7 @@ def train(args: argparse.Namespace) -> None:
             sync_warmup_steps=args.sync_warmup_steps,
             sync_combined_second_moment=args.sync_combined_second_moment,
             quorum_every=args.quorum_every,
+            max_quorum_interval_s=args.max_quorum_interval,
         ),
     )
     trainer.fit(module, regression_loader(batch_size=BATCH, n=N), ckpt_path=args.resume)
@@ -241,6 +242,7 @@ def main() -> None:
     p.add_argument("--sync-warmup-steps", type=int, default=0)  # FaultTolerance.sync_warmup_steps
     p.add_argument("--sync-combined-second-moment", action="store_true")  # FaultTolerance's
     p.add_argument("--quorum-every", type=int, default=1)  # FaultTolerance.quorum_every
+    p.add_argument("--max-quorum-interval", type=float, default=10.0)  # FaultTolerance.max_quorum_interval_s
     p.add_argument("--save-at", type=int, default=None)  # a checkpoint (ROOT/checkpoint) after this step
     p.add_argument("--resume", default=None)  # the fit's ckpt_path
     p.add_argument("--root", required=True)

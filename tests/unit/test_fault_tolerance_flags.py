@@ -29,6 +29,10 @@ LIGHTHOUSE = "127.0.0.1:29510"
         ({"bind": "10.0.0.1:29500"}, "bind='10.0.0.1:29500'; allowed: a host name or IP address (no port)"),
         ({"quorum_every": 0}, "quorum_every=0; allowed: an int >= 1"),
         (
+            {"max_quorum_interval_s": 0},
+            "max_quorum_interval_s=0; allowed: a number of seconds > 0, at most 604800 (a week)",
+        ),
+        (
             {"quorum_every": 8, "sync_every": 4},
             "quorum_every=8 with sync_every=4; allowed: one of them above 1",
         ),

@@ -70,7 +70,9 @@ class FaultTolerance:
     groups stay in step, instead of every step (cadence.py): a short step's per-step cost drops (bench MLP
     width 256: 1.12-1.26x plain DDP to 1.01-1.14x at 8); a dead peer is still caught by the step's all-reduce,
     a group's own skip by a flag summed with the gradients (every group then discards the next step and
-    takes a quorum), and a group that joins waits at most that many steps for the others' quorum.
+    takes a quorum), and a group that joins waits at most that many steps for the others' quorum, or
+    `max_quorum_interval_s` (and two steps) where they take longer (keep the lighthouse's join timeout, 60 s
+    by default, above it: past it the joiner's quorum forms without the others).
     """
 
     lighthouse: str
@@ -87,6 +89,7 @@ class FaultTolerance:
     sync_warmup_steps: int = 0
     sync_combined_second_moment: bool = False
     quorum_every: int = 1
+    max_quorum_interval_s: float = 10.0
 
     def __post_init__(self) -> None:
         _host_port("lighthouse", self.lighthouse)
@@ -136,7 +139,7 @@ class FaultTolerance:
             raise ValueError(
                 f"FaultTolerance min_replicas={self.min_replicas} exceeds replicas={self.replicas}; allowed: 1 to {self.replicas}"
             )
-        for name in ("timeout_s", "quorum_timeout_s"):
+        for name in ("timeout_s", "quorum_timeout_s", "max_quorum_interval_s"):
             value = getattr(self, name)
             if (
                 isinstance(value, bool)

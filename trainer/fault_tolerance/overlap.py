@@ -67,9 +67,9 @@ class OverlappedAverage:
         self.manager, self.costs = manager, costs or StepCosts()  # the replica group's, to share its totals
         params = [p for p in module.parameters() if p.requires_grad]
         groups = _bucketed(params, first_bucket_bytes, bucket_bytes)
-        # `flag`: the last bucket carries one more element, each group's flag (`arm`), summed (`flags`)
-        self.buckets = [_Bucket(group, int(flag and i == len(groups) - 1)) for i, group in enumerate(groups)]
-        self.carries_flag, self.flags = flag, 0.0
+        # `flag`: the last bucket carries two more elements, each group's terms (`arm`), summed (`flags`)
+        self.buckets = [_Bucket(group, 2 * (flag and i == len(groups) - 1)) for i, group in enumerate(groups)]
+        self.carries_flag, self.flags = flag, (0.0, 0.0)
         self.where = {
             id(p): (b, i) for b, bucket in enumerate(self.buckets) for i, p in enumerate(bucket.params)
         }
@@ -84,17 +84,19 @@ class OverlappedAverage:
         )
         self.next = 0  # the next bucket to launch
 
-    def arm(self, groups: int, backwards: int = 1, inv_scale: float = 1.0, flag: float = 0.0) -> None:
+    def arm(
+        self, groups: int, backwards: int = 1, inv_scale: float = 1.0, terms: tuple[float, float] = (0.0, 0.0)
+    ) -> None:
         """The step's average is over `groups` groups and it takes `backwards` backwards (one per
         micro-batch): launch its buckets as their gradients are final, in the last one. A step of fewer (an
         epoch's short last window) launches them in `finish`. `inv_scale` (fp16's 1 / loss scale): the
         gradients are copied unscaled, as the scaler's `unscale_` would (a power of two: the same bits), so
-        groups whose scales differ average true gradients. `flag` (built with `flag=True`): this group's term of
-        the step's flag sum (quorum_every's, cadence.py), read after `finish` as `flags`."""
+        groups whose scales differ average true gradients. `terms` (built with `flag=True`): this group's terms
+        of the step's two flag sums (quorum_every's, cadence.py), read after `finish` as `flags`."""
         for bucket in self.buckets:
             bucket.reset()
         if self.carries_flag:
-            self.buckets[-1].flat[-1] = flag
+            self.buckets[-1].flat[-2], self.buckets[-1].flat[-1] = terms
         self.armed, self.stale, self.next, self.backwards = True, False, 0, backwards
         self.groups, self.factor = groups, inv_scale / groups
 
@@ -121,7 +123,7 @@ class OverlappedAverage:
             summed.wait()
         start = self.costs.add("allreduce", start)
         if self.carries_flag:
-            self.flags = float(self.buckets[-1].flat[-1])
+            self.flags = tuple(self.buckets[-1].flat[-2:].tolist())
         if not use or self.stale:
             return False
         for bucket in self.buckets:

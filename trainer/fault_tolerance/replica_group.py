@@ -147,7 +147,11 @@ class ReplicaGroup:
             if _overlap_is_valid(trainer)
             else overlap_in_group(trainer, direct, self.costs)
         )
-        self.cadence = QuorumCadence(config.quorum_every) if config.quorum_every > 1 else None
+        self.cadence = (
+            QuorumCadence(config.quorum_every, config.max_quorum_interval_s)
+            if config.quorum_every > 1
+            else None
+        )
         self._out_of_step = False  # the step's flags showed a group out of step: every group discards it
 
     def start_step(self) -> None:
@@ -223,7 +227,7 @@ class ReplicaGroup:
             inv_scale = 1.0 / scaler.get_scale() if scaler is not None else 1.0
             arm = (max(self._participants, 1), self.trainer.accumulate_grad_batches, inv_scale)
             if self.cadence is not None and self.overlap.carries_flag:  # in the last bucket's spare element
-                self.overlap.arm(*arm, self.cadence.flag())
+                self.overlap.arm(*arm, self.cadence.terms())
             else:
                 self.overlap.arm(*arm)
 
@@ -266,22 +270,19 @@ class ReplicaGroup:
         # summed over the groups with the tokens, stands for a pass over the average's gradients (an inf
         # anywhere is one in the average): every group skips alike
         found = _found_inf(scaler, self.trainer.optimizer) if scaler is not None and self.sums_tokens else []
-        # quorum_every's flag, where the buckets carry none (groups of several processes): with the sums
-        flag = self.cadence is not None and not self.overlap.carries_flag
         sums = ([mine.reshape(())] if num_tokens is not None else []) + (
             [sum(f.sum() for f in found).double()] if found else []
         )
-        if flag:
-            sums.append(
-                torch.tensor(
-                    self.cadence.flag(), dtype=torch.float64, device=self.trainer.strategy.root_device
-                )
-            )
+        # quorum_every's terms, where the buckets carry none (groups of several processes): with the sums
+        terms = self.cadence is not None and not self.overlap.carries_flag
+        if terms:
+            device = self.trainer.strategy.root_device
+            sums += list(torch.tensor(self.cadence.terms(), dtype=torch.float64, device=device))
         extra = torch.stack(sums) if sums else None  # summed over the groups with the buckets
         checked = False
         averaged = self.overlap is not None and self.overlap.finish(use=True, undo=undo, extra=extra)
-        if self.cadence is not None:  # (the flags were summed whether or not the buckets were used)
-            flags = float(extra[-1]) if flag else self.overlap.flags
+        if self.cadence is not None:  # (the terms were summed whether or not the buckets were used)
+            flags = tuple(extra[-2:].tolist()) if terms else self.overlap.flags
             self._out_of_step = not self.cadence.agreed(flags, self._participants)
         if averaged:
             if num_tokens is not None:  # the buckets held token sums: their mean over the mean token count
@@ -289,7 +290,7 @@ class ReplicaGroup:
                 start = perf_counter()
                 torch._foreach_mul_(_grads(module), 1.0 / mean if mean > 0 else 0.0)  # 0: no tokens anywhere
                 self.costs.add("copies", start)
-            if found and float(extra[len(sums) - 1 - flag]) > 0:
+            if found and float(extra[int(num_tokens is not None)]) > 0:
                 for tensor in found:
                     tensor.fill_(1.0)
             checked = bool(found)
