@@ -492,7 +492,7 @@ if __name__ == "__main__":
     )
     p.add_argument(
         "--configs",
-        default=",".join(CONFIGS),
+        default=",".join(c for c in CONFIGS if c != "fsdp"),  # fsdp: with --group-size > 1
         help=f"the configurations of the per-step rounds, comma-separated, of {', '.join(CONFIGS)}",
     )
     p.add_argument(

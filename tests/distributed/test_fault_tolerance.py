@@ -94,8 +94,8 @@ def groups_ending_well(root: Path) -> Iterator[list[Process]]:
 def start_group(
     root: Path, lighthouse: str, replica: int, kills: str, *extra: str, fsdp_restarts: int | None = None
 ) -> Process:
-    """Replica group `replica` of ft_script.py: one process, or (`fsdp_restarts` given) a torchrun job of 2 FSDP
-    ranks that torchrun restarts up to that many times."""
+    """Replica group `replica` of ft_script.py: one process, or (`fsdp_restarts` given) a torchrun job of 2
+    FSDP ranks that torchrun restarts up to that many times."""
     folder = root / f"replica{replica}"
     folder.mkdir(exist_ok=True)
     launcher = [sys.executable]
@@ -243,8 +243,8 @@ def test_a_group_that_skips_a_step_its_peer_commits_heals_at_the_next_quorum(
     it. Group 1 is then one applied update behind, and the next quorum heals it from group 0: from that step
     on both hold bit-identical parameters (before, it went on with the update missing, unnoticed). With a
     quorum every 8 steps, the flags summed in the next step's all-reduce show group 1 out of step: both
-    groups discard that step, and the one after takes a quorum where group 1 heals; also in groups of 2 FSDP
-    ranks (`fsdp`), whose flags go with the step's token sums and whose ranks decide alike by their vote."""
+    groups discard that step, and the one after takes a quorum where group 1 heals; also in groups of 2
+    FSDP ranks (`fsdp`): flags summed after the last shard's sum, each rank deciding by the group's vote."""
     offset = random.Random(SEED).randint(2, 6)
     first_steps = str(tmp_path / "replica0" / "steps-rank0.jsonl")
     common = (

@@ -6,8 +6,8 @@ the weights one process gets from the union of the 4 ranks' batches, and each ot
 gradient accumulation, a token-weighted loss and (DDP) fp16 with its loss scaler, and DDP's fp16 gradient
 compression (the strategy's comm hook, which the sum over the groups follows). The overlapped arm's sums
 went out from the backward: the hooks had launched them when the loop asked for the average. Also with a
-quorum every 2 steps (the groups' flags summed with the step's sums), and every commit vote is the group's
-own all-reduce (GroupVote), never a round trip to torchft's manager server."""
+quorum every 2 steps (the groups' flags summed right after the backward's last sum), and every commit vote
+is the group's own all-reduce (GroupVote), never a round trip to torchft's manager server."""
 
 from __future__ import annotations
 

@@ -21,7 +21,22 @@ class GroupAverage:
     def __init__(self, params: list[torch.nn.Parameter], direct: Any, costs: StepCosts | None) -> None:
         self.params, self.direct, self.costs = params, direct, costs or StepCosts()
         self.armed = False
-        self.carries_flag = False  # quorum_every's flag goes with `finish`'s extra sums (replica_group.py)
+        # quorum_every's terms (cadence.py), summed over the groups right after the backward's last sum (its
+        # round trip hidden behind that one's) into `flags`; None: no terms this step
+        self.terms: torch.Tensor | None = None
+        self.terms_work: Any = None
+        self.flags = (0.0, 0.0)
+
+    def arm_terms(self, terms: tuple[float, float] | None) -> None:
+        """This step's terms (None: none), sent by `send_terms`."""
+        device = self.params[0].device if self.params else torch.device("cpu")
+        self.terms = torch.tensor(terms, dtype=torch.float64, device=device) if terms is not None else None
+        self.terms_work = None
+
+    def send_terms(self) -> None:
+        """Launch the terms' sum over the groups (once a step: after the last sum, in every group alike)."""
+        if self.terms is not None and self.terms_work is None:
+            self.terms_work = self.direct.allreduce(self.terms, ReduceOp.SUM)
 
     def finish(self, use: bool, undo: float = 1.0, extra: torch.Tensor | None = None) -> bool:
         """After the backward: `extra` (the step's token count) summed over the groups in place; with `use`,
@@ -32,10 +47,14 @@ class GroupAverage:
             return False
         self.armed = False
         start = perf_counter()
+        self.send_terms()  # where the backward did not (it launched no sum)
         summed = self.direct.allreduce(extra, ReduceOp.SUM) if extra is not None else None
         self._wait()
         if summed is not None:
             summed.wait()
+        if self.terms is not None:
+            self.terms_work.wait()  # a failure is recorded for `commit`: the sums are then garbage
+            self.flags = tuple(self.terms.tolist())
         start = self.costs.add("allreduce", start)
         if not (use and self._complete()):
             return False

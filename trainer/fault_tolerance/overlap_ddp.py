@@ -59,10 +59,18 @@ class OverlappedGroupAverage(GroupAverage):
         self.next = 0  # the next bucket to sum over the groups
         self.stale = False
 
-    def arm(self, groups: int, backwards: int = 1, inv_scale: float = 1.0) -> None:
+    def arm(
+        self,
+        groups: int,
+        backwards: int = 1,
+        inv_scale: float = 1.0,
+        terms: tuple[float, float] | None = None,
+    ) -> None:
         """The step's average is over `groups` groups; `backwards` (its micro-batches) is DDP's own business
-        (`no_sync`). `inv_scale`: fp16's 1 / loss scale."""
+        (`no_sync`). `inv_scale`: fp16's 1 / loss scale. `terms`: quorum_every's, summed after the last
+        bucket's sum."""
         self._reset()
+        self.arm_terms(terms)
         self.armed = True
         self.factor, self.scale = inv_scale / groups, 1.0 / inv_scale
 
@@ -126,6 +134,8 @@ class OverlappedGroupAverage(GroupAverage):
             out.set_exception(error)
             return
         work = self.direct.allreduce(buffer, ReduceOp.SUM)
+        if self.last is not None and self.next == self.last + 1:  # the backward's last bucket
+            self.send_terms()
         if work.work is None:  # not launched (the step is already discarded): the group's mean stays
             self._summed(buffer, out, None)
         else:

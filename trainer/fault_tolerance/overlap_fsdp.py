@@ -39,9 +39,17 @@ class OverlappedShardAverage(GroupAverage):
         self.reduced: set[int] = set()  # ids of the units whose shard went out this step
         self.works: list[Any] = []
 
-    def arm(self, groups: int, backwards: int = 1, inv_scale: float = 1.0) -> None:
+    def arm(
+        self,
+        groups: int,
+        backwards: int = 1,
+        inv_scale: float = 1.0,
+        terms: tuple[float, float] | None = None,
+    ) -> None:
         """The step's average is over `groups` groups; `backwards` is FSDP's business (it reduces in the last
-        one); `inv_scale` is 1 (FSDP2 has no fp16 scaler)."""
+        one); `inv_scale` is 1 (FSDP2 has no fp16 scaler). `terms`: quorum_every's, summed as the backward
+        ends, before its wait for the units' sums."""
+        self.arm_terms(terms)
         self.armed, self.stale, self.factor = True, False, inv_scale / groups
         self.reduced.clear()
         self.works = []
@@ -68,11 +76,15 @@ class OverlappedShardAverage(GroupAverage):
             self.stale = True
             return
         if not self.reduced:  # the backward ends by waiting for the sums, before anything scales `.grad`
-            Variable._execution_engine.queue_callback(self._wait)
+            Variable._execution_engine.queue_callback(self._backward_done)
         self.reduced.add(id(unit))
         if self.factor != 1.0:
             shard.mul_(self.factor)
         self.works.append(self.direct.allreduce(shard, ReduceOp.SUM))
+
+    def _backward_done(self) -> None:
+        self.send_terms()
+        self._wait()
 
     def _wait(self) -> None:
         for work in self.works:

@@ -226,10 +226,10 @@ class ReplicaGroup:
             scaler = self.trainer.strategy.precision.scaler
             inv_scale = 1.0 / scaler.get_scale() if scaler is not None else 1.0
             arm = (max(self._participants, 1), self.trainer.accumulate_grad_batches, inv_scale)
-            if self.cadence is not None and self.overlap.carries_flag:  # in the last bucket's spare element
-                self.overlap.arm(*arm, self.cadence.terms())
-            else:
+            if self.cadence is None:
                 self.overlap.arm(*arm)
+            else:  # quorum_every's terms: summed with the last gradient bucket (one process) or right after
+                self.overlap.arm(*arm, self.cadence.terms())
 
     def start_again(self) -> None:
         """After `Healed`: the loop runs the step again (from the peer's data position), its quorum joined."""
@@ -273,24 +273,18 @@ class ReplicaGroup:
         sums = ([mine.reshape(())] if num_tokens is not None else []) + (
             [sum(f.sum() for f in found).double()] if found else []
         )
-        # quorum_every's terms, where the buckets carry none (groups of several processes): with the sums
-        terms = self.cadence is not None and not self.overlap.carries_flag
-        if terms:
-            device = self.trainer.strategy.root_device
-            sums += list(torch.tensor(self.cadence.terms(), dtype=torch.float64, device=device))
         extra = torch.stack(sums) if sums else None  # summed over the groups with the buckets
         checked = False
         averaged = self.overlap is not None and self.overlap.finish(use=True, undo=undo, extra=extra)
         if self.cadence is not None:  # (the terms were summed whether or not the buckets were used)
-            flags = tuple(extra[-2:].tolist()) if terms else self.overlap.flags
-            self._out_of_step = not self.cadence.agreed(flags, self._participants)
+            self._out_of_step = not self.cadence.agreed(self.overlap.flags, self._participants)
         if averaged:
             if num_tokens is not None:  # the buckets held token sums: their mean over the mean token count
                 mean = float(extra[0]) / max(self._participants, 1)
                 start = perf_counter()
                 torch._foreach_mul_(_grads(module), 1.0 / mean if mean > 0 else 0.0)  # 0: no tokens anywhere
                 self.costs.add("copies", start)
-            if found and float(extra[int(num_tokens is not None)]) > 0:
+            if found and float(extra[-1]) > 0:
                 for tensor in found:
                     tensor.fill_(1.0)
             checked = bool(found)
@@ -350,7 +344,7 @@ class ReplicaGroup:
         if not vote:
             self.manager.report_error(RuntimeError("a callback skipped the optimizer step"))
         # a quorum at the next step, for every rank of the group alike: this rank's collectives failed, or
-        # its flags showed a group out of step
+        # its sums showed a group out of step or wishing for one
         self.vote.wants_quorum = failed or (self.cadence is not None and self.cadence.due_next)
         start = perf_counter()
         committed = commit_vote(self.manager)
