@@ -34,8 +34,9 @@ class OwnVote:
 class GroupVote(OwnVote):
     """torchft's manager client, whose commit vote of a group of several processes is one all-reduce over the
     group's own (default) process group, already connected, instead of each rank's round trip to rank 0's
-    manager server (1.4-4.8 ms a step in groups of 2 on 2 cores: bench/fault_tolerance.py --group-size 2).
-    The same sum tells every rank whether any wants a quorum at the next step, so they all ask alike."""
+    manager server (either takes 1.2-5 ms a step in groups of 2 on 2 cores, most of it waiting for the slower
+    rank: bench/fault_tolerance.py --group-size 2). The same sum tells every rank whether any wants a
+    quorum at the next step (quorum_every), so they all ask alike."""
 
     def __init__(self, client: Any, device: torch.device) -> None:
         super().__init__(client)
