@@ -43,7 +43,7 @@ def test_the_projection_at_16k_and_100k_gpus_with_its_assumptions(capsys):
     assert "live recovery beats restart while its step costs under 1.0" in out
     for said in ("466 interruptions (419 unexpected) in 54 days", "Dubey et al. 2024", "section 3.3.4",
                  "one every 30 min at 100,000 GPUs", "relaunch 10 min", "Young/Daly", "stall 0.5s",
-                 "rejoin (3.7s)", "every step costs 1.02x", "hot spares"):  # fmt: skip
+                 "rejoin (2.3s)", "every step costs 1.02x", "hot spares"):  # fmt: skip
         assert said in out, said
 
 

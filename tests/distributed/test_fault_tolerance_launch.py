@@ -146,7 +146,8 @@ def test_a_recipe_runs_in_each_group_as_that_group_with_a_run_folder_of_its_own(
                                          "min_replicas": 2, "timeout_s": 60.0, "quorum_timeout_s": 60.0,
                                          "bind": "10.0.0.7", "sync_every": 1, "outer_lr": 0.7,
                                          "outer_momentum": 0.9, "sync_optimizer_state": False,
-                                         "sync_warmup_steps": 0, "sync_combined_second_moment": False, "quorum_every": 1}  # fmt: skip
+                                         "sync_warmup_steps": 0, "sync_combined_second_moment": False, "quorum_every": 1,
+                                         "max_quorum_interval_s": 10.0}  # fmt: skip
     assert Path(config["trainer"]["default_root_dir"]) == tmp_path / "replica_2"
     given = group_entry(TINY, [*SMALL, "--ckpt-path", "none"], launch)(0, "10.0.0.1:29510")
     assert given.count("--ckpt-path") == 1 and given[given.index("--ckpt-path") + 1] == "none"
