@@ -15,23 +15,36 @@ from trainer.fault_tolerance.costs import StepCosts
 
 
 class GroupAverage:
-    """The shared end of a step; a subclass says when its sums are waited for (`_wait`) and complete
-    (`_complete`)."""
+    """The shared arming and end of a step; a subclass resets its own per-step state (`_reset`) and says when
+    its sums are waited for (`_wait`) and complete (`_complete`)."""
 
     def __init__(self, params: list[torch.nn.Parameter], direct: Any, costs: StepCosts | None) -> None:
         self.params, self.direct, self.costs = params, direct, costs or StepCosts()
         self.armed = False
+        self.factor = 1.0  # a gradient's factor before the sum over the groups: 1 / groups (x 1 / loss scale)
+        self.scale = 1.0  # fp16's loss scale, put back after the sum (DDP's `.grad` is expected scaled)
         # quorum_every's terms (cadence.py), summed over the groups right after the backward's last sum (its
         # round trip hidden behind that one's) into `flags`; None: no terms this step
         self.terms: torch.Tensor | None = None
         self.terms_work: Any = None
         self.flags = (0.0, 0.0)
 
-    def arm_terms(self, terms: tuple[float, float] | None) -> None:
-        """This step's terms (None: none), sent by `send_terms`."""
+    def arm(
+        self,
+        groups: int,
+        backwards: int = 1,
+        inv_scale: float = 1.0,
+        terms: tuple[float, float] | None = None,
+    ) -> None:
+        """The step's average is over `groups` groups; `backwards` (its micro-batches) is the strategy's own
+        business (DDP's `no_sync`, FSDP's last-backward reduction). `inv_scale`: fp16's 1 / loss scale (1
+        under FSDP2, which has no scaler). `terms`: quorum_every's (None: none), sent by `send_terms`."""
+        self._reset()
         device = self.params[0].device if self.params else torch.device("cpu")
         self.terms = torch.tensor(terms, dtype=torch.float64, device=device) if terms is not None else None
         self.terms_work = None
+        self.armed = True
+        self.factor, self.scale = inv_scale / groups, 1.0 / inv_scale
 
     def send_terms(self) -> None:
         """Launch the terms' sum over the groups (once a step: after the last sum, in every group alike)."""
@@ -62,6 +75,10 @@ class GroupAverage:
             torch._foreach_mul_([local_part(p.grad) for p in self.params if p.grad is not None], undo)
             self.costs.add("copies", start)
         return True
+
+    def _reset(self) -> None:
+        """Clear the subclass's per-step state (at `arm`)."""
+        raise NotImplementedError
 
     def _wait(self) -> None:
         """Wait for the sums the backward launched and did not wait for itself."""

@@ -40,9 +40,6 @@ class OverlappedGroupAverage(GroupAverage):
         self.group = ddp.process_group
         self.group_size = self.group.size()
         self.lock = threading.Lock()  # the gloo threads that complete the group's all-reduces
-        self.factor = 1.0  # the group's mean's factor before the sum over the groups
-        # fp16's loss scale, put back after the sum over the groups (DDP's `.grad` is expected scaled)
-        self.scale = 1.0
         self._reset()
         self.chain = next((h for h, _ in ddp._comm_hooks if isinstance(h, ChainableHook)), None)
         if (
@@ -53,26 +50,12 @@ class OverlappedGroupAverage(GroupAverage):
         self.chain.around = self._around
 
     def _reset(self) -> None:
+        """The step's buckets: none seen, none summed, the last unknown (terms: after its sum)."""
         self.seen: set[int] = set()  # bucket indexes the hook ran for this step
         self.last: int | None = None  # the index of the backward's last bucket
         self.reduced: dict[int, tuple[torch.Tensor, torch.futures.Future, BaseException | None]] = {}
         self.next = 0  # the next bucket to sum over the groups
         self.stale = False
-
-    def arm(
-        self,
-        groups: int,
-        backwards: int = 1,
-        inv_scale: float = 1.0,
-        terms: tuple[float, float] | None = None,
-    ) -> None:
-        """The step's average is over `groups` groups; `backwards` (its micro-batches) is DDP's own business
-        (`no_sync`). `inv_scale`: fp16's 1 / loss scale. `terms`: quorum_every's, summed after the last
-        bucket's sum."""
-        self._reset()
-        self.arm_terms(terms)
-        self.armed = True
-        self.factor, self.scale = inv_scale / groups, 1.0 / inv_scale
 
     def _complete(self) -> bool:
         """DDP waited for every bucket in the backward: each went out once, in one synced backward."""

@@ -35,24 +35,13 @@ class OverlappedShardAverage(GroupAverage):
         self.units = [m for m in module.modules() if isinstance(m, FSDPModule)]
         for unit in self.units:
             unit.set_all_reduce_hook(functools.partial(self._reduced, unit))
-        self.armed, self.stale, self.factor = False, False, 1.0
+        self._reset()
+
+    def _reset(self) -> None:
+        """The step's units: none reduced (terms: as the backward ends, before its wait for their sums)."""
+        self.stale = False
         self.reduced: set[int] = set()  # ids of the units whose shard went out this step
         self.works: list[Any] = []
-
-    def arm(
-        self,
-        groups: int,
-        backwards: int = 1,
-        inv_scale: float = 1.0,
-        terms: tuple[float, float] | None = None,
-    ) -> None:
-        """The step's average is over `groups` groups; `backwards` is FSDP's business (it reduces in the last
-        one); `inv_scale` is 1 (FSDP2 has no fp16 scaler). `terms`: quorum_every's, summed as the backward
-        ends, before its wait for the units' sums."""
-        self.arm_terms(terms)
-        self.armed, self.stale, self.factor = True, False, inv_scale / groups
-        self.reduced.clear()
-        self.works = []
 
     def _complete(self) -> bool:
         """A unit reduced, none twice or divided or cast after its hook."""
