@@ -508,6 +508,8 @@ if __name__ == "__main__":
     unknown = set(a.configs.split(",")) - set(CONFIGS)
     if unknown:
         p.error(f"--configs {a.configs}: {', '.join(sorted(unknown))} unknown; allowed: {', '.join(CONFIGS)}")
+    if a.flat and a.quorum_every > 1:
+        p.error("--flat with --quorum-every: the flags ride the overlapped average; allowed: one of them")
     if "fsdp" in a.configs.split(",") and a.group_size == 1:
         p.error(
             "--configs fsdp: FSDP inside groups of several processes; allowed with --group-size 2 or more"
