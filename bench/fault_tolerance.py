@@ -22,8 +22,12 @@ alone; `--no-drill`: part 1 alone, `--rounds 0`: part 2 alone). `--group-size 2`
 2 DDP processes (each a torchrun job) against DDP of 4 (`--configs fsdp`: groups of 2 FSDP2 processes against
 HSDP of 4, replicated over 2); `--flat`: torchft's arm averages over the groups after
 the backward (one flat copy per dtype) instead of from it (overlap.py, overlap_ddp.py): the path before.
-`--quorum-every 8`: torchft's arm and the drill's groups take a quorum every 8 steps while the groups stay in step (cadence.py). Numbers on a shared machine are noisy;
-every wait has a deadline (DEADLINE_S) and a failed one ends the bench with one line naming it.
+`--quorum-every 8`: torchft's arm and the drill's groups take a quorum every 8 steps while the groups stay in
+step (cadence.py). `--peer-vote` (groups of several processes): the DDP/HSDP arm also sums two numbers over each
+group's ranks before every optimizer step, where torchft's arm takes its commit vote (group_calls.py
+GroupVote): what one more wait for a group's slowest rank costs on this machine, apart from torchft.
+Numbers on a shared machine are noisy; every wait has a deadline (DEADLINE_S) and a failed one ends the bench
+with one line naming it.
 """
 
 from __future__ import annotations
@@ -116,6 +120,20 @@ class Clock(Callback):
             self.parts[part].append(seconds)
 
 
+class PeerVote(Callback):
+    """The peer arm's stand-in for a group's commit vote: two numbers summed over the ranks of this rank's
+    group ({0..g-1}, {g..2g-1}: HSDP's shard groups) before every optimizer step."""
+
+    def __init__(self, group_size: int) -> None:
+        self.group_size, self.group = group_size, None
+
+    def on_train_start(self, trainer, module):  # (the Trainer starts the process group)
+        self.group, _ = torch.distributed.new_subgroups(self.group_size)
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        torch.distributed.all_reduce(torch.zeros(2), group=self.group)
+
+
 def per_step(stamps: list[float], quantile: float = 0.5) -> float:
     """The median step (or another quantile) after SKIP warm-up steps."""
     steps = sorted(b - a for a, b in zip(stamps[SKIP:-1], stamps[SKIP + 1 :], strict=True))
@@ -202,7 +220,8 @@ def rank_main(args: argparse.Namespace) -> None:
         for i, (config, width) in enumerate(fits(args.configs)):
             clock = Clock()
             folder = out / f"{args.arm}-{args.round}-{config}-{width}"
-            fit(width, folder, ft[i % len(ft)], [clock], STEPS[width], config, args.group_size)
+            vote = [PeerVote(args.group_size)] if args.peer_vote and args.arm == "ddp" else []
+            fit(width, folder, ft[i % len(ft)], [clock, *vote], STEPS[width], config, args.group_size)
             # the fastest tenth of the steps as well: other processes' load only adds time, so it varies less
             times[f"{config}/{width}"] = {
                 "wall": per_step(clock.wall),
@@ -275,7 +294,13 @@ def rows(path: Path) -> list[dict]:
 
 
 def main(
-    rounds: int, drill: bool, configs: str, group_size: int = 1, flat: bool = False, quorum_every: int = 1
+    rounds: int,
+    drill: bool,
+    configs: str,
+    group_size: int = 1,
+    flat: bool = False,
+    quorum_every: int = 1,
+    peer_vote: bool = False,
 ) -> None:
     os.environ.setdefault("RUST_LOG", "warn")  # the lighthouses here log every quorum at INFO otherwise
     from trainer.fault_tolerance.lighthouse import start_lighthouse
@@ -299,6 +324,7 @@ def main(
             arms = ["--round", str(r), "--configs", configs, "--group-size", str(group_size)]
             arms += ["--flat"] if flat else []
             arms += ["--quorum-every", str(quorum_every)]
+            arms += ["--peer-vote"] if peer_vote else []
             ddp = spawn(["--arm", "ddp", *arms], out, f"ddp-{r}", torchrun=2 * group_size)
             procs.append(ddp)
             wait_exit(f"round {r}'s DDP arm", ddp, out / f"ddp-{r}.err")
@@ -502,6 +528,9 @@ if __name__ == "__main__":
     p.add_argument(
         "--quorum-every", type=int, default=1, help="FaultTolerance(quorum_every=...) of torchft's arm"
     )
+    p.add_argument(
+        "--peer-vote", action="store_true", help="the DDP/HSDP arm sums 2 numbers over each group per step"
+    )
     p.add_argument("--lighthouses", default=None)  # one per fit: the overhead widths, then the drill
     p.add_argument("--out", default=None)
     a = p.parse_args()
@@ -516,4 +545,11 @@ if __name__ == "__main__":
         )
     if a.group_size > 1 and not a.no_drill and not a.arm:
         p.error("--group-size: the drill runs groups of one process; allowed with --no-drill")
-    rank_main(a) if a.arm else main(a.rounds, not a.no_drill, a.configs, a.group_size, a.flat, a.quorum_every)
+    if a.peer_vote and a.group_size == 1:
+        p.error(
+            "--peer-vote: a group of one process votes alone (no collective); allowed with --group-size 2 or more"
+        )
+    if a.arm:
+        rank_main(a)
+    else:
+        main(a.rounds, not a.no_drill, a.configs, a.group_size, a.flat, a.quorum_every, a.peer_vote)
