@@ -92,17 +92,23 @@ def groups_ending_well(root: Path) -> Iterator[list[Process]]:
 
 
 def start_group(
-    root: Path, lighthouse: str, replica: int, kills: str, *extra: str, fsdp_restarts: int | None = None
+    root: Path,
+    lighthouse: str,
+    replica: int,
+    kills: str,
+    *extra: str,
+    restarts: int | None = None,
+    strategy: str = "fsdp",
 ) -> Process:
-    """Replica group `replica` of ft_script.py: one process, or (`fsdp_restarts` given) a torchrun job of 2
-    FSDP ranks that torchrun restarts up to that many times."""
+    """Replica group `replica` of ft_script.py: one process, or (`restarts` given) a torchrun job of 2
+    `strategy` (FSDP or DDP) ranks that torchrun restarts up to that many times."""
     folder = root / f"replica{replica}"
     folder.mkdir(exist_ok=True)
     launcher = [sys.executable]
-    if fsdp_restarts is not None:
+    if restarts is not None:
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                     f"--max-restarts={fsdp_restarts}"]  # fmt: skip
-        extra = (*extra, "--fsdp")
+                     f"--max-restarts={restarts}"]  # fmt: skip
+        extra = (*extra, "--group-strategy", strategy)
     cmd = [
         *launcher, str(FT_SCRIPT), "--lighthouse", lighthouse, "--replica-id", str(replica), "--killed", "1",
         "--kills", kills, "--seed", str(SEED), "--step-sleep", "0.01", "--root", str(folder),
@@ -255,7 +261,7 @@ def test_a_group_that_skips_a_step_its_peer_commits_heals_at_the_next_quorum(
         "--quorum-every",
         str(quorum_every),
     )
-    ranks = {"fsdp_restarts": 0} if fsdp else {}
+    ranks = {"restarts": 0} if fsdp else {}
     with groups_ending_well(tmp_path) as groups:
         groups += [
             start_group(tmp_path, lighthouse, 0, "", *common, **ranks),
@@ -316,22 +322,23 @@ def test_a_group_joins_within_max_quorum_interval_s_when_its_peers_quorum_is_man
     assert later and all(by_step[s]["quorum"] for s in later), later  # 30 steps of >= 10 ms: >= 0.3 s
 
 
-@pytest.mark.parametrize("quorum_every", [1, 4])
-def test_fsdp_replica_groups_survive_a_rank_killed_during_the_all_reduce(
-    tmp_path, lighthouse, alone, quorum_every
+@pytest.mark.parametrize("strategy, quorum_every", [("fsdp", 1), ("fsdp", 4), ("ddp", 1), ("ddp", 4)])
+def test_replica_groups_of_2_ranks_survive_a_rank_killed_during_the_all_reduce(
+    tmp_path, lighthouse, alone, strategy, quorum_every
 ):
-    """Two groups of 2 FSDP ranks, each a torchrun job; rank 1 of group 1 dies during the gradient all-reduce
-    and torchrun restarts the group, which rejoins: every rank's shards equal its peer rank's. With a quorum
-    every 4 steps only rank 1 of the survivor sees its all-reduce fail (rank 0's peer is alive until torchrun
-    stops it): the group's vote makes both ranks ask for the next quorum."""
+    """Two groups of 2 FSDP (or DDP) ranks, each a torchrun job; rank 1 of group 1 dies during the gradient
+    all-reduce and torchrun restarts the group, which rejoins: every rank's shards (DDP: weights) equal its
+    peer rank's. With a quorum every 4 steps only rank 1 of the survivor sees its all-reduce fail (rank 0's
+    peer is alive until torchrun stops it): the group's vote makes both ranks ask for the next quorum (DDP:
+    after both ranks gathered the bucket's shards, the failed one's too)."""
     offset = random.Random(SEED).randint(2, 6)
     common = ("--kill-rank", "1", "--quorum-every", str(quorum_every))
     first_steps = str(tmp_path / "replica0" / "steps-rank0.jsonl")
     with groups_ending_well(tmp_path) as groups:
         groups += [  # group 1 joins the running job (it waits for the survivor's first step)
-            start_group(tmp_path, lighthouse, 0, f"{offset}@allreduce", *common, fsdp_restarts=0),
+            start_group(tmp_path, lighthouse, 0, f"{offset}@allreduce", *common, restarts=0, strategy=strategy),
             start_group(tmp_path, lighthouse, 1, f"{offset}@allreduce", *common, "--wait-for", first_steps,
-                        fsdp_restarts=1),
+                        restarts=1, strategy=strategy),
         ]  # fmt: skip
     for rank in (0, 1):
         alive, killed = steps(tmp_path, 0, rank), steps(tmp_path, 1, rank)

@@ -5,7 +5,9 @@ hook; overlap_fsdp.py: FSDP2's all-reduce hook) and once with the flat average a
 the weights one process gets from the union of the 4 ranks' batches, and each other's, for a plain step,
 gradient accumulation, a token-weighted loss and (DDP) fp16 with its loss scaler, and DDP's fp16 gradient
 compression (the strategy's comm hook, which the sum over the groups follows). The overlapped arm's sums
-went out from the backward: the hooks had launched them when the loop asked for the average. Also with a
+went out from the backward: the hooks had launched them when the loop asked for the average, and each rank
+sent 1 / 2 of the gradient over the groups (its shard: DDP's buckets scattered over the group, FSDP2's
+reduce-scatter), all of it under the strategy's own hook. Also with a
 quorum every 2 steps (the groups' flags summed right after the backward's last sum), and every commit vote
 is the group's own all-reduce (GroupVote), never a round trip to torchft's manager server."""
 
@@ -67,11 +69,12 @@ class ServerVoteRefused:
 
 class Probe(Callback):
     """The overlapped average the group built, and per step how many sums over the groups its hooks had
-    launched from the backward when the loop asked for the average (its `finish`), whether it gave it, and
-    whether the step joined a quorum."""
+    launched from the backward when the loop asked for the average (its `finish`), the gradient elements
+    they held, whether it gave the average, and whether the step joined a quorum."""
 
     def __init__(self) -> None:
-        self.kind, self.launched, self.used, self.quorum = None, [], [], []
+        self.kind, self.launched, self.sent, self.used, self.quorum = None, [], [], [], []
+        self.sending = 0
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.quorum.append(trainer._fit_loop.replicas._joined_at[0] == trainer.global_step - 1)
@@ -84,14 +87,21 @@ class Probe(Callback):
         overlap = trainer._fit_loop.replicas.overlap
         if overlap is None or self.kind is not None:
             return
-        self.kind, finish = type(overlap).__name__, overlap.finish
+        self.kind, finish, allreduce = type(overlap).__name__, overlap.finish, overlap.direct.allreduce
+
+        def sum_counted(tensor, op):
+            self.sending += tensor.numel() if tensor.dtype != torch.float64 else 0  # (float64: the flags)
+            return allreduce(tensor, op)
 
         def counted(use, undo=1.0, extra=None):
             self.launched.append(overlap.launched)
+            self.sent.append(self.sending)
+            self.sending = 0
             self.used.append(finish(use, undo, extra))
             return self.used[-1]
 
         overlap.finish = counted
+        overlap.direct.allreduce = sum_counted
 
 
 def rank_main(rank: int, strategy: str, ports: list[int], lighthouses: dict[str, str], root: str) -> None:
@@ -134,6 +144,7 @@ def rank_main(rank: int, strategy: str, ports: list[int], lighthouses: dict[str,
                     "weights": weights,
                     "kind": probe.kind,
                     "launched": probe.launched,
+                    "sent": probe.sent,
                     "used": probe.used,
                     "quorum": probe.quorum,
                 }
@@ -180,10 +191,21 @@ def test_overlapped_average_in_groups_of_two_processes_equals_the_flat_one_and_o
             for replica in range(GROUPS)
         }
         overlapped = got["overlapped", 0]
-        # every step's sums went out from the backward (one per DDP bucket / FSDP unit), and were the average
+        # every step's sums went out from the backward (one per DDP bucket / FSDP unit), and were the average;
+        # DDP's not at the first step (every group's first backward: DDP's one bucket of every parameter,
+        # whose layout a group new to the quorum would not share: the average after the backward)
         assert overlapped["kind"] == KIND[strategy], (name, overlapped["kind"])
-        assert overlapped["used"] == [True] * STEPS and min(overlapped["launched"]) >= 1, (name, overlapped)
+        first = 1 if strategy == "ddp" else 0
+        assert overlapped["used"] == [False] * first + [True] * (STEPS - first), (name, overlapped)
+        assert overlapped["launched"][:first] == [0] * first, (name, overlapped)
+        assert min(overlapped["launched"][first:]) >= 1, (name, overlapped)
         assert got["flat", 0]["kind"] is None
+        # what rank 0 sent over the groups: all of the gradient under the strategy's hook, else its shard
+        # (its half of each DDP bucket, the first rank's the longer, or of each FSDP2 parameter)
+        grads = sum(len(w) for w in overlapped["weights"])
+        for sent, buckets in zip(overlapped["sent"][first:], overlapped["launched"][first:], strict=True):
+            low, high = (grads, grads) if name == "compressed" else (grads / RANKS, grads / RANKS + buckets)
+            assert low <= sent <= high, (name, sent, grads)
         # a quorum at every step, or with quorum_every=2 at steps 0 and 2 only (the flat arm: every step)
         assert overlapped["quorum"] == ([True, False, True] if name == "quorum" else [True] * STEPS), name
         expected = one_process(name, tmp_path)

@@ -2,7 +2,7 @@
 `python tests/scripts/ft_script.py --lighthouse HOST:PORT --replica-id I --root DIR --out FILE`. It trains the
 tests' Regression model with SGD and appends one line per step to ROOT/steps-rank0.jsonl (the step, whether it
 committed, the participants, the data position, a hash of the parameters; ROOT/steps-rank{r}.jsonl per rank
-with `--fsdp`, where the group is a torchrun job of FSDP ranks). `--kills` schedules this group's
+with `--group-strategy fsdp|ddp`, where the group is a torchrun job of FSDP or DDP ranks). `--kills` schedules this group's
 own SIGKILLs, one per attempt (`--restarts K` relaunches it up to K times, see `relaunch`): each at a step offset from the
 attempt's first step, at the start of the step, during the gradient all-reduce, or after the commit
 (`--skip-at`: that group skips its update at a step offset instead, alive; `--save-at` saves a checkpoint
@@ -134,7 +134,7 @@ def train(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
     module = Regression(lr=LR, optimizer=args.optimizer)
     trainer = Trainer(
-        strategy="fsdp" if args.fsdp else "auto",
+        strategy=args.group_strategy or "auto",
         max_steps=args.max_steps,
         seed=args.seed,
         default_root_dir=args.root,
@@ -158,7 +158,7 @@ def train(args: argparse.Namespace) -> None:
         ),
     )
     trainer.fit(module, regression_loader(batch_size=BATCH, n=N), ckpt_path=args.resume)
-    if trainer.is_global_zero and not args.fsdp:
+    if trainer.is_global_zero and not args.group_strategy:
         result = {"params": [p.detach().tolist() for p in module.parameters()], "hash": params_hash(module)}
         Path(args.out).write_text(json.dumps(result))
 
@@ -228,7 +228,7 @@ def main() -> None:
     p.add_argument("--attempt", type=int, default=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     p.add_argument("--kill-rank", type=int, default=0)  # the rank of the group that dies
     p.add_argument("--skip-at", type=int, default=None)  # group --killed skips this step (offset), alive
-    p.add_argument("--fsdp", action="store_true")  # the group is a torchrun job of FSDP ranks
+    p.add_argument("--group-strategy", choices=["fsdp", "ddp"], default=None)  # a torchrun job of such ranks
     p.add_argument("--restarts", type=int, default=0)  # > 0: relaunch killed attempts (see `relaunch`)
     p.add_argument("--wait-for", default=None)  # the survivor's step log (see `relaunch`)
     p.add_argument("--after-rejoin", type=int, default=5)

@@ -24,6 +24,7 @@ from trainer.fault_tolerance.costs import StepCosts
 from trainer.fault_tolerance.group_calls import DirectSum, GroupVote, OwnVote
 from trainer.fault_tolerance.outer_sync import OuterSync, combine_second_moment, inner_state
 from trainer.fault_tolerance.overlap import OverlappedAverage
+from trainer.fault_tolerance.overlap_ddp import OverlappedGroupAverage
 from trainer.fault_tolerance.overlap_group import overlap_fits_group, overlap_in_group
 from trainer.fault_tolerance.quorum import (
     Healed,
@@ -120,6 +121,9 @@ class ReplicaGroup:
         self._forming = False  # this step's quorum was requested and is not joined yet
         self._void = False  # the quorum healed this group: the step's work so far is void (see `join`)
         self._joined_at: tuple[int, int] | None = None  # the loop's step and `_applied` at the last join
+        self._quorum_id: int | None = None  # torchft's id of the last quorum joined (new with new members)
+        self._averaged_in: int | None = None  # the quorum id of the last step whose gradients were averaged
+        self._armed = False  # the overlapped average is armed for this step (see `_arm`)
         # FSDP2 keeps gathered parameters and hooks from a forward for its backward: a heal after the forward
         # (which the step then runs again) left the rerun's forward with gathered and sharded ones mixed, so
         # such a group joins before its forward
@@ -213,6 +217,7 @@ class ReplicaGroup:
             self._joined_at = (self.trainer.state.global_step, self._applied())
             if self.cadence is not None:
                 self.cadence.asked()
+            self._quorum_id = self.manager._quorum_id
             self._arm()
             if self.outer is not None:
                 self.outer.begin()
@@ -221,8 +226,18 @@ class ReplicaGroup:
 
     def _arm(self) -> None:
         """The overlapped average armed for this step: its participants, the window's micro-batches (a
-        gradient is final in the last backward), fp16's loss scale."""
+        gradient is final in the last backward), fp16's loss scale. Not where DDP's bucket layout may differ
+        between the groups: until a step of the quorum's members has averaged."""
+        self._armed = False
+        # DDP's first synced backward in a process fills one bucket of every parameter; from its second on,
+        # buckets in the order the first readied them (DDP rebuilds them). A group new to the quorum (a
+        # restarted one's manager has a new id, so its quorum has a new id) would sum another layout than its
+        # peers' bucket by bucket: every group averages after the backward, in the parameters' own layout,
+        # until a step of this quorum has (not at its first step: that may end an epoch with no batch left)
+        if isinstance(self.overlap, OverlappedGroupAverage) and self._averaged_in != self._quorum_id:
+            return
         if self.overlap is not None:
+            self._armed = True
             scaler = self.trainer.strategy.precision.scaler
             inv_scale = 1.0 / scaler.get_scale() if scaler is not None else 1.0
             arm = (max(self._participants, 1), self.trainer.accumulate_grad_batches, inv_scale)
@@ -276,7 +291,9 @@ class ReplicaGroup:
         extra = torch.stack(sums) if sums else None  # summed over the groups with the buckets
         checked = False
         averaged = self.overlap is not None and self.overlap.finish(use=True, undo=undo, extra=extra)
-        if self.cadence is not None:  # (the terms were summed whether or not the buckets were used)
+        # the terms were summed whether or not the buckets were used (and not at all where not armed: at a
+        # quorum, whose groups are all in step)
+        if self.cadence is not None and self._armed:
             self._out_of_step = not self.cadence.agreed(self.overlap.flags, self._participants)
         if averaged:
             if num_tokens is not None:  # the buckets held token sums: their mean over the mean token count
@@ -295,6 +312,7 @@ class ReplicaGroup:
                 weight = 1.0 if self.sums_tokens else float(mine)
                 torch._foreach_mul_(grads, weight / mean if mean > 0 else 0.0)  # 0: no tokens anywhere
             self._average(grads)
+        self._averaged_in = self._quorum_id  # every group's DDP has had a synced backward (see `_arm`)
         if scaler is not None and not checked:
             _check_the_average(scaler, self.trainer.optimizer, _grads(module))
 
