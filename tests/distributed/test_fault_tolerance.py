@@ -329,8 +329,9 @@ def test_replica_groups_of_2_ranks_survive_a_rank_killed_during_the_all_reduce(
     """Two groups of 2 FSDP (or DDP) ranks, each a torchrun job; rank 1 of group 1 dies during the gradient
     all-reduce and torchrun restarts the group, which rejoins: every rank's shards (DDP: weights) equal its
     peer rank's. With a quorum every 4 steps only rank 1 of the survivor sees its all-reduce fail (rank 0's
-    peer is alive until torchrun stops it): the group's vote makes both ranks ask for the next quorum (DDP:
-    after both ranks gathered the bucket's shards, the failed one's too)."""
+    peer is alive until torchrun stops it): the group's vote makes both ranks ask for the next quorum. DDP: the
+    restarted group's first backward fills DDP's first-iteration bucket layout (one bucket), its peer's the
+    rebuilt one; summed bucket by bucket, the rejoined group's weights differed from its peer's."""
     offset = random.Random(SEED).randint(2, 6)
     common = ("--kill-rank", "1", "--quorum-every", str(quorum_every))
     first_steps = str(tmp_path / "replica0" / "steps-rank0.jsonl")

@@ -1,11 +1,8 @@
 """The cross-group gradient average overlapped with the backward for a replica group of several DDP processes:
-DDP's comm hook sums each bucket over the group as each rank's shard of it (group_shards.py), and as soon as
-that is done the shard is summed over the replica groups (rank r with rank r of every group, on torchft's
-process group) and the shards gathered back into the bucket: HSDP's reduce-scatter, all-reduce, all-gather,
-each rank sending 1 / g of the bucket over the groups. DDP waits for all of it before its backward returns,
-so `.grad` (the buckets' views) holds the average over every process of every group, with no copy of the
-gradients after the backward. Under a strategy's own hook (compression, a gradient-noise watch) the hook
-reduces the whole bucket over the group, and the whole bucket is summed over the groups."""
+DDP's comm hook all-reduces each bucket over the group, and as soon as that is done the same bucket buffer is
+summed over the replica groups (rank r with rank r of every group, on torchft's process group). DDP waits for
+both before its backward returns, so `.grad` (the buckets' views) holds the average over every process of
+every group, with no copy of the gradients after the backward."""
 
 from __future__ import annotations
 
@@ -22,7 +19,6 @@ from torch.nn.parallel import DistributedDataParallel
 from strategies.techniques.ddp.chain import ChainableHook
 from trainer.fault_tolerance.costs import StepCosts
 from trainer.fault_tolerance.group_average import GroupAverage
-from trainer.fault_tolerance.group_shards import GroupShards
 
 
 class OverlappedGroupAverage(GroupAverage):
@@ -34,8 +30,8 @@ class OverlappedGroupAverage(GroupAverage):
     size (one pass). fp16: x 1 / loss
     scale before the sum and x scale after it, so groups whose scales differ average true gradients.
 
-    The group's reductions complete on gloo's threads in any order; the sums over the groups, and the gathers
-    after them, launch strictly in bucket order, so every rank makes the same sequence of collectives. Under `no_sync` (gradient
+    The group's all-reduces complete on gloo's threads in any order; the sums over the groups launch strictly
+    in bucket order, so every group makes the same sequence of collectives. Under `no_sync` (gradient
     accumulation) DDP calls the hook only in the window's last backward; a second synced backward in the step
     marks it stale and the caller averages after the backward instead (see `finish`)."""
 
@@ -43,10 +39,7 @@ class OverlappedGroupAverage(GroupAverage):
         super().__init__([p for p in ddp.module.parameters() if p.requires_grad], direct, costs)
         self.group = ddp.process_group
         self.group_size = self.group.size()
-        self.shards = GroupShards(self.group)
-        self.lock = (
-            threading.RLock()
-        )  # gloo's threads completing collectives (a sum not launched gathers at once)
+        self.lock = threading.Lock()  # the gloo threads that complete the group's all-reduces
         self._reset()
         self.chain = next((h for h, _ in ddp._comm_hooks if isinstance(h, ChainableHook)), None)
         if (
@@ -60,12 +53,8 @@ class OverlappedGroupAverage(GroupAverage):
         """The step's buckets: none seen, none summed, the last unknown (terms: after its sum)."""
         self.seen: set[int] = set()  # bucket indexes the hook ran for this step
         self.last: int | None = None  # the index of the backward's last bucket
-        # index -> (the group's sum: the bucket, or this rank's shard of it; the bucket when a shard; DDP's
-        # future; the group's error)
-        self.reduced: dict[int, tuple[torch.Tensor, torch.Tensor | None, torch.futures.Future, Any]] = {}
+        self.reduced: dict[int, tuple[torch.Tensor, torch.futures.Future, BaseException | None]] = {}
         self.next = 0  # the next bucket to sum over the groups
-        self.summed: dict[int, tuple[torch.Tensor, torch.Tensor, torch.futures.Future]] = {}
-        self.next_gather = 0  # the next bucket whose shards are gathered
         self.stale = False
 
     def _complete(self) -> bool:
@@ -94,63 +83,49 @@ class OverlappedGroupAverage(GroupAverage):
         if bucket.is_last():
             self.last = index
         out: torch.futures.Future = torch.futures.Future()
-        if (
-            hook is default_hooks.allreduce_hook
-        ):  # this rank's shard; the mean's division and the factor in it
-            fut = self.shards.scatter(bucket.buffer(), self.factor / self.group_size)
-            done = functools.partial(self._group_done, out, index, bucket.buffer())
+        plain = hook is default_hooks.allreduce_hook  # its division and the factor in one pass
+        if plain:
+            bucket.buffer().mul_(self.factor / self.group_size)
+            fut = dist.all_reduce(bucket.buffer(), group=self.group, async_op=True).get_future()
         else:
             fut = hook(state, bucket)
-            done = functools.partial(self._group_done, out, index, None)
-        fut.add_done_callback(done)
+        fut.add_done_callback(functools.partial(self._group_done, out, index, not plain))
         return out
 
     def _group_done(
-        self, out: torch.futures.Future, index: int, bucket: torch.Tensor | None, fut: torch.futures.Future
+        self, out: torch.futures.Future, index: int, unscaled: bool, fut: torch.futures.Future
     ) -> None:
-        reduced, error = None, None
+        buffer, error = None, None
         try:
-            reduced = fut.value()  # the shard's sum, or the hook's mean of the bucket
+            value = fut.value()  # a hook's tensor, or the all-reduce's list of one
+            buffer = value[0] if isinstance(value, list) else value
         except Exception as err:  # the group's own reduction: DDP raises it from the backward
             error = err
-        if reduced is not None and bucket is None:
-            reduced.mul_(self.factor)
-        with self.lock:  # launched in bucket order, whichever group reduction finishes first
-            self.reduced[index] = (reduced, bucket, out, error)
+        if buffer is not None and unscaled:
+            buffer.mul_(self.factor)
+        with self.lock:  # launched in bucket order, whichever group all-reduce finishes first
+            self.reduced[index] = (buffer, out, error)
             while self.next in self.reduced:
-                record = self.reduced.pop(self.next)
+                bucket = self.reduced.pop(self.next)
                 # counted before its sum can complete: DDP's backward returns once the last one has, and
                 # `finish` then reads the count
                 self.next += 1
-                self._launch(self.next - 1, *record)
+                self._launch(*bucket)
 
-    def _launch(
-        self,
-        index: int,
-        reduced: torch.Tensor,
-        bucket: torch.Tensor | None,
-        out: torch.futures.Future,
-        error: Any,
-    ) -> None:
+    def _launch(self, buffer: torch.Tensor, out: torch.futures.Future, error: BaseException | None) -> None:
         if error is not None:
             out.set_exception(error)
             return
-        work = self.direct.allreduce(reduced, ReduceOp.SUM)
+        work = self.direct.allreduce(buffer, ReduceOp.SUM)
         if self.last is not None and self.next == self.last + 1:  # the backward's last bucket
             self.send_terms()
-        done = functools.partial(self._summed, index, reduced, bucket, out)
         if work.work is None:  # not launched (the step is already discarded): the group's mean stays
-            done(None)
+            self._summed(buffer, out, None)
         else:
-            work.work.get_future().add_done_callback(done)
+            work.work.get_future().add_done_callback(functools.partial(self._summed, buffer, out))
 
     def _summed(
-        self,
-        index: int,
-        reduced: torch.Tensor,
-        bucket: torch.Tensor | None,
-        out: torch.futures.Future,
-        fut: torch.futures.Future | None,
+        self, buffer: torch.Tensor, out: torch.futures.Future, fut: torch.futures.Future | None
     ) -> None:
         # the future's own result: gloo runs this callback before its work counts as finished, so the work's
         # `wait` would wait for this callback
@@ -160,27 +135,8 @@ class OverlappedGroupAverage(GroupAverage):
         except Exception as err:  # recorded for `commit` (the step is discarded), never raised
             self.direct.manager.report_error(err)
         if self.scale != 1.0:
-            reduced.mul_(self.scale)  # a power of two: the scaled gradient DDP's `.grad` is expected to hold
-        if bucket is None:
-            out.set_result(reduced)
-            return
-        with self.lock:  # gathered in bucket order (a failed sum's too: the group's ranks all gather)
-            self.summed[index] = (reduced, bucket, out)
-            while self.next_gather in self.summed:
-                shard, bucket, out = self.summed.pop(self.next_gather)
-                self.next_gather += 1
-                gathered = self.shards.gather(shard, bucket)
-                gathered.add_done_callback(functools.partial(_set, out, bucket))
-
-
-def _set(out: torch.futures.Future, bucket: torch.Tensor, fut: torch.futures.Future) -> None:
-    """DDP's future of a gathered bucket: the bucket, or the gather's error (DDP raises it)."""
-    try:
-        fut.wait()
-    except Exception as err:
-        out.set_exception(err)
-        return
-    out.set_result(bucket)
+            buffer.mul_(self.scale)  # a power of two: the scaled gradient DDP's `.grad` is expected to hold
+        out.set_result(buffer)
 
 
 def ddp_to_chain(trainer: Any) -> DistributedDataParallel | None:
