@@ -18,6 +18,9 @@ class GroupAverage:
     """The shared arming and end of a step; a subclass resets its own per-step state (`_reset`) and says when
     its sums are waited for (`_wait`) and complete (`_complete`)."""
 
+    # whether the sums' layout is every group's only once each of its processes has run a synced backward
+    layout_after_first_backward = False
+
     def __init__(self, params: list[torch.nn.Parameter], direct: Any, costs: StepCosts | None) -> None:
         self.params, self.direct, self.costs = params, direct, costs or StepCosts()
         self.armed = False

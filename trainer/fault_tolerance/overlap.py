@@ -55,6 +55,8 @@ class OverlappedAverage:
     `arm`ed for a number of backwards: a parameter's gradient is final (copied) at its hook's call in the
     last of them; one more call marks the step stale (see `finish`)."""
 
+    layout_after_first_backward = False  # its buckets: the parameters' order, fixed at construction
+
     def __init__(
         self,
         module: nn.Module,

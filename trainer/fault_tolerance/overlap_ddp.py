@@ -35,6 +35,10 @@ class OverlappedGroupAverage(GroupAverage):
     accumulation) DDP calls the hook only in the window's last backward; a second synced backward in the step
     marks it stale and the caller averages after the backward instead (see `finish`)."""
 
+    # DDP's first synced backward in a process fills one bucket of every parameter; from its second on,
+    # buckets in the order the first readied them (DDP rebuilds them)
+    layout_after_first_backward = True
+
     def __init__(self, ddp: DistributedDataParallel, direct: Any, costs: StepCosts | None = None) -> None:
         super().__init__([p for p in ddp.module.parameters() if p.requires_grad], direct, costs)
         self.group = ddp.process_group

@@ -24,7 +24,6 @@ from trainer.fault_tolerance.costs import StepCosts
 from trainer.fault_tolerance.group_calls import DirectSum, GroupVote, OwnVote
 from trainer.fault_tolerance.outer_sync import OuterSync, combine_second_moment, inner_state
 from trainer.fault_tolerance.overlap import OverlappedAverage
-from trainer.fault_tolerance.overlap_ddp import OverlappedGroupAverage
 from trainer.fault_tolerance.overlap_group import overlap_fits_group, overlap_in_group
 from trainer.fault_tolerance.quorum import (
     Healed,
@@ -226,15 +225,15 @@ class ReplicaGroup:
 
     def _arm(self) -> None:
         """The overlapped average armed for this step: its participants, the window's micro-batches (a
-        gradient is final in the last backward), fp16's loss scale. Not where DDP's bucket layout may differ
-        between the groups: until a step of the quorum's members has averaged."""
+        gradient is final in the last backward), fp16's loss scale. Not where the sums' layout may differ
+        between the groups (DDP's buckets): until a step of the quorum's members has averaged."""
         self._armed = False
-        # DDP's first synced backward in a process fills one bucket of every parameter; from its second on,
-        # buckets in the order the first readied them (DDP rebuilds them). A group new to the quorum (a
-        # restarted one's manager has a new id, so its quorum has a new id) would sum another layout than its
-        # peers' bucket by bucket: every group averages after the backward, in the parameters' own layout,
-        # until a step of this quorum has (not at its first step: that may end an epoch with no batch left)
-        if isinstance(self.overlap, OverlappedGroupAverage) and self._averaged_in != self._quorum_id:
+        # a group new to the quorum (a restarted one's manager has a new id, so its quorum has a new id) would
+        # sum its first backward's layout against its peers' later one: every group averages after the
+        # backward, in the parameters' own layout, until a step of this quorum has (not only at its first
+        # step: that may end an epoch with no batch left, and the next epoch's first step is taken again)
+        layout_may_differ = self.overlap is not None and self.overlap.layout_after_first_backward
+        if layout_may_differ and self._averaged_in != self._quorum_id:
             return
         if self.overlap is not None:
             self._armed = True
@@ -291,8 +290,8 @@ class ReplicaGroup:
         extra = torch.stack(sums) if sums else None  # summed over the groups with the buckets
         checked = False
         averaged = self.overlap is not None and self.overlap.finish(use=True, undo=undo, extra=extra)
-        # the terms were summed whether or not the buckets were used (and not at all where not armed: at a
-        # quorum, whose groups are all in step)
+        # the terms were summed whether or not the buckets were used (and not at all where not armed: the
+        # quorum's first steps, whose groups it put in step)
         if self.cadence is not None and self._armed:
             self._out_of_step = not self.cadence.agreed(self.overlap.flags, self._participants)
         if averaged:
