@@ -5,8 +5,8 @@ hook; overlap_fsdp.py: FSDP2's all-reduce hook) and once with the flat average a
 the weights one process gets from the union of the 4 ranks' batches, and each other's, for a plain step,
 gradient accumulation, a token-weighted loss and (DDP) fp16 with its loss scaler, and DDP's fp16 gradient
 compression (the strategy's comm hook, which the sum over the groups follows). The overlapped arm's sums
-went out from the backward: the hooks had launched them when the loop asked for the average, each rank's
-its whole gradient (DDP) or its shard (FSDP2: 1 / 2). DDP's not at the first step: a group's first DDP
+went out from the backward: the hooks had launched them when the loop asked for the average, each rank
+sending its whole gradient (DDP) or its shard of it (FSDP2: 1 / 2). DDP's not at the first step: a group's first DDP
 backward fills another bucket layout than later ones, so every group averages after it. Also with a
 quorum every 2 steps (the groups' flags summed right after the backward's last sum), and every commit vote
 is the group's own all-reduce (GroupVote), never a round trip to torchft's manager server."""
