@@ -175,6 +175,10 @@ class ReplicaGroup:
             self.manager.load_state_dict(
                 {"step": applied, "batches_committed": self.manager.batches_committed()}
             )
+        if self._joined_at == (step, applied):
+            # joined already, the step taken again (its first try found the epoch's data read): a second
+            # quorum between them could pair one group's heal with another's step (a collective mismatch)
+            return
         if self.cadence is not None and not self.cadence.due(step):
             reset_for_step(self.manager)
             self._arm()
