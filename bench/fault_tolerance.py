@@ -20,7 +20,8 @@
 `python bench/fault_tolerance.py [--rounds 2] [--configs plain,accumulate]` (about 4 minutes here with `plain`
 alone; `--no-drill`: part 1 alone, `--rounds 0`: part 2 alone). `--group-size 2`: part 1 with replica groups of
 2 DDP processes (each a torchrun job) against DDP of 4 (`--configs fsdp`: groups of 2 FSDP2 processes against
-HSDP of 4, replicated over 2); `--flat`: torchft's arm averages over the groups after
+HSDP of 4, replicated over 2; `fsdp-clip`: both clip the gradients by their norm, whose all-reduce over
+the group carries the group's commit vote); `--flat`: torchft's arm averages over the groups after
 the backward (one flat copy per dtype) instead of from it (overlap.py, overlap_ddp.py): the path before.
 `--quorum-every 8`: torchft's arm and the drill's groups take a quorum every 8 steps while the groups stay in
 step (cadence.py). `--peer-vote` (groups of several processes): the DDP/HSDP arm also sums two numbers over each
@@ -66,7 +67,11 @@ CONFIGS = {
     # --group-size > 1 only: FSDP2 inside each group, against HSDP (the same sharding, replicated over the
     # groups by FSDP itself) of every process
     "fsdp": ({}, False, 1),
+    # the same, the gradients clipped by their norm (as LLM recipes do): the group's commit vote then rides
+    # the norm's all-reduce over the group, which the HSDP arm makes too
+    "fsdp-clip": ({"gradient_clip_val": 1.0}, False, 1),
 }
+FSDP = ("fsdp", "fsdp-clip")  # the configurations of FSDP2 inside groups of several processes
 # steps per fit: ~1-3 s of steps at every width (30 steps of a ~7 ms step moved its median by 0.1-0.3 between
 # rounds here), 40 at the >= 100 ms one
 STEPS, SKIP = {16: 400, 256: 400, 1024: 40}, 10
@@ -179,7 +184,7 @@ def fit(
     group_size: int = 1,
 ) -> None:
     kwargs, tokens, micro_batches = CONFIGS[config]
-    if config == "fsdp":  # groups of group_size FSDP ranks, or HSDP of two such groups
+    if config in FSDP:  # groups of group_size FSDP ranks, or HSDP of two such groups
         strategy = FSDPStrategy(replicate=2 if ft is None else 1)
     else:
         strategy = "ddp" if ft is None or group_size > 1 else "auto"
@@ -241,12 +246,12 @@ def rank_main(args: argparse.Namespace) -> None:
 
 
 def fits(configs: str) -> list[tuple[str, int]]:
-    """The (configuration, width) fits of one arm: `plain` and `fsdp` (its shortest step here ~15 ms) at every
+    """The (configuration, width) fits of one arm: `plain` and FSDP's (its shortest step here ~15 ms) at every
     width, the others at the two larger."""
     return [
         (config, width)
         for config in configs.split(",")
-        for width in (WIDTHS if config in ("plain", "fsdp") else WIDTHS[1:])
+        for width in (WIDTHS if config in ("plain", *FSDP) else WIDTHS[1:])
     ]
 
 
@@ -518,7 +523,7 @@ if __name__ == "__main__":
     )
     p.add_argument(
         "--configs",
-        default=",".join(c for c in CONFIGS if c != "fsdp"),  # fsdp: with --group-size > 1
+        default=",".join(c for c in CONFIGS if c not in FSDP),  # FSDP: with --group-size > 1
         help=f"the configurations of the per-step rounds, comma-separated, of {', '.join(CONFIGS)}",
     )
     p.add_argument(
@@ -539,9 +544,9 @@ if __name__ == "__main__":
         p.error(f"--configs {a.configs}: {', '.join(sorted(unknown))} unknown; allowed: {', '.join(CONFIGS)}")
     if a.flat and a.quorum_every > 1:
         p.error("--flat with --quorum-every: the flags ride the overlapped average; allowed: one of them")
-    if "fsdp" in a.configs.split(",") and a.group_size == 1:
+    if set(FSDP) & set(a.configs.split(",")) and a.group_size == 1:
         p.error(
-            "--configs fsdp: FSDP inside groups of several processes; allowed with --group-size 2 or more"
+            f"--configs {a.configs}: {'/'.join(FSDP)} is FSDP inside groups of several processes; allowed with --group-size 2 or more"
         )
     if a.group_size > 1 and not a.no_drill and not a.arm:
         p.error("--group-size: the drill runs groups of one process; allowed with --no-drill")

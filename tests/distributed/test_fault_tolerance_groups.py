@@ -8,8 +8,9 @@ compression (the strategy's comm hook, which the sum over the groups follows). T
 went out from the backward: the hooks had launched them when the loop asked for the average, each rank
 sending its whole gradient (DDP) or its shard of it (FSDP2: 1 / 2). DDP's not at the first step: a group's first DDP
 backward fills another bucket layout than later ones, so every group averages after it. Also with a
-quorum every 2 steps (the groups' flags summed right after the backward's last sum), and every commit vote
-is the group's own all-reduce (GroupVote), never a round trip to torchft's manager server."""
+quorum every 2 steps (the groups' flags summed right after the backward's last sum), and with the gradients
+clipped by their norm. Every commit vote is the group's own all-reduce (GroupVote), never a round trip to
+torchft's manager server; with FSDP2 it rides the all-reduce of the gradients' norm."""
 
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ RUNS = {
     "compressed": ({"gradient_compression": "fp16"}, False, ("ddp",)),
     # FaultTolerance(quorum_every=2): step 1 keeps step 0's quorum, the groups' flags go with the sums
     "quorum": ({"quorum_every": 2}, False, ("ddp", "fsdp")),
+    # the norm of the average clips it (the one process's step's norm is ~0.2-0.4)
+    "clip": ({"gradient_clip_val": 0.05}, False, ("ddp", "fsdp")),
 }
 FT_ARGS = ("quorum_every",)  # RUNS' arguments that are FaultTolerance's, not the Trainer's
 ROUNDED = ("fp16", "compressed")  # fp16 forwards, or fp16 gradients in the group's all-reduce
@@ -75,6 +78,7 @@ class Probe(Callback):
     def __init__(self) -> None:
         self.kind, self.launched, self.sent, self.used, self.quorum = None, [], [], [], []
         self.sending = 0
+        self.with_norm = []  # per step: whether the commit vote had been summed with the gradients' norm
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.quorum.append(trainer._fit_loop.replicas._joined_at[0] == trainer.global_step - 1)
@@ -84,6 +88,13 @@ class Probe(Callback):
         # the group's ranks vote over their own process group (GroupVote), not through torchft's manager server
         if not isinstance(vote.client, ServerVoteRefused):
             vote.client = ServerVoteRefused(vote.client)
+            should_commit = vote.should_commit
+
+            def recorded(*args, **kwargs):
+                self.with_norm.append(vote.summed is not None)
+                return should_commit(*args, **kwargs)
+
+            vote.should_commit = recorded
         overlap = trainer._fit_loop.replicas.overlap
         if overlap is None or self.kind is not None:
             return
@@ -147,6 +158,7 @@ def rank_main(rank: int, strategy: str, ports: list[int], lighthouses: dict[str,
                     "sent": probe.sent,
                     "used": probe.used,
                     "quorum": probe.quorum,
+                    "with_norm": probe.with_norm,
                 }
                 (Path(root) / f"{name}-{arm}-{replica}.json").write_text(json.dumps(seen))
 
@@ -206,6 +218,14 @@ def test_overlapped_average_in_groups_of_two_processes_equals_the_flat_one_and_o
         assert overlapped["sent"][first:] == [share] * (STEPS - first), (name, overlapped["sent"], grads)
         # a quorum at every step, or with quorum_every=2 at steps 0 and 2 only (the flat arm: every step)
         assert overlapped["quorum"] == ([True, False, True] if name == "quorum" else [True] * STEPS), name
+        # the commit vote went with the all-reduce of the gradients' norm (taken to clip or log it: every
+        # step here) where one spans the group (FSDP2's shards); DDP's norm is each rank's own
+        for arm in ARMS:
+            assert got[arm, 0]["with_norm"] == [strategy == "fsdp"] * STEPS, (
+                name,
+                arm,
+                got[arm, 0]["with_norm"],
+            )
         expected = one_process(name, tmp_path)
         # fp16 forwards of a quarter batch and of the whole one, or fp16 gradients, round alike to ~1e-3 only
         tolerance = {"rtol": 1e-3, "atol": 1e-4} if name in ROUNDED else {"rtol": 0, "atol": 1e-6}

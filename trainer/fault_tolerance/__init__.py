@@ -46,7 +46,7 @@ def check_fault_tolerance(config: FaultTolerance | None, strategy: Strategy) -> 
             f"fault_tolerance={type(config).__name__}; allowed: None or trainer.fault_tolerance.FaultTolerance(...)"
         )
     from trainer.fault_tolerance.data import check_strategy
-    from trainer.fault_tolerance.replica_group import require_torchft
+    from trainer.fault_tolerance.manager import require_torchft
 
     require_torchft()
     check_strategy(strategy)

@@ -1,6 +1,7 @@
 """A replica group's calls to torchft without what torchft adds per call: its commit vote taken without its
-manager server (a one-process group's own, a group of several processes' over its own process group), and
-the gradient buckets' sum straight on torchft's process group."""
+manager server (a one-process group's own, a group of several processes' over its own process group, or in
+the all-reduce of the gradients' norm where one spans the group), and the gradient buckets' sum straight on
+torchft's process group."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from trainer.core.dtensors import is_dtensor
 
 
 class OwnVote:
@@ -21,6 +24,7 @@ class OwnVote:
     def __init__(self, client: Any) -> None:
         self.client = client
         self.wants_quorum = self.group_wants_quorum = False
+        self.summed: torch.Tensor | None = None  # this step's `terms`, summed over the group already
 
     def should_commit(self, group_rank: int, step: int, should_commit: bool, timeout: timedelta) -> bool:
         """The group's decision: its one rank's vote."""
@@ -42,14 +46,38 @@ class GroupVote(OwnVote):
         super().__init__(client)
         self.device = device
 
+    def terms(self, should_commit: bool) -> torch.Tensor:
+        """This rank's terms of the group's sums: a vote against the step, a wish for a quorum."""
+        return torch.tensor([float(not should_commit), float(self.wants_quorum)], device=self.device)
+
     def should_commit(self, group_rank: int, step: int, should_commit: bool, timeout: timedelta) -> bool:
-        """Every rank of the group voted for the step; a rank that does not answer within `timeout` raises
-        (its group has lost a process: torchrun restarts it)."""
-        votes = torch.tensor([float(not should_commit), float(self.wants_quorum)], device=self.device)
-        dist.all_reduce(votes, async_op=True).wait(timeout)
+        """Every rank of the group voted for the step (the sums of `summed`, where the step's norm carried
+        them; else one all-reduce now). A rank that does not answer within `timeout` raises (its group has
+        lost a process: torchrun restarts it)."""
+        votes, self.summed = self.summed, None
+        if votes is None:
+            votes = self.terms(should_commit)
+            dist.all_reduce(votes, async_op=True).wait(timeout)
         against, wants = votes.tolist()
         self.group_wants_quorum = wants > 0
         return against == 0
+
+
+def norm_with_sum(grads: list[torch.Tensor], extra: torch.Tensor, ranks: int) -> torch.Tensor | None:
+    """The L2 norm of `grads` where they are shards over all `ranks` ranks (FSDP2's, on one 1-D mesh), with
+    `extra` summed over the ranks in place by the norm's own all-reduce; else None. The operations of the
+    DTensor norm's (each shard's norm squared, summed over the ranks, the roots' norm): the same bits."""
+    meshes = {g.device_mesh if is_dtensor(g) else None for g in grads}
+    mesh = meshes.pop() if len(meshes) == 1 else None
+    if mesh is None or mesh.ndim != 1 or mesh.size() != ranks or len({g.dtype for g in grads}) != 1:
+        return None
+    if not all(g.placements[0].is_shard() for g in grads):  # (a replicated one's norm: on every rank)
+        return None
+    local = torch.stack(torch._foreach_norm([g.to_local() for g in grads], 2.0))  # each shard's norm
+    sums = torch.cat([local**2, extra.to(local.dtype)])  # the terms: small counts, exact in any float dtype
+    dist.all_reduce(sums, group=mesh.get_group())
+    extra.copy_(sums[len(grads) :])
+    return torch.linalg.vector_norm(sums[: len(grads)] ** 0.5)  # each gradient's norm, then theirs
 
 
 class DirectSum:

@@ -8,7 +8,7 @@ import threading
 from typing import Any
 
 from trainer.fault_tolerance.config import HEARTBEAT_TIMEOUT_MS, QUORUM_TICK_MS
-from trainer.fault_tolerance.replica_group import require_torchft
+from trainer.fault_tolerance.manager import require_torchft
 
 
 def start_lighthouse(

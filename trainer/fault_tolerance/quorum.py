@@ -104,6 +104,23 @@ def commit_vote(manager: Any) -> bool:
     """torchft 0.2.0's `Manager.should_commit` once the quorum was joined (`join_quorum` applied a recovery):
     whether the group applies the step, voted over its ranks, the manager's step counted; without its
     profiler ranges and log records."""
+    committed = manager._client.should_commit(
+        manager._group_rank, manager._step, own_vote(manager), timeout=manager._timeout
+    )
+    manager._checkpoint_transport.disallow_checkpoint()
+    participants = manager._participating_replica_world_size
+    if committed:
+        manager._step += 1
+        manager._batches_committed += participants
+        manager._commit_failures = 0
+    else:
+        manager._commit_failures += 1
+    return committed
+
+
+def own_vote(manager: Any) -> bool:
+    """This rank's vote on the step (torchft's `should_commit` before it asks the group): enough groups took
+    part and nothing failed here, a recovery's copy and the device's work finished first."""
     if manager._recovery_event is not None:  # a recovery ran on its own stream
         manager._recovery_event.synchronize()
         manager._recovery_event = None
@@ -112,16 +129,4 @@ def commit_vote(manager: Any) -> bool:
     error = manager._pg.errored()
     if error is not None:
         manager.report_error(error)
-    participants = manager._participating_replica_world_size
-    mine = participants >= manager._min_replica_size and manager._errored is None
-    committed = manager._client.should_commit(
-        manager._group_rank, manager._step, mine, timeout=manager._timeout
-    )
-    manager._checkpoint_transport.disallow_checkpoint()
-    if committed:
-        manager._step += 1
-        manager._batches_committed += participants
-        manager._commit_failures = 0
-    else:
-        manager._commit_failures += 1
-    return committed
+    return manager._participating_replica_world_size >= manager._min_replica_size and manager._errored is None

@@ -4,24 +4,20 @@ averaged over the groups, commit or discard)."""
 
 from __future__ import annotations
 
-import contextlib
-import importlib
 import logging
 import sys
-from collections.abc import Iterator
-from datetime import timedelta
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from trainer.core.dtensors import local_part
 from trainer.fault_tolerance.cadence import QuorumCadence
-from trainer.fault_tolerance.config import HEARTBEAT_INTERVAL_MS, NoQuorumError, tokio_workers
+from trainer.fault_tolerance.config import NoQuorumError
 from trainer.fault_tolerance.costs import StepCosts
-from trainer.fault_tolerance.group_calls import DirectSum, GroupVote, OwnVote
+from trainer.fault_tolerance.group_calls import DirectSum, GroupVote, OwnVote, norm_with_sum
+from trainer.fault_tolerance.manager import start_manager
 from trainer.fault_tolerance.outer_sync import OuterSync, combine_second_moment, inner_state
 from trainer.fault_tolerance.overlap import OverlappedAverage
 from trainer.fault_tolerance.overlap_group import overlap_fits_group, overlap_in_group
@@ -29,6 +25,7 @@ from trainer.fault_tolerance.quorum import (
     Healed,
     commit_vote,
     join_quorum,
+    own_vote,
     participants,
     request_quorum,
     reset_for_step,
@@ -41,17 +38,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("trainer")
 
 
-def require_torchft() -> Any:
-    """The torchft module, or a one-line error saying how to install it (checked before any process starts)."""
-    try:
-        return importlib.import_module("torchft")
-    except ImportError as err:
-        raise ImportError(
-            f"Trainer(fault_tolerance=...) needs torchft, which is not installed ({err}); "
-            "install the extra: pip install 'trainer[ft]'"
-        ) from None
-
-
 class ReplicaGroup:
     """This group's membership in the fault-tolerant job. Every rank of the group makes the same calls:
     `start_step` (before the step's data is read), `join` (before the step's first backward, or wherever
@@ -59,10 +45,6 @@ class ReplicaGroup:
     (before the optimizer step); `shutdown` at the end of the fit."""
 
     def __init__(self, trainer: Trainer) -> None:
-        require_torchft()
-        from torchft import Manager
-        from torchft.checkpointing.pg_transport import PGTransport
-
         self.trainer, self.config = trainer, trainer.fault_tolerance
         strategy, config = trainer.strategy, self.config
         # quorum_every's flag rides the overlapped average's sums over the groups
@@ -72,44 +54,7 @@ class ReplicaGroup:
                 f"process(es) under {type(strategy).__name__}; allowed: quorum_every=1, or groups whose backward "
                 "averages over the groups: one process with whole (unsharded) parameters, DDP or FSDP2"
             )
-        timeout = timedelta(seconds=config.timeout_s)
-        # the group's own store, bound to `bind` (not the launcher's: a restarted group would read the
-        # manager address its previous incarnation left there)
-        self._store = (
-            dist.TCPStore(config.bind, 0, is_master=True, wait_for_workers=False)
-            if strategy.global_rank == 0
-            else None
-        )
-        # rank 0's address: with a group spread over nodes the other ranks' own `bind` is not where it listens
-        host, port = strategy.broadcast_object(
-            (config.bind, self._store.port) if self._store is not None else None
-        )
-        self.pg = _process_group(strategy.root_device, timeout)
-        alone = tokio_workers() if strategy.world_size == 1 else contextlib.nullcontext()
-        with _manager_server_bound_to(config.bind), alone:
-            self.manager = Manager(
-                pg=self.pg,
-                load_state_dict=None,
-                state_dict=None,
-                min_replica_size=config.min_replicas,
-                # synchronous semantics (a recovering group is a full participant of the step, which it
-                # runs again from the peer's data position), the wait split from the request (quorum.py)
-                use_async_quorum=False,
-                timeout=timeout,
-                quorum_timeout=timedelta(seconds=config.quorum_timeout_s),
-                connect_timeout=timeout,
-                rank=strategy.global_rank,
-                world_size=strategy.world_size,
-                store_addr=host,
-                store_port=port,
-                lighthouse_addr=config.lighthouse_url,
-                replica_id=config.replica_name,
-                hostname=config.bind,
-                # the lighthouse's heartbeat timeout is HEARTBEAT_TIMEOUT_MS unless it was started with another
-                heartbeat_interval=timedelta(milliseconds=HEARTBEAT_INTERVAL_MS),
-                # the state goes rank to rank over the groups' own process group: no extra server
-                checkpoint_transport=PGTransport(self.pg, timeout, strategy.root_device),
-            )
+        self.manager, self.pg, self._store = start_manager(strategy, config)
         client = self.manager._client
         self.vote = OwnVote(client) if strategy.world_size == 1 else GroupVote(client, strategy.root_device)
         self.manager._client = self.vote
@@ -156,12 +101,14 @@ class ReplicaGroup:
             else None
         )
         self._out_of_step = False  # the step's flags showed a group out of step: every group discards it
+        self._ready = False  # this step's vote is made up (`_ready_to_vote`)
 
     def start_step(self) -> None:
         """Request this step's quorum; it forms on torchft's quorum thread while the step reads its data and
         runs its forward, and is waited for at `join`. A group that may be behind its peers (at its process's
         first quorum, or after a step it did not apply) waits here (`Healed`: see `join`), so that a
         recovery comes before the step's hooks and forward."""
+        self._ready, self.vote.summed = False, None  # (a step that raised before its vote left them)
         if self.outer is not None and not self.outer.starts_window(self.trainer.global_step):
             return  # DiLoCo: inside a window the group trains alone
         # torchft's step is what its quorum compares to pick the groups to heal and the one to heal from:
@@ -356,17 +303,10 @@ class ReplicaGroup:
         if self.trainer.logs_this_step or self.participants != self._logged_participants:
             self._logged_participants = self.participants
             self.trainer.metrics.add("train/replicas", float(self.participants), on_step=True, on_epoch=False)
-        if self.outer is not None and not self.outer.per_step(self.trainer.global_step):
+        if self._votes_alone():
             return vote  # DiLoCo: a step inside a window is this group's own
-        failed = self.manager.errored() is not None  # a collective or a recovery (not a vote)
-        if self._out_of_step:
-            self._out_of_step = False
-            self.manager.report_error(RuntimeError("a replica group had not applied the step before"))
-        if not vote:
-            self.manager.report_error(RuntimeError("a callback skipped the optimizer step"))
-        # a quorum at the next step, for every rank of the group alike: this rank's collectives failed, or
-        # its sums showed a group out of step or wishing for one
-        self.vote.wants_quorum = failed or (self.cadence is not None and self.cadence.due_next)
+        self._ready_to_vote(vote)
+        self._ready = False
         start = perf_counter()
         committed = commit_vote(self.manager)
         self.costs.add("commit", start)
@@ -378,6 +318,42 @@ class ReplicaGroup:
                 f"{self.trainer.global_step}: {self._discard_reason()}"
             )
         return committed
+
+    def norm_with_vote(self, params: list[nn.Parameter], vote: bool) -> torch.Tensor | None:
+        """The global norm of `params`' gradients, this step's commit vote summed with it, where one
+        all-reduce over the group's ranks takes the norm (FSDP2): `commit` then makes no collective of its
+        own. None elsewhere (the norm is then the strategy's). `vote` as `commit`'s, which must follow."""
+        if not isinstance(self.vote, GroupVote) or self._votes_alone():
+            return None
+        self._ready_to_vote(vote)
+        start = perf_counter()
+        terms = self.vote.terms(own_vote(self.manager))
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = norm_with_sum(grads, terms, self.trainer.strategy.world_size)
+        if norm is not None:
+            self.vote.summed = terms
+            self.costs.add("commit", start)
+        return norm
+
+    def _votes_alone(self) -> bool:
+        """Whether this step is the group's own, with no vote (DiLoCo: a step inside a window)."""
+        return self.outer is not None and not self.outer.per_step(self.trainer.global_step)
+
+    def _ready_to_vote(self, vote: bool) -> None:
+        """This rank's vote on the step made up (once a step): what failed or was skipped recorded with
+        torchft, whether the group is to ask for a quorum at the next step."""
+        if self._ready:
+            return
+        self._ready = True
+        failed = self.manager.errored() is not None  # a collective or a recovery (not a vote)
+        if self._out_of_step:
+            self._out_of_step = False
+            self.manager.report_error(RuntimeError("a replica group had not applied the step before"))
+        if not vote:
+            self.manager.report_error(RuntimeError("a callback skipped the optimizer step"))
+        # a quorum at the next step, for every rank of the group alike: this rank's collectives failed, or
+        # its sums showed a group out of step or wishing for one
+        self.vote.wants_quorum = failed or (self.cadence is not None and self.cadence.due_next)
 
     def end_step(self) -> None:
         """After the optimizer step: under DiLoCo, at a window's last step, the groups meet (the outer step,
@@ -472,29 +448,3 @@ def _has_fsdp_units(module: nn.Module) -> bool:
 def _first_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0].rstrip(":") if text else type(err).__name__
-
-
-def _process_group(device: torch.device, timeout: timedelta) -> Any:
-    """torchft's reconfigurable process group across the replica groups: NCCL on GPUs, else gloo."""
-    from torchft import ProcessGroupGloo, ProcessGroupNCCL
-
-    return ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
-
-
-@contextlib.contextmanager
-def _manager_server_bound_to(host: str) -> Iterator[None]:
-    """torchft 0.2.0's Manager starts its server on `[::]:port` (every interface) with no option to choose;
-    for the time of its construction, the server it starts listens on `host` instead."""
-    import torchft.manager as torchft_manager
-
-    original = torchft_manager.ManagerServer
-    listen = f"[{host}]" if ":" in host else host
-
-    def bound(*args: Any, bind: str, **kwargs: Any) -> Any:
-        return original(*args, bind=f"{listen}:{bind.rpartition(':')[2]}", **kwargs)
-
-    torchft_manager.ManagerServer = bound
-    try:
-        yield
-    finally:
-        torchft_manager.ManagerServer = original

@@ -282,6 +282,10 @@ class FitLoop(StopConditions):
         dispatch.step("on_after_backward")
         dispatch.step("on_before_optimizer_step", (optimizer,))  # before clipping, as in Lightning
         log_now, flags = trainer.logs_this_step, trainer.flags
+        wants_norm = flags.gradient_clip_val is not None or log_now
+        if self.replicas is not None and wants_norm and self.step_norm is None:  # the vote rides its sum
+            trained = strategy.trained_parameters(optimizer)
+            self.step_norm = self.replicas.norm_with_vote(trained, vote=self.skip_reason is None)
         if flags.gradient_clip_val is not None:  # (a norm a hook asked for is not taken again)
             self.step_norm = strategy.clip_gradients(
                 strategy.trained_parameters(optimizer),
