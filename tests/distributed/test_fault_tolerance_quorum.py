@@ -152,6 +152,23 @@ def test_the_quorum_is_requested_before_the_data_is_read_and_joined_after_the_fo
     assert collapsed(events) == steps
 
 
+def test_a_step_taken_again_at_an_epochs_end_keeps_the_quorum_it_joined(tmp_path, lighthouse):
+    """Step 8's quorum is requested as epoch 0's data runs out (8 batches) and joined there; the step is taken
+    again from epoch 1's first batch with that quorum: a second one for the same step, between the groups'
+    heals and steps, could pair one group's heal with another's step (one request per step, not two)."""
+    events: list = []
+    fit(tmp_path, lighthouse, events, 10, [Quorum(events)])
+    seen = [e for e in collapsed(events) if e[0] != "backward"]
+    at_the_end = seen.index(("forward", 7)) + 1
+    assert seen[at_the_end:] == [
+        ("join",),  # step 7's
+        ("request",), ("join",),  # step 8's, as epoch 0's data runs out (the loop joins it there)
+        ("read",), ("forward", 0),  # step 8 again, in epoch 1, on the quorum it joined
+        ("request",), ("read",), ("forward", 1), ("join",),  # step 9
+    ], seen[at_the_end:]  # fmt: skip
+    assert [e for e in events if e[0] == "request"] == [("request",)] * 10
+
+
 def test_a_peer_is_sent_the_state_of_the_steps_start_while_the_step_goes_on(tmp_path, lighthouse):
     """What a recovering peer gets, asked for after the step's data read and forward (which count samples,
     draw dropout's RNG, move batch norm's statistics): the values at the step's start."""
