@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from strategies.checkpoint_io.zero1_slices import Zero1Slices
+from strategies.gradients import shard_group, sharded_norm
 from strategies.memory_report import MemoryReport, measure
 from strategies.mesh import MeshStrategy
 from strategies.meta_init import materialize
@@ -451,8 +452,8 @@ class ParallelStrategy(MeshStrategy):
         for g in grads:
             by_mesh.setdefault(g.device_mesh if is_dtensor(g) else None, []).append(g)
         if len(by_mesh) <= 1 and self.pp == 1:  # one mesh (or none: replicas): one norm
-            norm = super().global_norm(grads)
-            return full_value(norm)
+            group = shard_group(grads)  # FSDP2's or HSDP's shards: one all-reduce, no DTensor op dispatch
+            return sharded_norm(grads, group) if group is not None else full_value(super().global_norm(grads))
         squares = torch.zeros((), device=self.root_device)
         for group in by_mesh.values():
             norm = torch.nn.utils.get_total_norm(group, 2.0)

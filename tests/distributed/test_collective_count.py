@@ -28,6 +28,7 @@ PLUMBING = (
     "strategies/base.py:every_rank",
     "strategies/base.py:global_norm",
     "strategies/parallel.py:global_norm",
+    "strategies/gradients.py:sharded_norm",
 )
 
 

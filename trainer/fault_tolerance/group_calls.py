@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer.core.dtensors import is_dtensor
+from strategies.gradients import shard_group, sharded_norm
 
 
 class OwnVote:
@@ -64,20 +64,12 @@ class GroupVote(OwnVote):
 
 
 def norm_with_sum(grads: list[torch.Tensor], extra: torch.Tensor, ranks: int) -> torch.Tensor | None:
-    """The L2 norm of `grads` where they are shards over all `ranks` ranks (FSDP2's, on one 1-D mesh), with
-    `extra` summed over the ranks in place by the norm's own all-reduce; else None. The operations of the
-    DTensor norm's (each shard's norm squared, summed over the ranks, the roots' norm): the same bits."""
-    meshes = {g.device_mesh if is_dtensor(g) else None for g in grads}
-    mesh = meshes.pop() if len(meshes) == 1 else None
-    if mesh is None or mesh.ndim != 1 or mesh.size() != ranks or len({g.dtype for g in grads}) != 1:
+    """The L2 norm of `grads` where one all-reduce over all `ranks` ranks takes it (FSDP2's shards over them),
+    with `extra` summed over the ranks by it, in place; else None."""
+    group = shard_group(grads)
+    if group is None or dist.get_world_size(group) != ranks:
         return None
-    if not all(g.placements[0].is_shard() for g in grads):  # (a replicated one's norm: on every rank)
-        return None
-    local = torch.stack(torch._foreach_norm([g.to_local() for g in grads], 2.0))  # each shard's norm
-    sums = torch.cat([local**2, extra.to(local.dtype)])  # the terms: small counts, exact in any float dtype
-    dist.all_reduce(sums, group=mesh.get_group())
-    extra.copy_(sums[len(grads) :])
-    return torch.linalg.vector_norm(sums[: len(grads)] ** 0.5)  # each gradient's norm, then theirs
+    return sharded_norm(grads, group, extra)
 
 
 class DirectSum:
