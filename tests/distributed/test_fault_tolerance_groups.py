@@ -6,7 +6,8 @@ the weights one process gets from the union of the 4 ranks' batches, and each ot
 gradient accumulation, a token-weighted loss and (DDP) fp16 with its loss scaler, and DDP's fp16 gradient
 compression (the strategy's comm hook, which the sum over the groups follows). The overlapped arm's sums
 went out from the backward: the hooks had launched them when the loop asked for the average, each rank
-sending its whole gradient (DDP) or its shard of it (FSDP2: 1 / 2). DDP's not at the first step: a group's first DDP
+sending its slice of the group's sum (DDP: a half of each bucket; under the fp16 compression hook the whole
+bucket) or its shard of it (FSDP2: 1 / 2). DDP's not at the first step: a group's first DDP
 backward fills another bucket layout than later ones, so every group averages after it. Also with a
 quorum every 2 steps (the groups' flags summed right after the backward's last sum), and with the gradients
 clipped by their norm. Every commit vote is the group's own all-reduce (GroupVote), never a round trip to
@@ -212,9 +213,10 @@ def test_overlapped_average_in_groups_of_two_processes_equals_the_flat_one_and_o
         assert overlapped["launched"][:first] == [0] * first, (name, overlapped)
         assert min(overlapped["launched"][first:]) >= 1, (name, overlapped)
         assert got["flat", 0]["kind"] is None
-        # what rank 0 sent over the groups: DDP's buckets (every gradient), or its FSDP2 shard of each
+        # what rank 0 sent over the groups: its slice of each DDP bucket (the whole bucket under a strategy's
+        # own hook: compression), or its FSDP2 shard of each gradient
         grads = sum(len(w) for w in overlapped["weights"])
-        share = grads if strategy == "ddp" else grads / RANKS
+        share = grads if name == "compressed" else grads / RANKS
         assert overlapped["sent"][first:] == [share] * (STEPS - first), (name, overlapped["sent"], grads)
         # a quorum at every step, or with quorum_every=2 at steps 0 and 2 only (the flat arm: every step)
         assert overlapped["quorum"] == ([True, False, True] if name == "quorum" else [True] * STEPS), name

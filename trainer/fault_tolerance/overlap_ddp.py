@@ -1,12 +1,15 @@
-"""The cross-group gradient average overlapped with the backward for a replica group of several DDP processes:
-DDP's comm hook all-reduces each bucket over the group, and as soon as that is done the same bucket buffer is
-summed over the replica groups (rank r with rank r of every group, on torchft's process group). DDP waits for
-both before its backward returns, so `.grad` (the buckets' views) holds the average over every process of
-every group, with no copy of the gradients after the backward."""
+"""The cross-group gradient average overlapped with the backward for a replica group of several DDP processes,
+from DDP's comm hook, bucket by bucket. In place of DDP's all-reduce over the group (on gloo): the bucket's sum
+over the group as each process's slice, the slice summed over the replica groups (rank r with rank r of every group,
+on torchft's process group), the slices gathered back (ring.py): each process sends 1 / (group size) of the
+bucket across the groups. Under a strategy's own hook (gradient compression), and on NCCL: the group's mean,
+then the whole bucket summed over the groups. DDP waits for every bucket before its backward returns, so `.grad`
+(the buckets' views) holds the average over every process of every group, with no copy after the backward."""
 
 from __future__ import annotations
 
 import functools
+import queue
 import threading
 from typing import Any
 
@@ -19,19 +22,21 @@ from torch.nn.parallel import DistributedDataParallel
 from strategies.techniques.ddp.chain import ChainableHook
 from trainer.fault_tolerance.costs import StepCosts
 from trainer.fault_tolerance.group_average import GroupAverage
+from trainer.fault_tolerance.ring import Ring
 
 
 class OverlappedGroupAverage(GroupAverage):
-    """DDP's comm hook on `ddp` that chains each bucket's sum over the replica groups onto the group's own
-    reduction, while `arm`ed (between the quorum and `finish`; outside, the group's reduction alone). The
-    group's reduction is the hook the strategy registered (gradient compression, a gradient-noise watch: a
-    `ChainableHook`, which this wraps), then a pass scaling its mean by 1 / groups; with none, DDP's
-    all-reduce (as a `ChainableHook` registered here), that factor folded into its division by the group
-    size (one pass). fp16: x 1 / loss
-    scale before the sum and x scale after it, so groups whose scales differ average true gradients.
+    """DDP's comm hook on `ddp` that adds each bucket's sum over the replica groups to the group's own
+    reduction, while `arm`ed (between the quorum and `finish`; outside, the group's reduction alone). With
+    the strategy's own hook (gradient compression, a gradient-noise watch: a `ChainableHook`, which this
+    wraps), its mean over the group, x 1 / groups, then summed over the groups; with none (DDP's all-reduce,
+    as a `ChainableHook` registered here), around the group's ring: its slice of the group's sum, x 1 /
+    (group size x groups), summed over the groups, gathered back. fp16: x 1 / loss scale before the sum
+    and x scale after it, so groups whose scales differ average true gradients.
 
-    The group's all-reduces complete on gloo's threads in any order; the sums over the groups launch strictly
-    in bucket order, so every group makes the same sequence of collectives. Under `no_sync` (gradient
+    The sums over the groups launch strictly in bucket order (the ring's thread takes the buckets in DDP's
+    order; a strategy's hooks complete on gloo's threads in any order and wait for the earlier buckets), so
+    every group makes the same sequence of collectives. Under `no_sync` (gradient
     accumulation) DDP calls the hook only in the window's last backward; a second synced backward in the step
     marks it stale and the caller averages after the backward instead (see `finish`)."""
 
@@ -52,6 +57,11 @@ class OverlappedGroupAverage(GroupAverage):
             self.chain = ChainableHook(default_hooks.allreduce_hook)
             ddp.register_comm_hook(self.group, self.chain)
         self.chain.around = self._around
+        # DDP's own all-reduce: the group's sum as each process's slice, the slice summed over the groups, the
+        # slices gathered back (ring.py), on a thread of its own (gloo's point-to-point works have no future)
+        self.ring, self.spares = Ring(self.group), {}  # spares: a slice-sized receive buffer per bucket
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._work, daemon=True, name="trainer-group-ring").start()
 
     def _reset(self) -> None:
         """The step's buckets: none seen, none summed, the last unknown (terms: after its sum)."""
@@ -71,9 +81,10 @@ class OverlappedGroupAverage(GroupAverage):
         return self.next
 
     def remove(self) -> None:
-        """The strategy's hook alone again (or DDP's all-reduce, as a Python hook)."""
+        """The strategy's hook alone again (or DDP's all-reduce, as a Python hook); the ring's thread ends."""
         self.chain.around = None
         self.armed = False
+        self.jobs.put(None)
 
     def _around(self, hook: Any, state: Any, bucket: dist.GradBucket) -> torch.futures.Future:
         """The bucket's future: its mean over the group (`hook`'s), then, armed, the sum over the groups of
@@ -87,25 +98,48 @@ class OverlappedGroupAverage(GroupAverage):
         if bucket.is_last():
             self.last = index
         out: torch.futures.Future = torch.futures.Future()
-        plain = hook is default_hooks.allreduce_hook  # its division and the factor in one pass
-        if plain:
-            bucket.buffer().mul_(self.factor / self.group_size)
-            fut = dist.all_reduce(bucket.buffer(), group=self.group, async_op=True).get_future()
-        else:
-            fut = hook(state, bucket)
-        fut.add_done_callback(functools.partial(self._group_done, out, index, not plain))
+        # DDP's own on gloo: around the ring (in bucket order: DDP's); NCCL has native reduce-scatter and
+        # all-gather for that (not measured here: no GPU), so its all-reduce goes on as the strategy's hook
+        if hook is default_hooks.allreduce_hook and bucket.buffer().device.type == "cpu":
+            self.jobs.put((bucket.buffer(), out, index))
+        else:  # the strategy's (or NCCL's): the group's mean, then the whole bucket summed over the groups
+            hook(state, bucket).add_done_callback(functools.partial(self._group_done, out, index))
         return out
 
-    def _group_done(
-        self, out: torch.futures.Future, index: int, unscaled: bool, fut: torch.futures.Future
-    ) -> None:
+    def _work(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            self._ring_average(*job)
+
+    def _ring_average(self, buffer: torch.Tensor, out: torch.futures.Future, index: int) -> None:
+        """The bucket's sum over the group as this process's slice, that slice x 1 / (group size x groups)
+        summed over the groups (its failure recorded for `commit`), every slice gathered back."""
+        size = -(-buffer.numel() // self.ring.size)
+        spare = self.spares.get(index)
+        if spare is None or spare.numel() < size or spare.dtype != buffer.dtype:
+            spare = self.spares[index] = buffer.new_empty(size)
+        try:
+            mine = self.ring.reduce_scatter(buffer, spare, tag=2 * index)
+            mine.mul_(self.factor / self.group_size)
+            self.next += 1  # (read once DDP's backward has waited for every bucket)
+            work = self.direct.allreduce(mine, ReduceOp.SUM)
+            if self.last is not None and self.next == self.last + 1:  # the backward's last bucket
+                self.send_terms()
+            if work.wait() and self.scale != 1.0:
+                mine.mul_(self.scale)  # a power of two: the scaled gradient DDP's `.grad` is expected to hold
+            self.ring.all_gather(buffer, tag=2 * index + 1)
+        except Exception as err:  # the group's own exchange (a process of it died): DDP raises it
+            out.set_exception(err)
+            return
+        out.set_result(buffer)
+
+    def _group_done(self, out: torch.futures.Future, index: int, fut: torch.futures.Future) -> None:
         buffer, error = None, None
         try:
             value = fut.value()  # a hook's tensor, or the all-reduce's list of one
             buffer = value[0] if isinstance(value, list) else value
         except Exception as err:  # the group's own reduction: DDP raises it from the backward
             error = err
-        if buffer is not None and unscaled:
+        if buffer is not None:
             buffer.mul_(self.factor)
         with self.lock:  # launched in bucket order, whichever group all-reduce finishes first
             self.reduced[index] = (buffer, out, error)
