@@ -63,10 +63,14 @@ class StepLog(Callback):
     def hold(self, trainer) -> None:
         """Wait here (this step's checkpoint complete, DIR/replica{I}/held written) while DIR/hold exists."""
         folder = self.path.parent
+        held = folder / "held"
         while (self.root / "hold").exists():
             last = find_last(trainer.checkpoint_dir)
-            if last is not None and last.name == f"step-{trainer.global_step:08d}":
-                (folder / "held").write_text(str(trainer.global_step))
+            if last is not None and last.name == f"step-{trainer.global_step:08d}" and not held.exists():
+                (folder / "held.tmp").write_text(str(trainer.global_step))
+                (folder / "held.tmp").rename(
+                    held
+                )  # whole when the test reads it (rewritten in place, it read '')
             time.sleep(0.02)
 
 
