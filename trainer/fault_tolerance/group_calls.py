@@ -11,8 +11,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from strategies.gradients import shard_group, sharded_norm
-
 
 class OwnVote:
     """torchft's manager client, whose commit vote of a one-process group is that process's own: torchft
@@ -61,15 +59,6 @@ class GroupVote(OwnVote):
         against, wants = votes.tolist()
         self.group_wants_quorum = wants > 0
         return against == 0
-
-
-def norm_with_sum(grads: list[torch.Tensor], extra: torch.Tensor, ranks: int) -> torch.Tensor | None:
-    """The L2 norm of `grads` where one all-reduce over all `ranks` ranks takes it (FSDP2's shards over them),
-    with `extra` summed over the ranks by it, in place; else None."""
-    group = shard_group(grads)
-    if group is None or dist.get_world_size(group) != ranks:
-        return None
-    return sharded_norm(grads, group, extra)
 
 
 class DirectSum:

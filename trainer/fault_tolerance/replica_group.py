@@ -10,13 +10,15 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from strategies.gradients import shard_group, sharded_norm
 from trainer.core.dtensors import local_part
 from trainer.fault_tolerance.cadence import QuorumCadence
 from trainer.fault_tolerance.config import NoQuorumError
 from trainer.fault_tolerance.costs import StepCosts
-from trainer.fault_tolerance.group_calls import DirectSum, GroupVote, OwnVote, norm_with_sum
+from trainer.fault_tolerance.group_calls import DirectSum, GroupVote, OwnVote
 from trainer.fault_tolerance.manager import start_manager
 from trainer.fault_tolerance.outer_sync import OuterSync, combine_second_moment, inner_state
 from trainer.fault_tolerance.overlap import OverlappedAverage
@@ -325,14 +327,15 @@ class ReplicaGroup:
         own. None elsewhere (the norm is then the strategy's). `vote` as `commit`'s, which must follow."""
         if not isinstance(self.vote, GroupVote) or self._votes_alone():
             return None
+        grads = [p.grad for p in params if p.grad is not None]
+        group = shard_group(grads)
+        if group is None or dist.get_world_size(group) != self.trainer.strategy.world_size:
+            return None  # (DDP's norm is each rank's own; HSDP inside the group sums over part of it)
         self._ready_to_vote(vote)
         start = perf_counter()
-        terms = self.vote.terms(own_vote(self.manager))
-        grads = [p.grad for p in params if p.grad is not None]
-        norm = norm_with_sum(grads, terms, self.trainer.strategy.world_size)
-        if norm is not None:
-            self.vote.summed = terms
-            self.costs.add("commit", start)
+        self.vote.summed = self.vote.terms(own_vote(self.manager))
+        norm = sharded_norm(grads, group, self.vote.summed)
+        self.costs.add("commit", start)
         return norm
 
     def _votes_alone(self) -> bool:
