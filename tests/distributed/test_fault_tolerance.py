@@ -241,16 +241,17 @@ def test_a_sigkilled_peer_costs_the_survivor_one_step_and_no_long_wait(tmp_path,
     assert "gloo" in logged[0] and "Timed out" not in logged[0], logged[0]
 
 
-@pytest.mark.parametrize("quorum_every, fsdp", [(1, False), (8, False), (8, True)])
+@pytest.mark.parametrize("quorum_every, group", [(1, None), (8, None), (8, "fsdp"), (8, "ddp")])
 def test_a_group_that_skips_a_step_its_peer_commits_heals_at_the_next_quorum(
-    tmp_path, lighthouse, alone, quorum_every, fsdp
+    tmp_path, lighthouse, alone, quorum_every, group
 ):
     """Group 1 skips its update at one step (a callback's skip: its vote is its own) while group 0 commits
     it. Group 1 is then one applied update behind, and the next quorum heals it from group 0: from that step
     on both hold bit-identical parameters (before, it went on with the update missing, unnoticed). With a
     quorum every 8 steps, the flags summed in the next step's all-reduce show group 1 out of step: both
     groups discard that step, and the one after takes a quorum where group 1 heals; also in groups of 2
-    FSDP ranks (`fsdp`): flags summed after the last shard's sum, each rank deciding by the group's vote."""
+    FSDP or DDP ranks (`group`): flags summed after a shard's (a bucket's) sum, each rank deciding by the
+    group's vote (DDP's: summed around the group's ring with the last bucket, the skip added at the vote)."""
     offset = random.Random(SEED).randint(2, 6)
     first_steps = str(tmp_path / "replica0" / "steps-rank0.jsonl")
     common = (
@@ -261,13 +262,13 @@ def test_a_group_that_skips_a_step_its_peer_commits_heals_at_the_next_quorum(
         "--quorum-every",
         str(quorum_every),
     )
-    ranks = {"restarts": 0} if fsdp else {}
+    ranks = {"restarts": 0, "strategy": group} if group else {}
     with groups_ending_well(tmp_path) as groups:
         groups += [
             start_group(tmp_path, lighthouse, 0, "", *common, **ranks),
             start_group(tmp_path, lighthouse, 1, "", *common, "--wait-for", first_steps, **ranks),
         ]
-    for rank in (0, 1) if fsdp else (0,):
+    for rank in (0, 1) if group else (0,):
         _skip_healed(tmp_path, rank, offset, quorum_every)
 
 

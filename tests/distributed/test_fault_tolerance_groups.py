@@ -9,9 +9,11 @@ went out from the backward: the hooks had launched them when the loop asked for 
 sending its slice of the group's sum (DDP: a half of each bucket; under the fp16 compression hook the whole
 bucket) or its shard of it (FSDP2: 1 / 2). DDP's not at the first step: a group's first DDP
 backward fills another bucket layout than later ones, so every group averages after it. Also with a
-quorum every 2 steps (the groups' flags summed right after the backward's last sum), and with the gradients
-clipped by their norm. Every commit vote is the group's own all-reduce (GroupVote), never a round trip to
-torchft's manager server; with FSDP2 it rides the all-reduce of the gradients' norm."""
+quorum every 2 steps (the groups' flags summed right after one of the backward's sums), and with the gradients
+clipped by their norm. Every commit vote is the group's own sum (GroupVote), never a round trip to torchft's
+manager server: with FSDP2 it rides the all-reduce of the gradients' norm; with DDP, where the backward's
+buckets went around the group's ring and no sum over the groups followed them (a token count does), it went
+around with the last bucket's slices; else it is an all-reduce of its own."""
 
 from __future__ import annotations
 
@@ -79,7 +81,7 @@ class Probe(Callback):
     def __init__(self) -> None:
         self.kind, self.launched, self.sent, self.used, self.quorum = None, [], [], [], []
         self.sending = 0
-        self.with_norm = []  # per step: whether the commit vote had been summed with the gradients' norm
+        self.folded = []  # per step: whether the commit vote had been summed already (the norm's, the ring's)
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.quorum.append(trainer._fit_loop.replicas._joined_at[0] == trainer.global_step - 1)
@@ -92,7 +94,7 @@ class Probe(Callback):
             should_commit = vote.should_commit
 
             def recorded(*args, **kwargs):
-                self.with_norm.append(vote.summed is not None)
+                self.folded.append(vote.summed is not None)
                 return should_commit(*args, **kwargs)
 
             vote.should_commit = recorded
@@ -159,7 +161,7 @@ def rank_main(rank: int, strategy: str, ports: list[int], lighthouses: dict[str,
                     "sent": probe.sent,
                     "used": probe.used,
                     "quorum": probe.quorum,
-                    "with_norm": probe.with_norm,
+                    "folded": probe.folded,
                 }
                 (Path(root) / f"{name}-{arm}-{replica}.json").write_text(json.dumps(seen))
 
@@ -221,13 +223,17 @@ def test_overlapped_average_in_groups_of_two_processes_equals_the_flat_one_and_o
         # a quorum at every step, or with quorum_every=2 at steps 0 and 2 only (the flat arm: every step)
         assert overlapped["quorum"] == ([True, False, True] if name == "quorum" else [True] * STEPS), name
         # the commit vote went with the all-reduce of the gradients' norm (taken to clip or log it: every
-        # step here) where one spans the group (FSDP2's shards); DDP's norm is each rank's own
+        # step here) where one spans the group (FSDP2's shards; DDP's norm is each rank's own), or around
+        # DDP's ring with the buckets' slices where nothing went over the groups after them
+        ringed = strategy == "ddp" and name not in ("tokens", "compressed")
+        expected_folds = {
+            "overlapped": [True] * STEPS
+            if strategy == "fsdp"
+            else [False] * first + [ringed] * (STEPS - first),
+            "flat": [strategy == "fsdp"] * STEPS,
+        }
         for arm in ARMS:
-            assert got[arm, 0]["with_norm"] == [strategy == "fsdp"] * STEPS, (
-                name,
-                arm,
-                got[arm, 0]["with_norm"],
-            )
+            assert got[arm, 0]["folded"] == expected_folds[arm], (name, arm, got[arm, 0]["folded"])
         expected = one_process(name, tmp_path)
         # fp16 forwards of a quarter batch and of the whole one, or fp16 gradients, round alike to ~1e-3 only
         tolerance = {"rtol": 1e-3, "atol": 1e-4} if name in ROUNDED else {"rtol": 0, "atol": 1e-6}

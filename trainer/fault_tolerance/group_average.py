@@ -4,6 +4,7 @@ average, the loop's token normalization undone on `.grad`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from time import perf_counter
 from typing import Any
 
@@ -26,11 +27,16 @@ class GroupAverage:
         self.armed = False
         self.factor = 1.0  # a gradient's factor before the sum over the groups: 1 / groups (x 1 / loss scale)
         self.scale = 1.0  # fp16's loss scale, put back after the sum (DDP's `.grad` is expected scaled)
-        # quorum_every's terms (cadence.py), summed over the groups right after the backward's last sum (its
-        # round trip hidden behind that one's) into `flags`; None: no terms this step
+        # quorum_every's terms (cadence.py), summed over the groups after one of the backward's sums (DDP: its
+        # first; FSDP2: its last), their round trip hidden behind the later ones', into `flags`; None: none
         self.terms: torch.Tensor | None = None
         self.terms_work: Any = None
         self.flags = (0.0, 0.0)
+        self.flags_taken = False
+        # the group's commit vote summed over its processes with the last bucket's slices (overlap_ddp.py's
+        # ring), from `vote_terms` (this process's, made up once every sum over the groups is done); None: not
+        self.vote_terms: Callable[[], torch.Tensor] | None = None
+        self.voted: torch.Tensor | None = None
 
     def arm(
         self,
@@ -45,14 +51,22 @@ class GroupAverage:
         self._reset()
         device = self.params[0].device if self.params else torch.device("cpu")
         self.terms = torch.tensor(terms, dtype=torch.float64, device=device) if terms is not None else None
-        self.terms_work = None
+        self.terms_work, self.flags_taken, self.voted = None, False, None
         self.armed = True
         self.factor, self.scale = inv_scale / groups, 1.0 / inv_scale
 
     def send_terms(self) -> None:
-        """Launch the terms' sum over the groups (once a step: after the last sum, in every group alike)."""
+        """Launch the terms' sum over the groups (once a step, at the same place in every group)."""
         if self.terms is not None and self.terms_work is None:
             self.terms_work = self.direct.allreduce(self.terms, ReduceOp.SUM)
+
+    def take_flags(self) -> None:
+        """Wait for the terms' sum (once a step) into `flags`: its failure is recorded for `commit`, the
+        sums are then garbage."""
+        if self.terms is not None and not self.flags_taken:
+            self.flags_taken = True
+            self.terms_work.wait()
+            self.flags = tuple(self.terms.tolist())
 
     def finish(self, use: bool, undo: float = 1.0, extra: torch.Tensor | None = None) -> bool:
         """After the backward: `extra` (the step's token count) summed over the groups in place; with `use`,
@@ -68,9 +82,7 @@ class GroupAverage:
         self._wait()
         if summed is not None:
             summed.wait()
-        if self.terms is not None:
-            self.terms_work.wait()  # a failure is recorded for `commit`: the sums are then garbage
-            self.flags = tuple(self.terms.tolist())
+        self.take_flags()
         start = self.costs.add("allreduce", start)
         if not (use and self._complete()):
             return False

@@ -113,20 +113,26 @@ class OverlappedGroupAverage(GroupAverage):
     def _ring_average(self, buffer: torch.Tensor, out: torch.futures.Future, index: int) -> None:
         """The bucket's sum over the group as this process's slice, that slice x 1 / (group size x groups)
         summed over the groups (its failure recorded for `commit`), every slice gathered back."""
+        last = self.last is not None and index == self.last  # the backward's last bucket
         size = -(-buffer.numel() // self.ring.size)
         spare = self.spares.get(index)
         if spare is None or spare.numel() < size or spare.dtype != buffer.dtype:
             spare = self.spares[index] = buffer.new_empty(size)
         try:
-            mine = self.ring.reduce_scatter(buffer, spare, tag=2 * index)
+            mine = self.ring.reduce_scatter(buffer, spare, tag=3 * index)
             mine.mul_(self.factor / self.group_size)
             self.next += 1  # (read once DDP's backward has waited for every bucket)
             work = self.direct.allreduce(mine, ReduceOp.SUM)
-            if self.last is not None and self.next == self.last + 1:  # the backward's last bucket
+            if self.next == 1:  # known since `arm`: its round trip behind the later buckets'
                 self.send_terms()
             if work.wait() and self.scale != 1.0:
                 mine.mul_(self.scale)  # a power of two: the scaled gradient DDP's `.grad` is expected to hold
-            self.ring.all_gather(buffer, tag=2 * index + 1)
+            votes = None
+            if last and self.vote_terms is not None:  # every sum over the groups is done: the vote goes along
+                self.take_flags()
+                votes = self.vote_terms().to(buffer.dtype)
+            self.ring.all_gather(buffer, tag=3 * index + 1, terms=votes)  # (votes: 3 * index + 2)
+            self.voted = votes
         except Exception as err:  # the group's own exchange (a process of it died): DDP raises it
             out.set_exception(err)
             return
@@ -155,7 +161,7 @@ class OverlappedGroupAverage(GroupAverage):
             out.set_exception(error)
             return
         work = self.direct.allreduce(buffer, ReduceOp.SUM)
-        if self.last is not None and self.next == self.last + 1:  # the backward's last bucket
+        if self.next == 1:  # known since `arm`: its round trip behind the later buckets'
             self.send_terms()
         if work.work is None:  # not launched (the step is already discarded): the group's mean stays
             self._summed(buffer, out, None)

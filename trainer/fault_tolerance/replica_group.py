@@ -104,13 +104,17 @@ class ReplicaGroup:
         )
         self._out_of_step = False  # the step's flags showed a group out of step: every group discards it
         self._ready = False  # this step's vote is made up (`_ready_to_vote`)
+        self._ring_votes: torch.Tensor | None = None  # the vote summed around DDP's ring (`_ring_terms`)
+        if isinstance(self.vote, GroupVote) and self.overlap is not None:
+            self.overlap.vote_terms = self._ring_terms
 
     def start_step(self) -> None:
         """Request this step's quorum; it forms on torchft's quorum thread while the step reads its data and
         runs its forward, and is waited for at `join`. A group that may be behind its peers (at its process's
         first quorum, or after a step it did not apply) waits here (`Healed`: see `join`), so that a
         recovery comes before the step's hooks and forward."""
-        self._ready, self.vote.summed = False, None  # (a step that raised before its vote left them)
+        # (a step that raised before its vote left them)
+        self._ready, self.vote.summed, self._ring_votes = False, None, None
         if self.outer is not None and not self.outer.starts_window(self.trainer.global_step):
             return  # DiLoCo: inside a window the group trains alone
         # torchft's step is what its quorum compares to pick the groups to heal and the one to heal from:
@@ -195,7 +199,7 @@ class ReplicaGroup:
             arm = (max(self._participants, 1), self.trainer.accumulate_grad_batches, inv_scale)
             if self.cadence is None:
                 self.overlap.arm(*arm)
-            else:  # quorum_every's terms: summed with the last gradient bucket (one process) or right after
+            else:  # quorum_every's terms: summed with the last gradient bucket (one process) or after a sum
                 self.overlap.arm(*arm, self.cadence.terms())
 
     def start_again(self) -> None:
@@ -247,6 +251,9 @@ class ReplicaGroup:
         # quorum's first steps, whose groups it put in step)
         if self.cadence is not None and self._armed:
             self._out_of_step = not self.cadence.agreed(self.overlap.flags, self._participants)
+        if averaged and extra is None and isinstance(self.vote, GroupVote):
+            # the ring's vote came after the step's last sum over the groups (with `extra`: one more followed)
+            self._ring_votes = self.overlap.voted
         if averaged:
             if num_tokens is not None:  # the buckets held token sums: their mean over the mean token count
                 mean = float(extra[0]) / max(self._participants, 1)
@@ -309,6 +316,9 @@ class ReplicaGroup:
             return vote  # DiLoCo: a step inside a window is this group's own
         self._ready_to_vote(vote)
         self._ready = False
+        if self._ring_votes is not None:
+            self.vote.summed, self._ring_votes = self._ring_votes, None
+            self.vote.summed[0] += float(not vote)  # a callback's skip: every rank's (skip_optimizer_step)
         start = perf_counter()
         committed = commit_vote(self.manager)
         self.costs.add("commit", start)
@@ -337,6 +347,19 @@ class ReplicaGroup:
         norm = sharded_norm(grads, group, self.vote.summed)
         self.costs.add("commit", start)
         return norm
+
+    def _ring_terms(self) -> torch.Tensor:
+        """This rank's vote on the step, made up on the ring's thread of a DDP group (overlap_ddp.py) once the
+        step's sums over the groups are done, to go around the group with the last bucket's slices: what
+        failed, a group out of step, too few groups; a callback's skip is added at `commit`."""
+        out_of_step = self.cadence is not None and not self.cadence.agreed(
+            self.overlap.flags, self._participants
+        )
+        failed = self.manager.errored() is not None
+        wants = failed or (self.cadence is not None and self.cadence.due_next)
+        return torch.tensor(
+            [float(out_of_step or not own_vote(self.manager)), float(wants)], device=self.vote.device
+        )
 
     def _votes_alone(self) -> bool:
         """Whether this step is the group's own, with no vote (DiLoCo: a step inside a window)."""
