@@ -12,8 +12,9 @@ backward fills another bucket layout than later ones, so every group averages af
 quorum every 2 steps (the groups' flags summed right after one of the backward's sums), and with the gradients
 clipped by their norm. Every commit vote is the group's own sum (GroupVote), never a round trip to torchft's
 manager server: with FSDP2 it rides the all-reduce of the gradients' norm; with DDP, where the backward's
-buckets went around the group's ring and no sum over the groups followed them (a token count does), it went
-around with the last bucket's slices; else it is an all-reduce of its own."""
+buckets went around the group's ring, it went around with the last bucket's slices, or with a token-weighted
+loss in the sum of the step's tokens over the group (after their sum over the groups); else it is an
+all-reduce of its own."""
 
 from __future__ import annotations
 
@@ -223,9 +224,9 @@ def test_overlapped_average_in_groups_of_two_processes_equals_the_flat_one_and_o
         # a quorum at every step, or with quorum_every=2 at steps 0 and 2 only (the flat arm: every step)
         assert overlapped["quorum"] == ([True, False, True] if name == "quorum" else [True] * STEPS), name
         # the commit vote went with the all-reduce of the gradients' norm (taken to clip or log it: every
-        # step here) where one spans the group (FSDP2's shards; DDP's norm is each rank's own), or around
-        # DDP's ring with the buckets' slices where nothing went over the groups after them
-        ringed = strategy == "ddp" and name not in ("tokens", "compressed")
+        # step here) where one spans the group (FSDP2's shards; DDP's norm is each rank's own), or with
+        # DDP's: around the ring with the last bucket's slices, or with the step's token count
+        ringed = strategy == "ddp" and name != "compressed"  # (the strategy's hook: no ring)
         expected_folds = {
             "overlapped": [True] * STEPS
             if strategy == "fsdp"

@@ -22,6 +22,7 @@ from trainer.fault_tolerance.group_calls import DirectSum, GroupVote, OwnVote
 from trainer.fault_tolerance.manager import start_manager
 from trainer.fault_tolerance.outer_sync import OuterSync, combine_second_moment, inner_state
 from trainer.fault_tolerance.overlap import OverlappedAverage
+from trainer.fault_tolerance.overlap_ddp import OverlappedGroupAverage
 from trainer.fault_tolerance.overlap_group import overlap_fits_group, overlap_in_group
 from trainer.fault_tolerance.quorum import (
     Healed,
@@ -104,9 +105,9 @@ class ReplicaGroup:
         )
         self._out_of_step = False  # the step's flags showed a group out of step: every group discards it
         self._ready = False  # this step's vote is made up (`_ready_to_vote`)
-        self._ring_votes: torch.Tensor | None = None  # the vote summed around DDP's ring (`_ring_terms`)
+        self._early_votes: torch.Tensor | None = None  # the vote summed before `commit` (`_early_terms`)
         if isinstance(self.vote, GroupVote) and self.overlap is not None:
-            self.overlap.vote_terms = self._ring_terms
+            self.overlap.vote_terms = self._early_terms
 
     def start_step(self) -> None:
         """Request this step's quorum; it forms on torchft's quorum thread while the step reads its data and
@@ -114,7 +115,7 @@ class ReplicaGroup:
         first quorum, or after a step it did not apply) waits here (`Healed`: see `join`), so that a
         recovery comes before the step's hooks and forward."""
         # (a step that raised before its vote left them)
-        self._ready, self.vote.summed, self._ring_votes = False, None, None
+        self._ready, self.vote.summed, self._early_votes = False, None, None
         if self.outer is not None and not self.outer.starts_window(self.trainer.global_step):
             return  # DiLoCo: inside a window the group trains alone
         # torchft's step is what its quorum compares to pick the groups to heal and the one to heal from:
@@ -215,11 +216,11 @@ class ReplicaGroup:
 
     @property
     def sums_tokens(self) -> bool:
-        """Whether a token-weighted loss's gradients reach `average_gradients` as the group's token sums, the
-        strategy leaving them so: a group of one process whose buckets the backward fills (with the sums),
-        where the strategy's division by the group's tokens would be a pass over gradients the average then
-        replaces (and divides by the mean of the groups' tokens)."""
-        return isinstance(self.overlap, OverlappedAverage)
+        """Whether a token-weighted loss's gradients reach `average_gradients` as token sums (over the group's
+        processes), the strategy leaving them so: a group of one process, or of DDP ranks, whose backward
+        averages over the groups, where the strategy's division by the group's tokens (a sum over the group
+        and a pass over the gradients) would be undone after it: one pass then divides by every group's."""
+        return isinstance(self.overlap, (OverlappedAverage, OverlappedGroupAverage))
 
     def average_gradients(self, module: nn.Module, num_tokens: torch.Tensor | None = None) -> None:
         """Average the step's gradients over the participating groups: the buckets the backward launched
@@ -231,8 +232,9 @@ class ReplicaGroup:
         groups meet in `end_step`), except in its per-step warm-up."""
         if self.outer is not None and not self.outer.per_step(self.trainer.global_step):
             return
-        if num_tokens is not None:  # the group's tokens (the strategy's normalisation counted them too)
-            mine = self.trainer.strategy.reduce(num_tokens.float(), "sum", group="loss").double()
+        strategy, several = self.trainer.strategy, self.trainer.strategy.world_size > 1
+        if num_tokens is not None:  # the group's tokens (`sums_tokens` in a group of several: this rank's)
+            mine = num_tokens.double() if self.sums_tokens and several else self._group_tokens(num_tokens)
         # a gradient the hooks did not copy (from an earlier micro-batch only) was divided by the group's
         # tokens since, unless `sums_tokens`: undone for the buckets, which hold token sums
         undo = float(mine) if num_tokens is not None and not self.sums_tokens else 1.0
@@ -240,7 +242,8 @@ class ReplicaGroup:
         # one process with fp16: the overflow `unscale_` found in this group's own gradients (an inf or nan),
         # summed over the groups with the tokens, stands for a pass over the average's gradients (an inf
         # anywhere is one in the average): every group skips alike
-        found = _found_inf(scaler, self.trainer.optimizer) if scaler is not None and self.sums_tokens else []
+        alone = isinstance(self.overlap, OverlappedAverage)
+        found = _found_inf(scaler, self.trainer.optimizer) if scaler is not None and alone else []
         sums = ([mine.reshape(())] if num_tokens is not None else []) + (
             [sum(f.sum() for f in found).double()] if found else []
         )
@@ -253,12 +256,16 @@ class ReplicaGroup:
             self._out_of_step = not self.cadence.agreed(self.overlap.flags, self._participants)
         if averaged and extra is None and isinstance(self.vote, GroupVote):
             # the ring's vote came after the step's last sum over the groups (with `extra`: one more followed)
-            self._ring_votes = self.overlap.voted
+            self._early_votes = self.overlap.voted
         if averaged:
             if num_tokens is not None:  # the buckets held token sums: their mean over the mean token count
-                mean = float(extra[0]) / max(self._participants, 1)
+                tokens = self._tokens_with_vote(extra[0]) if self.sums_tokens and several else float(extra[0])
+                mean = tokens / max(self._participants, 1)
+                weight = strategy.world_size if self.sums_tokens else 1.0  # (the group's mean of its sums)
                 start = perf_counter()
-                torch._foreach_mul_(_grads(module), 1.0 / mean if mean > 0 else 0.0)  # 0: no tokens anywhere
+                torch._foreach_mul_(
+                    _grads(module), weight / mean if mean > 0 else 0.0
+                )  # 0: no tokens anywhere
                 self.costs.add("copies", start)
             if found and float(extra[-1]) > 0:
                 for tensor in found:
@@ -266,9 +273,11 @@ class ReplicaGroup:
             checked = bool(found)
         else:
             grads = _grads(module)
-            if num_tokens is not None:  # .grad is this group's token mean (or sum): weigh it by its tokens
+            if num_tokens is not None:  # .grad is this group's token mean (or its sums' mean): weigh it
+                if self.sums_tokens and several:
+                    mine = self._group_tokens(num_tokens)
                 mean = self._mean_over_groups(mine)
-                weight = 1.0 if self.sums_tokens else float(mine)
+                weight = strategy.world_size if self.sums_tokens else float(mine)
                 torch._foreach_mul_(grads, weight / mean if mean > 0 else 0.0)  # 0: no tokens anywhere
             self._average(grads)
         self._averaged_in = self._quorum_id  # every group's DDP has had a synced backward (see `_arm`)
@@ -298,6 +307,18 @@ class ReplicaGroup:
             )
             self.costs.add("copies", start)
 
+    def _group_tokens(self, num_tokens: torch.Tensor) -> torch.Tensor:
+        """This group's tokens: `num_tokens` summed over its processes."""
+        return self.trainer.strategy.reduce(num_tokens.float(), "sum", group="loss").double()
+
+    def _tokens_with_vote(self, summed: torch.Tensor) -> float:
+        """Every group's tokens: `summed` (this rank's, summed over the groups) summed over the group's
+        processes, in the all-reduce that also sums the commit vote (every sum over the groups is done)."""
+        both = torch.cat([summed.reshape(1), self._early_terms().double()])
+        dist.all_reduce(both, async_op=True).wait(self.manager._timeout)
+        self._early_votes = both[1:]
+        return float(both[0])
+
     def _mean_over_groups(self, tokens: torch.Tensor) -> float:
         """The mean of the participating groups' `tokens` (a group that is not participating counts as 0)."""
         start, mean = perf_counter(), tokens.clone()
@@ -316,8 +337,8 @@ class ReplicaGroup:
             return vote  # DiLoCo: a step inside a window is this group's own
         self._ready_to_vote(vote)
         self._ready = False
-        if self._ring_votes is not None:
-            self.vote.summed, self._ring_votes = self._ring_votes, None
+        if self._early_votes is not None:
+            self.vote.summed, self._early_votes = self._early_votes, None
             self.vote.summed[0] += float(not vote)  # a callback's skip: every rank's (skip_optimizer_step)
         start = perf_counter()
         committed = commit_vote(self.manager)
@@ -348,10 +369,11 @@ class ReplicaGroup:
         self.costs.add("commit", start)
         return norm
 
-    def _ring_terms(self) -> torch.Tensor:
-        """This rank's vote on the step, made up on the ring's thread of a DDP group (overlap_ddp.py) once the
-        step's sums over the groups are done, to go around the group with the last bucket's slices: what
-        failed, a group out of step, too few groups; a callback's skip is added at `commit`."""
+    def _early_terms(self) -> torch.Tensor:
+        """This rank's vote on the step once the step's sums over the groups are done, summed over a DDP group
+        before `commit`: around the ring with the last bucket's slices (overlap_ddp.py, on the ring's thread),
+        or with a token-weighted loss's token count. What failed, a group out of step, too few groups; a
+        callback's skip (`skip_optimizer_step`: every rank alike) is added at `commit`."""
         out_of_step = self.cadence is not None and not self.cadence.agreed(
             self.overlap.flags, self._participants
         )
