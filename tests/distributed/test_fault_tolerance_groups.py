@@ -3,7 +3,7 @@ gloo processes (DDP, then FSDP2, inside each group) under a lighthouse train a s
 sums over the groups chained onto the group's own reduction from the backward (overlap_ddp.py: DDP's comm
 hook; overlap_fsdp.py: FSDP2's all-reduce hook) and once with the flat average after the backward. Both give
 the weights one process gets from the union of the 4 ranks' batches, and each other's, for a plain step,
-gradient accumulation, a token-weighted loss and (DDP) fp16 with its loss scaler, and DDP's fp16 gradient
+gradient accumulation, a token-weighted loss (DDP: also accumulated) and (DDP) fp16 with its loss scaler, and DDP's fp16 gradient
 compression (the strategy's comm hook, which the sum over the groups follows). The overlapped arm's sums
 went out from the backward: the hooks had launched them when the loop asked for the average, each rank
 sending its slice of the group's sum (DDP: a half of each bucket; under the fp16 compression hook the whole
@@ -38,6 +38,8 @@ RUNS = {
     "plain": ({}, False, ("ddp", "fsdp")),
     "accumulate": ({"accumulate_grad_batches": 2}, False, ("ddp", "fsdp")),
     "tokens": ({}, True, ("ddp", "fsdp")),
+    # DDP's token sums accumulated over the window (`no_sync`), divided once after the last backward
+    "accumulate-tokens": ({"accumulate_grad_batches": 2}, True, ("ddp",)),
     "fp16": ({"precision": "16-mixed"}, False, ("ddp",)),  # FSDP2 has no fp16 scaler (refused)
     # the strategy's own comm hook (DDP takes one): the sum over the groups chains onto it
     "compressed": ({"gradient_compression": "fp16"}, False, ("ddp",)),
