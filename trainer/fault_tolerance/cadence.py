@@ -10,8 +10,8 @@ commit vote (which sums whether any rank asks for a quorum: group_calls.GroupVot
   for a quorum at the next (a peer that hangs: after `timeout_s`, as with a quorum every step);
 - a group that did not apply a step its peers applied (a callback's skip): its flag in the next step's
   all-reduce (one process: summed in the last gradient bucket; several: summed right after the first
-  (DDP) or the last (FSDP2) bucket's sum, its round trip behind the later ones') is 0, so every group discards that step and asks for a quorum at
-  the one after, where the group behind recovers from a peer;
+  (DDP) or the last (FSDP2) bucket's sum, its round trip behind the later ones') is 0, so every group
+  discards that step and asks for a quorum at the one after, where the group behind recovers from a peer;
 - a group that joins or comes back: the lighthouse holds its quorum until the others ask, at most k steps
   later, or `max_interval_s` (plus two steps) where k steps take longer: a group whose last quorum is that
   old wishes for one in the step's sums, and every group asks at the next step. (The lighthouse's join

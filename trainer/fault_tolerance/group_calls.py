@@ -1,6 +1,7 @@
 """A replica group's calls to torchft without what torchft adds per call: its commit vote taken without its
-manager server (a one-process group's own, a group of several processes' over its own process group, or in
-the all-reduce of the gradients' norm where one spans the group), and the gradient buckets' sum straight on
+manager server (a one-process group's own, a group of several processes' over its own process group: in
+the all-reduce of the gradients' norm where one spans the group, around a DDP group's ring with the last
+bucket or with its token count, else an all-reduce of its own), and the gradient buckets' sum straight on
 torchft's process group."""
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ class GroupVote(OwnVote):
         return torch.tensor([float(not should_commit), float(self.wants_quorum)], device=self.device)
 
     def should_commit(self, group_rank: int, step: int, should_commit: bool, timeout: timedelta) -> bool:
-        """Every rank of the group voted for the step (the sums of `summed`, where the step's norm carried
-        them; else one all-reduce now). A rank that does not answer within `timeout` raises (its group has
+        """Every rank of the group voted for the step (the sums of `summed`, where the step's norm, a DDP
+        group's ring or its token count carried them; else one all-reduce now). A rank that does not answer within `timeout` raises (its group has
         lost a process: torchrun restarts it)."""
         votes, self.summed = self.summed, None
         if votes is None:

@@ -4,7 +4,9 @@ over the group as each process's slice, the slice summed over the replica groups
 on torchft's process group), the slices gathered back (ring.py): each process sends 1 / (group size) of the
 bucket across the groups. Under a strategy's own hook (gradient compression), and on NCCL: the group's mean,
 then the whole bucket summed over the groups. DDP waits for every bucket before its backward returns, so `.grad`
-(the buckets' views) holds the average over every process of every group, with no copy after the backward."""
+(the buckets' views) holds the average over every process of every group, with no copy after the backward.
+Around the ring, the last bucket's slices carry the group's commit vote, made up once every sum over the
+groups is done (`vote_terms`): the group's processes agree without a wait of their own after the backward."""
 
 from __future__ import annotations
 

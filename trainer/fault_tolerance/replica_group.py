@@ -263,9 +263,8 @@ class ReplicaGroup:
                 mean = tokens / max(self._participants, 1)
                 weight = strategy.world_size if self.sums_tokens else 1.0  # (the group's mean of its sums)
                 start = perf_counter()
-                torch._foreach_mul_(
-                    _grads(module), weight / mean if mean > 0 else 0.0
-                )  # 0: no tokens anywhere
+                factor = weight / mean if mean > 0 else 0.0  # 0: no tokens anywhere
+                torch._foreach_mul_(_grads(module), factor)
                 self.costs.add("copies", start)
             if found and float(extra[-1]) > 0:
                 for tensor in found:
