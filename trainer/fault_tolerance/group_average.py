@@ -4,7 +4,6 @@ average, the loop's token normalization undone on `.grad`."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from time import perf_counter
 from typing import Any
 
@@ -33,10 +32,6 @@ class GroupAverage:
         self.terms_work: Any = None
         self.flags = (0.0, 0.0)
         self.flags_taken = False
-        # the group's commit vote summed over its processes with the last bucket's slices (overlap_ddp.py's
-        # ring), from `vote_terms` (this process's, made up once every sum over the groups is done); None: not
-        self.vote_terms: Callable[[], torch.Tensor] | None = None
-        self.voted: torch.Tensor | None = None
 
     def arm(
         self,
@@ -51,7 +46,7 @@ class GroupAverage:
         self._reset()
         device = self.params[0].device if self.params else torch.device("cpu")
         self.terms = torch.tensor(terms, dtype=torch.float64, device=device) if terms is not None else None
-        self.terms_work, self.flags_taken, self.voted = None, False, None
+        self.terms_work, self.flags_taken = None, False
         self.armed = True
         self.factor, self.scale = inv_scale / groups, 1.0 / inv_scale
 

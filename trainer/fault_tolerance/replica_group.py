@@ -106,7 +106,7 @@ class ReplicaGroup:
         self._out_of_step = False  # the step's flags showed a group out of step: every group discards it
         self._ready = False  # this step's vote is made up (`_ready_to_vote`)
         self._early_votes: torch.Tensor | None = None  # the vote summed before `commit` (`_early_terms`)
-        if isinstance(self.vote, GroupVote) and self.overlap is not None:
+        if isinstance(self.vote, GroupVote) and isinstance(self.overlap, OverlappedGroupAverage):
             self.overlap.vote_terms = self._early_terms
 
     def start_step(self) -> None:
@@ -254,7 +254,7 @@ class ReplicaGroup:
         # quorum's first steps, whose groups it put in step)
         if self.cadence is not None and self._armed:
             self._out_of_step = not self.cadence.agreed(self.overlap.flags, self._participants)
-        if averaged and extra is None and isinstance(self.vote, GroupVote):
+        if averaged and extra is None and isinstance(self.overlap, OverlappedGroupAverage):
             # the ring's vote came after the step's last sum over the groups (with `extra`: one more followed)
             self._early_votes = self.overlap.voted
         if averaged:
