@@ -51,8 +51,8 @@ class GroupVote(OwnVote):
 
     def should_commit(self, group_rank: int, step: int, should_commit: bool, timeout: timedelta) -> bool:
         """Every rank of the group voted for the step (the sums of `summed`, where the step's norm, a DDP
-        group's ring or its token count carried them; else one all-reduce now). A rank that does not answer within `timeout` raises (its group has
-        lost a process: torchrun restarts it)."""
+        group's ring or its token count carried them; else one all-reduce now). A rank that does not answer
+        within `timeout` raises (its group has lost a process: torchrun restarts it)."""
         votes, self.summed = self.summed, None
         if votes is None:
             votes = self.terms(should_commit)

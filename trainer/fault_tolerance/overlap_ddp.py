@@ -70,7 +70,7 @@ class OverlappedGroupAverage(GroupAverage):
         threading.Thread(target=self._work, daemon=True, name="trainer-group-ring").start()
 
     def _reset(self) -> None:
-        """The step's buckets: none seen, none summed, the last unknown (terms: after its sum)."""
+        """The step's buckets: none seen, none summed, the last unknown, no vote carried yet."""
         self.seen: set[int] = set()  # bucket indexes the hook ran for this step
         self.last: int | None = None  # the index of the backward's last bucket
         self.reduced: dict[int, tuple[torch.Tensor, torch.futures.Future, BaseException | None]] = {}
