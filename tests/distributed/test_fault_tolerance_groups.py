@@ -85,9 +85,13 @@ class Probe(Callback):
         self.kind, self.launched, self.sent, self.used, self.quorum = None, [], [], [], []
         self.sending = 0
         self.folded = []  # per step: whether the commit vote had been summed already (the norm's, the ring's)
+        # the threads of this fit's torchft manager server and client, by name (an earlier fit's may linger)
+        self.runtimes, self.before = {}, set(threads())
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.quorum.append(trainer._fit_loop.replicas._joined_at[0] == trainer.global_step - 1)
+        names = [name for tid, name in threads().items() if tid not in self.before]
+        self.runtimes = {name: names.count(name) for name in ("torchft-manager", "torchft-mgrclnt")}
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
         vote = trainer._fit_loop.replicas.manager._client
@@ -119,6 +123,11 @@ class Probe(Callback):
 
         overlap.finish = counted
         overlap.direct.allreduce = sum_counted
+
+
+def threads() -> dict[str, str]:
+    """This process's threads: id -> name."""
+    return {task.name: (task / "comm").read_text().strip() for task in Path("/proc/self/task").iterdir()}
 
 
 def rank_main(rank: int, strategy: str, ports: list[int], lighthouses: dict[str, str], root: str) -> None:
@@ -165,6 +174,7 @@ def rank_main(rank: int, strategy: str, ports: list[int], lighthouses: dict[str,
                     "used": probe.used,
                     "quorum": probe.quorum,
                     "folded": probe.folded,
+                    "runtimes": probe.runtimes,
                 }
                 (Path(root) / f"{name}-{arm}-{replica}.json").write_text(json.dumps(seen))
 
@@ -237,6 +247,9 @@ def test_overlapped_average_in_groups_of_two_processes_equals_the_flat_one_and_o
         }
         for arm in ARMS:
             assert got[arm, 0]["folded"] == expected_folds[arm], (name, arm, got[arm, 0]["folded"])
+            # one tokio worker each (config.TOKIO_WORKERS): a control plane of a few calls a step
+            one_each = {"torchft-manager": 1, "torchft-mgrclnt": 1}
+            assert got[arm, 0]["runtimes"] == one_each, (name, arm, got[arm, 0]["runtimes"])
         expected = one_process(name, tmp_path)
         # fp16 forwards of a quarter batch and of the whole one, or fp16 gradients, round alike to ~1e-3 only
         tolerance = {"rtol": 1e-3, "atol": 1e-4} if name in ROUNDED else {"rtol": 0, "atol": 1e-6}

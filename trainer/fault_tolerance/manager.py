@@ -47,8 +47,7 @@ def start_manager(strategy: Strategy, config: FaultTolerance) -> tuple[Any, Any,
     # rank 0's address: with a group spread over nodes the other ranks' own `bind` is not where it listens
     host, port = strategy.broadcast_object((config.bind, store.port) if store is not None else None)
     pg = _process_group(strategy.root_device, timeout)
-    alone = tokio_workers() if strategy.world_size == 1 else contextlib.nullcontext()
-    with _manager_server_bound_to(config.bind), alone:
+    with _manager_server_bound_to(config.bind), tokio_workers():
         manager = Manager(
             pg=pg,
             load_state_dict=None,
