@@ -46,6 +46,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from thread_cpu import KINDS, thread_cpu  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset
 
 from callbacks import Callback  # noqa: E402
@@ -109,20 +110,30 @@ def loader(width: int, steps: int, groups: int, micro_batches: int = 1) -> DataL
 
 
 class Clock(Callback):
-    """Wall and CPU time (this process, every thread: gloo's included) at the end of every step, and with
-    torchft the running seconds of each part of its per-step work (trainer/fault_tolerance/costs.py)."""
+    """Wall and CPU time (this process, every thread: gloo's included) at the end of every step, with torchft
+    the running seconds of each part of its per-step work (trainer/fault_tolerance/costs.py), and the CPU
+    time by kind of thread over the steps after SKIP (`threads`: ms per step)."""
 
     def __init__(self) -> None:
         self.wall: list[float] = []
         self.cpu: list[float] = []
         self.parts: dict[str, list[float]] = {part: [] for part in PARTS}
+        self.threads_at: dict[str, float] = {}
+        self.threads: dict[str, float] = {}
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.wall.append(time.perf_counter())
         self.cpu.append(time.process_time())
+        if len(self.wall) == SKIP + 1:  # read twice a fit only: reading every thread's counter takes time
+            self.threads_at = thread_cpu()
         replicas = trainer._fit_loop.replicas
         for part, seconds in replicas.costs.seconds.items() if replicas is not None else ():
             self.parts[part].append(seconds)
+
+    def on_train_end(self, trainer, module):
+        steps = len(self.wall) - SKIP - 1
+        now = thread_cpu()
+        self.threads = {kind: (now[kind] - self.threads_at[kind]) / steps for kind in now if steps > 0}
 
 
 class PeerVote(Callback):
@@ -236,6 +247,7 @@ def rank_main(args: argparse.Namespace) -> None:
             times[f"{config}/{width}"].update(
                 {part: per_step(seconds) for part, seconds in clock.parts.items() if seconds}
             )
+            times[f"{config}/{width}"].update({f"cpu {kind}": s for kind, s in clock.threads.items()})
         if int(os.environ.get("RANK", "0")) == 0:  # DDP: rank 0's; torchft: each group writes its own
             (out / f"{args.arm}-{args.round}-{args.replica}.json").write_text(json.dumps(times))
         return
@@ -467,6 +479,24 @@ def report_steps(out: Path, rounds: int, config: str) -> None:
         parts = [arm(out, rounds, "ft", key, part) for part in PARTS]
         fixed = arm(out, rounds, "ft", key, "wall") - arm(out, rounds, "ddp", key, "wall")
         print(f"{width:>10} " + " ".join(f"{v:>9.2f}" for v in parts) + f" {sum(parts):>7.2f} {fixed:>9.1f}")
+    report_threads(out, rounds, config, widths)
+
+
+def report_threads(out: Path, rounds: int, config: str, widths: list[int]) -> None:
+    """Rank 0's CPU per step by kind of thread in both arms (bench/thread_cpu.py), where /proc has them."""
+    if f"cpu {KINDS[0]}" not in json.loads((out / "ddp-0-0.json").read_text())[f"{config}/{widths[0]}"]:
+        return
+    print(
+        "where rank 0's CPU goes (ms/step, the mean over the steps after the first SKIP, medians over rounds): "
+        "main = the training thread, gloo = gloo's threads (every process group's), ring = the DDP groups' "
+        "ring, torchft = its manager's threads and its quorum thread; the lighthouse (here in the bench's "
+        "own process) is not counted"
+    )
+    print(f"{'MLP width':>10} {'arm':>8} " + " ".join(f"{kind:>8}" for kind in KINDS) + f" {'sum':>7}")
+    for width in widths:
+        for name in ("ddp", "ft"):
+            cpu = [arm(out, rounds, name, f"{config}/{width}", f"cpu {kind}") for kind in KINDS]
+            print(f"{width:>10} {name:>8} " + " ".join(f"{v:>8.2f}" for v in cpu) + f" {sum(cpu):>7.2f}")
 
 
 def report_drill(out: Path, relaunched_at: float, killed_at: int) -> tuple[float, float]:

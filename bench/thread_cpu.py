@@ -1,0 +1,38 @@
+"""A process's CPU time by kind of thread, from Linux's /proc (each thread's schedstat: nanoseconds on a CPU):
+where a step's CPU goes beside the training thread (gloo's threads, the replica groups' ring, torchft's)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+KINDS = ("main", "gloo", "ring", "torchft", "other")
+RING_THREAD = "trainer-group-ring"  # trainer/fault_tolerance/overlap_ddp.py's thread (a Python thread's name)
+
+
+def thread_cpu() -> dict[str, float]:
+    """Seconds on a CPU so far per kind of this process's live threads (empty where /proc has no tasks)."""
+    python_names = {t.native_id: t.name for t in threading.enumerate()}
+    main = threading.main_thread().native_id
+    tasks = Path("/proc/self/task")
+    totals = dict.fromkeys(KINDS, 0.0) if tasks.is_dir() else {}
+    for task in tasks.iterdir() if tasks.is_dir() else ():
+        try:
+            ns = int((task / "schedstat").read_text().split()[0])
+            comm = (task / "comm").read_text().strip()
+        except (OSError, ValueError, IndexError):  # the thread ended meanwhile
+            continue
+        tid = int(task.name)
+        name = python_names.get(tid, comm)
+        if tid == main:
+            kind = "main"
+        elif name == RING_THREAD:
+            kind = "ring"
+        elif comm.startswith(("gloo", "pt_gloo")):
+            kind = "gloo"
+        elif name.startswith("torchft"):  # its Rust runtimes' threads and its Python quorum thread
+            kind = "torchft"
+        else:
+            kind = "other"
+        totals[kind] += ns / 1e9
+    return totals

@@ -1,0 +1,46 @@
+"""bench/thread_cpu.py, which bench/fault_tolerance.py prints rank 0's CPU per step by: a thread's CPU time goes
+to its kind (the training thread, the DDP groups' ring by its Python name, gloo's and torchft's by the names
+their libraries give their threads)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import threading
+import time
+
+import pytest
+from helpers import REPO
+
+
+@pytest.fixture(scope="module")
+def thread_cpu():
+    spec = importlib.util.spec_from_file_location("thread_cpu_bench", REPO / "bench" / "thread_cpu.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc's per-thread schedstat is Linux's")
+def test_a_busy_ring_thread_counts_as_ring_and_nothing_else_does(thread_cpu):
+    spun, done = threading.Event(), threading.Event()
+
+    def spin() -> None:  # 50 ms of this thread's own CPU time (its clock, not the wall's)
+        start = time.thread_time()
+        while time.thread_time() - start < 0.05:
+            pass
+        spun.set()
+        done.wait()
+
+    before = thread_cpu.thread_cpu()
+    ring = threading.Thread(target=spin, name=thread_cpu.RING_THREAD)
+    ring.start()
+    spun.wait()
+    after = thread_cpu.thread_cpu()
+    done.set()
+    ring.join()
+    assert set(after) == set(thread_cpu.KINDS)
+    assert after["ring"] - before["ring"] >= 0.05, (before, after)
+    assert before["ring"] == 0.0 and before["main"] > 0.0
+    # the spin went to no other kind (a thread gloo or torchft left here from an earlier test did little since)
+    assert all(after[kind] - before[kind] < 0.05 for kind in ("gloo", "torchft")), (before, after)
