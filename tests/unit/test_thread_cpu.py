@@ -41,6 +41,6 @@ def test_a_busy_ring_thread_counts_as_ring_and_nothing_else_does(thread_cpu):
     ring.join()
     assert set(after) == set(thread_cpu.KINDS)
     assert after["ring"] - before["ring"] >= 0.05, (before, after)
-    assert before["ring"] == 0.0 and before["main"] > 0.0
+    assert before["main"] > 0.0
     # the spin went to no other kind (a thread gloo or torchft left here from an earlier test did little since)
     assert all(after[kind] - before[kind] < 0.05 for kind in ("gloo", "torchft")), (before, after)
