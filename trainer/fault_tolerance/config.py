@@ -24,7 +24,7 @@ ENV = {
 # before it reads as dead. A stopped process or a lost machine or network is caught the same way; a hang
 # inside a collective by `timeout_s`. Each heartbeat is a gRPC call (~0.3 ms CPU at each end here): at 50 ms
 # (and tokio's default threads below), two groups' managers and their lighthouse took 1.5% of the job's CPU
-# (perf, bench width 1024, groups of 2 DDP processes; 0.7% now)
+# (perf, bench width 1024, groups of 2 DDP processes; 0.6% now)
 HEARTBEAT_INTERVAL_MS = 100
 HEARTBEAT_TIMEOUT_MS = 500
 # the lighthouse re-checks a quorum that waits (for a heartbeat to run out) this often
