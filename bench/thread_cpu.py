@@ -15,8 +15,10 @@ def thread_cpu() -> dict[str, float]:
     python_names = {t.native_id: t.name for t in threading.enumerate()}
     main = threading.main_thread().native_id
     tasks = Path("/proc/self/task")
-    totals = dict.fromkeys(KINDS, 0.0) if tasks.is_dir() else {}
-    for task in tasks.iterdir() if tasks.is_dir() else ():
+    if not tasks.is_dir():
+        return {}
+    totals = dict.fromkeys(KINDS, 0.0)
+    for task in tasks.iterdir():
         try:
             ns = int((task / "schedstat").read_text().split()[0])
             comm = (task / "comm").read_text().strip()
