@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import importlib
+import importlib.util
 import json
 import os
 import select
@@ -113,6 +114,14 @@ class ScriptedLoss(Regression):
     def training_step(self, batch, batch_idx):
         x, _ = batch
         return self(x).mean() * 0.0 + self.losses[batch_idx]
+
+
+def bench_module(name: str) -> types.ModuleType:
+    """bench/<name>.py loaded as a module (the bench folder is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"{name}_bench", REPO / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def regression_data(n: int = 256, seed: int = 0) -> TensorDataset:

@@ -6,18 +6,13 @@ inputs and output gradients to the end of the backward (strategies/privacy/per_s
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
-from helpers import REPO
+from helpers import bench_module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("dpsgd_bench", REPO / "bench" / "dpsgd.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("dpsgd")
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning:opacus")

@@ -4,21 +4,17 @@ their libraries give their threads)."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import threading
 import time
 
 import pytest
-from helpers import REPO
+from helpers import bench_module
 
 
 @pytest.fixture(scope="module")
 def thread_cpu():
-    spec = importlib.util.spec_from_file_location("thread_cpu_bench", REPO / "bench" / "thread_cpu.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("thread_cpu")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc's per-thread schedstat is Linux's")
