@@ -18,6 +18,7 @@ all-reduce of its own."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -126,8 +127,12 @@ class Probe(Callback):
 
 
 def threads() -> dict[str, str]:
-    """This process's threads: id -> name."""
-    return {task.name: (task / "comm").read_text().strip() for task in Path("/proc/self/task").iterdir()}
+    """This process's live threads: id -> name."""
+    names = {}
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended since the listing
+            names[task.name] = (task / "comm").read_text().strip()
+    return names
 
 
 def rank_main(rank: int, strategy: str, ports: list[int], lighthouses: dict[str, str], root: str) -> None:
