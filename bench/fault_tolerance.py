@@ -134,8 +134,9 @@ class Clock(Callback):
 
     def on_train_end(self, trainer, module):
         steps = len(self.wall) - SKIP - 1
-        now = thread_cpu()
-        self.threads = {kind: (now[kind] - self.threads_at[kind]) / steps for kind in now if steps > 0}
+        if steps > 0:  # (a fit of SKIP steps or fewer took no first reading)
+            now = thread_cpu()
+            self.threads = {kind: (now[kind] - self.threads_at[kind]) / steps for kind in now}
 
 
 class PeerVote(Callback):
