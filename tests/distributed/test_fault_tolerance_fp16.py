@@ -1,7 +1,9 @@
 """fp16 with its loss scaler across torchft replica groups: two one-process groups average the gradients
 the backward's buckets copy unscaled, and when one group's gradients overflow (inf) both skip that step and
-lower their scale alike (the other group used to apply the inf its average took in). Checked by SGD against
-one process that reads the union of the groups' batches and overflows at the same step."""
+lower their scale alike (the other group used to apply the inf its average took in): found in the average's
+buckets (a small model), in the groups' overflow flags summed over the groups (a model past PASS_ELEMENTS), or
+in those flags summed with a token-weighted loss's count. Checked by SGD against one process that reads the union of the groups' batches and overflows
+at the same step."""
 
 from __future__ import annotations
 
@@ -23,24 +25,30 @@ STEPS, BATCH, OVERFLOW_AT = (
 
 
 class Overflowing(Regression):
-    """`Regression` by SGD whose loss is inf at step OVERFLOW_AT in the group that reads the odd samples."""
+    """`Regression` by SGD whose loss is inf at step OVERFLOW_AT in the group that reads the odd samples;
+    `tokens`: the loss reports a count, 1 a batch (the loss x its count is back-propagated: a batch's 8 or 16
+    tokens would overflow fp16's first scale here)."""
 
-    def __init__(self, overflows: bool) -> None:
+    def __init__(self, overflows: bool, tokens: bool) -> None:
         super().__init__(lr=0.1, optimizer="sgd")
-        self.overflows = overflows
+        self.overflows, self.tokens = overflows, tokens
 
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
-        return loss * math.inf if self.overflows and self.trainer.global_step == OVERFLOW_AT else loss
+        loss = loss * math.inf if self.overflows and self.trainer.global_step == OVERFLOW_AT else loss
+        return {"loss": loss, "num_tokens": torch.tensor(1)} if self.tokens else loss
 
 
-def group(replica: int, lighthouse: str, root: str) -> None:
+def group(replica: int, lighthouse: str, root: str, check: str) -> None:
     """Replica group `replica` of 2 under the lighthouse; its final weights, skipped steps and scale to
     ROOT/<replica>.json."""
+    import trainer.fault_tolerance.replica_group as replica_group
     from trainer.fault_tolerance import FaultTolerance
 
+    if check == "flags":  # as for a model past it
+        replica_group.PASS_ELEMENTS = 0
     torch.manual_seed(0)
-    module = Overflowing(overflows=replica == 1)
+    module = Overflowing(overflows=replica == 1, tokens=check == "tokens")
     ft = FaultTolerance(lighthouse, replica, replicas=2, min_replicas=2, timeout_s=60, quorum_timeout_s=60)
     trainer = fit(module, regression_loader(BATCH), Path(root) / f"group{replica}", STEPS,
                   fault_tolerance=ft, precision="16-mixed", enable_checkpointing=False)  # fmt: skip
@@ -55,18 +63,21 @@ def result(module: torch.nn.Module, trainer) -> dict:
     }
 
 
-def test_a_peers_overflow_skips_the_step_in_every_group_and_the_rest_is_one_process(tmp_path):
+@pytest.mark.parametrize("check", ["average", "flags", "tokens"])
+def test_a_peers_overflow_skips_the_step_in_every_group_and_the_rest_is_one_process(tmp_path, check):
     from trainer.fault_tolerance.lighthouse import start_lighthouse
 
     server = start_lighthouse("127.0.0.1:0", min_replicas=2)
     address = f"127.0.0.1:{server.address().rpartition(':')[2]}"
     try:
-        call_ranks(group, 2, address, str(tmp_path))
+        call_ranks(group, 2, address, str(tmp_path), check)
     finally:
         server.shutdown()
 
     torch.manual_seed(0)
-    reference = Overflowing(overflows=True)  # the union of both groups' batches in one batch
+    reference = Overflowing(
+        overflows=True, tokens=check == "tokens"
+    )  # the union of both groups' batches in one batch
     trainer = fit(reference, regression_loader(2 * BATCH), tmp_path / "one", STEPS, precision="16-mixed",
                   enable_checkpointing=False)  # fmt: skip
     expected = result(reference, trainer)

@@ -68,6 +68,7 @@ class OverlappedAverage:
     ) -> None:
         self.manager, self.costs = manager, costs or StepCosts()  # the replica group's, to share its totals
         params = [p for p in module.parameters() if p.requires_grad]
+        self.elements = sum(p.numel() for p in params)  # the gradients' elements, every bucket's
         groups = _bucketed(params, first_bucket_bytes, bucket_bytes)
         # `flag`: the last bucket carries two more elements, each group's terms (`arm`), summed (`flags`)
         self.buckets = [_Bucket(group, 2 * (flag and i == len(groups) - 1)) for i, group in enumerate(groups)]

@@ -35,6 +35,11 @@ from trainer.fault_tolerance.quorum import (
 )
 from trainer.fault_tolerance.state import SentState, load_replica_state
 
+# fp16's check of the average: a pass over 1M fp32 gradients (their sum) takes 0.15-0.6 ms here (in cache or
+# not), the overflow flags' own sum over the groups after the last bucket's ~0.5 ms a step (bench/fault_tolerance.py
+# --configs fp16: torchft's fixed cost at width 256, 1.1 ms with it, 0.5-0.6 ms with the pass)
+PASS_ELEMENTS = 1 << 20
+
 if TYPE_CHECKING:
     from trainer.trainer import Trainer
 
@@ -240,10 +245,12 @@ class ReplicaGroup:
         undo = float(mine) if num_tokens is not None and not self.sums_tokens else 1.0
         scaler = self.trainer.strategy.precision.scaler
         # one process with fp16: the overflow `unscale_` found in this group's own gradients (an inf or nan),
-        # summed over the groups with the tokens, stands for a pass over the average's gradients (an inf
-        # anywhere is one in the average): every group skips alike
+        # summed over the groups, stands for a pass over the average's gradients (an inf anywhere is one in
+        # the average): every group skips alike. With the token count's sum it costs nothing; on its own, its
+        # round trip after the last bucket's costs more than the pass up to PASS_ELEMENTS gradients
         alone = isinstance(self.overlap, OverlappedAverage)
-        found = _found_inf(scaler, self.trainer.optimizer) if scaler is not None and alone else []
+        rides = alone and (num_tokens is not None or self.overlap.elements > PASS_ELEMENTS)
+        found = _found_inf(scaler, self.trainer.optimizer) if scaler is not None and rides else []
         sums = ([mine.reshape(())] if num_tokens is not None else []) + (
             [sum(f.sum() for f in found).double()] if found else []
         )
@@ -280,8 +287,9 @@ class ReplicaGroup:
                 torch._foreach_mul_(grads, weight / mean if mean > 0 else 0.0)  # 0: no tokens anywhere
             self._average(grads)
         self._averaged_in = self._quorum_id  # every group's DDP has had a synced backward (see `_arm`)
-        if scaler is not None and not checked:
-            _check_the_average(scaler, self.trainer.optimizer, _grads(module))
+        if scaler is not None and not checked:  # one process's buckets: a sum each, not one per gradient
+            flats = [bucket.flat for bucket in self.overlap.buckets] if averaged and alone else _grads(module)
+            _check_the_average(scaler, self.trainer.optimizer, flats)
 
     def _average(self, tensors: list[torch.Tensor]) -> None:
         """Replace `tensors` by their mean over the participating groups: one all-reduce per dtype of a flat
