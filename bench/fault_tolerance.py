@@ -29,6 +29,8 @@ the backward (one flat copy per dtype) instead of from it (overlap.py, overlap_d
 step (cadence.py). `--peer-vote` (groups of several processes): the DDP/HSDP arm also sums two numbers over each
 group's ranks before every optimizer step, where torchft's arm takes its commit vote (group_calls.py
 GroupVote): what one more wait for a group's slowest rank costs on this machine, apart from torchft.
+`--peer-ring` (DDP groups): the DDP arm averages as torchft's DDP groups do (overlap_ddp.py: around each group's
+ring, the slice summed over the groups on a plain gloo group) without torchft: what that average costs here.
 Numbers on a shared machine are noisy; every wait has a deadline (DEADLINE_S) and a failed one ends the bench
 with one line naming it.
 """
@@ -153,6 +155,66 @@ class PeerVote(Callback):
         torch.distributed.all_reduce(torch.zeros(2), group=self.group)
 
 
+class PeerRing(Callback):
+    """The peer arm's average as a torchft DDP group's (`OverlappedGroupAverage`): DDP's all-reduce replaced by
+    the ring's reduce-scatter in each group of `group_size` ranks, the slice's sum over the groups (rank r of
+    every group, on a plain gloo group in place of torchft's) and the ring's all-gather; the mean over every
+    rank, as DDP's."""
+
+    def __init__(self, group_size: int) -> None:
+        self.group_size, self.average = group_size, None
+
+    def on_train_start(self, trainer, module):  # (the Trainer starts the process group and wraps DDP)
+        from types import SimpleNamespace
+
+        from trainer.fault_tolerance.overlap_ddp import OverlappedGroupAverage
+
+        dist, g = torch.distributed, self.group_size
+        group, _ = dist.new_subgroups(g)
+        across, _ = dist.new_subgroups_by_enumeration([[r, r + g] for r in range(g)])
+        ddp = trainer.strategy.model
+        # DDP over the group's ranks, as the average sees a torchft group's (its hook stays on DDP itself)
+        view = SimpleNamespace(
+            module=ddp.module,
+            process_group=group,
+            _comm_hooks=ddp._comm_hooks,
+            register_comm_hook=ddp.register_comm_hook,
+        )
+        self.average = OverlappedGroupAverage(view, CrossSum(across))
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        scaler = trainer.strategy.precision.scaler
+        inv_scale = 1.0 / scaler.get_scale() if scaler is not None else 1.0
+        self.average.arm(2, trainer.accumulate_grad_batches, inv_scale)
+
+    def on_train_end(self, trainer, module):
+        self.average.remove()
+
+
+class CrossSum:
+    """`PeerRing`'s sum over the groups: an all-reduce on `group`, as `DirectSum` launches torchft's."""
+
+    def __init__(self, group) -> None:
+        self.group, self.manager = group, self
+
+    def allreduce(self, tensor: torch.Tensor, reduce_op) -> Launched:
+        return Launched(torch.distributed.all_reduce(tensor, op=reduce_op, group=self.group, async_op=True))
+
+    def report_error(self, err: BaseException) -> None:
+        raise err
+
+
+class Launched:
+    """A launched all-reduce of `CrossSum`'s; `wait` says it succeeded (a failure raises)."""
+
+    def __init__(self, work) -> None:
+        self.work = work
+
+    def wait(self) -> bool:
+        self.work.wait()
+        return True
+
+
 def per_step(stamps: list[float], quantile: float = 0.5) -> float:
     """The median step (or another quantile) after SKIP warm-up steps."""
     steps = sorted(b - a for a, b in zip(stamps[SKIP:-1], stamps[SKIP + 1 :], strict=True))
@@ -240,6 +302,7 @@ def rank_main(args: argparse.Namespace) -> None:
             clock = Clock()
             folder = out / f"{args.arm}-{args.round}-{config}-{width}"
             vote = [PeerVote(args.group_size)] if args.peer_vote and args.arm == "ddp" else []
+            vote += [PeerRing(args.group_size)] if args.peer_ring and args.arm == "ddp" else []
             fit(width, folder, ft[i % len(ft)], [clock, *vote], STEPS[width], config, args.group_size)
             # the fastest tenth of the steps as well: other processes' load only adds time, so it varies less
             times[f"{config}/{width}"] = {
@@ -321,6 +384,7 @@ def main(
     flat: bool = False,
     quorum_every: int = 1,
     peer_vote: bool = False,
+    peer_ring: bool = False,
 ) -> None:
     os.environ.setdefault("RUST_LOG", "warn")  # the lighthouses here log every quorum at INFO otherwise
     from trainer.fault_tolerance.lighthouse import start_lighthouse
@@ -345,6 +409,7 @@ def main(
             arms += ["--flat"] if flat else []
             arms += ["--quorum-every", str(quorum_every)]
             arms += ["--peer-vote"] if peer_vote else []
+            arms += ["--peer-ring"] if peer_ring else []
             ddp = spawn(["--arm", "ddp", *arms], out, f"ddp-{r}", torchrun=2 * group_size)
             procs.append(ddp)
             wait_exit(f"round {r}'s DDP arm", ddp, out / f"ddp-{r}.err")
@@ -569,6 +634,11 @@ if __name__ == "__main__":
     p.add_argument(
         "--peer-vote", action="store_true", help="the DDP/HSDP arm sums 2 numbers over each group per step"
     )
+    p.add_argument(
+        "--peer-ring",
+        action="store_true",
+        help="the DDP arm averages around each group's ring, without torchft",
+    )
     p.add_argument("--lighthouses", default=None)  # one per fit: the overhead widths, then the drill
     p.add_argument("--out", default=None)
     a = p.parse_args()
@@ -587,7 +657,20 @@ if __name__ == "__main__":
         p.error(
             "--peer-vote: a group of one process votes alone (no collective); allowed with --group-size 2 or more"
         )
+    if a.peer_ring and (a.group_size == 1 or set(FSDP) & set(a.configs.split(","))):
+        p.error(
+            "--peer-ring: the average of DDP groups; allowed with --group-size 2 or more and no FSDP config"
+        )
     if a.arm:
         rank_main(a)
     else:
-        main(a.rounds, not a.no_drill, a.configs, a.group_size, a.flat, a.quorum_every, a.peer_vote)
+        main(
+            a.rounds,
+            not a.no_drill,
+            a.configs,
+            a.group_size,
+            a.flat,
+            a.quorum_every,
+            a.peer_vote,
+            a.peer_ring,
+        )
