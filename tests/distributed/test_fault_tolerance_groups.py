@@ -3,7 +3,8 @@ gloo processes (DDP, then FSDP2, inside each group) under a lighthouse train a s
 sums over the groups chained onto the group's own reduction from the backward (overlap_ddp.py: DDP's comm
 hook; overlap_fsdp.py: FSDP2's all-reduce hook) and once with the flat average after the backward. Both give
 the weights one process gets from the union of the 4 ranks' batches, and each other's, for a plain step,
-gradient accumulation, a token-weighted loss (DDP: also accumulated) and (DDP) fp16 with its loss scaler, and DDP's fp16 gradient
+gradient accumulation, a token-weighted loss (DDP: also accumulated) and (DDP) fp16 with its loss scaler (one rank of
+group 1 overflows at step 1, as the one process does: every group skips it), and DDP's fp16 gradient
 compression (the strategy's comm hook, which the sum over the groups follows). The overlapped arm's sums
 went out from the backward: the hooks had launched them when the loop asked for the average, each rank
 sending its slice of the group's sum (DDP: a half of each bucket; under the fp16 compression hook the whole
@@ -51,8 +52,22 @@ RUNS = {
 }
 FT_ARGS = ("quorum_every",)  # RUNS' arguments that are FaultTolerance's, not the Trainer's
 ROUNDED = ("fp16", "compressed")  # fp16 forwards, or fp16 gradients in the group's all-reduce
+OVERFLOWS = ("fp16",)  # the loss of rank 1 of group 1 (and the one process's) is inf at step 1
 ARMS = ("overlapped", "flat")
 KIND = {"ddp": "OverlappedGroupAverage", "fsdp": "OverlappedShardAverage"}
+
+
+class OverflowingLM(TokenMeanLM):
+    """`TokenMeanLM` whose loss (without a token count) is inf at step 1 where `overflows` (DDP's first averaged
+    in the backward; a fit whose last loss is inf fails)."""
+
+    def __init__(self, report_tokens: bool, overflows: bool) -> None:
+        super().__init__(report_tokens=report_tokens)
+        self.overflows = overflows
+
+    def training_step(self, batch, batch_idx):
+        out = super().training_step(batch, batch_idx)
+        return out * torch.inf if self.overflows and self.trainer.global_step == 1 else out
 
 
 def data(tokens: bool) -> TensorDataset:
@@ -157,7 +172,8 @@ def rank_main(rank: int, strategy: str, ports: list[int], lighthouses: dict[str,
         for arm in ARMS:
             replica_group.overlap_in_group = overlap_in_group if arm == "overlapped" else lambda *_: None
             torch.manual_seed(0)
-            module, probe = TokenMeanLM(report_tokens=tokens), Probe()
+            overflows = name in OVERFLOWS and (replica, local) == (1, 1)
+            module, probe = OverflowingLM(report_tokens=tokens, overflows=overflows), Probe()
             compression = kwargs.get("gradient_compression")
             layout = DDPStrategy(gradient_compression=compression) if compression else strategy
             ft = FaultTolerance(
@@ -188,7 +204,7 @@ def one_process(name: str, root: Path) -> list[torch.Tensor]:
     """The weights one process gets from the union of every rank's micro-batches, step by step."""
     kwargs, tokens, _ = RUNS[name]
     torch.manual_seed(0)
-    module = TokenMeanLM(report_tokens=tokens)
+    module = OverflowingLM(report_tokens=tokens, overflows=name in OVERFLOWS)
     micro = kwargs.get("accumulate_grad_batches", 1)
     loader = DataLoader(data(tokens), batch_size=GROUPS * RANKS * BATCH * micro)
     fit(module, loader, root / f"one-{name}", STEPS, enable_checkpointing=False,

@@ -276,7 +276,8 @@ class ReplicaGroup:
             if found and float(extra[-1]) > 0:
                 for tensor in found:
                     tensor.fill_(1.0)
-            checked = bool(found)
+            # a DDP group's backward put the average in `.grad` before `unscale_` checked it
+            checked = bool(found) or isinstance(self.overlap, OverlappedGroupAverage)
         else:
             grads = _grads(module)
             if num_tokens is not None:  # .grad is this group's token mean (or its sums' mean): weigh it
