@@ -42,11 +42,10 @@ class Overflowing(Regression):
 def group(replica: int, lighthouse: str, root: str, check: str) -> None:
     """Replica group `replica` of 2 under the lighthouse; its final weights, skipped steps and scale to
     ROOT/<replica>.json."""
-    import trainer.fault_tolerance.replica_group as replica_group
-    from trainer.fault_tolerance import FaultTolerance
+    from trainer.fault_tolerance import FaultTolerance, overflow
 
     if check == "flags":  # as for a model past it
-        replica_group.PASS_ELEMENTS = 0
+        overflow.PASS_ELEMENTS = 0
     torch.manual_seed(0)
     module = Overflowing(overflows=replica == 1, tokens=check == "tokens")
     ft = FaultTolerance(lighthouse, replica, replicas=2, min_replicas=2, timeout_s=60, quorum_timeout_s=60)

@@ -15,6 +15,7 @@ from torch import nn
 
 from strategies.gradients import shard_group, sharded_norm
 from trainer.core.dtensors import local_part
+from trainer.fault_tolerance import overflow
 from trainer.fault_tolerance.cadence import QuorumCadence
 from trainer.fault_tolerance.config import NoQuorumError
 from trainer.fault_tolerance.costs import StepCosts
@@ -34,11 +35,6 @@ from trainer.fault_tolerance.quorum import (
     reset_for_step,
 )
 from trainer.fault_tolerance.state import SentState, load_replica_state
-
-# fp16's check of the average: a pass over 1M fp32 gradients (their sum) takes 0.15-0.6 ms here (in cache or
-# not), the overflow flags' own sum over the groups after the last bucket's ~0.5 ms a step (bench/fault_tolerance.py
-# --configs fp16: torchft's fixed cost at width 256, 1.1 ms with it, 0.5-0.6 ms with the pass)
-PASS_ELEMENTS = 1 << 20
 
 if TYPE_CHECKING:
     from trainer.trainer import Trainer
@@ -249,8 +245,8 @@ class ReplicaGroup:
         # the average): every group skips alike. With the token count's sum it costs nothing; on its own, its
         # round trip after the last bucket's costs more than the pass up to PASS_ELEMENTS gradients
         alone = isinstance(self.overlap, OverlappedAverage)
-        rides = alone and (num_tokens is not None or self.overlap.elements > PASS_ELEMENTS)
-        found = _found_inf(scaler, self.trainer.optimizer) if scaler is not None and rides else []
+        rides = alone and (num_tokens is not None or self.overlap.elements > overflow.PASS_ELEMENTS)
+        found = overflow.found_inf(scaler, self.trainer.optimizer) if scaler is not None and rides else []
         sums = ([mine.reshape(())] if num_tokens is not None else []) + (
             [sum(f.sum() for f in found).double()] if found else []
         )
@@ -290,7 +286,7 @@ class ReplicaGroup:
         self._averaged_in = self._quorum_id  # every group's DDP has had a synced backward (see `_arm`)
         if scaler is not None and not checked:  # one process's buckets: a sum each, not one per gradient
             flats = [bucket.flat for bucket in self.overlap.buckets] if averaged and alone else _grads(module)
-            _check_the_average(scaler, self.trainer.optimizer, flats)
+            overflow.check_the_average(scaler, self.trainer.optimizer, flats)
 
     def _average(self, tensors: list[torch.Tensor]) -> None:
         """Replace `tensors` by their mean over the participating groups: one all-reduce per dtype of a flat
@@ -470,24 +466,6 @@ def _overlap_is_valid(trainer: Trainer) -> bool:
     and copy its gradient in the window's last; with fp16's scaler they copy it unscaled."""
     strategy = trainer.strategy
     return strategy.world_size == 1 and not any(hasattr(p, "to_local") for p in trainer.module.parameters())
-
-
-def _check_the_average(scaler: torch.amp.GradScaler, optimizer: Any, grads: list[torch.Tensor]) -> None:
-    """fp16: the scaler checked this group's own gradients for inf/nan when it unscaled them; a peer's inf
-    is in the average now. Every group takes the check of the average (an inf anywhere: every group skips
-    the step and lowers its scale), not its own (a group whose own were finite would apply the inf)."""
-    # a sum is inf/nan where an element is (or past 3e38, no gradient a step keeps): one read of each
-    # gradient, where isfinite's compare-abs-compare took ~15x as long
-    if not grads or torch.stack([g.sum() for g in grads]).isfinite().all():
-        return
-    for found_inf in _found_inf(scaler, optimizer):
-        found_inf.fill_(1.0)
-
-
-def _found_inf(scaler: torch.amp.GradScaler, optimizer: Any) -> list[torch.Tensor]:
-    """The inf checks (1.0: found) `unscale_` recorded for `optimizer`'s next `step`, one per device: torch
-    has no public way to read or add to them."""
-    return list(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
 
 
 def _grads(module: nn.Module) -> list[torch.Tensor]:
