@@ -7,16 +7,18 @@ from typing import Any
 
 import torch
 
-# the check of the average: a pass over 1M fp32 gradients (their sum) takes 0.15-0.6 ms here (in cache or
-# not), the overflow flags' own sum over the groups after the last bucket's ~0.5 ms a step (bench/fault_tolerance.py
-# --configs fp16: torchft's fixed cost at width 256, 1.1 ms with it, 0.5-0.6 ms with the pass)
+# groups of one process check the average up to this many gradient elements: a pass over 1M fp32 (their sum)
+# takes 0.15-0.6 ms here (in cache or not), the overflow flags' own sum over the groups after the last
+# bucket's ~0.5 ms a step (bench/fault_tolerance.py --configs fp16: torchft's fixed cost at width 256, 1.1 ms
+# with it, 0.5-0.6 ms with the pass)
 PASS_ELEMENTS = 1 << 20
 
 
 def check_the_average(scaler: torch.amp.GradScaler, optimizer: Any, grads: list[torch.Tensor]) -> None:
-    """`grads`: the average (its gradients, or the buckets holding them). The scaler checked this group's own gradients for inf/nan when it unscaled them; a peer's inf
-    is in the average now. Every group takes the check of the average (an inf anywhere: every group skips
-    the step and lowers its scale), not its own (a group whose own were finite would apply the inf)."""
+    """fp16: the scaler checked this group's own gradients for inf/nan when it unscaled them; a peer's inf
+    is in the average (`grads`: its gradients, or the buckets holding them). Every group takes the check of
+    the average (an inf anywhere: every group skips the step and lowers its scale), not its own (a group
+    whose own were finite would apply the inf)."""
     # a sum is inf/nan where an element is (or past 3e38, no gradient a step keeps): one read of each
     # gradient, where isfinite's compare-abs-compare took ~15x as long
     if not grads or torch.stack([g.sum() for g in grads]).isfinite().all():
