@@ -119,16 +119,13 @@ class ReplicaGroup:
         self._ready, self.vote.summed, self._early_votes = False, None, None
         if self.outer is not None and not self.outer.starts_window(self.trainer.global_step):
             return  # DiLoCo: inside a window the group trains alone
-        # torchft's step is what its quorum compares to pick the groups to heal and the one to heal from:
-        # the updates this group applied (the loop's steps less its skipped ones). A group that discarded or
-        # skipped a step its peers committed (a callback's skip, a collective that failed in this group
-        # only) is then behind them and heals now; after a resume the group with the newest checkpoint is
-        # the source, not the one torchft ranks first among fresh processes at step 0. Under DiLoCo the
-        # groups meet on the loop's step (a local skip inside a window is the group's own)
+        # torchft's step is what its quorum compares to pick the groups to heal and the one to heal from
+        # (`quorum_step`): after a resume the group with the newest checkpoint is the source, not the one
+        # torchft ranks first among fresh processes at step 0
         step, applied = self.trainer.state.global_step, self._applied()
-        if self.manager.current_step() != applied:
+        if self.manager.current_step() != quorum_step(step, applied):
             self.manager.load_state_dict(
-                {"step": applied, "batches_committed": self.manager.batches_committed()}
+                {"step": quorum_step(step, applied), "batches_committed": self.manager.batches_committed()}
             )
         if self._joined_at == (step, applied):
             # joined already, the step taken again (its first try found the epoch's data read): a second
@@ -456,6 +453,14 @@ class ReplicaGroup:
 
 class PeerStateMismatch(RuntimeError):
     """A peer group's state does not fit this group's model (another run at the same lighthouse)."""
+
+
+def quorum_step(step: int, applied: int) -> int:
+    """torchft's step for a group at the loop's `step` that applied `applied` updates: ordered by the loop's
+    step (a group resumed from a checkpoint saved before a step its peers discarded has applied as many
+    updates but is a step behind), then by the updates (one that discarded or skipped a step its peers
+    committed is behind them). Under DiLoCo `applied` is the loop's step."""
+    return step << 32 | applied
 
 
 def _overlap_is_valid(trainer: Trainer) -> bool:
