@@ -123,9 +123,10 @@ class ReplicaGroup:
         # (`quorum_step`): after a resume the group with the newest checkpoint is the source, not the one
         # torchft ranks first among fresh processes at step 0
         step, applied = self.trainer.state.global_step, self._applied()
-        if self.manager.current_step() != quorum_step(step, applied):
+        ranked = quorum_step(step, applied)
+        if self.manager.current_step() != ranked:
             self.manager.load_state_dict(
-                {"step": quorum_step(step, applied), "batches_committed": self.manager.batches_committed()}
+                {"step": ranked, "batches_committed": self.manager.batches_committed()}
             )
         if self._joined_at == (step, applied):
             # joined already, the step taken again (its first try found the epoch's data read): a second
