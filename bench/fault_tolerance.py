@@ -301,9 +301,10 @@ def rank_main(args: argparse.Namespace) -> None:
         for i, (config, width) in enumerate(fits(args.configs)):
             clock = Clock()
             folder = out / f"{args.arm}-{args.round}-{config}-{width}"
-            vote = [PeerVote(args.group_size)] if args.peer_vote and args.arm == "ddp" else []
-            vote += [PeerRing(args.group_size)] if args.peer_ring and args.arm == "ddp" else []
-            fit(width, folder, ft[i % len(ft)], [clock, *vote], STEPS[width], config, args.group_size)
+            # the DDP arm's stand-ins for what torchft's groups do (the bench runs 2 groups)
+            peers = [PeerVote(args.group_size)] if args.peer_vote and args.arm == "ddp" else []
+            peers += [PeerRing(args.group_size)] if args.peer_ring and args.arm == "ddp" else []
+            fit(width, folder, ft[i % len(ft)], [clock, *peers], STEPS[width], config, args.group_size)
             # the fastest tenth of the steps as well: other processes' load only adds time, so it varies less
             times[f"{config}/{width}"] = {
                 "wall": per_step(clock.wall),
