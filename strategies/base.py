@@ -285,7 +285,13 @@ class Strategy:
             return self.call_step(module, "training_step", batch, batch_idx)
 
     def backward_step(self, module: nn.Module, loss: torch.Tensor, weight: Any) -> None:
-        """The fit's `before_backward(loss)` hooks, then the backward of `loss` x `weight`, timed."""
+        """The fit's `before_backward(loss)` hooks, then the backward of `loss` x `weight`, timed. Before a
+        fresh run's first, fp16's scaler starts where a token sum's gradients (`weight`: a count) fit."""
+        if not self.precision.settled:
+            counted = isinstance(weight, torch.Tensor) and self.precision.scaler is not None
+            self.precision.settle_scale(
+                (lambda: self.reduce(weight.float(), "max", group="world")) if counted else None
+            )
         if self.before_backward is not None:
             self.before_backward(loss)
         with self.clock.phase("backward"):

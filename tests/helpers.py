@@ -104,6 +104,18 @@ class Regression(TrainModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
+class TokenCounted(Regression):
+    """`Regression` by SGD whose loss, a mean over its batch, reports `tokens` items (None: no count)."""
+
+    def __init__(self, tokens: int | None) -> None:
+        super().__init__(lr=0.1, optimizer="sgd")
+        self.tokens = tokens
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return {"loss": loss, "num_tokens": torch.tensor(self.tokens)} if self.tokens else loss
+
+
 class ScriptedLoss(Regression):
     """The loss of batch i is `losses[i]` exactly (the gradients are zero)."""
 

@@ -26,8 +26,8 @@ STEPS, BATCH, OVERFLOW_AT = (
 
 class Overflowing(Regression):
     """`Regression` by SGD whose loss is inf at step OVERFLOW_AT in the group that reads the odd samples;
-    `tokens`: the loss reports a count, 1 a batch (the loss x its count is back-propagated: a batch's 8 or 16
-    tokens would overflow fp16's first scale here)."""
+    `tokens`: the loss reports a count, one a sample (the loss x its count is back-propagated: the scaler
+    starts lower by the count, 8 in a group's batch, 16 in one process's)."""
 
     def __init__(self, overflows: bool, tokens: bool) -> None:
         super().__init__(lr=0.1, optimizer="sgd")
@@ -36,7 +36,7 @@ class Overflowing(Regression):
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
         loss = loss * math.inf if self.overflows and self.trainer.global_step == OVERFLOW_AT else loss
-        return {"loss": loss, "num_tokens": torch.tensor(1)} if self.tokens else loss
+        return {"loss": loss, "num_tokens": torch.tensor(len(batch[0]))} if self.tokens else loss
 
 
 def group(replica: int, lighthouse: str, root: str, check: str) -> None:
@@ -83,7 +83,11 @@ def test_a_peers_overflow_skips_the_step_in_every_group_and_the_rest_is_one_proc
     assert expected["skipped"] == 1
     got = [json.loads((tmp_path / f"{replica}.json").read_text()) for replica in (0, 1)]
     assert got[0] == got[1], "the groups differ"
-    assert (got[0]["skipped"], got[0]["scale"]) == (expected["skipped"], expected["scale"])
+    # with a token count a group's scale started at twice one process's (its batches hold half the tokens)
+    assert (got[0]["skipped"], got[0]["scale"]) == (
+        expected["skipped"],
+        expected["scale"] * (2 if check == "tokens" else 1),
+    )
     for i, (g, e) in enumerate(zip(got[0]["params"], expected["params"], strict=True)):
         g, e = torch.tensor(g), torch.tensor(e)
         # fp16 forwards of a half batch and of the whole one round alike to ~1e-3; a gradient left scaled

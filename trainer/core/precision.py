@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,6 +30,7 @@ class Precision:
         self.converts_input = name == "bf16-true"  # (read every step: `convert_input` is a no-op otherwise)
         self.device_type = device_type
         self.scaler = torch.amp.GradScaler(device_type) if name == "16-mixed" else None
+        self.settled = False  # the scaler's start is chosen: a backward ran, or a checkpoint's scale loaded
         self.autocast_forward = name in (
             "bf16-mixed",
             "16-mixed",
@@ -54,6 +57,19 @@ class Precision:
         """`loss.backward(*args, **kwargs)`, of the loss scaled by fp16's scaler."""
         (self.scaler.scale(loss) if self.scaler else loss).backward(*args, **kwargs)
 
+    def settle_scale(self, tokens: Callable[[], torch.Tensor] | None) -> None:
+        """Once, before a fresh run's first backward. Where it back-propagates a token sum (a token-weighted
+        loss x its count; `tokens`: the largest count over the ranks), fp16's scaler starts lower by the smallest
+        power of two from it, so that the sum's scaled gradients are at most a mean's (and exact: a power of two),
+        instead of overflowing in the first ~log2(tokens) steps, which it would skip."""
+        if self.settled:
+            return
+        self.settled = True
+        count = float(tokens()) if self.scaler is not None and tokens is not None else 0.0
+        if count >= 2:
+            start = self.scaler.get_scale() / 2.0 ** math.ceil(math.log2(count))
+            self.scaler = torch.amp.GradScaler(self.device_type, init_scale=start)
+
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         """Bring scaled fp16 gradients back to true values before they are measured or clipped."""
         if self.scaler:
@@ -75,8 +91,12 @@ class Precision:
             self.scaler.update()  # lowers the scale when the unscaled gradients held inf/nan
 
     def state_dict(self) -> dict[str, Any]:
-        return self.scaler.state_dict() if self.scaler else {}
+        return {**self.scaler.state_dict(), "settled": self.settled} if self.scaler else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.scaler and state:
+            state = dict(state)
+            # a checkpoint's scale goes on (one written before "settled" was kept: always after a backward);
+            # a peer replica group's state sent before its first backward leaves the start to choose
+            self.settled = bool(state.pop("settled", True))
             self.scaler.load_state_dict(state)

@@ -72,6 +72,7 @@ class ReplicaGroup:
         self._quorum_id: int | None = None  # torchft's id of the last quorum joined (new with new members)
         self._averaged_in: int | None = None  # the quorum id of the last step whose gradients were averaged
         self._armed = False  # the overlapped average is armed for this step (see `_arm`)
+        self._armed_scaler: Any = None  # fp16's scaler whose scale it was armed with
         # FSDP2 keeps gathered parameters and hooks from a forward for its backward: a heal after the forward
         # (which the step then runs again) left the rerun's forward with gathered and sharded ones mixed, so
         # such a group joins before its forward
@@ -179,6 +180,8 @@ class ReplicaGroup:
                 self.outer.begin()
         if self._void:
             raise Healed(f"replica group {self.config.replica_id} recovered from a peer")
+        if self._armed and self.trainer.strategy.precision.scaler is not self._armed_scaler:
+            self._arm()  # fp16's scaler started lower at the run's first backward (a token sum's)
 
     def _arm(self) -> None:
         """The overlapped average armed for this step: its participants, the window's micro-batches (a
@@ -194,7 +197,7 @@ class ReplicaGroup:
             return
         if self.overlap is not None:
             self._armed = True
-            scaler = self.trainer.strategy.precision.scaler
+            scaler = self._armed_scaler = self.trainer.strategy.precision.scaler
             inv_scale = 1.0 / scaler.get_scale() if scaler is not None else 1.0
             arm = (max(self._participants, 1), self.trainer.accumulate_grad_batches, inv_scale)
             if self.cadence is None:
