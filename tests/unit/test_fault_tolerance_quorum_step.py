@@ -32,4 +32,10 @@ def test_the_loop_step_outranks_the_updates():
 
     # the group that saw more of the run is the source, whatever it discarded on the way
     assert quorum_step(11, 5) > quorum_step(10, 10)
-    assert quorum_step(2**31 - 1, 2**31 - 1) < 2**63  # torchft's step is a signed 64-bit integer
+    assert quorum_step(10**9 - 1, 10**9 - 1) < 2**63  # torchft's step is a signed 64-bit integer
+
+
+def test_torchfts_logs_read_the_step_then_the_updates():
+    from trainer.fault_tolerance.replica_group import quorum_step
+
+    assert str(quorum_step(11, 9)) == "11" + "000000009"

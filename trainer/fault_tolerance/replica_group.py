@@ -463,8 +463,9 @@ def quorum_step(step: int, applied: int) -> int:
     """torchft's step for a group at the loop's `step` that applied `applied` updates: ordered by the loop's
     step (a group resumed from a checkpoint saved before a step its peers discarded has applied as many
     updates but is a step behind), then by the updates (one that discarded or skipped a step its peers
-    committed is behind them). Under DiLoCo `applied` is the loop's step."""
-    return step << 32 | applied
+    committed is behind them). Under DiLoCo `applied` is the loop's step. torchft's logs print it: in
+    decimal, the loop's step then nine digits of updates (step 11 with 9 updates: 11000000009)."""
+    return step * 10**9 + applied
 
 
 def _overlap_is_valid(trainer: Trainer) -> bool:
