@@ -66,13 +66,8 @@ class Strategy:
     ) -> None:
         """Receive the Trainer's validated flags, then `check_configuration` (before any process starts).
         `device_ids` are the GPU indices of `devices=[i, ...]` (None: local rank r uses `cuda:r`)."""
-        self.accelerator, self.devices, self.num_nodes, self.precision = (
-            accelerator,
-            devices,
-            num_nodes,
-            precision,
-        )
-        self.device_ids = device_ids
+        self.accelerator, self.devices, self.num_nodes = accelerator, devices, num_nodes
+        self.precision, self.device_ids = precision, device_ids
         self.check_configuration()
 
     def check_configuration(self) -> None:
@@ -285,13 +280,10 @@ class Strategy:
             return self.call_step(module, "training_step", batch, batch_idx)
 
     def backward_step(self, module: nn.Module, loss: torch.Tensor, weight: Any) -> None:
-        """The fit's `before_backward(loss)` hooks, then the backward of `loss` x `weight`, timed. Before a
-        fresh run's first, fp16's scaler starts where a token sum's gradients (`weight`: a count) fit."""
+        """The fit's `before_backward(loss)` hooks, then the backward of `loss` x `weight`, timed (before a
+        fresh run's first, fp16's scaler starts where a token sum's gradients fit: `Precision.settle_scale`)."""
         if not self.precision.settled:
-            counted = isinstance(weight, torch.Tensor) and self.precision.scaler is not None
-            self.precision.settle_scale(
-                (lambda: self.reduce(weight.float(), "max", group="world")) if counted else None
-            )
+            self.precision.settle_scale(weight, lambda count: self.reduce(count, "max", group="world"))
         if self.before_backward is not None:
             self.before_backward(loss)
         with self.clock.phase("backward"):

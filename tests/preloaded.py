@@ -436,9 +436,16 @@ def _middle(conn: socket.socket, request: dict, fds: list[int], env: dict, path:
             watch.remove(conn)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-    _, status = os.waitpid(pid, 0)
+    # its exit status with the process left unreaped until the client has read it: a zombie still holds its
+    # process group, which torchrun's agent may killpg while the worker's poll() still says running (a
+    # reaped one's is gone: ProcessLookupError, and the agent died instead of restarting the group)
+    ended_as = os.waitid(os.P_PIDFD, ended, os.WEXITED | os.WNOWAIT)
+    code = ended_as.si_status if ended_as.si_code == os.CLD_EXITED else -ended_as.si_status
     with contextlib.suppress(OSError):
-        conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+        conn.sendall(f"{code}\n".encode())
+        while conn.recv(64):  # the client closes the connection once it has the code (or is gone)
+            pass
+    os.waitpid(pid, 0)
     os._exit(0)
 
 

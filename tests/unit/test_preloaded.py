@@ -1,8 +1,8 @@
 """The forked test processes (tests/preloaded.py) run a command as a fresh interpreter would: its argv,
 module globals, sys.path, directory, environment, exit code, atexit handlers and output; a job's first
 failure ends the rest; a different import-time environment gets a fresh interpreter; a script that starts
-its own file has the copy forked, with a piped stdout and a session of its own; torchrun started by a test is
-forked, and so are its workers (`python -u`)."""
+its own file has the copy forked, with a piped stdout and a session of its own, still there to killpg until its
+exit status is read; torchrun started by a test is forked, and so are its workers (`python -u`)."""
 
 from __future__ import annotations
 
@@ -115,6 +115,32 @@ def test_a_script_that_starts_its_own_file_has_it_forked_with_a_pipe_and_its_own
     first, second = seen["out"].splitlines()
     assert json.loads(first) == {"torch": True, "leader": True} and second == "to stderr"
     assert seen["timed_out"] and seen["codes"] == [0, -9]
+
+
+ENDED = """
+import json, os, select, subprocess, sys
+if sys.argv[1:] == ["child"]:
+    sys.exit(3)
+child = subprocess.Popen([sys.executable, __file__, "child"], start_new_session=True)
+select.select([child], [], [], 60)  # readable: its exit status is there to read
+try:
+    os.killpg(child.pid, 0)  # what torchrun's agent does (with SIGTERM) to a worker whose poll() said running
+    found = True
+except ProcessLookupError:
+    found = False
+print(json.dumps({"kind": type(child).__name__, "found": found, "code": child.wait(timeout=60)}))
+"""
+
+
+def test_an_ended_fork_keeps_its_process_group_until_its_exit_status_is_read(tmp_path):
+    # torchrun's agent closing a group's workers killpg()s one whose poll() said running: a fork reaped before
+    # its status reached the agent had no group left, and the agent died of ProcessLookupError instead of
+    # restarting the group (seen in test_fault_tolerance.py's kill test, ddp-1)
+    script = tmp_path / "ended.py"
+    script.write_text(ENDED)
+    done = run_commands([([sys.executable, str(script)], launch_env())], str(tmp_path), 120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == {"kind": "PreloadedProcess", "found": True, "code": 3}
 
 
 WORKER = """

@@ -57,15 +57,16 @@ class Precision:
         """`loss.backward(*args, **kwargs)`, of the loss scaled by fp16's scaler."""
         (self.scaler.scale(loss) if self.scaler else loss).backward(*args, **kwargs)
 
-    def settle_scale(self, tokens: Callable[[], torch.Tensor] | None) -> None:
-        """Once, before a fresh run's first backward. Where it back-propagates a token sum (a token-weighted
-        loss x its count; `tokens`: the largest count over the ranks), fp16's scaler starts lower by the smallest
-        power of two from it, so that the sum's scaled gradients are at most a mean's (and exact: a power of two),
-        instead of overflowing in the first ~log2(tokens) steps, which it would skip."""
+    def settle_scale(self, weight: Any, largest: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Once, before a fresh run's first backward, of the loss x `weight`. Where that is a token sum (`weight`
+        a token count, a tensor; `largest` gives its maximum over the ranks), fp16's scaler starts lower by the
+        smallest power of two from that maximum, so that the sum's scaled gradients are at most a mean's (and
+        exact: a power of two), instead of overflowing in the first ~log2(tokens) steps, which it would skip."""
         if self.settled:
             return
         self.settled = True
-        count = float(tokens()) if self.scaler is not None and tokens is not None else 0.0
+        counted = self.scaler is not None and isinstance(weight, torch.Tensor)
+        count = float(largest(weight.float())) if counted else 0.0
         if count >= 2:
             start = self.scaler.get_scale() / 2.0 ** math.ceil(math.log2(count))
             self.scaler = torch.amp.GradScaler(self.device_type, init_scale=start)
