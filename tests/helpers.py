@@ -533,6 +533,17 @@ def _ended_fd(proc: Process) -> int:
     return proc.fileno() if isinstance(proc, preloaded.PreloadedProcess) else os.pidfd_open(proc.pid)
 
 
+def join_world(rank: int, world: int, port: int, run_id: str = "test") -> None:
+    """This process as rank `rank` of `world` under torchrun, whose store the test process hosts on `port`
+    (as torchrun's agent does): the variables the Trainer's process group reads; one thread (2 cores)."""
+    torch.set_num_threads(1)
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RUN_ID=run_id,
+        TORCHELASTIC_USE_AGENT_STORE="true",
+    )  # fmt: skip
+
+
 def call_ranks(fn: Callable[..., None], n: int, *args: Any, timeout: float = 240) -> None:
     """`fn(rank, *args)` for rank 0..n-1 at once, as torch.multiprocessing.spawn runs them, each a fork of the
     preloaded interpreter (tests/scripts/call_rank.py) instead of a fresh one (~3 CPU-s of imports a rank);

@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import TokenMeanLM, call_ranks, fit, uneven_token_data
+from helpers import TokenMeanLM, call_ranks, fit, join_world, uneven_token_data
 from torch.utils.data import DataLoader, TensorDataset
 
 from callbacks import Callback
@@ -158,13 +157,8 @@ def rank_main(rank: int, strategy: str, ports: list[int], lighthouses: dict[str,
     from trainer.core.dtensors import full_value
     from trainer.fault_tolerance import FaultTolerance
 
-    torch.set_num_threads(1)
     replica, local = divmod(rank, RANKS)
-    os.environ.update(
-        RANK=str(local), LOCAL_RANK=str(local), WORLD_SIZE=str(RANKS), LOCAL_WORLD_SIZE=str(RANKS),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[replica]), TORCHELASTIC_RUN_ID=f"group{replica}",
-        TORCHELASTIC_USE_AGENT_STORE="true",  # the test process hosts each group's store, as torchrun's agent
-    )  # fmt: skip
+    join_world(local, RANKS, ports[replica], run_id=f"group{replica}")  # each group's store hosted here
     overlap_in_group = replica_group.overlap_in_group
     for name, (kwargs, tokens, strategies) in RUNS.items():
         if strategy not in strategies:

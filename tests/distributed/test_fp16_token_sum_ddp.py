@@ -6,12 +6,11 @@ its own scale: the ranks' weights would part), and no step is skipped (at the us
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from helpers import TokenCounted, call_ranks, fit, regression_loader
+from helpers import TokenCounted, call_ranks, fit, join_world, regression_loader
 
 from strategies import DDPStrategy
 
@@ -19,17 +18,7 @@ WORLD, STEPS, TOKENS = 2, 6, (3000, 1000)
 
 
 def _rank(rank: int, port: int, root: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(WORLD),
-        LOCAL_WORLD_SIZE=str(WORLD),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        TORCHELASTIC_RUN_ID="test",
-        TORCHELASTIC_USE_AGENT_STORE="true",  # the test process hosts the store, as torchrun's agent does
-    )
+    join_world(rank, WORLD, port)
     torch.manual_seed(0)
     module = TokenCounted(TOKENS[rank])
     trainer = fit(module, regression_loader(8), Path(root) / "run", STEPS, precision="16-mixed",

@@ -6,13 +6,11 @@ with accumulation, whose hook it must keep."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
-from helpers import SEED, call_ranks, quiet
+from helpers import SEED, call_ranks, join_world, quiet
 from noise_scale_problem import (
     DIM,
     NOISE_STD,
@@ -47,17 +45,7 @@ class CommHooks(Callback):
 
 def _rank(rank: int, port: int, root: str) -> None:
     """One rank: the runs of RUNS one after another in the same world; rank 0 writes what they logged."""
-    torch.set_num_threads(1)
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(WORLD),
-        LOCAL_WORLD_SIZE=str(WORLD),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        TORCHELASTIC_RUN_ID="test",
-        TORCHELASTIC_USE_AGENT_STORE="true",  # the test process hosts the store, as torchrun's agent does
-    )
+    join_world(rank, WORLD, port)
     got = {}
     for name, (kwargs, accumulate, micro_batch) in RUNS.items():
         hooks = CommHooks()

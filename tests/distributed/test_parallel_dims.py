@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import itertools
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import call_ranks
+from helpers import call_ranks, join_world
 
 from strategies import MeshStrategy, ParallelDims, SingleDeviceStrategy
 from strategies.parallel_dims import GROUP_NAMES
@@ -215,17 +214,7 @@ def test_in_one_process_a_recipe_s_global_batch_is_split_over_the_accumulation_o
 def _check_rank(rank: int, world: int, port: int, degrees: dict[str, int]) -> None:
     """One rank: build the mesh through MeshStrategy, then compare every named group with the expected
     ranks, both as computed and as the process group really holds them."""
-    torch.set_num_threads(1)
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        TORCHELASTIC_RUN_ID="test",  # joins as under torchrun (the self-spawn path is tested elsewhere)
-        TORCHELASTIC_USE_AGENT_STORE="true",  # the test process hosts the store, as torchrun's agent does
-    )
+    join_world(rank, world, port)  # as under torchrun (the self-spawn path is tested elsewhere)
     strategy = MeshOf(**degrees)
     strategy.configure("cpu", world, 1, Precision("32"))
     strategy.setup_environment()
