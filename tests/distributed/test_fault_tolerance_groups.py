@@ -8,11 +8,14 @@ group 1 overflows at step 1, as the one process does: every group skips it), and
 compression (the strategy's comm hook, which the sum over the groups follows). The overlapped arm's sums
 went out from the backward: the hooks had launched them when the loop asked for the average, each rank
 sending its slice of the group's sum (DDP: a half of each bucket; under the fp16 compression hook the whole
-bucket) or its shard of it (FSDP2: 1 / 2). DDP's not at the first step: a group's first DDP
-backward fills another bucket layout than later ones, so every group averages after it. Also with a
+bucket) or its shard of it (FSDP2: 1 / 2; without clipping the whole unit the backward reduces last, summed
+before the group's reduce-scatter, which carries the group's commit vote). Not at the first step (FSDP2: with
+clipping, it is): a group's first DDP backward fills another bucket layout than later ones, and FSDP2's
+shows which unit it reduces last, so every group averages after it. Also with a
 quorum every 2 steps (the groups' flags summed right after one of the backward's sums), and with the gradients
 clipped by their norm. Every commit vote is the group's own sum (GroupVote), never a round trip to torchft's
-manager server: with FSDP2 it rides the all-reduce of the gradients' norm; with DDP, where the backward's
+manager server: with FSDP2 it rides the reduce-scatter of the last unit (no clipping; unless a token count's
+sum over the groups follows) or the all-reduce of the gradients' norm; with DDP, where the backward's
 buckets went around the group's ring, it went around with the last bucket's slices, or with a token-weighted
 loss in the sum of the step's tokens over the group (after their sum over the groups); else it is an
 all-reduce of its own."""
@@ -100,6 +103,7 @@ class Probe(Callback):
         self.kind, self.launched, self.sent, self.used, self.quorum = None, [], [], [], []
         self.sending = 0
         self.folded = []  # per step: whether the commit vote had been summed already (the norm's, the ring's)
+        self.early = []  # per step: whether it was summed with the gradients (the ring's, the reduce-scatter's)
         # the threads of this fit's torchft manager server and client, by name (an earlier fit's may linger)
         self.runtimes, self.before = {}, set(threads())
 
@@ -107,6 +111,9 @@ class Probe(Callback):
         self.quorum.append(trainer._fit_loop.replicas._joined_at[0] == trainer.global_step - 1)
         names = [name for tid, name in threads().items() if tid not in self.before]
         self.runtimes = {name: names.count(name) for name in ("torchft-manager", "torchft-mgrclnt")}
+
+    def on_after_backward(self, trainer, module):
+        self.early.append(trainer._fit_loop.replicas._early_votes is not None)
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
         vote = trainer._fit_loop.replicas.manager._client
@@ -189,6 +196,7 @@ def rank_main(rank: int, strategy: str, ports: list[int], lighthouses: dict[str,
                     "used": probe.used,
                     "quorum": probe.quorum,
                     "folded": probe.folded,
+                    "early": probe.early,
                     "runtimes": probe.runtimes,
                 }
                 (Path(root) / f"{name}-{arm}-{replica}.json").write_text(json.dumps(seen))
@@ -238,7 +246,8 @@ def test_overlapped_average_in_groups_of_two_processes_equals_the_flat_one_and_o
         # DDP's not at the first step (every group's first backward: DDP's one bucket of every parameter,
         # whose layout a group new to the quorum would not share: the average after the backward)
         assert overlapped["kind"] == KIND[strategy], (name, overlapped["kind"])
-        first = 1 if strategy == "ddp" else 0
+        # (FSDP2's reduce-scatter carries the vote where no norm's all-reduce will: without clipping)
+        first = 1 if strategy == "ddp" or name != "clip" else 0
         assert overlapped["used"] == [False] * first + [True] * (STEPS - first), (name, overlapped)
         assert overlapped["launched"][:first] == [0] * first, (name, overlapped)
         assert min(overlapped["launched"][first:]) >= 1, (name, overlapped)
@@ -246,7 +255,10 @@ def test_overlapped_average_in_groups_of_two_processes_equals_the_flat_one_and_o
         # what rank 0 sent over the groups: its slice of each DDP bucket (the whole bucket under a strategy's
         # own hook: compression), or its FSDP2 shard of each gradient
         grads = sum(len(w) for w in overlapped["weights"])
-        share = grads if name == "compressed" else grads / RANKS
+        # (the test's model is one FSDP2 unit, well under SUM_FIRST_ELEMENTS: summed whole without clipping,
+        # each process's part with 2 slots for the vote and quorum_every's flags)
+        first_summed = strategy == "fsdp" and name != "clip"
+        share = grads + 2 * RANKS if first_summed else grads if name == "compressed" else grads / RANKS
         assert overlapped["sent"][first:] == [share] * (STEPS - first), (name, overlapped["sent"], grads)
         # a quorum at every step, or with quorum_every=2 at steps 0 and 2 only (the flat arm: every step)
         assert overlapped["quorum"] == ([True, False, True] if name == "quorum" else [True] * STEPS), name
@@ -260,6 +272,11 @@ def test_overlapped_average_in_groups_of_two_processes_equals_the_flat_one_and_o
             else [False] * first + [ringed] * (STEPS - first),
             "flat": [strategy == "fsdp"] * STEPS,
         }
+        # summed with the gradients: around DDP's ring, or in FSDP2's last reduce-scatter where no token
+        # count's sum over the groups follows it
+        early = ringed or (first_summed and name != "tokens")
+        assert overlapped["early"] == [False] * first + [early] * (STEPS - first), (name, overlapped["early"])
+        assert got["flat", 0]["early"] == [False] * STEPS, (name, got["flat", 0]["early"])
         for arm in ARMS:
             assert got[arm, 0]["folded"] == expected_folds[arm], (name, arm, got[arm, 0]["folded"])
             # one tokio worker each (config.TOKIO_WORKERS): a control plane of a few calls a step

@@ -4,6 +4,7 @@ average, the loop's token normalization undone on `.grad`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from time import perf_counter
 from typing import Any
 
@@ -32,6 +33,10 @@ class GroupAverage:
         self.terms_work: Any = None
         self.flags = (0.0, 0.0)
         self.flags_taken = False
+        # the group's commit vote summed over its processes with the backward's last exchange, from
+        # `vote_terms` (this process's, made up once every sum over the groups is done); None: not this step
+        self.vote_terms: Callable[[], torch.Tensor] | None = None
+        self.voted: torch.Tensor | None = None
 
     def arm(
         self,

@@ -1,7 +1,8 @@
 """A replica group's calls to torchft without what torchft adds per call: its commit vote taken without its
 manager server (a one-process group's own, a group of several processes' over its own process group: in
 the all-reduce of the gradients' norm where one spans the group, around a DDP group's ring with the last
-bucket or with its token count, else an all-reduce of its own), and the gradient buckets' sum straight on
+bucket or with its token count, in the reduce-scatter of an FSDP2 group's last unit, else an all-reduce of its
+own), and the gradient buckets' sum straight on
 torchft's process group."""
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import queue
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -52,9 +51,6 @@ class OverlappedGroupAverage(GroupAverage):
         self.group = ddp.process_group
         self.group_size = self.group.size()
         self.lock = threading.Lock()  # the gloo threads that complete the group's all-reduces
-        # the group's commit vote summed over its processes with the last bucket's slices, from `vote_terms`
-        # (this process's, made up once every sum over the groups is done); None: not this step
-        self.vote_terms: Callable[[], torch.Tensor] | None = None
         self._reset()
         self.chain = next((h for h, _ in ddp._comm_hooks if isinstance(h, ChainableHook)), None)
         if (

@@ -20,7 +20,10 @@ def overlap_in_group(
     ddp = ddp_to_chain(trainer)
     if ddp is not None:
         return OverlappedGroupAverage(ddp, direct, costs)
-    return OverlappedShardAverage(trainer.module, direct, costs)
+    # without clipping no norm's all-reduce over the group follows the sums to carry the commit vote
+    return OverlappedShardAverage(
+        trainer.module, direct, costs, vote_first=trainer.flags.gradient_clip_val is None
+    )
 
 
 def overlap_fits_group(trainer: Any) -> bool:

@@ -19,6 +19,7 @@ from trainer.fault_tolerance import overflow
 from trainer.fault_tolerance.cadence import QuorumCadence
 from trainer.fault_tolerance.config import NoQuorumError
 from trainer.fault_tolerance.costs import StepCosts
+from trainer.fault_tolerance.group_average import GroupAverage
 from trainer.fault_tolerance.group_calls import DirectSum, GroupVote, OwnVote
 from trainer.fault_tolerance.manager import start_manager
 from trainer.fault_tolerance.outer_sync import OuterSync, combine_second_moment, inner_state
@@ -108,7 +109,7 @@ class ReplicaGroup:
         self._out_of_step = False  # the step's flags showed a group out of step: every group discards it
         self._ready = False  # this step's vote is made up (`_ready_to_vote`)
         self._early_votes: torch.Tensor | None = None  # the vote summed before `commit` (`_early_terms`)
-        if isinstance(self.vote, GroupVote) and isinstance(self.overlap, OverlappedGroupAverage):
+        if isinstance(self.vote, GroupVote) and isinstance(self.overlap, GroupAverage):
             self.overlap.vote_terms = self._early_terms
 
     def start_step(self) -> None:
@@ -258,8 +259,9 @@ class ReplicaGroup:
         # quorum's first steps, whose groups it put in step)
         if self.cadence is not None and self._armed:
             self._out_of_step = not self.cadence.agreed(self.overlap.flags, self._participants)
-        if averaged and extra is None and isinstance(self.overlap, OverlappedGroupAverage):
-            # the ring's vote came after the step's last sum over the groups (with `extra`: one more followed)
+        if averaged and extra is None and isinstance(self.overlap, GroupAverage):
+            # the vote of the ring's last bucket or of the last FSDP2 unit's reduce-scatter came after the
+            # step's last sum over the groups (with `extra`: one more followed)
             self._early_votes = self.overlap.voted
         if averaged:
             if num_tokens is not None:  # the buckets held token sums: their mean over the mean token count
@@ -375,9 +377,10 @@ class ReplicaGroup:
         return norm
 
     def _early_terms(self) -> torch.Tensor:
-        """This rank's vote on the step once the step's sums over the groups are done, summed over a DDP group
-        before `commit`: around the ring with the last bucket's slices (overlap_ddp.py, on the ring's thread),
-        or with a token-weighted loss's token count. What failed, a group out of step, too few groups; a
+        """This rank's vote on the step once the step's sums over the groups are done, summed over the group
+        before `commit`: around a DDP group's ring with the last bucket's slices (overlap_ddp.py, on the ring's
+        thread), in the last FSDP2 unit's reduce-scatter (overlap_fsdp.py), or with a token-weighted loss's
+        token count. What failed, a group out of step, too few groups; a
         callback's skip (`skip_optimizer_step`: every rank alike) is added at `commit`."""
         out_of_step = self.cadence is not None and not self.cadence.agreed(
             self.overlap.flags, self._participants
