@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from time import perf_counter
 from typing import Any
 
 import torch
@@ -135,9 +136,11 @@ class OverlappedShardAverage(GroupAverage):
         riding = self.terms is not None and self.terms_work is None
         if riding:  # (flags of 0 and 1: exact in any float dtype)
             staged[0, shard:] = self.terms
+        start = perf_counter()
         work = self.direct.allreduce(staged, ReduceOp.SUM)
         self._wait()
         work.wait()  # a failure is recorded for `commit` (the terms vote against the step)
+        self.costs.add("allreduce", start)  # (not hidden: the backward's last reduction waits for it)
         if riding:
             self.terms.copy_(staged[0, shard:])
             self.terms_work = work
