@@ -12,8 +12,8 @@ bucket) or its shard of it (FSDP2: 1 / 2; without clipping the whole unit the ba
 before the group's reduce-scatter, which carries the group's commit vote). Not at the first step (FSDP2: with
 clipping, it is): a group's first DDP backward fills another bucket layout than later ones, and FSDP2's
 shows which unit it reduces last, so every group averages after it. Also with a
-quorum every 2 steps (the groups' flags summed right after one of the backward's sums), and with the gradients
-clipped by their norm. Every commit vote is the group's own sum (GroupVote), never a round trip to torchft's
+quorum every 2 steps (the groups' flags summed right after one of the backward's sums), with the gradients
+clipped by their norm, and (FSDP2) in two units, the embedding's reduced last. Every commit vote is the group's own sum (GroupVote), never a round trip to torchft's
 manager server: with FSDP2 it rides the reduce-scatter of the last unit (no clipping; unless a token count's
 sum over the groups follows) or the all-reduce of the gradients' norm; with DDP, where the backward's
 buckets went around the group's ring, it went around with the last bucket's slices, or with a token-weighted
@@ -51,6 +51,8 @@ RUNS = {
     "quorum": ({"quorum_every": 2}, False, ("ddp", "fsdp")),
     # the norm of the average clips it (the one process's step's norm is ~0.2-0.4)
     "clip": ({"gradient_clip_val": 0.05}, False, ("ddp", "fsdp")),
+    # two FSDP2 units (the embedding its own): the one reduced last is summed whole, the other's shard as it is
+    "blocks": ({}, False, ("fsdp",)),
 }
 FT_ARGS = ("quorum_every",)  # RUNS' arguments that are FaultTolerance's, not the Trainer's
 ROUNDED = ("fp16", "compressed")  # fp16 forwards, or fp16 gradients in the group's all-reduce
@@ -63,9 +65,12 @@ class OverflowingLM(TokenMeanLM):
     """`TokenMeanLM` whose loss (without a token count) is inf at step 1 where `overflows` (DDP's first averaged
     in the backward; a fit whose last loss is inf fails)."""
 
-    def __init__(self, report_tokens: bool, overflows: bool) -> None:
+    def __init__(self, report_tokens: bool, overflows: bool, blocks: bool = False) -> None:
         super().__init__(report_tokens=report_tokens)
-        self.overflows = overflows
+        self.overflows, self.blocks = overflows, blocks
+
+    def transformer_blocks(self) -> list[torch.nn.Module]:
+        return [self.emb] if self.blocks else []
 
     def training_step(self, batch, batch_idx):
         out = super().training_step(batch, batch_idx)
@@ -174,7 +179,10 @@ def rank_main(rank: int, strategy: str, ports: list[int], lighthouses: dict[str,
             replica_group.overlap_in_group = overlap_in_group if arm == "overlapped" else lambda *_: None
             torch.manual_seed(0)
             overflows = name in OVERFLOWS and (replica, local) == (1, 1)
-            module, probe = OverflowingLM(report_tokens=tokens, overflows=overflows), Probe()
+            module, probe = (
+                OverflowingLM(report_tokens=tokens, overflows=overflows, blocks=name == "blocks"),
+                Probe(),
+            )
             compression = kwargs.get("gradient_compression")
             layout = DDPStrategy(gradient_compression=compression) if compression else strategy
             ft = FaultTolerance(
@@ -259,6 +267,10 @@ def test_overlapped_average_in_groups_of_two_processes_equals_the_flat_one_and_o
         # each process's part with 2 slots for the vote and quorum_every's flags)
         first_summed = strategy == "fsdp" and name != "clip"
         share = grads + 2 * RANKS if first_summed else grads if name == "compressed" else grads / RANKS
+        if name == "blocks":  # the embedding's unit goes last (its input ids need no gradient: FSDP2 reduces
+            # it in its final callback, after the root's head): it is summed whole, the head's shard as it is
+            embedding = len(overlapped["weights"][0])
+            share = embedding + 2 * RANKS + (grads - embedding) / RANKS
         assert overlapped["sent"][first:] == [share] * (STEPS - first), (name, overlapped["sent"], grads)
         # a quorum at every step, or with quorum_every=2 at steps 0 and 2 only (the flat arm: every step)
         assert overlapped["quorum"] == ([True, False, True] if name == "quorum" else [True] * STEPS), name
