@@ -108,7 +108,6 @@ class OverlappedShardAverage(GroupAverage):
 
     def sums_first(self, unit: nn.Module, index: int, flat: torch.Tensor, op: Any) -> bool:
         """Whether `unit`'s reduce-scatter input `flat` is to be summed over the groups before it."""
-        group = unit._get_fsdp_state()._fsdp_param_groups[0]
         return (
             self.armed
             and not self.stale
@@ -117,7 +116,8 @@ class OverlappedShardAverage(GroupAverage):
             and id(unit) not in self.reduced
             and flat.numel() <= SUM_FIRST_ELEMENTS
             and op in (ReduceOp.SUM, ReduceOp.AVG)
-            and not hasattr(group.mesh_info, "replicate_process_group")  # HSDP's all-reduce follows
+            # HSDP's all-reduce follows (looked up last: every unit's reduce-scatter asks)
+            and not hasattr(unit._get_fsdp_state()._fsdp_param_groups[0].mesh_info, "replicate_process_group")
             and _in_place(unit, flat)
         )
 
