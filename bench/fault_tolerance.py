@@ -50,7 +50,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from thread_cpu import KINDS, thread_cpu  # noqa: E402
+from thread_cpu import KINDS, machine_cpu, thread_cpu  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset
 
 from callbacks import Callback  # noqa: E402
@@ -124,12 +124,13 @@ class Clock(Callback):
         self.parts: dict[str, list[float]] = {part: [] for part in PARTS}
         self.threads_at: dict[str, float] = {}
         self.threads: dict[str, float] = {}
+        self.machine_at = (0.0, 0.0)
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.wall.append(time.perf_counter())
         self.cpu.append(time.process_time())
         if len(self.wall) == SKIP + 1:  # read twice a fit only: reading every thread's counter takes time
-            self.threads_at = thread_cpu()
+            self.threads_at, self.machine_at = thread_cpu(), machine_cpu()
         replicas = trainer._fit_loop.replicas
         for part, seconds in replicas.costs.seconds.items() if replicas is not None else ():
             self.parts[part].append(seconds)
@@ -139,6 +140,8 @@ class Clock(Callback):
         if steps > 0:  # (a fit of SKIP steps or fewer took no first reading)
             now = thread_cpu()
             self.threads = {kind: (now[kind] - self.threads_at[kind]) / steps for kind in now}
+            busy, idle = (b - a for a, b in zip(self.machine_at, machine_cpu(), strict=True))
+            self.threads.update({"machine busy": busy / steps, "machine idle": idle / steps})
 
 
 class PeerVote(Callback):
@@ -298,7 +301,7 @@ def rank_main(args: argparse.Namespace) -> None:
         replica_group.overlap_in_group = lambda *args: None
     if args.arm in ("ddp", "ft"):
         times = {}
-        for i, (config, width) in enumerate(fits(args.configs)):
+        for i, (config, width) in enumerate(fits(args.configs, args.widths)):
             clock = Clock()
             folder = out / f"{args.arm}-{args.round}-{config}-{width}"
             # the DDP arm's stand-ins for what torchft's groups do (the bench runs 2 groups)
@@ -324,13 +327,14 @@ def rank_main(args: argparse.Namespace) -> None:
     fit(WIDTHS[1], out / name, ft[0], [drill], DRILL_STEPS)
 
 
-def fits(configs: str) -> list[tuple[str, int]]:
-    """The (configuration, width) fits of one arm: `plain` and FSDP's (its shortest step here ~15 ms) at every
-    width, the others at the two larger."""
+def fits(configs: str, widths: tuple[int, ...] = WIDTHS) -> list[tuple[str, int]]:
+    """The (configuration, width) fits of one arm: `plain` and FSDP's (its shortest step here ~15 ms) at each
+    of `widths`, the others at those of the two larger."""
     return [
         (config, width)
         for config in configs.split(",")
-        for width in (WIDTHS if config in ("plain", *FSDP) else WIDTHS[1:])
+        for width in widths
+        if config in ("plain", *FSDP) or width in WIDTHS[1:]
     ]
 
 
@@ -386,6 +390,7 @@ def main(
     quorum_every: int = 1,
     peer_vote: bool = False,
     peer_ring: bool = False,
+    widths: tuple[int, ...] = WIDTHS,
 ) -> None:
     os.environ.setdefault("RUST_LOG", "warn")  # the lighthouses here log every quorum at INFO otherwise
     from trainer.fault_tolerance.lighthouse import start_lighthouse
@@ -407,6 +412,7 @@ def main(
     try:
         for r in range(rounds):  # interleaved: DDP, torchft, DDP, torchft... (load drift hits both arms)
             arms = ["--round", str(r), "--configs", configs, "--group-size", str(group_size)]
+            arms += ["--widths", ",".join(map(str, widths))]
             arms += ["--flat"] if flat else []
             arms += ["--quorum-every", str(quorum_every)]
             arms += ["--peer-vote"] if peer_vote else []
@@ -416,7 +422,7 @@ def main(
             wait_exit(f"round {r}'s DDP arm", ddp, out / f"ddp-{r}.err")
             # both groups in every step's quorum: a group that starts a fit first would otherwise train
             # alone, and the other would heal from it mid-fit (its clock then misses the steps)
-            address = lighthouses(len(fits(configs)), min_replicas=2)
+            address = lighthouses(len(fits(configs, widths)), min_replicas=2)
             groups = [
                 spawn(
                     ["--arm", "ft", *arms, "--replica", str(g), "--lighthouses", address],
@@ -444,7 +450,7 @@ def main(
     print(f"load average at the end: {os.getloadavg()[0]:.2f}")
     if rounds:
         for config in configs.split(","):
-            report_steps(out, rounds, config)
+            report_steps(out, rounds, config, widths)
     if drill:
         stall, rejoin = report_drill(out, relaunched_at, killed_at)
     if rounds and drill:
@@ -511,9 +517,9 @@ def arm(out: Path, rounds: int, name: str, key: str, kind: str) -> float:
     return statistics.median(each(out, rounds, name, key, kind))
 
 
-def report_steps(out: Path, rounds: int, config: str) -> None:
-    """The per-step table (DDP vs torchft) of `config` and where torchft's per-step work goes."""
-    widths = [width for name, width in fits(config)]
+def report_steps(out: Path, rounds: int, config: str, of: tuple[int, ...]) -> None:
+    """The per-step table (DDP vs torchft) of `config` at widths `of` and where torchft's per-step work goes."""
+    widths = [width for name, width in fits(config, of)]
     print(
         f"configuration {config!r}: per step, median of {rounds} interleaved rounds (each the median of steps {SKIP + 1}-{STEPS[1024]} at width 1024, -{STEPS[256]} below); "
         "wall and this process's CPU time (rank 0 / group 0); p10 ratio: of the 10th-percentile steps, which "
@@ -559,13 +565,25 @@ def report_threads(out: Path, rounds: int, config: str, widths: list[int]) -> No
         "where rank 0's CPU goes (ms/step, the mean over the steps after the first SKIP, medians over rounds): "
         "main = the training thread, gloo = gloo's threads (every process group's), ring = the DDP groups' "
         "ring, torchft = its manager's threads and its quorum thread; the lighthouse (here in the bench's "
-        "own process) is not counted"
+        "own process) is not counted; machine busy / idle: every CPU's time in the same steps, every "
+        "process's (the arm's others, the lighthouse, anything else running): busy more in one arm is work "
+        "that competes for the cores, idle more is waiting"
     )
-    print(f"{'MLP width':>10} {'arm':>8} " + " ".join(f"{kind:>8}" for kind in KINDS) + f" {'sum':>7}")
+    machine = ("machine busy", "machine idle")
+    print(
+        f"{'MLP width':>10} {'arm':>8} "
+        + " ".join(f"{kind:>8}" for kind in KINDS)
+        + f" {'sum':>7} {'machine busy':>13} {'idle':>6}"
+    )
     for width in widths:
         for name in ("ddp", "ft"):
             cpu = [arm(out, rounds, name, f"{config}/{width}", f"cpu {kind}") for kind in KINDS]
-            print(f"{width:>10} {name:>8} " + " ".join(f"{v:>8.2f}" for v in cpu) + f" {sum(cpu):>7.2f}")
+            busy, idle = (arm(out, rounds, name, f"{config}/{width}", f"cpu {kind}") for kind in machine)
+            print(
+                f"{width:>10} {name:>8} "
+                + " ".join(f"{v:>8.2f}" for v in cpu)
+                + f" {sum(cpu):>7.2f} {busy:>13.1f} {idle:>6.1f}"
+            )
 
 
 def report_drill(out: Path, relaunched_at: float, killed_at: int) -> tuple[float, float]:
@@ -640,12 +658,24 @@ if __name__ == "__main__":
         action="store_true",
         help="the DDP arm averages around each group's ring, without torchft",
     )
+    p.add_argument(
+        "--widths",
+        type=lambda text: tuple(int(w) for w in text.split(",")),
+        default=WIDTHS,
+        help=f"the MLP widths of part 1, comma-separated, of {','.join(map(str, WIDTHS))} (with --no-drill)",
+    )
     p.add_argument("--lighthouses", default=None)  # one per fit: the overhead widths, then the drill
     p.add_argument("--out", default=None)
     a = p.parse_args()
     unknown = set(a.configs.split(",")) - set(CONFIGS)
     if unknown:
         p.error(f"--configs {a.configs}: {', '.join(sorted(unknown))} unknown; allowed: {', '.join(CONFIGS)}")
+    if set(a.widths) - set(WIDTHS) or not fits(a.configs, a.widths):
+        p.error(
+            f"--widths {a.widths}: allowed: some of {WIDTHS} (configurations but plain/FSDP: of {WIDTHS[1:]})"
+        )
+    if a.widths != WIDTHS and not a.no_drill and not a.arm:
+        p.error("--widths: the projection reads every width; allowed with --no-drill")
     if a.flat and a.quorum_every > 1:
         p.error("--flat with --quorum-every: the flags ride the overlapped average; allowed: one of them")
     if set(FSDP) & set(a.configs.split(",")) and a.group_size == 1:
@@ -674,4 +704,5 @@ if __name__ == "__main__":
             a.quorum_every,
             a.peer_vote,
             a.peer_ring,
+            a.widths,
         )

@@ -3,6 +3,7 @@ where a step's CPU goes beside the training thread (gloo's threads, the replica 
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -38,3 +39,15 @@ def thread_cpu() -> dict[str, float]:
             kind = "other"
         totals[kind] += ns / 1e9
     return totals
+
+
+def machine_cpu() -> tuple[float, float]:
+    """Seconds the machine's CPUs were busy and idle so far, summed over them (/proc/stat; zeros where it has
+    none): what every process together used, whether or not the bench started it."""
+    try:
+        ticks = [int(t) for t in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return 0.0, 0.0
+    idle = ticks[3] + ticks[4]  # idle, iowait
+    hz = os.sysconf("SC_CLK_TCK")
+    return (sum(ticks[:8]) - idle) / hz, idle / hz  # user..steal (guest time is counted in user)
