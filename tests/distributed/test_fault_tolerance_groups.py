@@ -107,6 +107,7 @@ class Probe(Callback):
     def __init__(self) -> None:
         self.kind, self.launched, self.sent, self.used, self.quorum = None, [], [], [], []
         self.sending = 0
+        self.flag_sums, self.flag_sending = [], 0  # per step: quorum_every's flags summed on their own
         self.folded = []  # per step: whether the commit vote had been summed already (the norm's, the ring's)
         self.early = []  # per step: whether it was summed with the gradients (the ring's, the reduce-scatter's)
         # the threads of this fit's torchft manager server and client, by name (an earlier fit's may linger)
@@ -138,7 +139,10 @@ class Probe(Callback):
         self.kind, finish, allreduce = type(overlap).__name__, overlap.finish, overlap.direct.allreduce
 
         def sum_counted(tensor, op):
-            self.sending += tensor.numel() if tensor.dtype != torch.float64 else 0  # (float64: the flags)
+            if tensor is overlap.terms:  # the flags on their own (riding a sum, they are in its tensor)
+                self.flag_sending += 1
+            elif tensor.dtype != torch.float64:  # (float64: the step's token count)
+                self.sending += tensor.numel()
             return allreduce(tensor, op)
 
         def counted(use, undo=1.0, extra=None):
@@ -146,6 +150,8 @@ class Probe(Callback):
             self.sent.append(self.sending)
             self.sending = 0
             self.used.append(finish(use, undo, extra))
+            self.flag_sums.append(self.flag_sending)  # (finish sends them where the backward did not)
+            self.flag_sending = 0
             return self.used[-1]
 
         overlap.finish = counted
@@ -201,6 +207,7 @@ def rank_main(rank: int, strategy: str, ports: list[int], lighthouses: dict[str,
                     "kind": probe.kind,
                     "launched": probe.launched,
                     "sent": probe.sent,
+                    "flag_sums": probe.flag_sums,
                     "used": probe.used,
                     "quorum": probe.quorum,
                     "folded": probe.folded,
@@ -271,7 +278,11 @@ def test_overlapped_average_in_groups_of_two_processes_equals_the_flat_one_and_o
             # it in its final callback, after the root's head): it is summed whole, the head's shard as it is
             embedding = len(overlapped["weights"][0])
             share = embedding + 2 * RANKS + (grads - embedding) / RANKS
+        # quorum_every's 2 flags (the quorum run) ride a sum over the groups, never one of their own: DDP's
+        # first bucket's slice (a short one), FSDP2's summed-first unit
+        share += 2 if strategy == "ddp" and name == "quorum" else 0
         assert overlapped["sent"][first:] == [share] * (STEPS - first), (name, overlapped["sent"], grads)
+        assert overlapped["flag_sums"] == [0] * STEPS, (name, overlapped["flag_sums"])
         # a quorum at every step, or with quorum_every=2 at steps 0 and 2 only (the flat arm: every step)
         assert overlapped["quorum"] == ([True, False, True] if name == "quorum" else [True] * STEPS), name
         # the commit vote went with the all-reduce of the gradients' norm (taken to clip or log it: every

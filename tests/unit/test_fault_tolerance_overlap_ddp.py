@@ -6,6 +6,7 @@ after `remove`; a second synced backward leaves the average to the after-backwar
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -104,6 +105,29 @@ def test_every_bucket_is_summed_over_the_groups_from_the_backward(group, hook):
     assert len(direct.sizes) == launched
     for got, plain in zip((p.grad for p in ddp.parameters()), expected, strict=True):
         assert torch.allclose(got, plain, rtol=tolerance, atol=tolerance)
+
+
+def test_the_rings_thread_sums_the_buckets_in_order_and_the_backward_the_last_one(group):
+    ddp = _ddp()
+    overlap = OverlappedGroupAverage(ddp, _Counted(_Manager(), dist.new_group([0], backend="gloo")))
+    ran, ring_average = [], overlap._ring_average
+
+    def recorded(buffer, out, index):
+        ran.append((index, threading.current_thread().name))
+        ring_average(buffer, out, index)
+
+    overlap._ring_average = recorded
+    _backward(ddp)  # (DDP's first backward: one bucket, rebuilt after it)
+    for _ in range(2):
+        overlap.arm(groups=2)
+        _backward(ddp)
+        assert overlap.finish(use=True)
+        # the step's end waits for no hand-off: the backward's own thread sums the last bucket, after the others
+        *others, last = ran
+        assert [i for i, _ in ran] == list(range(len(ran))) and len(ran) >= 2, ran
+        assert {name for _, name in others} == {"trainer-group-ring"}, ran
+        assert last[1] == threading.current_thread().name, ran
+        ran.clear()
 
 
 def test_a_second_synced_backward_leaves_the_average_to_the_flat_path(group):

@@ -25,6 +25,7 @@ class GroupAverage:
     def __init__(self, params: list[torch.nn.Parameter], direct: Any, costs: StepCosts | None) -> None:
         self.params, self.direct, self.costs = params, direct, costs or StepCosts()
         self.armed = False
+        self.groups = 1
         self.factor = 1.0  # a gradient's factor before the sum over the groups: 1 / groups (x 1 / loss scale)
         self.scale = 1.0  # fp16's loss scale, put back after the sum (DDP's `.grad` is expected scaled)
         # quorum_every's terms (cadence.py), summed over the groups after one of the backward's sums (DDP: its
@@ -53,12 +54,19 @@ class GroupAverage:
         self.terms = torch.tensor(terms, dtype=torch.float64, device=device) if terms is not None else None
         self.terms_work, self.flags_taken = None, False
         self.armed = True
-        self.factor, self.scale = inv_scale / groups, 1.0 / inv_scale
+        self.groups, self.factor, self.scale = groups, inv_scale / groups, 1.0 / inv_scale
 
     def send_terms(self) -> None:
         """Launch the terms' sum over the groups (once a step, at the same place in every group)."""
         if self.terms is not None and self.terms_work is None:
             self.terms_work = self.direct.allreduce(self.terms, ReduceOp.SUM)
+
+    def flags_ride(self, dtype: torch.dtype) -> bool:
+        """Whether quorum_every's terms, not sent yet, may go in a sum over the groups in `dtype`: one that
+        counts every group exactly (bf16 to 256, fp16 to 2048)."""
+        return (
+            self.terms is not None and self.terms_work is None and self.groups <= 2 / torch.finfo(dtype).eps
+        )
 
     def take_flags(self) -> None:
         """Wait for the terms' sum (once a step) into `flags`: its failure is recorded for `commit`, the

@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from strategies.techniques.ddp.chain import ChainableHook
 from trainer.fault_tolerance.costs import StepCosts
 from trainer.fault_tolerance.group_average import GroupAverage
-from trainer.fault_tolerance.ring import Ring
+from trainer.fault_tolerance.ring import PACKED, Ring
 
 
 class OverlappedGroupAverage(GroupAverage):
@@ -37,9 +37,9 @@ class OverlappedGroupAverage(GroupAverage):
     and x scale after it, so groups whose scales differ average true gradients.
 
     The sums over the groups launch strictly in bucket order (the ring's thread takes the buckets in DDP's
-    order; a strategy's hooks complete on gloo's threads in any order and wait for the earlier buckets), so
-    every group makes the same sequence of collectives. Under `no_sync` (gradient
-    accumulation) DDP calls the hook only in the window's last backward; a second synced backward in the step
+    order, the backward's own thread the last one once the others are done; a strategy's hooks complete
+    on gloo's threads in any order and wait for the earlier buckets), so every group makes the same
+    sequence of collectives. Under `no_sync` (gradient accumulation) DDP calls the hook only in the window's last backward; a second synced backward in the step
     marks it stale and the caller averages after the backward instead (see `finish`)."""
 
     # DDP's first synced backward in a process fills one bucket of every parameter; from its second on,
@@ -63,6 +63,7 @@ class OverlappedGroupAverage(GroupAverage):
         # slices gathered back (ring.py), on a thread of its own (gloo's point-to-point works have no future)
         self.ring, self.spares = Ring(self.group), {}  # spares: a slice-sized receive buffer per bucket
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.pending, self.drained = 0, threading.Condition()  # buckets queued, not yet done
         threading.Thread(target=self._work, daemon=True, name="trainer-group-ring").start()
 
     def _reset(self) -> None:
@@ -104,7 +105,15 @@ class OverlappedGroupAverage(GroupAverage):
         # DDP's own on gloo: around the ring (in bucket order: DDP's); NCCL has native reduce-scatter and
         # all-gather for that (not measured here: no GPU), so its all-reduce goes on as the strategy's hook
         if hook is default_hooks.allreduce_hook and bucket.buffer().device.type == "cpu":
-            self.jobs.put((bucket.buffer(), out, index))
+            if bucket.is_last():  # here, once the thread has done the earlier ones: the backward's end then
+                # waits for no hand-off to the thread and back (each a wake-up, late on a busy machine)
+                with self.drained:
+                    self.drained.wait_for(lambda: self.pending == 0)
+                self._ring_average(bucket.buffer(), out, index)
+            else:
+                with self.drained:
+                    self.pending += 1
+                self.jobs.put((bucket.buffer(), out, index))
         else:  # the strategy's (or NCCL's): the group's mean, then the whole bucket summed over the groups
             hook(state, bucket).add_done_callback(functools.partial(self._group_done, out, index))
         return out
@@ -112,6 +121,10 @@ class OverlappedGroupAverage(GroupAverage):
     def _work(self) -> None:
         while (job := self.jobs.get()) is not None:
             self._ring_average(*job)
+            with self.drained:
+                self.pending -= 1
+                if not self.pending:
+                    self.drained.notify()
 
     def _ring_average(self, buffer: torch.Tensor, out: torch.futures.Future, index: int) -> None:
         """The bucket's sum over the group as this process's slice, that slice x 1 / (group size x groups)
@@ -125,10 +138,19 @@ class OverlappedGroupAverage(GroupAverage):
             mine = self.ring.reduce_scatter(buffer, spare, tag=3 * index)
             mine.mul_(self.factor / self.group_size)
             self.next += 1  # (read once DDP's backward has waited for every bucket)
-            work = self.direct.allreduce(mine, ReduceOp.SUM)
-            if self.next == 1:  # known since `arm`: its round trip behind the later buckets'
+            # quorum_every's terms: with the first bucket's slice where a copy of it is short, else launched
+            # after it, their round trip behind the later buckets'
+            riding = mine.numel() <= PACKED and self.flags_ride(mine.dtype)
+            staged = torch.cat([mine, self.terms.to(mine.dtype)]) if riding else mine
+            work = self.direct.allreduce(staged, ReduceOp.SUM)
+            if self.next == 1 and not riding:
                 self.send_terms()
-            if work.wait() and self.scale != 1.0:
+            done = work.wait()
+            if riding:  # (a failed sum is garbage: the terms vote against the step)
+                mine.copy_(staged[: mine.numel()])
+                self.terms.copy_(staged[mine.numel() :])
+                self.terms_work = work
+            if done and self.scale != 1.0:
                 mine.mul_(self.scale)  # a power of two: the scaled gradient DDP's `.grad` is expected to hold
             votes = None
             if last and self.vote_terms is not None:  # every sum over the groups is done: the vote goes along

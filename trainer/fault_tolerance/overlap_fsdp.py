@@ -133,8 +133,8 @@ class OverlappedShardAverage(GroupAverage):
         size, shard = group.size(), output.numel()
         staged = flat.new_zeros(size, shard + 2)
         torch.mul(flat.view(size, shard), self.factor, out=staged[:, :shard])
-        riding = self.terms is not None and self.terms_work is None
-        if riding:  # (flags of 0 and 1: exact in any float dtype)
+        riding = self.flags_ride(flat.dtype)
+        if riding:
             staged[0, shard:] = self.terms
         start = perf_counter()
         work = self.direct.allreduce(staged, ReduceOp.SUM)
