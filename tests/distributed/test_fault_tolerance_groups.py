@@ -278,9 +278,10 @@ def test_overlapped_average_in_groups_of_two_processes_equals_the_flat_one_and_o
             # it in its final callback, after the root's head): it is summed whole, the head's shard as it is
             embedding = len(overlapped["weights"][0])
             share = embedding + 2 * RANKS + (grads - embedding) / RANKS
-        # quorum_every's 2 flags (the quorum run) ride a sum over the groups, never one of their own: DDP's
-        # first bucket's slice (a short one), FSDP2's summed-first unit
-        share += 2 if strategy == "ddp" and name == "quorum" else 0
+        # DDP's one bucket (the backward's last, a short one) is summed over the groups whole, 2 slots with it;
+        # quorum_every's 2 flags (the quorum run) ride them (FSDP2's: its summed-first unit's), never a sum
+        # of their own
+        share = grads + 2 if strategy == "ddp" and name != "compressed" else share
         assert overlapped["sent"][first:] == [share] * (STEPS - first), (name, overlapped["sent"], grads)
         assert overlapped["flag_sums"] == [0] * STEPS, (name, overlapped["flag_sums"])
         # a quorum at every step, or with quorum_every=2 at steps 0 and 2 only (the flat arm: every step)

@@ -64,6 +64,7 @@ class OverlappedGroupAverage(GroupAverage):
         self.ring, self.spares = Ring(self.group), {}  # spares: a slice-sized receive buffer per bucket
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.pending, self.drained = 0, threading.Condition()  # buckets queued, not yet done
+        self.staged: torch.Tensor | None = None  # a short last bucket and 2 slots (`_sum_first`)
         threading.Thread(target=self._work, daemon=True, name="trainer-group-ring").start()
 
     def _reset(self) -> None:
@@ -109,7 +110,10 @@ class OverlappedGroupAverage(GroupAverage):
                 # waits for no hand-off to the thread and back (each a wake-up, late on a busy machine)
                 with self.drained:
                     self.drained.wait_for(lambda: self.pending == 0)
-                self._ring_average(bucket.buffer(), out, index)
+                if bucket.buffer().numel() <= PACKED:
+                    self._sum_first(bucket.buffer(), out)
+                else:
+                    self._ring_average(bucket.buffer(), out, index)
             else:
                 with self.drained:
                     self.pending += 1
@@ -137,19 +141,7 @@ class OverlappedGroupAverage(GroupAverage):
         try:
             mine = self.ring.reduce_scatter(buffer, spare, tag=3 * index)
             mine.mul_(self.factor / self.group_size)
-            self.next += 1  # (read once DDP's backward has waited for every bucket)
-            # quorum_every's terms: with the first bucket's slice where a copy of it is short, else launched
-            # after it, their round trip behind the later buckets'
-            riding = mine.numel() <= PACKED and self.flags_ride(mine.dtype)
-            staged = torch.cat([mine, self.terms.to(mine.dtype)]) if riding else mine
-            work = self.direct.allreduce(staged, ReduceOp.SUM)
-            if self.next == 1 and not riding:
-                self.send_terms()
-            done = work.wait()
-            if riding:  # (a failed sum is garbage: the terms vote against the step)
-                mine.copy_(staged[: mine.numel()])
-                self.terms.copy_(staged[mine.numel() :])
-                self.terms_work = work
+            done = self._over_groups(mine, mine.numel())
             if done and self.scale != 1.0:
                 mine.mul_(self.scale)  # a power of two: the scaled gradient DDP's `.grad` is expected to hold
             votes = None
@@ -161,6 +153,51 @@ class OverlappedGroupAverage(GroupAverage):
         except Exception as err:  # the group's own exchange (a process of it died): DDP raises it
             out.set_exception(err)
             return
+        out.set_result(buffer)
+
+    def _over_groups(self, staged: torch.Tensor, n: int) -> bool:
+        """`staged[:n]` summed over the groups, quorum_every's terms in its last 2 slots where it has them
+        (else launched after it: their round trip behind the later buckets'). False where the sum failed
+        (recorded for `commit`: the step's vote goes against it, the sum is garbage)."""
+        riding = staged.numel() == n + 2 and self.flags_ride(staged.dtype)
+        if riding:
+            staged[n:] = self.terms
+        self.next += 1  # (read once DDP's backward has waited for every bucket)
+        work = self.direct.allreduce(staged, ReduceOp.SUM)
+        if self.next == 1 and not riding:
+            self.send_terms()
+        done = work.wait()
+        if riding:
+            self.terms.copy_(staged[n:])
+            self.terms_work = work
+        return done
+
+    def _sum_first(self, buffer: torch.Tensor, out: torch.futures.Future) -> None:
+        """The backward's last bucket, a short one: x 1 / (group size x groups) summed over the groups whole
+        (quorum_every's terms with it), then over the group with this process's commit vote terms (made up
+        now that every sum over the groups is done): two of gloo's all-reduces where the ring took three
+        exchanges driven from Python, each a few calls and wake-ups."""
+        n = buffer.numel()
+        if self.staged is None or self.staged.numel() != n + 2 or self.staged.dtype != buffer.dtype:
+            self.staged = buffer.new_empty(n + 2)
+        staged = self.staged
+        try:
+            torch.mul(buffer, self.factor / self.group_size, out=staged[:n])
+            staged[n:] = 0
+            done = self._over_groups(staged, n)
+            votes = None
+            if self.vote_terms is not None:
+                self.take_flags()
+                votes = self.vote_terms().to(buffer.dtype)
+            staged[n:] = votes if votes is not None else 0
+            dist.all_reduce(staged, group=self.group)
+        except Exception as err:  # the group's own exchange (a process of it died): DDP raises it
+            out.set_exception(err)
+            return
+        if done and self.scale != 1.0:  # (a power of two: the scaled gradient DDP's `.grad` holds)
+            staged[:n].mul_(self.scale)
+        buffer.copy_(staged[:n])
+        self.voted = staged[n:].clone() if votes is not None else None
         out.set_result(buffer)
 
     def _group_done(self, out: torch.futures.Future, index: int, fut: torch.futures.Future) -> None:
