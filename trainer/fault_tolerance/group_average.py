@@ -28,8 +28,9 @@ class GroupAverage:
         self.groups = 1
         self.factor = 1.0  # a gradient's factor before the sum over the groups: 1 / groups (x 1 / loss scale)
         self.scale = 1.0  # fp16's loss scale, put back after the sum (DDP's `.grad` is expected scaled)
-        # quorum_every's terms (cadence.py), summed over the groups after one of the backward's sums (DDP: its
-        # first; FSDP2: its last), their round trip hidden behind the later ones', into `flags`; None: none
+        # quorum_every's terms (cadence.py), summed over the groups in one of the backward's sums where a short
+        # one has slots for them (`flags_ride`), else after one (DDP: its first; FSDP2: its last), their round
+        # trip hidden behind the later ones', into `flags`; None: none
         self.terms: torch.Tensor | None = None
         self.terms_work: Any = None
         self.flags = (0.0, 0.0)

@@ -6,7 +6,9 @@ bucket across the groups. Under a strategy's own hook (gradient compression), an
 then the whole bucket summed over the groups. DDP waits for every bucket before its backward returns, so `.grad`
 (the buckets' views) holds the average over every process of every group, with no copy after the backward.
 Around the ring, the last bucket's slices carry the group's commit vote, made up once every sum over the
-groups is done (`vote_terms`): the group's processes agree without a wait of their own after the backward."""
+groups is done (`vote_terms`): the group's processes agree without a wait of their own after the backward. A
+short last bucket (up to ring.PACKED gradients) goes the other way round, in the backward's own thread: summed
+over the groups whole, then over the group with the vote (and quorum_every's flags ride the first sum)."""
 
 from __future__ import annotations
 
