@@ -13,13 +13,15 @@ class DDPStrategy(ParallelStrategy):
     "fp16"/"bf16" halve the bytes all-reduced, "powersgd" sends a rank-`powersgd_rank` factorisation
     with error feedback after `powersgd_start_iter` exact steps. The PowerSGD error-feedback buffers are
     not checkpointed: a resumed run rebuilds them, so it is not bit-identical to an uninterrupted one.
+    `bucket_cap_mb` None: DDP's own buckets (25 MB, the first 1 MB, so the first all-reduce starts early in
+    the backward); a number caps every bucket, the first too (DDP's rule: one bucket for a smaller model).
     """
 
     name = "ddp"
 
     def __init__(
         self,
-        bucket_cap_mb: float = 25.0,
+        bucket_cap_mb: float | None = None,
         gradient_as_bucket_view: bool = True,
         static_graph: bool = False,
         find_unused_parameters: bool = False,
@@ -29,11 +31,12 @@ class DDPStrategy(ParallelStrategy):
         timeout_s: float = 600.0,
     ) -> None:
         ddp_kwargs = {
-            "bucket_cap_mb": bucket_cap_mb,
             "gradient_as_bucket_view": gradient_as_bucket_view,
             "static_graph": static_graph,
             "find_unused_parameters": find_unused_parameters,
         }
+        if bucket_cap_mb is not None:  # (passing DDP's 25 itself would drop its 1 MB first bucket)
+            ddp_kwargs["bucket_cap_mb"] = bucket_cap_mb
         options = ParallelOptions(
             data_parallel="ddp",
             zero_stage=0,
