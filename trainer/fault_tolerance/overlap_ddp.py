@@ -41,8 +41,9 @@ class OverlappedGroupAverage(GroupAverage):
     The sums over the groups launch strictly in bucket order (the ring's thread takes the buckets in DDP's
     order, the backward's own thread the last one once the others are done; a strategy's hooks complete
     on gloo's threads in any order and wait for the earlier buckets), so every group makes the same
-    sequence of collectives. Under `no_sync` (gradient accumulation) DDP calls the hook only in the window's last backward; a second synced backward in the step
-    marks it stale and the caller averages after the backward instead (see `finish`)."""
+    sequence of collectives. Under `no_sync` (gradient accumulation) DDP calls the hook only in the
+    window's last backward; a second synced backward in the step marks it stale and the caller averages
+    after the backward instead (see `finish`)."""
 
     # DDP's first synced backward in a process fills one bucket of every parameter; from its second on,
     # buckets in the order the first readied them (DDP rebuilds them)
@@ -126,11 +127,13 @@ class OverlappedGroupAverage(GroupAverage):
 
     def _work(self) -> None:
         while (job := self.jobs.get()) is not None:
-            self._ring_average(*job)
-            with self.drained:
-                self.pending -= 1
-                if not self.pending:
-                    self.drained.notify()
+            try:
+                self._ring_average(*job)
+            finally:  # (the backward's last bucket waits for this count)
+                with self.drained:
+                    self.pending -= 1
+                    if not self.pending:
+                        self.drained.notify()
 
     def _ring_average(self, buffer: torch.Tensor, out: torch.futures.Future, index: int) -> None:
         """The bucket's sum over the group as this process's slice, that slice x 1 / (group size x groups)
