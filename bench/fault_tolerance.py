@@ -327,6 +327,19 @@ def rank_main(args: argparse.Namespace) -> None:
     fit(WIDTHS[1], out / name, ft[0], [drill], DRILL_STEPS)
 
 
+def widths_arg(text: str) -> tuple[int, ...]:
+    """--widths' value: some of WIDTHS, comma-separated (a one-line error otherwise)."""
+    try:
+        widths = tuple(int(w) for w in text.split(","))
+    except ValueError:
+        widths = ()
+    if not widths or set(widths) - set(WIDTHS):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: allowed: some of {','.join(map(str, WIDTHS))}, comma-separated"
+        )
+    return widths
+
+
 def fits(configs: str, widths: tuple[int, ...] = WIDTHS) -> list[tuple[str, int]]:
     """The (configuration, width) fits of one arm: `plain` and FSDP's (its shortest step here ~15 ms) at each
     of `widths`, the others at those of the two larger."""
@@ -660,7 +673,7 @@ if __name__ == "__main__":
     )
     p.add_argument(
         "--widths",
-        type=lambda text: tuple(int(w) for w in text.split(",")),
+        type=widths_arg,
         default=WIDTHS,
         help=f"the MLP widths of part 1, comma-separated, of {','.join(map(str, WIDTHS))} (with --no-drill)",
     )
@@ -670,9 +683,10 @@ if __name__ == "__main__":
     unknown = set(a.configs.split(",")) - set(CONFIGS)
     if unknown:
         p.error(f"--configs {a.configs}: {', '.join(sorted(unknown))} unknown; allowed: {', '.join(CONFIGS)}")
-    if set(a.widths) - set(WIDTHS) or not fits(a.configs, a.widths):
+    if not fits(a.configs, a.widths):
         p.error(
-            f"--widths {a.widths}: allowed: some of {WIDTHS} (configurations but plain/FSDP: of {WIDTHS[1:]})"
+            f"--widths {','.join(map(str, a.widths))}: no fit of --configs {a.configs} there; allowed: "
+            f"{','.join(map(str, WIDTHS[1:]))} for configurations but plain and FSDP's"
         )
     if a.widths != WIDTHS and not a.no_drill and not a.arm:
         p.error("--widths: the projection reads every width; allowed with --no-drill")

@@ -40,3 +40,15 @@ def test_a_busy_ring_thread_counts_as_ring_and_nothing_else_does(thread_cpu):
     assert before["main"] > 0.0
     # the spin went to no other kind (a thread gloo or torchft left here from an earlier test did little since)
     assert all(after[kind] - before[kind] < 0.05 for kind in ("gloo", "torchft")), (before, after)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/stat is Linux's")
+def test_the_machines_busy_time_counts_a_threads_spin(thread_cpu):
+    busy, idle = thread_cpu.machine_cpu()
+    start = time.thread_time()
+    while time.thread_time() - start < 0.1:  # 100 ms of this thread's own CPU time
+        pass
+    busy_after, idle_after = thread_cpu.machine_cpu()
+    # (/proc/stat counts in ticks of 10 ms; other processes only add busy time)
+    assert busy_after - busy >= 0.07, (busy, busy_after)
+    assert idle_after >= idle
