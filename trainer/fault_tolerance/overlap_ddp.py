@@ -146,7 +146,7 @@ class OverlappedGroupAverage(GroupAverage):
         try:
             mine = self.ring.reduce_scatter(buffer, spare, tag=3 * index)
             mine.mul_(self.factor / self.group_size)
-            done = self._over_groups(mine, mine.numel())
+            done = self._over_groups(mine, slots=False)
             if done and self.scale != 1.0:
                 mine.mul_(self.scale)  # a power of two: the scaled gradient DDP's `.grad` is expected to hold
             votes = None
@@ -160,11 +160,12 @@ class OverlappedGroupAverage(GroupAverage):
             return
         out.set_result(buffer)
 
-    def _over_groups(self, staged: torch.Tensor, n: int) -> bool:
-        """`staged[:n]` summed over the groups, quorum_every's terms in its last 2 slots where it has them
-        (else launched after it: their round trip behind the later buckets'). False where the sum failed
-        (recorded for `commit`: the step's vote goes against it, the sum is garbage)."""
-        riding = staged.numel() == n + 2 and self.flags_ride(staged.dtype)
+    def _over_groups(self, staged: torch.Tensor, slots: bool) -> bool:
+        """`staged` summed over the groups, quorum_every's terms in its last 2 elements where it has those
+        `slots` (else launched after it: their round trip behind the later buckets'). False where the sum
+        failed (recorded for `commit`: the step's vote goes against it, the sum is garbage)."""
+        n = staged.numel() - 2 if slots else staged.numel()
+        riding = slots and self.flags_ride(staged.dtype)
         if riding:
             staged[n:] = self.terms
         self.next += 1  # (read once DDP's backward has waited for every bucket)
@@ -189,7 +190,7 @@ class OverlappedGroupAverage(GroupAverage):
         try:
             torch.mul(buffer, self.factor / self.group_size, out=staged[:n])
             staged[n:] = 0
-            done = self._over_groups(staged, n)
+            done = self._over_groups(staged, slots=True)
             votes = None
             if self.vote_terms is not None:
                 self.take_flags()
