@@ -7,10 +7,11 @@
    with its loss scaler; with --group-size > 1, FSDP2 in each group) - the ones past `plain` and `fsdp` at
    the two larger widths.
    Prints both (wall, and the process's CPU time), their ratio (targets: <= 1.02 on the >= 100 ms step,
-   <= 1.1 on the ~10 ms one) and the fixed cost per step in ms; then where torchft's per-step work goes
-   on group 0 (quorum, all-reduce, commit vote, copies: trainer/fault_tolerance/costs.py), and rank 0's CPU
-   per step by kind of thread in both arms (the training thread, gloo's, the DDP groups' ring, torchft's:
-   thread_cpu.py), which on a machine with fewer cores than processes is where the fixed cost goes.
+   <= 1.1 on the ~10 ms one), each round's ratio and their median (the arms of a round run next to each
+   other: the steadier figure where the load drifts) and the fixed cost per step in ms; then where
+   torchft's per-step work goes on group 0 (quorum, all-reduce, commit vote, copies:
+   trainer/fault_tolerance/costs.py), and rank 0's CPU per step by kind of thread in both arms (the
+   training thread, gloo's, the DDP groups' ring, torchft's: thread_cpu.py), which on a machine with fewer cores than processes is where the fixed cost goes.
 2. A kill: group 1 SIGKILLs itself at step 30 and is relaunched as a fresh process once the survivor has
    committed a step alone (so the survivor sees the outage). Prints the survivor's
    stall (its longest step around the kill: the lighthouse's heartbeat timeout, HEARTBEAT_TIMEOUT_MS),
@@ -467,13 +468,13 @@ def main(
     if drill:
         stall, rejoin = report_drill(out, relaunched_at, killed_at)
     if rounds and drill:
-        first = configs.split(",")[0]  # the projection's per-step cost: the first configuration's
+        # the projection's per-step cost: the median of the first configuration's rounds' ratios
+        first = configs.split(",")[0]
         project(
             stall,
             rejoin,
             arm(out, rounds, "ft", f"{first}/{WIDTHS[1]}", "wall") / 1e3,
-            arm(out, rounds, "ft", f"{first}/{WIDTHS[-1]}", "wall")
-            / arm(out, rounds, "ddp", f"{first}/{WIDTHS[-1]}", "wall"),
+            statistics.median(paired(out, rounds, f"{first}/{WIDTHS[-1]}")),
         )
 
 
@@ -530,31 +531,38 @@ def arm(out: Path, rounds: int, name: str, key: str, kind: str) -> float:
     return statistics.median(each(out, rounds, name, key, kind))
 
 
+def paired(out: Path, rounds: int, key: str) -> list[float]:
+    """torchft's wall time per step over DDP's, round by round: the two arms of a round ran next to each
+    other, so a load that drifts between rounds moves both."""
+    ddp, ft = each(out, rounds, "ddp", key, "wall"), each(out, rounds, "ft", key, "wall")
+    return [b / a for a, b in zip(ddp, ft, strict=True)]
+
+
 def report_steps(out: Path, rounds: int, config: str, of: tuple[int, ...]) -> None:
     """The per-step table (DDP vs torchft) of `config` at widths `of` and where torchft's per-step work goes."""
     widths = [width for name, width in fits(config, of)]
     print(
         f"configuration {config!r}: per step, median of {rounds} interleaved rounds (each the median of steps {SKIP + 1}-{STEPS[1024]} at width 1024, -{STEPS[256]} below); "
         "wall and this process's CPU time (rank 0 / group 0); p10 ratio: of the 10th-percentile steps, which "
-        "another process's load disturbs less"
+        "another process's load disturbs less; then each round's wall ratio and their median (paired: "
+        "a load that drifts between rounds moves both arms of a round)"
     )
     print(
         f"{'MLP width':>10} {'params':>8} {'batch':>6} {'DDP ms':>7} {'torchft ms':>11} {'ratio':>6} "
         f"{'fixed ms':>9} {'DDP cpu':>8} {'ft cpu':>7} {'cpu ratio':>9} {'fixed cpu':>9} {'p10 ratio':>9}  "
-        "wall ratio per round"
+        "wall ratio per round, median"
     )
     for width in widths:
         params, key = 8 * width * width + 5 * width, f"{config}/{width}"
         a, b = arm(out, rounds, "ddp", key, "wall"), arm(out, rounds, "ft", key, "wall")
         ca, cb = arm(out, rounds, "ddp", key, "cpu"), arm(out, rounds, "ft", key, "cpu")
         p10 = arm(out, rounds, "ft", key, "p10") / arm(out, rounds, "ddp", key, "p10")
-        per_round = zip(
-            each(out, rounds, "ddp", key, "wall"), each(out, rounds, "ft", key, "wall"), strict=True
-        )
+        per_round = paired(out, rounds, key)
         print(
             f"{width:>10} {params:>8} {BATCHES[width]:>6} {a:>7.1f} {b:>11.1f} {b / a:>6.2f} {b - a:>9.1f} "
             f"{ca:>8.1f} {cb:>7.1f} {cb / ca:>9.2f} {cb - ca:>9.1f} {p10:>9.2f}  "
-            + " ".join(f"{y / x:.2f}" for x, y in per_round)
+            + " ".join(f"{r:.2f}" for r in per_round)
+            + f", {statistics.median(per_round):.2f}"
         )
     print(
         "where torchft's per-step work goes (group 0, ms/step, medians as above): quorum = waiting for the "

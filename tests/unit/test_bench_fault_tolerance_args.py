@@ -1,8 +1,10 @@
-"""bench/fault_tolerance.py's --widths: some of its widths, each fit's configuration at the widths it runs."""
+"""bench/fault_tolerance.py: --widths (some of its widths, each fit's configuration at the widths it runs) and its
+table's ratios (of the arms' medians; each round's, and their median)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 import pytest
@@ -28,3 +30,18 @@ def test_widths_are_some_of_the_benchs_own(bench):
 def test_configurations_past_plain_run_at_the_two_larger_widths_only(bench):
     assert bench.fits("plain,tokens", (16, 1024)) == [("plain", 16), ("plain", 1024), ("tokens", 1024)]
     assert bench.fits("tokens", (16,)) == []
+
+
+def test_the_table_gives_each_rounds_ratio_and_their_median(bench, tmp_path, capsys):
+    # a load that drifts between rounds: the medians of each arm's times give 1.50, the rounds' own ratios
+    # (each arm of a round run next to the other) 1.00 in two rounds of three
+    walls = {"ddp": (0.010, 0.020, 0.040), "ft": (0.010, 0.030, 0.040)}
+    for name, times in walls.items():
+        for r, wall in enumerate(times):
+            row = {"wall": wall, "cpu": wall, "p10": wall, **dict.fromkeys(bench.PARTS, 0.0)}
+            (tmp_path / f"{name}-{r}-0.json").write_text(json.dumps({"plain/16": row}))
+    assert bench.paired(tmp_path, 3, "plain/16") == [1.0, 1.5, 1.0]
+    bench.report_steps(tmp_path, 3, "plain", (16,))
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.split()[:1] == ["16"])
+    assert row.split()[5] == "1.50"  # the medians' ratio
+    assert row.endswith("1.00 1.50 1.00, 1.00")
