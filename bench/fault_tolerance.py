@@ -11,7 +11,8 @@
    other: the steadier figure where the load drifts) and the fixed cost per step in ms; then where
    torchft's per-step work goes on group 0 (quorum, all-reduce, commit vote, copies:
    trainer/fault_tolerance/costs.py), and rank 0's CPU per step by kind of thread in both arms (the
-   training thread, gloo's, the DDP groups' ring, torchft's: thread_cpu.py), which on a machine with fewer cores than processes is where the fixed cost goes.
+   training thread, gloo's, the DDP groups' ring, torchft's: thread_cpu.py), which on a machine with
+   fewer cores than processes is where the fixed cost goes.
 2. A kill: group 1 SIGKILLs itself at step 30 and is relaunched as a fresh process once the survivor has
    committed a step alone (so the survivor sees the outage). Prints the survivor's
    stall (its longest step around the kill: the lighthouse's heartbeat timeout, HEARTBEAT_TIMEOUT_MS),
