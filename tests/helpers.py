@@ -312,7 +312,32 @@ def launch_env(**extra: str) -> dict[str, str]:
 
 def _launch_env(environ: Mapping[str, str], extra: dict[str, str]) -> dict[str, str]:
     env = {k: v for k, v in environ.items() if k not in LAUNCHER_KEYS}
-    return {**env, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", **extra}
+    # PYTHONFAULTHANDLER: a rank that aborts or segfaults prints its threads' Python stacks (`failure`)
+    fixed = {
+        "OMP_NUM_THREADS": "1",
+        "WANDB_MODE": "offline",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONFAULTHANDLER": "1",
+    }
+    return {**env, **fixed, **extra}
+
+
+# how a process's crash starts in its stderr: Python's fault handler, a C++ exception that ended the process
+CRASH_MARKS = ("Fatal Python error", "terminate called", "what():")
+CRASH_LINES = 40  # of each crash, as many lines as a fault handler's dump of a few threads' stacks
+
+
+def failure(stderr: str, tail: int = 3000) -> str:
+    """A failed job's stderr as its assertion shows it: how any process crashed (the first CRASH_LINES lines
+    from each CRASH_MARKS line before the tail: the tracebacks of the ranks the crash took down push it out of
+    the tail), then the last `tail` characters."""
+    lines, crashes, until = stderr[:-tail].splitlines(), [], -1
+    for i, line in enumerate(lines):
+        if i > until and any(mark in line for mark in CRASH_MARKS):
+            until = i + CRASH_LINES - 1
+            # (not the fault handler's list of the extension modules loaded, one line of thousands of characters)
+            crashes += [x for x in lines[i : until + 1] if not x.startswith("Extension modules:")] + ["..."]
+    return "\n".join([*crashes, stderr[-tail:]])
 
 
 # the environment the session started with: the preloaded interpreter imports under it, not under what a
@@ -441,9 +466,9 @@ def _run_job(
     try:
         done = run_commands(commands, os.getcwd(), timeout)
     except subprocess.TimeoutExpired as late:
-        raise AssertionError(f"{what} ran past {timeout}s:\n{late.stderr[-4000:]}") from None
+        raise AssertionError(f"{what} ran past {timeout}s:\n{failure(late.stderr, 4000)}") from None
     if check:
-        assert done.returncode == 0, f"{what} exited {done.returncode}:\n{done.stderr[-4000:]}"
+        assert done.returncode == 0, f"{what} exited {done.returncode}:\n{failure(done.stderr, 4000)}"
     return done
 
 
@@ -464,10 +489,14 @@ def _run_launched(
     except subprocess.TimeoutExpired:
         proc.kill()  # as subprocess.run's timeout does; self-spawned ranks die with it (PR_SET_PDEATHSIG)
         stdout, stderr = proc.communicate()
-        raise AssertionError(f"{script.name} on {n} ranks ran past {timeout}s:\n{stderr[-4000:]}") from None
+        raise AssertionError(
+            f"{script.name} on {n} ranks ran past {timeout}s:\n{failure(stderr, 4000)}"
+        ) from None
     done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     if check:
-        assert done.returncode == 0, f"{script.name} on {n} ranks exited {done.returncode}:\n{stderr[-4000:]}"
+        assert done.returncode == 0, (
+            f"{script.name} on {n} ranks exited {done.returncode}:\n{failure(stderr, 4000)}"
+        )
     return done
 
 

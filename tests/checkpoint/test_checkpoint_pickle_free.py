@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers import SMALL, TINY, Regression, quiet, regression_loader, run_cli
+from helpers import SMALL, TINY, Regression, failure, quiet, regression_loader, run_cli
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 
@@ -144,7 +144,7 @@ def sharded(tmp_path_factory) -> Path:
     done = cli(
         "fit", str(TINY), *DDP, "trainer.max_steps=2", f"trainer.default_root_dir={cwd / 'run'}", cwd=cwd
     )
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, failure(done.stderr)
     return cwd / "run" / "checkpoints" / "step-00000002"
 
 

@@ -22,6 +22,7 @@ from helpers import (
     Regression,
     assert_params_close,
     checkpoint_steps,
+    failure,
     launch_env,
     params,
     quiet,
@@ -160,7 +161,7 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step_with_a_checkpoin
         2, TIMING_SCRIPT, tmp_path, "stopped", *args, "--signal-at", f"1:3:{signame}", check=False
     )
     name = "Ctrl-C" if signame == "SIGINT" else "SIGTERM"
-    assert done.returncode == 128 + getattr(signal, signame), done.stderr[-3000:]
+    assert done.returncode == 128 + getattr(signal, signame), failure(done.stderr)
     last = done.stderr.strip().splitlines()[-1]
     assert f"stopped at step 4 ({name}): checkpoint " in last and "resume with ckpt_path='last'" in last, last
     assert checkpoint_steps(root) == [4]
@@ -212,5 +213,5 @@ def test_ctrl_c_on_trainer_fit_prints_one_line_and_the_command_resumes(tmp_path)
     done = run_cli(
         "fit", str(TINY), *common, f"trainer.max_steps={step + 2}", "--ckpt-path", "last", cwd=tmp_path
     )
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, failure(done.stderr)
     assert f"step {step}" in done.stderr and "resuming from" in done.stderr

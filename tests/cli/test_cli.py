@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 import yaml
-from helpers import REPO, SMALL, TINY, run_cli
+from helpers import REPO, SMALL, TINY, failure, run_cli
 
 from trainer.cli import main
 from trainer.config import ConfigError, load_recipe
@@ -294,7 +294,7 @@ def test_devices_in_a_recipe_starts_that_many_processes(tmp_path, strategy):
         cwd=tmp_path,
         ranks=2,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, failure(done.stderr)
     assert json.loads((root / "logs" / "hparams.json").read_text())["world_size"] == 2
     assert (
         "global batch = 4 per micro-batch x 1 accumulated x 2 data-parallel = 8 samples/step" in done.stderr

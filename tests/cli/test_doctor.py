@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import run_cli
+from helpers import failure, run_cli
 
 from trainer import cli
 from trainer.doctor.hints import NodeFacts, env_hints
@@ -53,7 +53,7 @@ def test_doctor_on_four_gloo_processes_prints_busbw_per_group_and_size(tmp_path)
         "--sizes", ",".join(map(str, sizes)), "--warmup", "1", "--iters", "2", "--out", str(out),
         cwd=tmp_path, timeout=120, ranks=4,
     )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, failure(result.stderr)
     found = tables(result.stdout)
     assert sorted(found) == sorted(OPS), result.stdout
     groups = {"world": 4, "intra_node": 2, "inter_node": 2, "dp_shard": 2, "tp": 2}

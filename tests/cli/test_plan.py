@@ -6,7 +6,7 @@ import shlex
 
 import pytest
 import yaml
-from helpers import REPO, SMALL, TINY, run_cli
+from helpers import REPO, SMALL, TINY, failure, run_cli
 
 from trainer.cli import main
 from trainer.config import load_recipe
@@ -90,7 +90,7 @@ def test_strategy_auto_plans_a_layout_that_trains_on_8_processes(tmp_path):
         "trainer.max_steps=3", "trainer.warmup_steps=1", "trainer.val_check_interval=3",
         "trainer.limit_val_batches=1", f"trainer.default_root_dir={root}", cwd=tmp_path, timeout=400, ranks=8,
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, failure(done.stderr)
     chosen = next(line for line in done.stderr.splitlines() if "strategy auto:" in line)
     assert "on 8 processes" in chosen and "as overrides: " in chosen
     overrides = shlex.split(chosen.split("as overrides: ")[1])

@@ -5,7 +5,7 @@ from `trainer fit` of a recipe (no traceback)."""
 from __future__ import annotations
 
 import pytest
-from helpers import SMALL, TESTS, TINY, run_cli
+from helpers import SMALL, TESTS, TINY, failure, run_cli
 
 from trainer import cli
 from trainer.fault_tolerance.lighthouse import start_lighthouse
@@ -39,7 +39,7 @@ def test_replicas_ends_with_the_survivors_no_quorum_line(tmp_path):
     done = run_cli(
         "replicas", *argv, str(script), str(tmp_path), cwd=tmp_path, timeout=180, ranks=2, RUST_LOG="warn"
     )
-    assert done.returncode == 1, done.stderr[-3000:]
+    assert done.returncode == 1, failure(done.stderr)
     summary, reason = done.stderr.strip().splitlines()[-2:]
     assert summary.startswith(
         "replicas: replica group 0 (torchrun exit 1), replica group 1 (torchrun exit 1)"

@@ -14,7 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import REPO, SCRIPTS, assert_validated, launch_layouts, read_metrics, reference_run, run_cli
+from helpers import (
+    REPO,
+    SCRIPTS,
+    assert_validated,
+    failure,
+    launch_layouts,
+    read_metrics,
+    reference_run,
+    run_cli,
+)
 from moe_script import GLOBAL_BATCH, MODEL, make_run, tiny_moe
 from safetensors.torch import load_file
 
@@ -272,7 +281,7 @@ def test_the_moe_recipe_trains_with_expert_parallelism_and_logs_its_router(tmp_p
         "trainer.val_check_interval=20", "trainer.log_every_n_steps=5", f"trainer.default_root_dir={root}",
         cwd=tmp_path, ranks=2,
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, failure(done.stderr)
     rows = [json.loads(line) for line in (root / "logs" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["train/loss"] for r in rows if "train/loss" in r]
     assert losses[-1] < losses[0] - 1.0, losses

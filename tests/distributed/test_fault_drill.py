@@ -15,6 +15,7 @@ from helpers import (
     SEED,
     TIMING_SCRIPT,
     assert_params_close,
+    failure,
     read_metrics,
     run_script,
     start_ranks,
@@ -45,11 +46,11 @@ def test_fault_drill_two_sigkills_under_torchrun_end_exactly_like_an_uninterrupt
     done, root = run_script(
         2, FAILURE_SCRIPT, tmp_path, "drill", *drill, torchrun=True, max_restarts=2, timeout=300
     )
-    assert done.stderr.count("resuming from") == 2, done.stderr[-3000:]
+    assert done.stderr.count("resuming from") == 2, failure(done.stderr)
     assert_params_close(result(tmp_path, "drill")["params"], result(tmp_path, "straight")["params"], atol=0)
     assert read_metrics(root) == read_metrics(tmp_path / "straight")
     report = [line for line in done.stderr.splitlines() if "effective training time" in line]
-    assert report and "2 restart(s)" in report[-1], done.stderr[-3000:]
+    assert report and "2 restart(s)" in report[-1], failure(done.stderr)
     kept = sorted(p.name for p in (root / "checkpoints").iterdir() if p.name.startswith("step-"))
     assert kept and all((root / "checkpoints" / name / "validated.json").exists() for name in kept)
 
@@ -86,7 +87,7 @@ def test_sigterm_checkpoints_and_exits_0_and_the_run_resumes_exactly(tmp_path):
     root = tmp_path / "stopped"
     # to rank 0 only: rank 1 learns it through the per-step all-reduce
     code, stderr = terminate_mid_run(root, tmp_path / "stopped.json")
-    assert code == 0, stderr[-3000:]
+    assert code == 0, failure(stderr)
     stopped = json.loads((tmp_path / "stopped.json").read_text())["global_step"]
     assert 3 <= stopped < 1000 and f"stopping at step {stopped} (received SIGTERM)" in stderr
     assert (root / "checkpoints" / f"step-{stopped:08d}" / "validated.json").exists()
@@ -100,7 +101,7 @@ def test_sigterm_to_torchrun_reaches_the_workers_and_they_checkpoint(tmp_path):
     root = tmp_path / "stopped"
     code, stderr = terminate_mid_run(root, tmp_path / "stopped.json", torchrun=True)
     # torchrun forwards SIGTERM to its workers, waits for them, then exits 1 itself (its SignalException)
-    assert code == 1 and "Received 15 death signal, shutting down workers" in stderr, stderr[-3000:]
+    assert code == 1 and "Received 15 death signal, shutting down workers" in stderr, failure(stderr)
     stopped = json.loads((tmp_path / "stopped.json").read_text())["global_step"]
     assert f"stopping at step {stopped} (received SIGTERM)" in stderr
     assert (root / "checkpoints" / f"step-{stopped:08d}" / "validated.json").exists()
@@ -114,7 +115,7 @@ def test_a_slow_rank_is_named_and_an_even_job_has_no_straggler(tmp_path):
         assert (
             "straggler: rank 1 (0.440 s, 1.8x) vs the median 0.240 s of data/forward/optimizer time over "
             f"steps {steps}; the slowest rank sets every rank's step time"
-        ) in done.stderr, done.stderr[-3000:]
+        ) in done.stderr, failure(done.stderr)
     assert result(tmp_path, "slow")["stragglers"] == [{"step": 4, "ranks": [1]}, {"step": 8, "ranks": [1]}]
     done, _ = run_script(2, TIMING_SCRIPT, tmp_path, "even", *args)
     assert "straggler:" not in done.stderr and result(tmp_path, "even")["stragglers"] == []

@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 from dp_sgd_script import Classifier, Grads, Silent, data, fit, runs, weights
-from helpers import REPO, SCRIPTS, quiet, read_metrics, run_cli, run_ranks
+from helpers import REPO, SCRIPTS, failure, quiet, read_metrics, run_cli, run_ranks
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -187,7 +187,7 @@ def test_the_dpsgd_recipe_trains_and_stops_at_its_budget(tmp_path):
         "data.batch_size=16", "strategy.target_epsilon=1.245", "strategy.noise_seed=0", "trainer.log_every_n_steps=1",
         f"trainer.default_root_dir={root}", cwd=tmp_path, timeout=600,
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, failure(done.stderr)
     rows = [json.loads(line) for line in (root / "logs" / "metrics.jsonl").read_text().splitlines()]
     q = next(r["privacy/sample_rate"] for r in rows if "privacy/sample_rate" in r)
     accountant, allowed = PrivacyAccountant(), 0

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import REPO, run_cli
+from helpers import REPO, failure, run_cli
 from hf_dpo_script import tokenizer
 
 from trainer.data import lm_dataloaders
@@ -128,11 +128,11 @@ def test_the_cli_names_the_data_file_line_and_field_as_its_last_line(tmp_path):
         "trainer.val_check_interval=2", "trainer.limit_val_batches=1",
     )  # fmt: skip
     done = run_cli(*args, cwd=REPO)
-    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.returncode == 2, failure(done.stderr)
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith(f"trainer: error: data: {data}:32: field 'messages' message 1 has no 'content'"), (
-        done.stderr[-3000:]
+        failure(done.stderr)
     )
     done = run_cli(*args, "data.skip_bad_rows=true", cwd=REPO)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, failure(done.stderr)
     assert f"1 of 200 rows skipped: {data}:32 field 'messages' message 1 has no 'content'" in done.stderr

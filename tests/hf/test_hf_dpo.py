@@ -11,7 +11,7 @@ import datasets
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import SCRIPTS, launch_layouts, read_metrics
+from helpers import SCRIPTS, failure, launch_layouts, read_metrics
 from hf_dpo_script import GLOBAL_BATCH, LR, pair_loader, preference_records, tiny_llama, tokenizer
 from hf_script import trainer_kwargs
 from torch.utils.data import DataLoader
@@ -165,7 +165,7 @@ def test_dpo_recipe_raises_the_chosen_over_rejected_reward_margin(tmp_path):
         f"model.hf=new:{tmp_path / 'base'}", "trainer.max_steps=10", "trainer.log_every_n_steps=5",
         "trainer.val_check_interval=10", "trainer.limit_val_batches=1", cwd=repo,
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, failure(done.stderr)
     rows = [json.loads(line) for line in (root / "logs" / "metrics.jsonl").read_text().splitlines()]
     margins = {r["step"]: r["rewards/margin"] for r in rows if "rewards/margin" in r}
     print(f"recipe margins by step: {margins}")

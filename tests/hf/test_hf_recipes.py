@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, run_cli
+from helpers import REPO, failure, run_cli
 
 from trainer.config import ConfigError, load_recipe
 
@@ -24,7 +24,7 @@ def fit(recipe: str, root: Path, *overrides: str) -> subprocess.CompletedProcess
         cwd=REPO,
         timeout=600,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, failure(done.stderr)
     return done
 
 
@@ -46,7 +46,7 @@ def test_sft_recipe_creates_its_model_learns_the_answers_and_exports_for_transfo
     exported = AutoModelForCausalLM.from_pretrained(root / "export")
     again = tmp_path / "again"
     exported_again = run_cli("export", str(root / "checkpoints" / "step-00000060"), str(again), cwd=REPO)
-    assert exported_again.returncode == 0, exported_again.stderr[-3000:]
+    assert exported_again.returncode == 0, failure(exported_again.stderr)
     reloaded = AutoModelForCausalLM.from_pretrained(again)
     ids = torch.arange(1, 40).unsqueeze(0)
     assert torch.equal(exported(ids).logits, reloaded(ids).logits)

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import launch_env, run_commands
+from helpers import failure, launch_env, run_commands
 
 REPO = Path(__file__).parents[2]
 BENCH = REPO / "bench" / "gpu_throughput.py"
@@ -38,7 +38,7 @@ def table_rows(stdout: str) -> dict[str, list[str]]:
 @pytest.mark.slow
 def test_every_arm_prints_a_row_with_positive_tokens_per_s():
     done = run_bench()
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0, done.stdout[-3000:] + failure(done.stderr)
     rows = table_rows(done.stdout)
     assert sorted(rows) == sorted(ARMS), done.stdout
     for arm, words in rows.items():
@@ -55,7 +55,7 @@ def test_every_arm_prints_a_row_with_positive_tokens_per_s():
 @pytest.mark.slow
 def test_a_crashed_arm_gets_its_error_in_its_row_and_the_others_still_run():
     done = run_bench("--arms", "trainer-speed,trainer-eager", "--loss-chunk-tokens", "0")
-    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 1, done.stdout[-3000:] + failure(done.stderr)
     rows = table_rows(done.stdout)
     assert rows["trainer-speed"][0] == "error:" and "loss_chunk_tokens=0" in " ".join(rows["trainer-speed"])
     assert float(rows["trainer-eager"][0].replace(",", "")) > 0

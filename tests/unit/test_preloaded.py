@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import preloaded
-from helpers import launch_env, run_commands, start_process
+from helpers import failure, launch_env, run_commands, start_process
 
 REPORT = """
 import atexit, json, os, sys
@@ -57,6 +57,21 @@ def test_an_uncaught_error_exits_1_with_its_traceback(tmp_path):
     done = run_commands([([sys.executable, str(script)], launch_env())], str(tmp_path), 60)
     assert done.returncode == 1
     assert done.stderr.strip().splitlines()[-1] == "ValueError: the reason"
+
+
+def test_an_abort_prints_the_python_stack_and_a_failed_assertion_keeps_it_past_the_tail(tmp_path):
+    # a rank that aborts (a C++ exception on a gloo thread) takes its peers down, whose tracebacks come
+    # after its own last words in the job's stderr: the fault handler's stack is what names the cause
+    script = tmp_path / "abort.py"
+    script.write_text("import os\n\ndef where_it_died():\n    os.abort()\n\nwhere_it_died()\n")
+    cmd = [sys.executable, str(script)]
+    done = run_commands([(cmd, launch_env())], str(tmp_path), 60)
+    assert done.returncode == -6 and not preloaded.fork_blockers(cmd, launch_env(), preloaded.server({}).env)
+    assert "Fatal Python error: Aborted" in done.stderr and "where_it_died" in done.stderr, done.stderr
+    job = done.stderr + "[rank1]: RuntimeError: Connection closed by peer\n" * 200
+    shown = failure(job)
+    assert "Fatal Python error: Aborted" in shown and "where_it_died" in shown
+    assert shown.endswith(job[-3000:]) and "Extension modules" not in shown and len(shown) < len(job)
 
 
 def test_the_first_failure_ends_the_rest_of_the_job(tmp_path):
