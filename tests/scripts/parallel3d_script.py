@@ -1,7 +1,8 @@
 """Trains the tiny Llama under Parallel3DStrategy layouts, as a user's script run under torchrun would.
 
 `--layouts` is a JSON list of {"tag": ..., **Parallel3DStrategy kwargs}, optionally with "steps", "save"
-(a checkpoint path written after the fit), "resume" (the fit's ckpt_path), "validate" (default true),
+(a checkpoint path written after the fit, or with "save_at" after that step, the fit going on), "resume" (the
+fit's ckpt_path), "validate" (default true),
 "probe" (measure saved activations), "scalar_sgd" (ScalarLossSGD instead of CausalLM), "clip" (the
 gradient_clip_val, default 1.0; null: none) and "accumulate" (accumulate_grad_batches); each is one
 `Trainer.fit` in the same world. Rank 0 writes {tag: {"params": {name: values}, "saved_bytes": ...}} to
@@ -74,6 +75,19 @@ class SavedActivations(Callback):
         if self._hooks is not None:
             self._hooks.__exit__(None, None, None)
             self._hooks, self.bytes = None, sum(self._seen.values())
+
+
+class SaveAt(Callback):
+    """The training state written to `path` once the fit has taken `step` steps; the fit goes on (a checkpoint
+    taken mid-fit, as a periodic one is)."""
+
+    def __init__(self, step: int, path: str) -> None:
+        self.step, self.path, self.saved = step, path, False
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step and not self.saved:  # (every rank alike: the save is collective)
+            trainer.save_checkpoint(self.path)
+            self.saved = True
 
 
 def full_parameters(module: torch.nn.Module) -> dict[str, list]:
@@ -151,6 +165,7 @@ def main() -> None:
             layout.pop("save", None),
             layout.pop("resume", None),
         )
+        save_at = layout.pop("save_at", None)
         probe = SavedActivations() if layout.pop("probe", False) else None
         validate = layout.pop("validate", True)
         run_kwargs = {k: layout.pop(k) for k in ("scalar_sgd", "clip", "accumulate") if k in layout}
@@ -166,8 +181,10 @@ def main() -> None:
             probe,
             **run_kwargs,
         )
+        if save_at is not None:
+            trainer.callbacks.append(SaveAt(save_at, save))
         trainer.fit(module, train, val if validate else None, ckpt_path=resume)
-        if save:
+        if save and save_at is None:
             trainer.save_checkpoint(save)
         results[tag] = {"params": full_parameters(module), "saved_bytes": probe.bytes if probe else None}
     if dist.get_rank() == 0:
