@@ -3,7 +3,8 @@ torchrun would; first checks the all-to-all dispatcher alone against the local o
 whole ranks without tokens).
 
 `--layouts` is a JSON list of {"tag": ..., **Parallel3DStrategy kwargs} ("experts": the model's routed
-experts, default 8; "router": MoEConfig fields to override); each is one `Trainer.fit` in the same world. Rank 0 writes {"dispatcher": max abs
+experts, default 8; "router": MoEConfig fields to override; "precision": the Trainer's; "steps", "save",
+"save_at" and "resume" as in parallel3d_script.py); each is one `Trainer.fit` in the same world. Rank 0 writes {"dispatcher": max abs
 differences, tag: {"params": {name: values}, "empty_chunks": (source rank, expert) pairs that sent no rows,
 summed over ranks and layers, "expert_placements": the expert weights' placements}} to `--out`; the losses
 are in each run's metrics log under `--root`/tag.
@@ -23,7 +24,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: helpers
 from helpers import token_loader  # noqa: E402
-from parallel3d_script import full_parameters  # noqa: E402
+from parallel3d_script import SaveAt, full_parameters  # noqa: E402
 
 from strategies import Parallel3DStrategy  # noqa: E402
 from strategies.techniques.ep.all_to_all import AllToAllDispatcher  # noqa: E402
@@ -148,6 +149,7 @@ def main() -> None:
             layout.pop("experts", MODEL.moe.n_experts),
         )
         router = layout.pop("router", {})
+        save_at = layout.pop("save_at", None)  # with "save": written after that step, the fit going on
         # the loader's batch is per data-parallel rank: tp and pp ranks read the same data
         dp = int(os.environ["WORLD_SIZE"]) // (layout.get("tp", 1) * layout.get("pp", 1))
         trainer, module, train, val = make_run(
@@ -158,8 +160,10 @@ def main() -> None:
             precision,
             tiny_moe(experts, **router),
         )
+        if save_at is not None:
+            trainer.callbacks.append(SaveAt(save_at, save))
         trainer.fit(module, train, val, ckpt_path=resume)
-        if save:
+        if save and save_at is None:
             trainer.save_checkpoint(save)
         empty = torch.tensor(
             float(
