@@ -50,7 +50,7 @@ def test_doctor_on_four_gloo_processes_prints_busbw_per_group_and_size(tmp_path)
     sizes = (65536, 262144)
     result = run_cli(
         "doctor", "--devices", "4", "--gpus-per-node", "2", "--mesh", "dp_shard=2,tp=2",
-        "--sizes", ",".join(map(str, sizes)), "--warmup", "1", "--iters", "2", "--out", str(out),
+        "--sizes", ",".join(map(str, sizes)), "--warmup", "1", "--iters", "2", "--rounds", "3", "--out", str(out),
         cwd=tmp_path, timeout=120, ranks=4,
     )  # fmt: skip
     assert result.returncode == 0, failure(result.stderr)
@@ -83,6 +83,8 @@ def test_doctor_on_four_gloo_processes_prints_busbw_per_group_and_size(tmp_path)
     # DTensor's bookkeeping and FSDP's hooks cost milliseconds of host time per block pass on a CPU
     # (sharded_overhead.py), and per optimizer step: AdamW and the clip run each DTensor parameter's ops
     # through DTensor
+    # (medians of the 3 rounds asked for: 7 by default, ~35 of the run's ~55 s here)
+    assert result.stdout.count("(medians of 3 rounds)") == 2, result.stdout
     for kind in ("tp", "fsdp"):
         assert rates[f"{kind}_block_s"] + rates[f"{kind}_pass_s"] > 0, kind
         assert rates[f"{kind}_step_block_s"] + rates[f"{kind}_step_s"] > 0, kind
@@ -367,6 +369,7 @@ def test_unset_variables_are_listed_without_hints():
         (["--devices", "4", "--sizes", "1M,0"], "message size '0' is invalid"),
         (["--devices", "4", "--gpus-per-node", "3"], "--gpus-per-node 3 does not divide"),
         (["--devices", "4", "--iters", "0"], "--iters 0 is invalid"),
+        (["--devices", "4", "--rounds", "0"], "--rounds 0 is invalid; allowed: an int from 1 to"),
     ],
 )
 def test_bad_doctor_input_is_one_line_before_spawning(args, words, capsys, monkeypatch):

@@ -32,6 +32,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     doctor.add_argument("--warmup", type=int, help="untimed calls per size (default: 2 on gloo, 5 on NCCL)")
     doctor.add_argument("--iters", type=int, help="timed calls per size (default: 5 on gloo, 20 on NCCL)")
     doctor.add_argument(
+        "--rounds",
+        type=int,
+        help="rounds of the tensor-parallel and FSDP host-time measurement, each figure their median (default: 7)",
+    )
+    doctor.add_argument(
         "--out", type=Path, help="write the rates file (JSON, GB/s) that `trainer plan` reads"
     )
 
@@ -47,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
         gpus_per_node=args.gpus_per_node,
         warmup=args.warmup,
         iters=args.iters,
+        rounds=args.rounds,
         out=args.out,
     )
     try:

@@ -50,6 +50,7 @@ class Findings:
     host_cores: int | None = None  # the CPU cores a rank may run on (CPU runs: ranks share them)
     # the host time of tensor parallelism and FSDP in pairs of ranks (sharded_overhead.py), by kind
     sharded: dict[str, Overhead] = dataclasses.field(default_factory=dict)
+    sharded_rounds: int = 0  # the rounds each of its fields is the median of
 
     def best(self, op: str, group: str) -> float | None:
         """The highest busbw of `op` over `group` across sizes."""
@@ -81,7 +82,8 @@ def text_report(f: Findings) -> str:
         lines.append(
             f"{SHARDED_NAMES[kind]} (pairs of ranks), host time beyond compute and wire: "
             f"{o.block_s * 1e3:.3g} ms per block pass, {o.pass_s * 1e3:.3g} ms per model pass (forward + backward); "
-            f"optimizer step and clip: {o.step_block_s * 1e3:.3g} ms per block, {o.step_s * 1e3:.3g} ms more"
+            f"optimizer step and clip: {o.step_block_s * 1e3:.3g} ms per block, {o.step_s * 1e3:.3g} ms more "
+            f"(medians of {f.sharded_rounds} rounds)"
         )
     for op in OPS:
         rows = [m for m in f.measurements if m.op == op]

@@ -28,7 +28,7 @@ from trainer.doctor.groups import (
     parse_mesh,
 )
 from trainer.doctor.report import Findings, NodeReport, rates_file, text_report
-from trainer.doctor.sharded_overhead import sharded_overhead
+from trainer.doctor.sharded_overhead import ROUNDS, sharded_overhead
 from trainer.doctor.topology import NodeProbe, load_nvml
 
 # the smallest size is latency-bound: the planner reads each collective's fixed cost from it
@@ -53,6 +53,7 @@ class DoctorOptions:
     gpus_per_node: int | None = None
     warmup: int | None = None
     iters: int | None = None
+    rounds: int | None = None
     out: Path | None = None
 
 
@@ -90,7 +91,7 @@ def doctor(options: DoctorOptions) -> str | None:
     backend = "nccl" if cuda else "gloo"
     sizes = [parse_size(s) for s in (options.sizes or DEFAULT_SIZES[backend]).split(",") if s.strip()]
     check_sizes(sizes, _memory_per_process(cuda, devices))
-    for name, least in (("warmup", 0), ("iters", 1)):
+    for name, least in (("warmup", 0), ("iters", 1), ("rounds", 1)):
         value = getattr(options, name)
         if value is not None and not least <= value <= MAX_CALLS:
             raise ValueError(f"--{name} {value} is invalid; allowed: an int from {least} to {MAX_CALLS}")
@@ -137,7 +138,8 @@ def _run(strategy: _WorldStrategy, options: DoctorOptions, sizes: list[int]) -> 
     by_size, together = measure.matmul_alone_and_together(device, sizes_mm, dtype, calls)
     together = together[:gpus_per_node]  # node 0's ranks
     n = max(sizes_mm)
-    sharded = sharded_overhead(device)
+    rounds = options.rounds or ROUNDS
+    sharded = sharded_overhead(device, rounds)
 
     node = None
     if local_zero:
@@ -169,6 +171,7 @@ def _run(strategy: _WorldStrategy, options: DoctorOptions, sizes: list[int]) -> 
         matmul_together_tflops=sum(together) / len(together),
         host_cores=len(os.sched_getaffinity(0)) if device.type == "cpu" else None,
         sharded=sharded,
+        sharded_rounds=rounds,
         measurements=measurements,
         nominal=_nominal(layouts, gpus_per_node, backend, nodes),
         nodes=nodes,

@@ -39,6 +39,7 @@ VOCAB, HEAD_DIM = 256, 16
 # and outside the blocks (the embedding's output, the output layer's input)
 PAIRS_PER_BLOCK, PAIRS_OUTSIDE = 4, 2
 BLOCKS = (1, 3)  # the tiny Llamas' depths: a cost per block is the slope of the line through their times
+ROUNDS = 7  # the rounds a field is the median of, unless the doctor's --rounds says otherwise
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class Round:
     root_wire: float
 
 
-def sharded_overhead(device: torch.device, rounds: int = 7, iters: int = 3) -> dict[str, Overhead]:
+def sharded_overhead(device: torch.device, rounds: int = ROUNDS, iters: int = 3) -> dict[str, Overhead]:
     """The Overhead of tensor parallelism and of FSDP over pairs of ranks (all of them when their number is
     odd), from `rounds` rounds of `iters` calls per arm. Every rank calls it."""
     from torch.distributed.device_mesh import init_device_mesh
