@@ -78,6 +78,7 @@ def make_run(
         enable_progress_bar=False,
         log_every_n_steps=1,
         limit_val_batches=val_batches,
+        num_sanity_val_steps=0,  # (the fit's end validates each layout: the number compared)
     )
     train = token_loader(batch, MODEL.vocab_size)
     val = token_loader(batch, MODEL.vocab_size, n_tokens=1000, seed=2)

@@ -140,6 +140,7 @@ def make_run(
         enable_progress_bar=False,
         log_every_n_steps=1,
         limit_val_batches=2,
+        num_sanity_val_steps=0,  # (the fit's end validates each layout: the number compared)
         callbacks=[probe] if probe else [],
     )
     train = token_loader(batch // accumulate, MODEL.vocab_size)
