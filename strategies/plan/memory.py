@@ -103,7 +103,9 @@ class _BlockKinds:
         return self.units[moe]
 
     def first_of_each(self, layers: list[int]) -> dict[int, int]:
-        """One layer of each kind among `layers` -> how many of `layers` are of its kind."""
+        """One layer of each kind among `layers` (its first) -> how many of `layers` are of its kind."""
+        if not self.shape.n_experts:  # a dense model: one kind (not a look at each of 80 blocks' kind)
+            return {layers[0]: len(layers)} if layers else {}
         counts = Counter(is_moe_layer(self.shape, i) for i in layers)
         first = {is_moe_layer(self.shape, i): i for i in reversed(layers)}
         return {first[moe]: n for moe, n in counts.items()}
@@ -150,12 +152,13 @@ def _stage_memory(
     ids = stage_ids(schedule, pp_rank, layout.pp) if layout.pp > 1 else [0]
     layers = [layer for i in ids for layer in cut[i]]
     each = kinds.first_of_each(layers)  # a layer of each kind -> its count
-    blocks = [kinds.unit(i) for i in layers]
+    blocks = [(kinds.unit(i), n) for i, n in each.items()]  # each kind's unit, and its count
+    last_block = kinds.unit(layers[-1]) if layers else None
     roots = [root_unit(shape, layout, i == 0, i == n_stages - 1) for i in ids]
     shard = _Sharding(layout, shape.dim)
 
     # what the rank stores across steps (FSDP: shards; DDP/ZeRO-1: whole replicas)
-    counted = [(kinds.unit(i), n) for i, n in each.items()] + [(u, 1) for u in roots]
+    counted = blocks + [(u, 1) for u in roots]
     params = sum(n * shard.stored(u) for u, n in counted) * FP32
     grads = params
     optimizer = OPTIMIZER_STATES[run.optimizer] * sum(n * shard.optimizer_numel(u) for u, n in counted) * FP32
@@ -176,7 +179,7 @@ def _stage_memory(
     cast = 2 * sum(n * u.cast for u, n in counted) if layout.precision == "bf16" and not shard.fsdp else 0
     resident = params + optimizer + (grads if shard.buckets else 0) + activations + cast
     loss = _loss_bytes(shape, layout, tokens) if last else 0
-    at_loss = shard.gathered_at_loss(blocks, roots)
+    at_loss = shard.gathered_at_loss(blocks, last_block, roots)
     moments = {
         "backward": (
             resident + loss + at_loss,
@@ -187,7 +190,7 @@ def _stage_memory(
     # gradients made so far (the output projection's) and FSDP's working set are there
     recompute = max(block_saved_bytes(shape, layout, i, tokens) for i in each)
     redo = recompute if layout.activation_checkpointing != "none" else 0
-    working = shard.backward_working_set(blocks, roots, last)
+    working = shard.backward_working_set(blocks, last_block, roots, last)
     name = (
         "recomputed block"
         if redo > working
@@ -289,36 +292,43 @@ class _Sharding:
             return sum(-(-n // self.layout.dp_shard) for _, n in unit.params + unit.experts)
         return unit.numel + unit.expert_numel
 
-    def gathered_at_loss(self, blocks: list[Unit], roots: list[Unit]) -> int:
+    def gathered_at_loss(
+        self, blocks: list[tuple[Unit, int]], last_block: Unit | None, roots: list[Unit]
+    ) -> int:
         """FSDP's unsharded parameters (compute dtype) alive while the loss's backward runs: the root's
         (gathered for the output projection's backward), the last block's all-gather prefetched for its
         backward (ZeRO-3), or every block still gathered since the forward (ZeRO-2 reshards a unit
-        only after its backward)."""
+        only after its backward). `blocks`: the stage's block units by kind, with their counts."""
         if not self.fsdp:
             return 0
         a = compute_bytes(self.layout)
         gathered = sum(u.numel + u.expert_numel for u in roots)
         if self.layout.zero_stage == 2:
-            gathered += sum(u.numel + u.expert_numel for u in blocks)
-        elif blocks:
-            gathered += self.piece(blocks[-1])
+            gathered += sum(n * (u.numel + u.expert_numel) for u, n in blocks)
+        elif last_block is not None:
+            gathered += self.piece(last_block)
         return gathered * a
 
-    def backward_working_set(self, blocks: list[Unit], roots: list[Unit], last: bool) -> int:
+    def backward_working_set(
+        self, blocks: list[tuple[Unit, int]], last_block: Unit | None, roots: list[Unit], last: bool
+    ) -> int:
         """What a block's backward adds to the saved activations: the output projection's gradient made
         before it (fp32; FSDP: unsharded until the root's reduce-scatter ends the backward) and, under
         FSDP, the root gathered, this block and the next one (prefetched) gathered, this block's
-        unsharded gradients and the reduce-scatter's copy of them (per linear: of its largest tensor)."""
-        if not blocks:
+        unsharded gradients and the reduce-scatter's copy of them (per linear: of its largest tensor).
+        `blocks` as in `gathered_at_loss`."""
+        if last_block is None:
             return 0
         v_d = sum(n for rows, n in roots[-1].params if rows != self.layout_dim) if last else 0
         if not self.fsdp:
-            return (v_d + blocks[-1].numel + blocks[-1].expert_numel) * FP32
+            return (v_d + last_block.numel + last_block.expert_numel) * FP32
         a = compute_bytes(self.layout)
-        unit = max(self.piece(u) for u in blocks)
+        unit = max(self.piece(u) for u, _ in blocks)
         root = sum(u.numel + u.expert_numel for u in roots)
         gathered = root + (
-            2 * unit if self.layout.zero_stage == 3 else sum(u.numel + u.expert_numel for u in blocks)
+            2 * unit
+            if self.layout.zero_stage == 3
+            else sum(n * (u.numel + u.expert_numel) for u, n in blocks)
         )
         return gathered * a + v_d * FP32 + 2 * unit * FP32
 
