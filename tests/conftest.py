@@ -9,13 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import LAUNCHER_KEYS, RANK_SLOTS, SEED
+from helpers import LAUNCHER_KEYS, RANK_SLOTS, RESOLVER, SEED
 
 from trainer.core.launch import destroy_process_group
 from trainer.core.rng import SEED_ENV
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+for _key, _value in RESOLVER.items():  # the stores this process connects to itself (the test's own groups)
+    os.environ.setdefault(_key, _value)
 torch.set_num_threads(1)
 
 

@@ -61,10 +61,11 @@ class StepLog(Callback):
             trainer.should_stop = True
 
     def hold(self, trainer) -> None:
-        """Wait here (this step's checkpoint complete, DIR/replica{I}/held written) while DIR/hold exists."""
+        """Wait here (this step's checkpoint complete, DIR/replica{I}/held written) while DIR/hold exists and
+        no stop signal came (SIGTERM: the fit then stops as after any step, not after torchrun's 30 s grace)."""
         folder = self.path.parent
         held = folder / "held"
-        while (self.root / "hold").exists():
+        while (self.root / "hold").exists() and trainer._fit_loop.signals.received is None:
             last = find_last(trainer.checkpoint_dir)
             if last is not None and last.name == f"step-{trainer.global_step:08d}" and not held.exists():
                 (folder / "held.tmp").write_text(str(trainer.global_step))
