@@ -22,10 +22,13 @@ train: setup  ## the main job: a tiny Llama on Python's own documentation text, 
 # alone (tests/helpers.py rank_slots). loadscope: a module's tests share a worker, so
 # its module-scoped launches run once (loadgroup would not: xdist 3.8 marks groups in a test id pytest 9 ignores);
 # --no-loadscope-reorder: modules in the order tests/conftest.py gives them (the longest first), not by test count.
-# --durations: CI's log names the slowest tests, where the suite's time goes
+# --durations: CI's log names the slowest tests, where the suite's time goes.
+# PYTHONDONTWRITEBYTECODE unset: where the environment sets it (this machine's does), a clean checkout has no
+# bytecode to read, and every worker rewrote the asserts of all ~230 test files (~7 CPU-s of its ~21 s of
+# collection) and every fresh interpreter compiled the project again; the caches go to ignored __pycache__ folders
 TEST_WORKERS ?= 3
 test: setup  ## the whole test suite (slow tests included)
-	WANDB_MODE=offline HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=25
+	env -u PYTHONDONTWRITEBYTECODE WANDB_MODE=offline HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder --durations=25
 
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/lint-imports
