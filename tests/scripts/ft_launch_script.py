@@ -5,7 +5,7 @@ model with SGD in DIR/replica{I} with a ModelCheckpoint every `--every` steps, a
 DIR/replica{I}/steps.jsonl: the step, whether it committed, the participants, a hash of the parameters, this
 process's pid and torchrun's restart count. It trains `--steps` steps, or until DIR/stop exists. When DIR/hold
 names a step, the group stops at that step's end: once its checkpoint is complete, it writes
-DIR/replica{I}/held and waits while DIR/hold exists (the test's way to kill the whole job at a known
+DIR/replica{I}/held and waits while DIR/hold exists and no SIGTERM came (the test's way to kill the whole job at a known
 checkpoint: every group holds at the same step)."""
 
 from __future__ import annotations
