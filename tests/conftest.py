@@ -7,9 +7,10 @@ import random
 from collections.abc import Iterator
 from pathlib import Path
 
+import preloaded
 import pytest
 import torch
-from helpers import LAUNCHER_KEYS, RANK_SLOTS, RESOLVER, SEED
+from helpers import LAUNCHER_KEYS, RANK_SLOTS, RESOLVER, SEED, SESSION_ENV
 
 from trainer.core.launch import destroy_process_group
 from trainer.core.rng import SEED_ENV
@@ -19,6 +20,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 for _key, _value in RESOLVER.items():  # the stores this process connects to itself (the test's own groups)
     os.environ.setdefault(_key, _value)
 torch.set_num_threads(1)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """pytest-xdist's controller starts the preloading server its workers share (tests/preloaded.py)."""
+    controller = config.getoption("numprocesses", None) and not hasattr(config, "workerinput")
+    if controller and not config.option.collectonly:
+        preloaded.start_shared(SESSION_ENV)
 
 
 @pytest.fixture(autouse=True)

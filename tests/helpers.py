@@ -349,7 +349,7 @@ def failure(stderr: str, tail: int = 3000) -> str:
 
 # the environment the session started with: the preloaded interpreter imports under it, not under what a
 # test (monkeypatch) or a library in this process (torch, Lightning) set since
-_SESSION_ENV = _launch_env(dict(os.environ), {})
+SESSION_ENV = _launch_env(dict(os.environ), {})
 
 
 RANK_SLOTS = (
@@ -425,7 +425,7 @@ def start_process(cmd: list[str], **popen: Any) -> Process:
     """subprocess.Popen(cmd, **popen), forked from the preloaded interpreter where it runs the same there
     (tests/preloaded.py `spawn`), as are the processes it starts as a launcher (torchrun, `trainer replicas`,
     trainer/core/launch.py)."""
-    return preloaded.spawn(cmd, _SESSION_ENV, **popen)
+    return preloaded.spawn(cmd, SESSION_ENV, **popen)
 
 
 def run_ranks(
@@ -541,7 +541,7 @@ def run_commands(
     deadline = time.monotonic() + timeout
     with open(os.devnull) as null, tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         fds = {0: null.fileno(), 1: out.fileno(), 2: err.fileno()}
-        procs = [preloaded.popen(cmd, env, cwd, fds, _SESSION_ENV) for cmd, env in commands]
+        procs = [preloaded.popen(cmd, env, cwd, fds, SESSION_ENV) for cmd, env in commands]
         ended = {_ended_fd(p): p for p in procs}
         pidfds = [fd for fd, p in ended.items() if not isinstance(p, preloaded.PreloadedProcess)]
         code = 0

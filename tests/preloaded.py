@@ -7,13 +7,15 @@ on this machine: most of what the multi-process tests cost (tests/helpers.py `ru
 They are real processes in real gloo groups; only the imports are shared. What a fork would change is
 kept on fresh interpreters: a different import-time environment (IMPORT_TIME), one launch of each kind as a
 user starts it (`fresh` in tests/helpers.py), and the tests of start-up itself. A process a launcher starts
-(LAUNCHERS: torchrun's agent, `trainer replicas`, the self-spawn) is forked too. Run as
-`python tests/preloaded.py SOCKET`, this file is the server."""
+(LAUNCHERS: torchrun's agent, `trainer replicas`, the self-spawn) is forked too. Under pytest-xdist the
+controller starts one server that its workers share (`start_shared`). Run as `python tests/preloaded.py SOCKET
+[LOCK_FD]`, this file is the server."""
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import gc
 import importlib
 import io
@@ -21,6 +23,7 @@ import json
 import locale
 import os
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -75,30 +78,61 @@ _MAX_FDS = 16
 
 # ---- the client: what a test (or a rank that starts other ranks) uses ------------------------------
 class Server:
-    """The preloading server this process started (once), with the environment it imported under."""
+    """The preloading server this process started (once), with the environment it imported under. `shared`:
+    started for other processes (pytest-xdist's workers, `start_shared`), which wait for it (`Shared`): this
+    one goes on without waiting for its imports."""
 
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str], shared: bool = False) -> None:
         self.folder = tempfile.mkdtemp(prefix="preload-")
         self.path = os.path.join(self.folder, "socket")
         self.env = dict(env)
+        lock = None
+        if shared:
+            Path(self.folder, _ENV_FILE).write_text(json.dumps(self.env))
+            lock = os.open(os.path.join(self.folder, _READY_LOCK), os.O_RDWR | os.O_CREAT)
+            fcntl.flock(lock, fcntl.LOCK_EX)  # the server's inherited copy holds it until the socket listens
         self.process = subprocess.Popen(
-            [sys.executable, __file__, self.path],
+            [sys.executable, __file__, self.path, *([str(lock)] if shared else [])],
             env=self.env,
             stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
+            stdout=subprocess.DEVNULL if shared else subprocess.PIPE,
+            pass_fds=() if lock is None else (lock,),
             preexec_fn=_die_with_parent,
         )
+        atexit.register(self.stop)
+        if lock is not None:
+            os.close(lock)
+            return
         ready = self.process.stdout.readline()  # written once the imports are done and the socket listens
         if ready.strip() != b"ready":
             raise RuntimeError(f"the preloading server did not start (exit {self.process.wait()})")
-        atexit.register(self.stop)
 
     def stop(self) -> None:
         self.process.kill()
         self.process.wait()
-        with contextlib.suppress(OSError):
-            os.unlink(self.path)
-            os.rmdir(self.folder)
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class Shared:
+    """A server another process started for this one (`start_shared`, at SHARED): its socket and the
+    environment it imported under, once it listens (until then it holds the folder's lock)."""
+
+    def __init__(self, folder: str) -> None:
+        self.path = os.path.join(folder, "socket")
+        self.env = json.loads(Path(folder, _ENV_FILE).read_text())
+        lock = os.open(os.path.join(folder, _READY_LOCK), os.O_RDONLY)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_SH)  # granted once the server listens, or has died
+        finally:
+            os.close(lock)
+        if not os.path.exists(self.path):
+            raise RuntimeError(f"the shared preloading server at {folder} did not start (its error is above)")
+
+
+def start_shared(env: dict[str, str]) -> None:
+    """Start this process's server for the processes it starts (pytest-xdist's workers, whose `server` then
+    returns it): one interpreter's imports (~8 CPU-s) instead of one per worker. Returns at once."""
+    os.environ[SHARED] = server(env, shared=True).folder
 
 
 def fork_blockers(cmd: list[str], env: dict[str, str], server_env: dict[str, str]) -> list[str]:
@@ -115,14 +149,18 @@ def fork_blockers(cmd: list[str], env: dict[str, str], server_env: dict[str, str
     return sorted(k for k in keys if env.get(k) != server_env.get(k))
 
 
-_server: list[Server] = []
+_server: list[Server | Shared] = []
 _SERVER_PATH = "TRAINER_TEST_PRELOAD_SOCKET"  # set in a forked process: where to start further ones
+SHARED = "TRAINER_TEST_PRELOAD_SHARED"  # the folder of a server a parent process started for this one
+_ENV_FILE, _READY_LOCK = "env.json", "ready.lock"  # in a shared server's folder
 
 
-def server(env: dict[str, str]) -> Server:
-    """This process's server, started on first use with `env` as its import-time environment."""
+def server(env: dict[str, str], shared: bool = False) -> Server | Shared:
+    """This process's server: the one its parent shares (SHARED), else one started on first use with `env`
+    as its import-time environment (`shared`: see Server)."""
     if not _server:
-        _server.append(Server(env))
+        folder = os.environ.get(SHARED)
+        _server.append(Shared(folder) if folder and not shared else Server(env, shared))
     return _server[0]
 
 
@@ -368,8 +406,9 @@ def _forking_popen(server_env: dict[str, str]) -> type[subprocess.Popen]:
 
 
 # ---- the server ------------------------------------------------------------------------------------
-def serve(path: str) -> None:
-    """Import PRELOAD, listen at `path`, fork each request (see `_run`) until killed."""
+def serve(path: str, lock: int | None = None) -> None:
+    """Import PRELOAD, listen at `path` (then let go of `lock`, the descriptor of a shared server's ready
+    lock), fork each request (see `_run`) until killed."""
     for name in PRELOAD:
         importlib.import_module(name)
     # the imports' ~300,000 objects out of the collector's reach: else each fork's full collections (one in
@@ -381,6 +420,8 @@ def serve(path: str) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
+    if lock is not None:
+        os.close(lock)  # the last holder of the lock its starter took: the waiting processes connect now
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the middle processes
     held = {int(fd) for fd in os.listdir("/proc/self/fd")}
     sys.stdout.write("ready\n")
@@ -553,4 +594,4 @@ if __name__ == "__main__":
     sys.path[0] = os.path.dirname(
         sys.argv[1]
     )  # not tests/ (nothing to import there); each command sets its own
-    serve(sys.argv[1])
+    serve(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else None)

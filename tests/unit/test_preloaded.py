@@ -2,7 +2,8 @@
 module globals, sys.path, directory, environment, exit code, atexit handlers and output; a job's first
 failure ends the rest; a different import-time environment gets a fresh interpreter; a script that starts
 its own file has the copy forked, with a piped stdout and a session of its own, still there to killpg until its
-exit status is read; torchrun started by a test is forked, and so are its workers (`python -u`)."""
+exit status is read; torchrun started by a test is forked, and so are its workers (`python -u`); a
+shared server (pytest-xdist's) that never listened is named."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 
 import preloaded
+import pytest
 from helpers import failure, launch_env, run_commands, start_process
 
 REPORT = """
@@ -195,3 +197,12 @@ def test_a_fork_takes_devnull_a_file_and_bytes_from_a_pipe(tmp_path):
     loud = start_process(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=launch_env())
     assert loud.communicate(timeout=60) == (b"out\n", b"err\n")
     assert all(isinstance(p, preloaded.PreloadedProcess) for p in (quiet, loud))
+
+
+def test_a_shared_server_that_never_listened_is_named_in_one_line(tmp_path):
+    # what a pytest-xdist worker meets when the server its controller started died importing: the lock free,
+    # no socket
+    (tmp_path / "env.json").write_text("{}")
+    (tmp_path / "ready.lock").touch()
+    with pytest.raises(RuntimeError, match=f"^the shared preloading server at {tmp_path} did not start"):
+        preloaded.Shared(str(tmp_path))
