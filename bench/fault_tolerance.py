@@ -5,7 +5,7 @@
    under a lighthouse, in interleaved rounds (DDP, torchft, DDP, torchft: a drifting load hits both arms),
    for each configuration of CONFIGS (plain; 2 micro-batches of half the batch; a token-weighted loss; fp16
    with its loss scaler; with --group-size > 1, FSDP2 in each group) - the ones past `plain` and `fsdp` at
-   the two larger widths.
+   every width but the smallest (`--widths 64`, on request: fp16's ~10 ms step on a CPU without fast fp16).
    Prints both (wall, and the process's CPU time), their ratio (targets: <= 1.02 on the >= 100 ms step,
    <= 1.1 on the ~10 ms one), each round's ratio and their median (the arms of a round run next to each
    other: the steadier figure where the load drifts) and the fixed cost per step in ms; then where
@@ -62,8 +62,10 @@ from trainer.fault_tolerance import FaultTolerance  # noqa: E402
 from trainer.fault_tolerance.config import HEARTBEAT_TIMEOUT_MS  # noqa: E402
 from trainer.fault_tolerance.costs import PARTS  # noqa: E402
 
-WIDTHS = (16, 256, 1024)  # 1.1K, 0.5M, 8.4M parameters
-BATCHES = {16: 64, 256: 64, 1024: 192}  # the largest arm's batch makes plain DDP's step >= 100 ms here
+WIDTHS = (16, 256, 1024)  # the default: 1.1K, 0.5M, 8.4M parameters
+# each width's batch: the largest arm's makes plain DDP's step >= 100 ms here; 64 (on request): fp16's ~10 ms
+# step here (this CPU's fp16 matmul makes 256's ~100 ms, 16's ~4 ms)
+BATCHES = {16: 64, 64: 64, 256: 64, 1024: 192}
 # each configuration: the Trainer's arguments, whether the loss reports its tokens (all of the batch's
 # samples count), micro-batches per step (each of batch / micro-batches samples: the same step's work)
 CONFIGS = {
@@ -81,7 +83,7 @@ CONFIGS = {
 FSDP = ("fsdp", "fsdp-clip")  # the configurations of FSDP2 inside groups of several processes
 # steps per fit: ~1-3 s of steps at every width (30 steps of a ~7 ms step moved its median by 0.1-0.3 between
 # rounds here), 40 at the >= 100 ms one
-STEPS, SKIP = {16: 400, 256: 400, 1024: 40}, 10
+STEPS, SKIP = {16: 400, 64: 400, 256: 400, 1024: 40}, 10
 KILL_AT, AFTER_REJOIN, DRILL_STEPS = (
     30,
     20,
@@ -330,26 +332,26 @@ def rank_main(args: argparse.Namespace) -> None:
 
 
 def widths_arg(text: str) -> tuple[int, ...]:
-    """--widths' value: some of WIDTHS, comma-separated (a one-line error otherwise)."""
+    """--widths' value: some of BATCHES' widths, comma-separated (a one-line error otherwise)."""
     try:
         widths = tuple(int(w) for w in text.split(","))
     except ValueError:
         widths = ()
-    if not widths or set(widths) - set(WIDTHS):
+    if not widths or set(widths) - set(BATCHES):
         raise argparse.ArgumentTypeError(
-            f"{text!r}: allowed: some of {','.join(map(str, WIDTHS))}, comma-separated"
+            f"{text!r}: allowed: some of {','.join(map(str, BATCHES))}, comma-separated"
         )
     return widths
 
 
 def fits(configs: str, widths: tuple[int, ...] = WIDTHS) -> list[tuple[str, int]]:
     """The (configuration, width) fits of one arm: `plain` and FSDP's (its shortest step here ~15 ms) at each
-    of `widths`, the others at those of the two larger."""
+    of `widths`, the others at each but the smallest (WIDTHS[0]: the fixed cost)."""
     return [
         (config, width)
         for config in configs.split(",")
         for width in widths
-        if config in ("plain", *FSDP) or width in WIDTHS[1:]
+        if config in ("plain", *FSDP) or width != WIDTHS[0]
     ]
 
 
@@ -684,7 +686,7 @@ if __name__ == "__main__":
         "--widths",
         type=widths_arg,
         default=WIDTHS,
-        help=f"the MLP widths of part 1, comma-separated, of {','.join(map(str, WIDTHS))} (with --no-drill)",
+        help=f"the MLP widths of part 1, comma-separated, of {','.join(map(str, BATCHES))} (with --no-drill)",
     )
     p.add_argument("--lighthouses", default=None)  # one per fit: the overhead widths, then the drill
     p.add_argument("--out", default=None)
@@ -695,7 +697,7 @@ if __name__ == "__main__":
     if not fits(a.configs, a.widths):
         p.error(
             f"--widths {','.join(map(str, a.widths))}: no fit of --configs {a.configs} there; allowed: "
-            f"{','.join(map(str, WIDTHS[1:]))} for configurations but plain and FSDP's"
+            f"{','.join(str(w) for w in BATCHES if w != WIDTHS[0])} for configurations but plain and FSDP's"
         )
     if a.widths != WIDTHS and not a.no_drill and not a.arm:
         p.error("--widths: the projection reads every width; allowed with --no-drill")

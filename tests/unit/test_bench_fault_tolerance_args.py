@@ -22,14 +22,16 @@ def bench():
 
 def test_widths_are_some_of_the_benchs_own(bench):
     assert bench.widths_arg("1024,16") == (1024, 16)
+    assert bench.widths_arg("64") == (64,)  # fp16's ~10 ms step here, on request
     for text in ("17", "16,abc", ""):
-        with pytest.raises(argparse.ArgumentTypeError, match="allowed: some of 16,256,1024"):
+        with pytest.raises(argparse.ArgumentTypeError, match="allowed: some of 16,64,256,1024"):
             bench.widths_arg(text)
 
 
-def test_configurations_past_plain_run_at_the_two_larger_widths_only(bench):
+def test_configurations_past_plain_run_at_every_width_but_the_smallest(bench):
     assert bench.fits("plain,tokens", (16, 1024)) == [("plain", 16), ("plain", 1024), ("tokens", 1024)]
     assert bench.fits("tokens", (16,)) == []
+    assert bench.fits("fp16", (16, 64)) == [("fp16", 64)]
 
 
 def test_the_table_gives_each_rounds_ratio_and_their_median(bench, tmp_path, capsys):
