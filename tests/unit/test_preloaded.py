@@ -2,8 +2,8 @@
 module globals, sys.path, directory, environment, exit code, atexit handlers and output; a job's first
 failure ends the rest; a different import-time environment gets a fresh interpreter; a script that starts
 its own file has the copy forked, with a piped stdout and a session of its own, still there to killpg until its
-exit status is read; torchrun started by a test is forked, and so are its workers (`python -u`); a
-shared server (pytest-xdist's) that never listened is named."""
+exit status is read; torchrun started by a test is forked, and so are its workers (`python -u`), its rendezvous
+events named as torch names them; a shared server (pytest-xdist's) that never listened is named."""
 
 from __future__ import annotations
 
@@ -184,6 +184,29 @@ def test_torchrun_started_by_a_test_is_forked_and_so_are_its_workers_with_python
     # forks of the server, each leading its own session (torchrun's agent ends a worker by killpg)
     assert seen == [{"torch": True, "leader": True, "rank": r} for r in ("0", "1")], out
     assert "rank 0 on stderr" in err and "rank 1 on stderr" in err and "on stderr" not in out
+
+
+NAMES = """
+import inspect, json
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+def _record():  # as torch's: each event is named after the method that recorded it, the caller's caller
+    return dynamic_rendezvous.get_method_name(), inspect.stack()[1].function
+
+def next_rendezvous():
+    return _record()
+
+print(json.dumps([*next_rendezvous(), dynamic_rendezvous.get_method_name(depth=500)]))
+"""
+
+
+def test_a_forks_rendezvous_events_are_named_as_torchs_inspect_stack_names_them(tmp_path):
+    # the server names them from the frame (torch's inspect.stack() was ~1 CPU-s of each forked agent)
+    script = tmp_path / "names.py"
+    script.write_text(NAMES)
+    done = run_commands([([sys.executable, str(script)], launch_env())], str(tmp_path), 60)
+    assert done.returncode == 0, failure(done.stderr)
+    assert json.loads(done.stdout) == ["next_rendezvous", "next_rendezvous", "no_method_name"]
 
 
 def test_a_fork_takes_devnull_a_file_and_bytes_from_a_pipe(tmp_path):
