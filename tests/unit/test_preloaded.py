@@ -201,7 +201,7 @@ print(json.dumps([*next_rendezvous(), dynamic_rendezvous.get_method_name(depth=5
 
 
 def test_a_forks_rendezvous_events_are_named_as_torchs_inspect_stack_names_them(tmp_path):
-    # the server names them from the frame (torch's inspect.stack() was ~1 CPU-s of each forked agent)
+    # the server names them from the frame (torch's inspect.stack() was ~0.75 CPU-s of each forked launch)
     script = tmp_path / "names.py"
     script.write_text(NAMES)
     done = run_commands([([sys.executable, str(script)], launch_env())], str(tmp_path), 60)
