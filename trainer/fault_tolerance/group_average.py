@@ -1,6 +1,7 @@
 """What the overlapped averages inside groups of several processes share (overlap_ddp.py, overlap_fsdp.py):
 after the backward, the step's token count summed over the groups and, when the backward's sums are the
-average, the loop's token normalization undone on `.grad`."""
+average, the loop's token normalization undone on `.grad`; the kept buffer, with slots for terms, of the
+gradients summed whole over the groups (`Staged`)."""
 
 from __future__ import annotations
 
@@ -109,3 +110,25 @@ class GroupAverage:
 
     def _complete(self) -> bool:
         raise NotImplementedError
+
+
+class Staged:
+    """A (rows, n + 2) buffer, each row n gradients and 2 slots for terms (a vote's, quorum_every's), and its
+    views, made once and kept while the shape holds (`kept`): on a CPU each view or allocation a step makes
+    costs about as much as the copy of a short bucket it serves."""
+
+    def __init__(self, rows: int, n: int, like: torch.Tensor) -> None:
+        self.shape = (rows, n, like.dtype, like.device)
+        self.whole = like.new_zeros(rows, n + 2)
+        self.flat = self.whole.view(-1)
+        self.grads = self.whole[:, :n]
+        self.first = self.whole[0, :n]  # the first row's gradients
+        self.slots = self.whole[:, n:]  # every row's terms
+        self.terms = self.whole[0, n:]  # the first row's
+
+    @classmethod
+    def kept(cls, staged: Staged | None, rows: int, n: int, like: torch.Tensor) -> Staged:
+        """`staged` where it has this shape and `like`'s dtype and device, else a new one."""
+        if staged is not None and staged.shape == (rows, n, like.dtype, like.device):
+            return staged
+        return cls(rows, n, like)

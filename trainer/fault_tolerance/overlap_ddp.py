@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from strategies.techniques.ddp.chain import ChainableHook
 from trainer.fault_tolerance.costs import StepCosts
-from trainer.fault_tolerance.group_average import GroupAverage
+from trainer.fault_tolerance.group_average import GroupAverage, Staged
 from trainer.fault_tolerance.ring import PACKED, Ring
 
 
@@ -67,7 +67,7 @@ class OverlappedGroupAverage(GroupAverage):
         self.ring, self.spares = Ring(self.group), {}  # spares: a slice-sized receive buffer per bucket
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.pending, self.drained = 0, threading.Condition()  # buckets queued, not yet done
-        self.staged: torch.Tensor | None = None  # a short last bucket and 2 slots (`_sum_first`)
+        self.staged: Staged | None = None  # a short last bucket and 2 slots (`_sum_first`)
         threading.Thread(target=self._work, daemon=True, name="trainer-group-ring").start()
 
     def _reset(self) -> None:
@@ -146,7 +146,7 @@ class OverlappedGroupAverage(GroupAverage):
         try:
             mine = self.ring.reduce_scatter(buffer, spare, tag=3 * index)
             mine.mul_(self.factor / self.group_size)
-            done = self._over_groups(mine, slots=False)
+            done = self._over_groups(mine, None)
             if done and self.scale != 1.0:
                 mine.mul_(self.scale)  # a power of two: the scaled gradient DDP's `.grad` is expected to hold
             votes = None
@@ -160,21 +160,20 @@ class OverlappedGroupAverage(GroupAverage):
             return
         out.set_result(buffer)
 
-    def _over_groups(self, staged: torch.Tensor, slots: bool) -> bool:
-        """`staged` summed over the groups, quorum_every's terms in its last 2 elements where it has those
-        `slots` (else launched after it: their round trip behind the later buckets'). False where the sum
-        failed (recorded for `commit`: the step's vote goes against it, the sum is garbage)."""
-        n = staged.numel() - 2 if slots else staged.numel()
-        riding = slots and self.flags_ride(staged.dtype)
+    def _over_groups(self, tensor: torch.Tensor, slots: torch.Tensor | None) -> bool:
+        """`tensor` summed over the groups, quorum_every's terms in its 2 elements `slots` where it has them
+        (else launched after it: their round trip behind the later buckets'). False where the sum failed
+        (recorded for `commit`: the step's vote goes against it, the sum is garbage)."""
+        riding = slots is not None and self.flags_ride(tensor.dtype)
         if riding:
-            staged[n:] = self.terms
+            slots.copy_(self.terms)
         self.next += 1  # (read once DDP's backward has waited for every bucket)
-        work = self.direct.allreduce(staged, ReduceOp.SUM)
+        work = self.direct.allreduce(tensor, ReduceOp.SUM)
         if self.next == 1 and not riding:
             self.send_terms()
         done = work.wait()
         if riding:
-            self.terms.copy_(staged[n:])
+            self.terms.copy_(slots)
             self.terms_work = work
         return done
 
@@ -183,27 +182,23 @@ class OverlappedGroupAverage(GroupAverage):
         (quorum_every's terms with it), then over the group with this process's commit vote terms (made up
         now that every sum over the groups is done): two of gloo's all-reduces where the ring took three
         exchanges driven from Python, each a few calls and wake-ups."""
-        n = buffer.numel()
-        if self.staged is None or self.staged.numel() != n + 2 or self.staged.dtype != buffer.dtype:
-            self.staged = buffer.new_empty(n + 2)
-        staged = self.staged
+        staged = self.staged = Staged.kept(self.staged, 1, buffer.numel(), buffer)
         try:
-            torch.mul(buffer, self.factor / self.group_size, out=staged[:n])
-            staged[n:] = 0
-            done = self._over_groups(staged, slots=True)
+            torch.mul(buffer, self.factor / self.group_size, out=staged.first)
+            done = self._over_groups(staged.flat, staged.terms)
             votes = None
             if self.vote_terms is not None:
                 self.take_flags()
-                votes = self.vote_terms().to(buffer.dtype)
-            staged[n:] = votes if votes is not None else 0
-            dist.all_reduce(staged, group=self.group)
+                votes = self.vote_terms()
+                staged.terms.copy_(votes)  # (else what the sum over the groups left there, not read)
+            dist.all_reduce(staged.flat, group=self.group)
         except Exception as err:  # the group's own exchange (a process of it died): DDP raises it
             out.set_exception(err)
             return
         if done and self.scale != 1.0:  # (a power of two: the scaled gradient DDP's `.grad` holds)
-            staged[:n].mul_(self.scale)
-        buffer.copy_(staged[:n])
-        self.voted = staged[n:].clone() if votes is not None else None
+            staged.first.mul_(self.scale)
+        buffer.copy_(staged.first)
+        self.voted = staged.terms.clone() if votes is not None else None
         out.set_result(buffer)
 
     def _group_done(self, out: torch.futures.Future, index: int, fut: torch.futures.Future) -> None:

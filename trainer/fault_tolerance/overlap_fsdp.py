@@ -24,7 +24,7 @@ from torch.distributed import ReduceOp
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from trainer.fault_tolerance.costs import StepCosts
-from trainer.fault_tolerance.group_average import GroupAverage
+from trainer.fault_tolerance.group_average import GroupAverage, Staged
 
 # the last unit's gradients summed over the groups whole (g x its shard) so that the vote rides its
 # reduce-scatter, up to this many elements: the copy and the larger sum cost ~8 ns an element here against
@@ -55,6 +55,9 @@ class OverlappedShardAverage(GroupAverage):
         self.units = [m for m in module.modules() if isinstance(m, FSDPModule)]
         self.layout_after_first_backward = vote_first
         self.last_seen: int | None = None  # the unit the latest backward reduced last (its index)
+        # the unit summed first's buffers (`reduce_scatter_with_vote`): its gradients, this process's shard
+        self.staged: Staged | None = None
+        self.mine: Staged | None = None
         for index, unit in enumerate(self.units):
             unit.set_all_reduce_hook(functools.partial(self._reduced, unit, index))
             if vote_first:
@@ -131,26 +134,27 @@ class OverlappedShardAverage(GroupAverage):
         self.reduced.add(id(unit))
         self.summed_first = index
         size, shard = group.size(), output.numel()
-        staged = flat.new_zeros(size, shard + 2)
-        torch.mul(flat.view(size, shard), self.factor, out=staged[:, :shard])
+        staged = self.staged = Staged.kept(self.staged, size, shard, flat)
+        mine = self.mine = Staged.kept(self.mine, 1, shard, flat)
+        torch.mul(flat.view(size, shard), self.factor, out=staged.grads)
         riding = self.flags_ride(flat.dtype)
         if riding:
-            staged[0, shard:] = self.terms
+            staged.terms.copy_(self.terms)
         start = perf_counter()
-        work = self.direct.allreduce(staged, ReduceOp.SUM)
+        work = self.direct.allreduce(staged.whole, ReduceOp.SUM)
         self._wait()
         work.wait()  # a failure is recorded for `commit` (the terms vote against the step)
         self.costs.add("allreduce", start)  # (not hidden: the backward's last reduction waits for it)
         if riding:
-            self.terms.copy_(staged[0, shard:])
+            self.terms.copy_(staged.terms)
             self.terms_work = work
         self.take_flags()
-        staged[:, shard:] = self.vote_terms().to(flat.dtype)
-        mine = flat.new_empty(shard + 2)
-        REDUCE_SCATTER(mine, staged.view(-1), op=op, group=group)
-        output.copy_(mine[:shard])
-        # AVG divided the terms by the group's size too: whole counts again
-        self.voted = (mine[shard:] * (size if op == ReduceOp.AVG else 1)).round()
+        # every row's vote terms (what the sum over the groups left in their slots is not read)
+        staged.slots.copy_(self.vote_terms())
+        REDUCE_SCATTER(mine.flat, staged.flat, op=op, group=group)
+        output.copy_(mine.first)
+        # AVG divided the terms by the group's size too: whole counts again (a new tensor: `mine` is reused)
+        self.voted = (mine.terms * size).round_() if op == ReduceOp.AVG else mine.terms.round()
 
     def _wait(self) -> None:
         for work in self.works:
