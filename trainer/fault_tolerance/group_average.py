@@ -114,11 +114,11 @@ class GroupAverage:
 
 class Staged:
     """A (rows, n + 2) buffer, each row n gradients and 2 slots for terms (a vote's, quorum_every's), and its
-    views, made once and kept while the shape holds (`kept`): on a CPU each view or allocation a step makes
-    costs about as much as the copy of a short bucket it serves."""
+    views, made once and kept while its rows, length, dtype and device hold (`kept`): on a CPU each view or
+    allocation a step makes costs about as much as the copy of a short bucket it serves."""
 
     def __init__(self, rows: int, n: int, like: torch.Tensor) -> None:
-        self.shape = (rows, n, like.dtype, like.device)
+        self.made_for = (rows, n, like.dtype, like.device)
         self.whole = like.new_zeros(rows, n + 2)
         self.flat = self.whole.view(-1)
         self.grads = self.whole[:, :n]
@@ -129,6 +129,6 @@ class Staged:
     @classmethod
     def kept(cls, staged: Staged | None, rows: int, n: int, like: torch.Tensor) -> Staged:
         """`staged` where it has this shape and `like`'s dtype and device, else a new one."""
-        if staged is not None and staged.shape == (rows, n, like.dtype, like.device):
+        if staged is not None and staged.made_for == (rows, n, like.dtype, like.device):
             return staged
         return cls(rows, n, like)
