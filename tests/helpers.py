@@ -332,18 +332,22 @@ def _launch_env(environ: Mapping[str, str], extra: dict[str, str]) -> dict[str, 
 # how a process's crash starts in its stderr: Python's fault handler, a C++ exception that ended the process
 CRASH_MARKS = ("Fatal Python error", "terminate called", "what():")
 CRASH_LINES = 40  # of each crash, as many lines as a fault handler's dump of a few threads' stacks
+# lines kept before each crash: what the process said last (a script's "starting X"), where a native thread's
+# fault leaves the Python stacks without the arguments that say which case it ran
+CRASH_CONTEXT = 2
 
 
 def failure(stderr: str, tail: int = 3000) -> str:
-    """A failed job's stderr as its assertion shows it: how any process crashed (the first CRASH_LINES lines
-    from each CRASH_MARKS line before the tail: the tracebacks of the ranks the crash took down push it out of
-    the tail), then the last `tail` characters."""
+    """A failed job's stderr as its assertion shows it: how any process crashed (the CRASH_CONTEXT lines before
+    and the first CRASH_LINES lines from each CRASH_MARKS line before the tail: the tracebacks of the ranks the
+    crash took down push it out of the tail), then the last `tail` characters."""
     lines, crashes, until = stderr[:-tail].splitlines(), [], -1
     for i, line in enumerate(lines):
         if i > until and any(mark in line for mark in CRASH_MARKS):
-            until = i + CRASH_LINES - 1
+            start, until = max(i - CRASH_CONTEXT, until + 1), i + CRASH_LINES - 1
             # (not the fault handler's list of the extension modules loaded, one line of thousands of characters)
-            crashes += [x for x in lines[i : until + 1] if not x.startswith("Extension modules:")] + ["..."]
+            kept = [x for x in lines[start : until + 1] if not x.startswith("Extension modules:")]
+            crashes += [*kept, "..."]
     return "\n".join([*crashes, stderr[-tail:]])
 
 

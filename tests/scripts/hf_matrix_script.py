@@ -94,6 +94,8 @@ def main() -> None:
     results = {}
     for family, task, strategy in json.loads(a.cases):
         key = case_id(family, task, strategy)
+        # (a job's failure message keeps the lines just before a crash: which cell a rank died in)
+        print(f"[rank {os.environ.get('RANK', '0')}] starting cell {key}", file=sys.stderr, flush=True)
         try:
             results[key] = run(family, task, strategy, Path(a.root) / key)
         except ValueError as refusal:  # a cell the strategy refuses, in one line, on every rank alike

@@ -65,7 +65,10 @@ def test_an_abort_prints_the_python_stack_and_a_failed_assertion_keeps_it_past_t
     # a rank that aborts (a C++ exception on a gloo thread) takes its peers down, whose tracebacks come
     # after its own last words in the job's stderr: the fault handler's stack is what names the cause
     script = tmp_path / "abort.py"
-    script.write_text("import os\n\ndef where_it_died():\n    os.abort()\n\nwhere_it_died()\n")
+    script.write_text(
+        "import os, sys\n\ndef where_it_died():\n    os.abort()\n\n"
+        "print('starting case 7', file=sys.stderr, flush=True)\nwhere_it_died()\n"
+    )
     cmd = [sys.executable, str(script)]
     done = run_commands([(cmd, launch_env())], str(tmp_path), 60)
     assert done.returncode == -6 and not preloaded.fork_blockers(cmd, launch_env(), preloaded.server({}).env)
@@ -73,6 +76,8 @@ def test_an_abort_prints_the_python_stack_and_a_failed_assertion_keeps_it_past_t
     job = done.stderr + "[rank1]: RuntimeError: Connection closed by peer\n" * 200
     shown = failure(job)
     assert "Fatal Python error: Aborted" in shown and "where_it_died" in shown
+    # and what it said just before, which a fault in a native thread's stack does not tell (which case it ran)
+    assert "starting case 7\n" in shown
     assert shown.endswith(job[-3000:]) and "Extension modules" not in shown and len(shown) < len(job)
 
 
