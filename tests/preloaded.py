@@ -57,6 +57,7 @@ PRELOAD = (
     "trainer.models.causal_lm",
     "strategies.checkpoint_io.dcp_files",
     "torch.distributed.algorithms.ddp_comm_hooks",
+    "torchft",  # the fault-tolerance ranks and lighthouses (~0.1 CPU-s each; it starts no thread)
     "transformers",
     "transformers.models.llama.modeling_llama",
     "transformers.models.bert.modeling_bert",
