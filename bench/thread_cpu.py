@@ -14,7 +14,8 @@ RING_THREAD = "trainer-group-ring"  # trainer/fault_tolerance/overlap_ddp.py's t
 def thread_cpu() -> dict[str, float]:
     """Seconds on a CPU so far per kind of this process's live threads (empty where /proc has no tasks)."""
     python_names = {t.native_id: t.name for t in threading.enumerate()}
-    main = threading.main_thread().native_id
+    # Linux: the main thread's id is the process's; threading's is its parent's in a fork on Python 3.11
+    main = os.getpid()
     tasks = Path("/proc/self/task")
     if not tasks.is_dir():
         return {}

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import random
+import shlex
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +16,8 @@ from helpers import LAUNCHER_KEYS, RANK_SLOTS, RESOLVER, SEED, SESSION_ENV
 
 from trainer.core.launch import destroy_process_group
 from trainer.core.rng import SEED_ENV
+
+XDIST_FORK = Path(__file__).with_name("xdist_fork.py")
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -27,6 +31,15 @@ def pytest_configure(config: pytest.Config) -> None:
     controller = config.getoption("numprocesses", None) and not hasattr(config, "workerinput")
     if controller and not config.option.collectonly:
         preloaded.start_shared(SESSION_ENV)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_setupnodes(config: pytest.Config, specs: list) -> None:
+    """pytest-xdist's workers on this machine start as forks of that server (tests/xdist_fork.py)."""
+    if preloaded.SHARED in os.environ:
+        for spec in specs:
+            if spec.popen and not spec.python:
+                spec.python = shlex.join([sys.executable, str(XDIST_FORK)])
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,6 @@
 """Test processes forked from a preloaded interpreter. A server per pytest process imports torch, this
-project and torch's distributed parts once; each `python SCRIPT ARGS` or `python -m MODULE ARGS` a test
-starts through it is a fork that runs as that command would (its argv, environment, working directory,
+project and torch's distributed parts once; each `python SCRIPT ARGS`, `python -m MODULE ARGS` or `python -c
+CODE ARGS` a test starts through it is a fork that runs as that command would (its argv, environment, working directory,
 file descriptors, exit code, atexit handlers) without the ~2.5 CPU-s of imports a fresh interpreter pays
 on this machine: most of what the multi-process tests cost (tests/helpers.py `run_ranks`).
 
@@ -8,8 +8,8 @@ They are real processes in real gloo groups; only the imports are shared. What a
 kept on fresh interpreters: a different import-time environment (IMPORT_TIME), one launch of each kind as a
 user starts it (`fresh` in tests/helpers.py), and the tests of start-up itself. A process a launcher starts
 (LAUNCHERS: torchrun's agent, `trainer replicas`, the self-spawn) is forked too. Under pytest-xdist the
-controller starts one server that its workers share (`start_shared`). Run as `python tests/preloaded.py SOCKET
-[LOCK_FD]`, this file is the server."""
+controller starts one server that its workers share (`start_shared`), and the workers are forks of it too
+(tests/xdist_fork.py). Run as `python tests/preloaded.py SOCKET [LOCK_FD]`, this file is the server."""
 
 from __future__ import annotations
 
@@ -148,9 +148,11 @@ def fork_blockers(cmd: list[str], env: dict[str, str], server_env: dict[str, str
     python = len(cmd) >= 2 and cmd[0] == sys.executable
     program = list(cmd[2:] if python and cmd[1] == "-u" else cmd[1:])
     if not (
-        python and program and (program[0].endswith(".py") or (program[0] == "-m" and len(program) >= 2))
+        python
+        and program
+        and (program[0].endswith(".py") or (program[0] in ("-m", "-c") and len(program) >= 2))
     ):
-        return ["not `python [-u] SCRIPT.py` or `python [-u] -m MODULE`"]
+        return ["not `python [-u] SCRIPT.py`, `python [-u] -m MODULE` or `python [-u] -c CODE`"]
     keys = {k for k in (*env, *server_env) if k.startswith(IMPORT_TIME)} - RUNTIME_READ
     return sorted(k for k in keys if env.get(k) != server_env.get(k))
 
@@ -185,14 +187,23 @@ class PreloadedProcess:
         session: bool = False,
         pipes: dict[int, int] | None = None,
         text: bool = False,
+        plain: bool = False,
     ) -> None:
         """`session`: the command leads a new session (Popen's start_new_session), as it starts; `pipes`: the
-        read ends of pipes the command writes its fd 1 or 2 to (Popen's PIPE), kept as `stdout` and `stderr`."""
+        read ends of pipes the command writes its fd 1 or 2 to (Popen's PIPE), kept as `stdout` and `stderr`;
+        `plain`: the processes the command starts are never forks (a pytest-xdist worker, tests/xdist_fork.py)."""
         self.args = cmd
         self.returncode: int | None = None
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.connect(path)
-        request = {"argv": list(cmd[1:]), "env": env, "cwd": cwd, "fds": list(fds), "session": session}
+        request = {
+            "argv": list(cmd[1:]),
+            "env": env,
+            "cwd": cwd,
+            "fds": list(fds),
+            "session": session,
+            "plain": plain,
+        }
         data = json.dumps(request).encode()
         socket.send_fds(self._sock, [_LENGTH.pack(len(data)) + data], list(fds.values()))
         self._buffer = b""
@@ -529,12 +540,14 @@ def _run(request: dict, fds: list[int], server_env: dict, path: str, held: set) 
         signal.signal(signal.SIGINT, signal.default_int_handler)
         os.chdir(request["cwd"])
         os.environ.clear()
-        os.environ.update(request["env"], **{_SERVER_PATH: path})
-        forking = _forking_popen(server_env)
-        for module in (sys.modules.get(name) for name in LAUNCHERS):
-            if getattr(module, "Popen", None) is subprocess.Popen:  # `from subprocess import Popen`
-                module.Popen = forking
-        subprocess.Popen = forking
+        os.environ.update(request["env"])
+        if not request["plain"]:
+            os.environ[_SERVER_PATH] = path
+            forking = _forking_popen(server_env)
+            for module in (sys.modules.get(name) for name in LAUNCHERS):
+                if getattr(module, "Popen", None) is subprocess.Popen:  # `from subprocess import Popen`
+                    module.Popen = forking
+            subprocess.Popen = forking
         code = _main(request["argv"])
     except BaseException:
         traceback.print_exc()
@@ -559,9 +572,14 @@ def _main(argv: list[str]) -> int:
         _unbuffered()
         argv = argv[1:]
     main = types.ModuleType("__main__")
+    main.__builtins__ = __builtins__
     sys.modules["__main__"] = main
     try:
-        if argv[0] == "-m":
+        if argv[0] == "-c":
+            sys.argv = ["-c", *argv[2:]]
+            sys.path[0] = ""  # as Python's -c: the working directory
+            exec(compile(argv[1], "<string>", "exec", dont_inherit=True), main.__dict__)
+        elif argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]
             sys.path[0] = os.getcwd()
             sys.modules.pop(argv[1], None)  # preloaded, but a fresh `python -m` runs it as __main__ only
@@ -571,7 +589,6 @@ def _main(argv: list[str]) -> int:
             sys.argv = list(argv)
             sys.path[0] = str(script.resolve().parent)
             main.__file__ = os.path.abspath(script)
-            main.__builtins__ = __builtins__
             exec(compile(script.read_bytes(), main.__file__, "exec", dont_inherit=True), main.__dict__)
         code = 0
     except SystemExit as stop:

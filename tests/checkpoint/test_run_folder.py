@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from helpers import TESTS, Regression, failure, launch_env, quiet, regression_loader, run_ranks
+from helpers import TESTS, Regression, failure, launch_env, quiet, regression_loader, run_commands, run_ranks
 
 from callbacks import Callback, ModelCheckpoint
 from trainer import Trainer
@@ -313,9 +313,7 @@ def test_a_full_disk_under_a_real_tmpfs_is_one_line(tmp_path):
                     **quiet()).fit(Wide(), regression_loader())
             """)
         )
-        done = subprocess.run(
-            [sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=launch_env()
-        )
+        done = run_commands([([sys.executable, str(script)], launch_env())], str(tmp_path), 120)
         assert done.returncode != 0
         last = done.stderr.strip().splitlines()[-1]
         assert "could not be written to" in last and "no space left on device" in last, failure(done.stderr)

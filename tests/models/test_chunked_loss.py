@@ -6,14 +6,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import LLAMA, SCRIPTS, fit, launch_env, read_metrics, run_ranks, token_loader
+from helpers import LLAMA, SCRIPTS, fit, launch_env, read_metrics, run_commands, run_ranks, token_loader
 
 from trainer.config import ConfigError, build_run, load_recipe
 from trainer.models import causal_lm
@@ -197,9 +196,9 @@ def test_the_recipe_key_reaches_causal_lm_and_bad_values_are_named():
     assert load_recipe(RECIPES / "llama_tiny.yaml")["model"]["loss_chunk_tokens"] is None
 
 
-# One arm of the memory comparison, in a fresh process: how far its resident memory peaks above where it
-# was, over one forward and backward of the loss of `tokens` hidden states through a [vocab, dim] head
-# (Linux: writing 5 to clear_refs resets the peak VmHWM to the current VmRSS).
+# One arm of the memory comparison, in a process of its own (a fork: tests/preloaded.py): how far its resident
+# memory peaks above where it was, over one forward and backward of the loss of `tokens` hidden states through
+# a [vocab, dim] head (Linux: writing 5 to clear_refs resets the peak VmHWM to the current VmRSS).
 MEASURE = r"""
 import re, sys, torch, torch.nn.functional as F
 from trainer.models.linear_cross_entropy import linear_cross_entropy
@@ -227,10 +226,8 @@ def test_peak_memory_is_below_half_the_plain_loss():
     tokens, dim, vocab = 4096, 64, 32000  # fp32 logits: 0.5 GB, the head's weight 8 MB
     peaks = {}
     for arm in ("plain", "512"):
-        done = subprocess.run(
-            [sys.executable, "-c", MEASURE, arm, str(tokens), str(dim), str(vocab)],
-            capture_output=True, text=True, timeout=120, env=launch_env(),
-        )  # fmt: skip
+        cmd = [sys.executable, "-c", MEASURE, arm, str(tokens), str(dim), str(vocab)]
+        done = run_commands([(cmd, launch_env())], ".", 120)
         assert done.returncode == 0, done.stderr[-2000:]
         peaks[arm] = int(done.stdout.split()[-1])
     print(f"peak resident memory above the start: plain {peaks['plain'] / 2**20:.0f} MiB, chunks of 512 "

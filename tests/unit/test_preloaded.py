@@ -3,18 +3,21 @@ module globals, sys.path, directory, environment, exit code, atexit handlers and
 failure ends the rest; a different import-time environment gets a fresh interpreter; a script that starts
 its own file has the copy forked, with a piped stdout and a session of its own, still there to killpg until its
 exit status is read; torchrun started by a test is forked, and so are its workers (`python -u`), its rendezvous
-events named as torch names them; a shared server (pytest-xdist's) that never listened is named."""
+events named as torch names them; a shared server (pytest-xdist's) that never listened is named; a
+pytest-xdist worker is a fork that runs `python -u -c CODE` on its pipes, and starts plain processes."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import preloaded
 import pytest
-from helpers import failure, launch_env, run_commands, start_process
+from conftest import XDIST_FORK
+from helpers import SESSION_ENV, failure, launch_env, run_commands, start_process
 
 REPORT = """
 import atexit, json, os, sys
@@ -234,3 +237,45 @@ def test_a_shared_server_that_never_listened_is_named_in_one_line(tmp_path):
     (tmp_path / "ready.lock").touch()
     with pytest.raises(RuntimeError, match=f"^the shared preloading server at {tmp_path} did not start"):
         preloaded.Shared(str(tmp_path))
+
+
+XDIST_WORKER = """
+import json, os, subprocess, sys
+line = sys.stdin.readline()
+print(json.dumps({"argv": sys.argv, "path0": sys.path[0], "line": line, "torch": "torch" in sys.modules,
+                  "popen": subprocess.Popen.__name__, "forks": preloaded_socket in os.environ,
+                  "threads": os.environ.get("OMP_NUM_THREADS")}))
+sys.exit(5)
+"""
+
+
+def test_a_pytest_xdist_worker_is_a_fork_on_its_pipes_that_starts_plain_processes(tmp_path):
+    # execnet's command for a worker, with tests/xdist_fork.py as its python (conftest.pytest_xdist_setupnodes)
+    shared = None if preloaded.SHARED in os.environ else preloaded.Server(SESSION_ENV, shared=True)
+    folder = os.environ[preloaded.SHARED] if shared is None else shared.folder
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | {preloaded.SHARED: folder}
+    code = f"preloaded_socket = {preloaded._SERVER_PATH!r}\n{XDIST_WORKER}"
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, str(XDIST_FORK), "-u", "-c", code, "extra"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,
+        )  # fmt: skip
+        out, err = proc.communicate("first line\nsecond\n", timeout=60)
+    finally:
+        if shared is not None:
+            shared.stop()
+    assert proc.returncode == 5, err
+    seen = json.loads(out)
+    assert seen["argv"] == ["-c", "extra"] and seen["path0"] == "" and seen["line"] == "first line\n"
+    assert seen["torch"], "not forked from the server (which imported torch)"
+    # what it starts is what any process starts: subprocess's own Popen, no server to fork from
+    assert seen["popen"] == "Popen" and not seen["forks"]
+    assert seen["threads"] == "1"  # imported as the server did (helpers.SESSION_ENV), not as this process
+
+
+def test_this_pytest_xdist_worker_is_a_fork_of_the_preloading_server():
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        pytest.skip("not under pytest-xdist (make test runs it so)")
+    # its parent: the server's process between it and the server (a fork of the server: its command line)
+    parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0")
+    assert Path(parent[1].decode()).name == "preloaded.py", parent
