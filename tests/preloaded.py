@@ -153,8 +153,14 @@ def fork_blockers(cmd: list[str], env: dict[str, str], server_env: dict[str, str
         and (program[0].endswith(".py") or (program[0] in ("-m", "-c") and len(program) >= 2))
     ):
         return ["not `python [-u] SCRIPT.py`, `python [-u] -m MODULE` or `python [-u] -c CODE`"]
-    keys = {k for k in (*env, *server_env) if k.startswith(IMPORT_TIME)} - RUNTIME_READ
+    keys = {k for k in (*env, *server_env) if read_at_import(k)}
     return sorted(k for k in keys if env.get(k) != server_env.get(k))
+
+
+def read_at_import(key: str) -> bool:
+    """Whether the environment variable `key` is one that importing PRELOAD reads (IMPORT_TIME, less
+    RUNTIME_READ)."""
+    return key.startswith(IMPORT_TIME) and key not in RUNTIME_READ
 
 
 _server: list[Server | Shared] = []

@@ -18,12 +18,8 @@ import preloaded
 
 def worker_env(environ: dict[str, str], server_env: dict[str, str]) -> dict[str, str]:
     """`environ` with the import-time variables (IMPORT_TIME) the server imported under instead of its own."""
-
-    def imports(key: str) -> bool:
-        return key.startswith(preloaded.IMPORT_TIME) and key not in preloaded.RUNTIME_READ
-
-    kept = {k: v for k, v in environ.items() if not imports(k)}
-    return {**kept, **{k: v for k, v in server_env.items() if imports(k)}}
+    kept = {k: v for k, v in environ.items() if not preloaded.read_at_import(k)}
+    return {**kept, **{k: v for k, v in server_env.items() if preloaded.read_at_import(k)}}
 
 
 def main(args: list[str]) -> int:
