@@ -66,10 +66,12 @@ PRELOAD = (
     "pytorch_lightning",
 )
 # variables read while those modules import (thread pools, allocators, torch's and the HF hub's flags and
-# cache folders, the import path): a command whose values differ from the server's gets a fresh interpreter
+# cache folders, the import path, torchft's Rust log level): a command whose values differ from the server's gets
+# a fresh interpreter
 IMPORT_TIME = (
     "TORCH_", "TORCHDYNAMO", "TORCHINDUCTOR", "PYTORCH", "OMP_", "MKL", "KMP_", "OPENBLAS", "PYTHON", "LD_",
     "CUDA", "NCCL", "GLOO", "HF_", "HUGGINGFACE", "TRANSFORMERS", "TOKENIZERS", "MALLOC", "GLIBC", "XDG_",
+    "RUST_LOG",
 )  # fmt: skip
 # ... but read only when used, or by what torch does not load: set by torch (the inductor cache's location),
 # Lightning (how to look for CUDA), scikit-learn's import (for Intel's OpenMP; torch's CPU build loads GNU's)

@@ -36,9 +36,7 @@ def test_replicas_ends_with_the_survivors_no_quorum_line(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     argv = ["--groups", "2", "--min-replicas", "2", "--max-restarts", "0", "--heartbeat-timeout-ms", "1000"]
-    done = run_cli(
-        "replicas", *argv, str(script), str(tmp_path), cwd=tmp_path, timeout=180, ranks=2, RUST_LOG="warn"
-    )
+    done = run_cli("replicas", *argv, str(script), str(tmp_path), cwd=tmp_path, timeout=180, ranks=2)
     assert done.returncode == 1, failure(done.stderr)
     summary, reason = done.stderr.strip().splitlines()[-2:]
     assert summary.startswith(

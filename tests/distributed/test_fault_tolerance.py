@@ -35,7 +35,7 @@ pytest.importorskip("torchft")
 
 FT_SCRIPT = SCRIPTS / "ft_script.py"
 DEADLINE_S = 240  # each group's run; the drill takes ~40 s on a loaded 2-core machine
-ENV = launch_env(RUST_LOG="warn")
+ENV = launch_env()
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from helpers import SCRIPTS, WIDE, Process, launch_env, rank_slots, start_proces
 pytest.importorskip("torchft")
 
 SCRIPT = SCRIPTS / "ft_launch_script.py"
-ENV = launch_env(RUST_LOG="warn")
+ENV = launch_env()
 DEADLINE_S = 120  # each wait; the whole test takes ~40 s on a loaded 2-core machine
 
 

@@ -279,3 +279,35 @@ def test_this_pytest_xdist_worker_is_a_fork_of_the_preloading_server():
     # its parent: the server's process between it and the server (a fork of the server: its command line)
     parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0")
     assert Path(parent[1].decode()).name == "preloaded.py", parent
+
+
+TORCHFT_LOGS = """
+import sys
+from datetime import timedelta
+from torchft._torchft import LighthouseServer, ManagerServer
+lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2)
+manager = ManagerServer(
+    replica_id="r0", lighthouse_addr=lighthouse.address(), hostname="127.0.0.1", bind="127.0.0.1:0",
+    store_addr="127.0.0.1:1", world_size=1, heartbeat_interval=timedelta(milliseconds=100),
+    connect_timeout=timedelta(seconds=5), quorum_retries=0,
+)
+manager.shutdown()
+lighthouse.shutdown()
+print("transformers" in sys.modules)  # the server imported it; torchft does not
+"""
+
+
+def test_a_fork_logs_torchft_at_the_level_of_its_rust_log(tmp_path):
+    # torchft's Rust extension reads RUST_LOG as it is imported, which a fork's server did: the tests' processes
+    # (launch_env) and the server import under warn, and any other level gets a fresh interpreter
+    pytest.importorskip("torchft")
+    script = tmp_path / "torchft_logs.py"
+    script.write_text(TORCHFT_LOGS)
+    cmd = [sys.executable, str(script)]
+    for level, forked in (("warn", True), ("info", False)):
+        env = launch_env(RUST_LOG=level)
+        assert (not preloaded.fork_blockers(cmd, env, preloaded.server({}).env)) is forked
+        done = run_commands([(cmd, env)], str(tmp_path), 60)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == str(forked)
+        assert ("[INFO] [torchft::manager]" in done.stderr) is (level == "info"), (level, done.stderr)
