@@ -320,7 +320,7 @@ RESOLVER = {"RES_OPTIONS": "timeout:1"}
 def _launch_env(environ: Mapping[str, str], extra: dict[str, str]) -> dict[str, str]:
     env = {**RESOLVER, **{k: v for k, v in environ.items() if k not in LAUNCHER_KEYS}}
     # PYTHONFAULTHANDLER: a rank that aborts or segfaults prints its threads' Python stacks (`failure`);
-    # RUST_LOG: torchft's lighthouses and managers log every quorum at INFO otherwise (read as torchft imports)
+    # RUST_LOG: torchft's lighthouses and managers log every quorum at INFO otherwise (read as it imports)
     fixed = {
         "OMP_NUM_THREADS": "1",
         "WANDB_MODE": "offline",

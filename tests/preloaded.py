@@ -1,8 +1,8 @@
 """Test processes forked from a preloaded interpreter. A server per pytest process imports torch, this
 project and torch's distributed parts once; each `python SCRIPT ARGS`, `python -m MODULE ARGS` or `python -c
-CODE ARGS` a test starts through it is a fork that runs as that command would (its argv, environment, working directory,
-file descriptors, exit code, atexit handlers) without the ~2.5 CPU-s of imports a fresh interpreter pays
-on this machine: most of what the multi-process tests cost (tests/helpers.py `run_ranks`).
+CODE ARGS` a test starts through it is a fork that runs as that command would (its argv, environment,
+working directory, file descriptors, exit code, atexit handlers) without the ~2.5 CPU-s of imports a fresh
+interpreter pays on this machine: most of what the multi-process tests cost (tests/helpers.py `run_ranks`).
 
 They are real processes in real gloo groups; only the imports are shared. What a fork would change is
 kept on fresh interpreters: a different import-time environment (IMPORT_TIME), one launch of each kind as a
@@ -66,8 +66,8 @@ PRELOAD = (
     "pytorch_lightning",
 )
 # variables read while those modules import (thread pools, allocators, torch's and the HF hub's flags and
-# cache folders, the import path, torchft's Rust log level): a command whose values differ from the server's gets
-# a fresh interpreter
+# cache folders, the import path, torchft's Rust log level): a command whose values differ from the server's
+# gets a fresh interpreter
 IMPORT_TIME = (
     "TORCH_", "TORCHDYNAMO", "TORCHINDUCTOR", "PYTORCH", "OMP_", "MKL", "KMP_", "OPENBLAS", "PYTHON", "LD_",
     "CUDA", "NCCL", "GLOO", "HF_", "HUGGINGFACE", "TRANSFORMERS", "TOKENIZERS", "MALLOC", "GLIBC", "XDG_",
@@ -199,7 +199,8 @@ class PreloadedProcess:
     ) -> None:
         """`session`: the command leads a new session (Popen's start_new_session), as it starts; `pipes`: the
         read ends of pipes the command writes its fd 1 or 2 to (Popen's PIPE), kept as `stdout` and `stderr`;
-        `plain`: the processes the command starts are never forks (a pytest-xdist worker, tests/xdist_fork.py)."""
+        `plain`: the processes the command starts are never forks (a pytest-xdist worker:
+        tests/xdist_fork.py)."""
         self.args = cmd
         self.returncode: int | None = None
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -4,7 +4,8 @@ failure ends the rest; a different import-time environment gets a fresh interpre
 its own file has the copy forked, with a piped stdout and a session of its own, still there to killpg until its
 exit status is read; torchrun started by a test is forked, and so are its workers (`python -u`), its rendezvous
 events named as torch names them; a shared server (pytest-xdist's) that never listened is named; a
-pytest-xdist worker is a fork that runs `python -u -c CODE` on its pipes, and starts plain processes."""
+pytest-xdist worker is a fork that runs `python -u -c CODE` on its pipes, and starts plain processes; a
+fork logs torchft at the level of its RUST_LOG."""
 
 from __future__ import annotations
 
@@ -250,7 +251,7 @@ sys.exit(5)
 
 
 def test_a_pytest_xdist_worker_is_a_fork_on_its_pipes_that_starts_plain_processes(tmp_path):
-    # execnet's command for a worker, with tests/xdist_fork.py as its python (conftest.pytest_xdist_setupnodes)
+    # execnet's command for a worker, with tests/xdist_fork.py as its python (conftest's setupnodes hook)
     shared = None if preloaded.SHARED in os.environ else preloaded.Server(SESSION_ENV, shared=True)
     folder = os.environ[preloaded.SHARED] if shared is None else shared.folder
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"} | {preloaded.SHARED: folder}
@@ -298,8 +299,8 @@ print("transformers" in sys.modules)  # the server imported it; torchft does not
 
 
 def test_a_fork_logs_torchft_at_the_level_of_its_rust_log(tmp_path):
-    # torchft's Rust extension reads RUST_LOG as it is imported, which a fork's server did: the tests' processes
-    # (launch_env) and the server import under warn, and any other level gets a fresh interpreter
+    # torchft's Rust extension reads RUST_LOG as it is imported, which a fork's server did: the tests'
+    # processes (launch_env) and the server import under warn, and any other level gets a fresh interpreter
     pytest.importorskip("torchft")
     script = tmp_path / "torchft_logs.py"
     script.write_text(TORCHFT_LOGS)
