@@ -40,14 +40,10 @@ mutate: setup  ## mutation testing of the core files (hours; SAMPLE=N: N mutants
 	$(BIN)/pip install -q -e '.[dev,mutate]'
 	$(BIN)/python .ci/mutate.py $(if $(SAMPLE),--sample $(SAMPLE)) $(if $(GLOO),--gloo $(GLOO)) $(if $(SEED),--seed $(SEED))
 
-# torchft 0.2.0 and the OpenTelemetry packages it imports, as this project's .venv has them, built for a lent
+# torchft and the OpenTelemetry packages it imports, the versions this project's .venv holds, built for a lent
 # device's Python 3.12 (it has torch and the rest, not these): bench/ft_cores.sh installs them there
 DEVICE_PY ?= 3.12
 device-wheels: setup  ## wheels for bench/ft_cores.sh on a device, into .device-wheels (carried by `run`)
 	$(BIN)/pip download -q --no-deps --only-binary :all: --python-version $(DEVICE_PY) -d .device-wheels \
 	  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
-	  torchft==0.2.0 opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 \
-	  opentelemetry-semantic-conventions==0.66b2 opentelemetry-proto==1.45.2 \
-	  opentelemetry-exporter-otlp-proto-http==1.45.2 opentelemetry-exporter-otlp-proto-common==1.45.2 \
-	  opentelemetry-exporter-http-transport==0.66b2 opentelemetry-exporter-otlp-common==0.66b2 \
-	  googleapis-common-protos==1.76.0 protobuf==7.36.2
+	  $$($(BIN)/pip freeze | grep -E '^(torchft|opentelemetry-[a-z-]+|googleapis-common-protos|protobuf)==')
