@@ -14,7 +14,8 @@ if compgen -G "$wheels/*.whl" > /dev/null; then  # (--no-deps: torch and the res
   python3 -m pip install -q --no-index --no-deps --target "$lib" "$wheels"/*.whl || exit 1
 fi
 export PYTHONPATH="$lib:$PWD" PYTHONUNBUFFERED=1 WANDB_MODE=offline CUDA_VISIBLE_DEVICES=
-nproc; python3 -c "import torch, torchft; print('torch', torch.__version__, 'torchft from', torchft.__file__)" || exit 1
+nproc; python3 -c "import torch, torchft; print('torch', torch.__version__, 'torchft from', torchft.__file__)" ||
+  { echo "ft_cores: torch and torchft must import (torchft: \`make device-wheels\` here, then carry $wheels)"; exit 1; }
 ft=(python3 bench/fault_tolerance.py --no-drill --quorum-every 8 --group-size 2 --rounds "${ROUNDS:-3}")
 # one bench per row, each bounded (SIGINT: the bench stops its trainers and lighthouses before it exits), so a
 # row that runs out of time costs only its own table; the row furthest from its bar first
