@@ -44,6 +44,7 @@ mutate: setup  ## mutation testing of the core files (hours; SAMPLE=N: N mutants
 # device's Python 3.12 (it has torch and the rest, not these): bench/ft_cores.sh installs them there
 DEVICE_PY ?= 3.12
 device-wheels: setup  ## wheels for bench/ft_cores.sh on a device, into .device-wheels (carried by `run`)
+	rm -rf .device-wheels  # (its own folder: wheels of an earlier .venv would be installed beside these)
 	$(BIN)/pip download -q --no-deps --only-binary :all: --python-version $(DEVICE_PY) -d .device-wheels \
 	  --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
 	  $$($(BIN)/pip freeze | grep -E '^(torchft|opentelemetry-[a-z-]+|googleapis-common-protos|protobuf)==')

@@ -3,7 +3,7 @@
 # agents and a lighthouse) on a machine with a core for each: on 2 cores they share, rounds of the same run
 # differ by 10-25% and the medians straddle the 1.02 / 1.10 bars. On gloo, on the CPU, with the GPU hidden; on a
 # lent device (16 cores, Python 3.12, no torchft) from the repo root, after `make device-wheels` here:
-#   run(command="bash bench/ft_cores.sh", carry=[".device-wheels"], timeout_s=560)
+#   run(command="bash bench/ft_cores.sh", carry=[".device-wheels"], timeout_s=590)
 # Every log under $OUT (or ./ft_cores). WHEELS: another folder of wheels (none there: the installed torchft);
 # ROUNDS: interleaved rounds of each arm (3).
 set -u
